@@ -1,0 +1,61 @@
+"""The data contract between scheduler and executor: StepPlan in, StepResult out. Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the first `num_tokens` slots of `src_block_id` into `dst_block_id` in one group.
+
+    Issued when a prefix hit ends inside a block (alignment finer than the block): the shared
+    block stays read-only and the request continues in its own copy (copy-on-write).
+    """
+
+    group_id: int
+    src_block_id: int
+    dst_block_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's work in a step."""
+
+    req_id: str
+    start: int  # first position computed this step (= num_computed_tokens before the step)
+    token_ids: tuple[int, ...]  # tokens fed this step, positions [start, start + len)
+    block_ids: tuple[tuple[int, ...], ...]  # per cache group, the request's full block table
+    sample: bool  # True when the chunk reaches the end of the known tokens (decode or last chunk)
+    num_draft_tokens: int = 0  # speculative draft tokens appended after token_ids
+    new_request: bool = False  # first step of this request (or of a resumption after preemption)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the executor must compute in one step. The executor never sees a Request."""
+
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...]
+    block_copies: tuple[BlockCopy, ...] = ()  # run before the chunks
+    preempted_req_ids: tuple[str, ...] = ()  # their state may be dropped
+    finished_req_ids: tuple[str, ...] = ()  # finished last step; the executor frees their state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(c.num_tokens + c.num_draft_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What the executor produced for a StepPlan."""
+
+    step_id: int
+    # req_id -> tokens emitted this step (accepted drafts plus the bonus token), in order.
+    sampled_token_ids: dict[str, tuple[int, ...]]
+    duration_s: float  # wall (torch) or modelled (simulator) time of the step

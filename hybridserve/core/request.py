@@ -1,0 +1,132 @@
+"""Requests: sampling parameters, the lifecycle state machine, and per-request token state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from hybridserve.core.errors import IllegalTransition, RequestError
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+# The only legal moves. Statuses are never compared by order.
+_ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.RUNNING: frozenset(
+        {
+            RequestStatus.PREEMPTED,
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        }
+    ),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
+}
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample one request's output. Validated at construction."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise RequestError("max_tokens", self.max_tokens, "use an integer >= 1")
+        if self.max_tokens < 1:
+            raise RequestError("max_tokens", self.max_tokens, "use an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError("temperature", self.temperature, "use a value in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError("top_p", self.top_p, "use a value in (0, 1]")
+        if self.top_k < 0:
+            raise RequestError("top_k", self.top_k, "use 0 (off) or a positive integer")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids", self.stop_token_ids, "token ids are >= 0")
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class Request:
+    """One generation request. Only the scheduler mutates it.
+
+    `num_computed_tokens` counts tokens whose KV (or state) is in the cache; the scheduling model
+    has no prefill/decode phase: computed tokens catch up with `num_tokens` (vLLM v1).
+    """
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.req_id:
+            raise RequestError("req_id", self.req_id, "use a non-empty id")
+        if len(self.prompt_token_ids) == 0:
+            raise RequestError("prompt_token_ids", (), "send at least one prompt token")
+        if any(t < 0 for t in self.prompt_token_ids):
+            raise RequestError("prompt_token_ids", "<negative id>", "token ids are >= 0")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        return (*self.prompt_token_ids, *self.output_token_ids)
+
+    def transition(self, to: RequestStatus) -> None:
+        """Move to `to`. Raises IllegalTransition for a move the state machine does not allow."""
+        if to not in _ALLOWED.get(self.status, frozenset()):
+            raise IllegalTransition(self.req_id, self.status.value, to.value)
+        self.status = to
+        if to is RequestStatus.FINISHED_STOPPED:
+            self.finish_reason = FinishReason.STOP
+        elif to is RequestStatus.FINISHED_LENGTH:
+            self.finish_reason = FinishReason.LENGTH
+        elif to is RequestStatus.FINISHED_ABORTED:
+            self.finish_reason = FinishReason.ABORT

@@ -1,0 +1,183 @@
+"""Attention-like groups: full attention / MLA, sliding window (and draft KV), chunked local."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridserve.kvcache.block_pool import Block, BlockPool
+from hybridserve.kvcache.groups.base import (
+    GroupContext,
+    GroupLookup,
+    GroupManager,
+    KeepMask,
+    cdiv,
+)
+from hybridserve.kvcache.hashing import BlockHash
+from hybridserve.kvcache.spec import (
+    ChunkedLocalSpec,
+    DraftSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
+
+
+class FullAttentionManager(GroupManager):
+    """Left-to-right and downward-closed: a hit at L implies a hit at every aligned L' < L."""
+
+    def __init__(self, spec: FullAttentionSpec, ctx: GroupContext, pool: BlockPool) -> None:
+        super().__init__(spec, ctx, pool)
+        self.kind = spec.kind
+
+    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+        found: list[Block] = []
+        for index in range(min(cap // self.block_size, len(hashes))):
+            block = self._cached(hashes, index)
+            if block is None:
+                break
+            found.append(block)
+        return _FullLookup(found, self.block_size, self.ctx.alignment)
+
+
+class _FullLookup(GroupLookup):
+    """The scan runs once; every later candidate is answered by truncation."""
+
+    __slots__ = ("alignment", "found", "matched", "unit")
+
+    def __init__(self, found: list[Block], unit: int, alignment: int) -> None:
+        self.found = found
+        self.unit = unit
+        self.alignment = alignment
+        self.matched = len(found) * unit
+
+    def serve(self, limit: int, drop: bool) -> int:
+        length = min(limit, self.matched) // self.alignment * self.alignment
+        if drop:
+            length = max(length - self.alignment, 0)
+        return length
+
+    def blocks(self, length: int) -> tuple[list[Block], Block | None]:
+        num_full = length // self.unit
+        cow = self.found[num_full] if length % self.unit else None
+        return self.found[:num_full], cow
+
+
+class SlidingWindowManager(GroupManager):
+    """A resume at L needs the cached KV of [L - lookback, L): a contiguous run ending at L.
+
+    Used for target sliding-window groups and for a drafter's own KV (DraftSpec), which also
+    keeps `extra_tokens` before its window and never drops the target tail.
+    """
+
+    spec: SlidingWindowSpec | DraftSpec
+
+    def __init__(
+        self, spec: SlidingWindowSpec | DraftSpec, ctx: GroupContext, pool: BlockPool
+    ) -> None:
+        super().__init__(spec, ctx, pool)
+        self.kind = spec.kind
+        self.lookback = spec.lookback_tokens
+
+    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+        return _WindowLookup(self, hashes)
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(num_computed_tokens - self.lookback, 0)
+
+    def skipped_tokens_for_new(self, req_id: str, hit: Sequence[Block]) -> int:
+        # Leading null entries of a hit are positions the request never holds.
+        null = self.pool.null_block
+        return sum(1 for b in hit if b is null)
+
+    def _should_register(self, index: int, chunk_end: int, keep: KeepMask) -> bool:
+        # A tail-dropping target group needs one extra A of cached content past its landing.
+        lookahead = self.ctx.alignment if self.ctx.drops_tail else 0
+        start = index * self.block_size
+        return keep.keeps_range(start, start + self.block_size, self.lookback, lookahead)
+
+
+class _WindowLookup(GroupLookup):
+    def __init__(self, manager: SlidingWindowManager, hashes: Sequence[BlockHash]) -> None:
+        self.manager = manager
+        self.hashes = hashes
+        self.unit = manager.block_size
+        self.alignment = manager.ctx.alignment
+        self._memo: dict[int, Block | None] = {}
+
+    def _block(self, index: int) -> Block | None:
+        if index not in self._memo:
+            self._memo[index] = self.manager._cached(self.hashes, index)
+        return self._memo[index]
+
+    def serve(self, limit: int, drop: bool) -> int:
+        a, unit = self.alignment, self.unit
+        margin = a if drop else 0
+        end = limit // a * a
+        while end > 0:
+            first = max(end - margin - self.manager.lookback, 0) // unit
+            missing = next(
+                (i for i in range(cdiv(end, unit) - 1, first - 1, -1) if self._block(i) is None),
+                None,
+            )
+            if missing is None:
+                return end - margin if end >= margin else 0
+            # No candidate whose blocks include `missing` can succeed: jump below it.
+            end = min(missing * unit, end - a) // a * a
+        return 0
+
+    def blocks(self, length: int) -> tuple[list[Block], Block | None]:
+        unit, null = self.unit, self.manager.pool.null_block
+        first = max(length - self.manager.lookback, 0) // unit
+        num_full = length // unit
+        table: list[Block] = [null] * min(first, num_full)
+        for index in range(len(table), num_full):
+            block = self._block(index)
+            assert block is not None
+            table.append(block)
+        cow = self._block(num_full) if length % unit else None
+        return table, cow
+
+
+class ChunkedLocalManager(GroupManager):
+    """Tokens before the current chunk are outside attention: null and counted as computed."""
+
+    spec: ChunkedLocalSpec
+
+    def __init__(self, spec: ChunkedLocalSpec, ctx: GroupContext, pool: BlockPool) -> None:
+        super().__init__(spec, ctx, pool)
+        self.kind = spec.kind
+        self.chunk = spec.chunk
+
+    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+        return _ChunkLookup(self, hashes)
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.chunk * self.chunk
+
+    def skipped_tokens_for_new(self, req_id: str, hit: Sequence[Block]) -> int:
+        null = self.pool.null_block
+        return sum(1 for b in hit if b is null)
+
+
+class _ChunkLookup(GroupLookup):
+    def __init__(self, manager: ChunkedLocalManager, hashes: Sequence[BlockHash]) -> None:
+        self.manager = manager
+        self.hashes = hashes
+
+    def serve(self, limit: int, drop: bool) -> int:
+        unit, chunk = self.manager.block_size, self.manager.chunk
+        start = limit // chunk * chunk
+        length = start
+        while length + unit <= limit and self.manager._cached(self.hashes, length // unit):
+            length += unit
+        a = self.manager.ctx.alignment
+        return length // a * a
+
+    def blocks(self, length: int) -> tuple[list[Block], Block | None]:
+        unit, null = self.manager.block_size, self.manager.pool.null_block
+        start = length // self.manager.chunk * self.manager.chunk
+        table: list[Block] = [null] * (start // unit)
+        for index in range(start // unit, length // unit):
+            block = self.manager._cached(self.hashes, index)
+            assert block is not None
+            table.append(block)
+        return table, None

@@ -1,0 +1,250 @@
+"""The GroupManager base: per-request block tables, allocation, registration, freeing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridserve.core.errors import CacheInvariantError
+from hybridserve.kvcache.block_pool import Block, BlockPool
+from hybridserve.kvcache.hashing import BlockHash, cache_key
+from hybridserve.kvcache.spec import GroupKind, GroupSpec
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupContext:
+    """What a group manager needs to know about its place in the layout."""
+
+    group_id: int
+    unit: int  # lookup unit U_g in tokens (block size times DCP width when sharded)
+    hash_ratio: int  # U_g / H: base hashes per block of this group
+    alignment: int  # A
+    drops_tail: bool  # loses one A of its hit under a tail-dropping speculative method
+
+
+class GroupLookup:
+    """A prepared lookup of one request's hashes in one group. Never mutates the pool.
+
+    `serve(limit, drop)` returns the largest length L <= limit, a multiple of A, at which the
+    group can resume the request (0 always qualifies). With `drop` the group needs one extra A of
+    cached content past L (its tail is recomputed). `blocks(L)` gives the block list for a
+    resume at L (null blocks for skipped positions) and the copy-on-write source when L ends
+    inside a block.
+    """
+
+    def serve(self, limit: int, drop: bool) -> int:
+        raise NotImplementedError
+
+    def blocks(self, length: int) -> tuple[list[Block], Block | None]:
+        raise NotImplementedError
+
+
+class GroupManager:
+    """Owns one group's per-request block tables over the shared pool."""
+
+    kind: GroupKind
+
+    def __init__(self, spec: GroupSpec, ctx: GroupContext, pool: BlockPool) -> None:
+        self.spec = spec
+        self.ctx = ctx
+        self.pool = pool
+        self.block_size = ctx.unit
+        self.tables: dict[str, list[Block]] = {}
+        self.num_processed: dict[str, int] = {}  # block indices already considered for registry
+        self.num_registered = 0
+        self.cow_holds: list[Block] = []  # copy-on-write sources referenced until the next step
+
+    # ----- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+        """Prepare a lookup over `hashes` (at this group's unit) for lengths <= cap."""
+        raise NotImplementedError
+
+    def _cached(self, hashes: Sequence[BlockHash], index: int) -> Block | None:
+        if index >= len(hashes):
+            return None
+        return self.pool.get_cached(cache_key(hashes[index], self.ctx.group_id))
+
+    # ----- allocation -------------------------------------------------------------------------
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens whose blocks a request no longer needs once it computed this many."""
+        return 0
+
+    def num_blocks_needed(
+        self, req_id: str, num_tokens: int, hit: Sequence[Block], cow_src: Block | None
+    ) -> int:
+        """Blocks this group must take from the free queue to hold `num_tokens` slots.
+
+        Touching a hit block with ref count 0 takes it out of the free queue, so it counts; a
+        copy-on-write tail costs its new block, and its source while that is held for the copy.
+        """
+        table = self.tables.get(req_id, ())
+        held = max(len(hit) + len(table), self.skipped_tokens_for_new(req_id, hit))
+        if cow_src is not None:
+            held += 1
+        new = max(cdiv(num_tokens, self.block_size) - held, 0)
+        return new + _num_evictable(hit, self.pool) + _cow_cost(cow_src)
+
+    def skipped_tokens_for_new(self, req_id: str, hit: Sequence[Block]) -> int:
+        return 0
+
+    def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> Block | None:
+        """Start a request's table with its prefix hit; returns the copy-on-write target."""
+        if req_id in self.tables:
+            raise CacheInvariantError(f"request {req_id!r} already holds blocks in this group")
+        self.pool.touch(hit)
+        table = list(hit)
+        cow_dst = None
+        if cow_src is not None:
+            # Hold the source until the copy has run (released at the next step).
+            self.pool.touch((cow_src,))
+            self.cow_holds.append(cow_src)
+            cow_dst = self.pool.allocate(1)[0]
+            table.append(cow_dst)
+        self.tables[req_id] = table
+        # Hit blocks are registered already; a copy-on-write block is not full yet.
+        self.num_processed[req_id] = len(hit)
+        return cow_dst
+
+    def allocate(self, req_id: str, num_tokens: int) -> list[Block]:
+        """Grow the table to hold `num_tokens` slots. The caller checked capacity."""
+        table = self.tables.setdefault(req_id, [])
+        self.num_processed.setdefault(req_id, 0)
+        num_new = cdiv(num_tokens, self.block_size) - len(table)
+        if num_new <= 0:
+            return []
+        blocks = self.pool.allocate(num_new)
+        table.extend(blocks)
+        return blocks
+
+    def remove_skipped(self, req_id: str, num_computed_tokens: int) -> None:
+        """Release blocks outside what the request still needs (window, old states)."""
+        table = self.tables.get(req_id)
+        if not table:
+            return
+        end = min(self.skipped_tokens(num_computed_tokens) // self.block_size, len(table))
+        self._release(table, range(end - 1, -1, -1))
+
+    def _release(self, table: list[Block], indices: Sequence[int] | range) -> None:
+        freed = []
+        null = self.pool.null_block
+        for index in indices:
+            block = table[index]
+            if block is null:
+                break
+            table[index] = null
+            freed.append(block)
+        if freed:
+            self.pool.free(freed)
+
+    def free(self, req_id: str) -> None:
+        """Drop the request's references, deepest block first."""
+        table = self.tables.pop(req_id, None)
+        self.num_processed.pop(req_id, None)
+        if table:
+            self.pool.free(table[::-1])
+
+    # ----- registration -----------------------------------------------------------------------
+
+    def register(
+        self,
+        req_id: str,
+        hashes: Sequence[BlockHash],
+        num_tokens_to_cache: int,
+        *,
+        chunk_end: int,
+        keep: KeepMask,
+    ) -> int:
+        """Register newly full blocks up to `num_tokens_to_cache`; returns how many."""
+        table = self.tables.get(req_id)
+        if table is None:
+            return 0
+        start = self.num_processed[req_id]
+        end = min(num_tokens_to_cache // self.block_size, len(table), len(hashes))
+        if end <= start:
+            return 0
+        null = self.pool.null_block
+        count = 0
+        for index in range(start, end):
+            block = table[index]
+            if block is null or not self._should_register(index, chunk_end, keep):
+                continue
+            if self.pool.register(
+                block, cache_key(hashes[index], self.ctx.group_id), self.ctx.group_id
+            ):
+                count += 1
+                self._on_registered(hashes[index])
+        self.num_processed[req_id] = end
+        self.num_registered += count
+        return count
+
+    def _should_register(self, index: int, chunk_end: int, keep: KeepMask) -> bool:
+        return True
+
+    def _on_registered(self, block_hash: BlockHash) -> None:
+        return None
+
+    def new_step(self) -> None:
+        if self.cow_holds:
+            self.pool.free(self.cow_holds)
+            self.cow_holds = []
+
+    def num_held_blocks(self, req_id: str) -> int:
+        null = self.pool.null_block
+        return sum(1 for b in self.tables.get(req_id, ()) if b is not null)
+
+
+class KeepMask:
+    """Which positions a retention policy keeps for one request (see retention.py)."""
+
+    __slots__ = ("dense", "interval", "state_positions", "window_positions")
+
+    def __init__(
+        self,
+        *,
+        dense: bool,
+        interval: int,
+        state_positions: tuple[int, ...],
+        window_positions: tuple[int, ...],
+    ) -> None:
+        self.dense = dense
+        self.interval = interval
+        self.state_positions = state_positions
+        self.window_positions = window_positions
+
+    def keeps_position(self, position: int) -> bool:
+        """Whether a state snapshot at `position` is kept."""
+        if self.dense or position in self.state_positions:
+            return True
+        return self.interval > 0 and position % self.interval == 0
+
+    def keeps_range(self, start: int, end: int, lookback: int, lookahead: int) -> bool:
+        """Whether tokens [start, end) are needed to resume at a kept position p, that is whether
+        they intersect [p - lookback, p + lookahead) for some kept p."""
+        if self.dense:
+            return True
+        for p in self.window_positions:
+            if p - lookback < end and start < p + lookahead:
+                return True
+        if self.interval > 0:
+            # The smallest interval position whose window can reach past `start`.
+            p = (start - lookahead) // self.interval * self.interval + self.interval
+            if p > 0 and p - lookback < end:
+                return True
+        return False
+
+
+def _cow_cost(cow_src: Block | None) -> int:
+    if cow_src is None:
+        return 0
+    return 2 if cow_src.ref_cnt == 0 else 1
+
+
+def _num_evictable(hit: Sequence[Block], pool: BlockPool) -> int:
+    null = pool.null_block
+    return sum(1 for b in hit if b.ref_cnt == 0 and b is not null)

@@ -1,0 +1,148 @@
+"""Mamba2 / gated-delta-net state groups: a hit needs the one state snapshot taken at L."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridserve.kvcache.block_pool import Block, BlockPool
+from hybridserve.kvcache.groups.base import (
+    GroupContext,
+    GroupLookup,
+    GroupManager,
+    KeepMask,
+    _num_evictable,
+    cdiv,
+)
+from hybridserve.kvcache.hashing import BlockHash, cache_key
+from hybridserve.kvcache.spec import MambaCacheMode, MambaSpec
+
+
+class MambaManager(GroupManager):
+    """State checkpoints at block ends.
+
+    `all` mode holds a real block at every block index. `align` mode holds only the running
+    state block (the one at the last computed position) plus, for one step, the previous one
+    that the kernel reads from; a state exists at a block end only if a scheduled chunk ended
+    there. The group never drops a target tail. A state registered in the current step is not
+    served to another request until the next step (its hit is reported as not ready).
+    """
+
+    spec: MambaSpec
+
+    def __init__(self, spec: MambaSpec, ctx: GroupContext, pool: BlockPool) -> None:
+        super().__init__(spec, ctx, pool)
+        self.kind = spec.kind
+        self.align = spec.mode is MambaCacheMode.ALIGN
+        self.keys_this_step: set[bytes] = set()
+        self.live: dict[str, list[int]] = {}  # align mode: indices of real blocks, ascending
+
+    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+        return _StateLookup(self, hashes)
+
+    def new_step(self) -> None:
+        super().new_step()
+        self.keys_this_step.clear()
+
+    def _on_registered(self, block_hash: BlockHash) -> None:
+        self.keys_this_step.add(cache_key(block_hash, self.ctx.group_id))
+
+    def is_fresh(self, block: Block) -> bool:
+        """True if `block`'s state was registered in the current step."""
+        return block.key is not None and block.key in self.keys_this_step
+
+    # ----- allocation -------------------------------------------------------------------------
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        if not self.align:
+            return 0
+        # Keep only the block holding the state at the last computed position.
+        return max(cdiv(num_computed_tokens, self.block_size) - 1, 0) * self.block_size
+
+    def num_blocks_needed(
+        self, req_id: str, num_tokens: int, hit: Sequence[Block], cow_src: Block | None
+    ) -> int:
+        if not self.align:
+            return super().num_blocks_needed(req_id, num_tokens, hit, cow_src)
+        table = self.tables.get(req_id, ())
+        grows = cdiv(num_tokens, self.block_size) > len(hit) + len(table)
+        return (1 if grows else 0) + _num_evictable(hit, self.pool)
+
+    def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> Block | None:
+        cow_dst = super().add_hit(req_id, hit, cow_src)
+        if self.align:
+            null = self.pool.null_block
+            self.live[req_id] = [i for i, b in enumerate(hit) if b is not null]
+        return cow_dst
+
+    def allocate(self, req_id: str, num_tokens: int) -> list[Block]:
+        if not self.align:
+            return super().allocate(req_id, num_tokens)
+        table = self.tables.setdefault(req_id, [])
+        self.num_processed.setdefault(req_id, 0)
+        live = self.live.setdefault(req_id, [])
+        target = cdiv(num_tokens, self.block_size)
+        if target <= len(table):
+            return []
+        table.extend([self.pool.null_block] * (target - 1 - len(table)))
+        blocks = self.pool.allocate(1)
+        table.extend(blocks)
+        live.append(target - 1)
+        return blocks
+
+    def remove_skipped(self, req_id: str, num_computed_tokens: int) -> None:
+        if not self.align:
+            super().remove_skipped(req_id, num_computed_tokens)
+            return
+        live = self.live.get(req_id)
+        if not live:
+            return
+        cutoff = self.skipped_tokens(num_computed_tokens) // self.block_size
+        stale = [i for i in live if i < cutoff]
+        if not stale:
+            return
+        table = self.tables[req_id]
+        freed = [table[i] for i in reversed(stale)]
+        for i in stale:
+            table[i] = self.pool.null_block
+        self.live[req_id] = [i for i in live if i >= cutoff]
+        self.pool.free(freed)
+
+    def free(self, req_id: str) -> None:
+        self.live.pop(req_id, None)
+        super().free(req_id)
+
+    def _should_register(self, index: int, chunk_end: int, keep: KeepMask) -> bool:
+        position = (index + 1) * self.block_size
+        if position % self.ctx.alignment != 0:
+            return False
+        if self.align and position != chunk_end:
+            return False  # no state was materialised here
+        return keep.keeps_position(position)
+
+
+class _StateLookup(GroupLookup):
+    def __init__(self, manager: MambaManager, hashes: Sequence[BlockHash]) -> None:
+        self.manager = manager
+        self.hashes = hashes
+        self.unit = manager.block_size
+        step = manager.ctx.alignment
+        while step % self.unit:
+            step += manager.ctx.alignment  # lcm(A, block size): positions a state can serve
+        self.step = step
+        self._found: dict[int, Block] = {}
+
+    def serve(self, limit: int, drop: bool) -> int:
+        position = min(limit, len(self.hashes) * self.unit) // self.step * self.step
+        while position > 0:
+            block = self.manager._cached(self.hashes, position // self.unit - 1)
+            if block is not None:
+                self._found[position] = block
+                return position
+            position -= self.step
+        return 0
+
+    def blocks(self, length: int) -> tuple[list[Block], Block | None]:
+        if length == 0:
+            return [], None
+        null = self.manager.pool.null_block
+        return [null] * (length // self.unit - 1) + [self._found[length]], None

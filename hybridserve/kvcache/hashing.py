@@ -1,0 +1,136 @@
+"""Chained block hashes over a canonical byte encoding (no pickle).
+
+hash_i = D(hash_{i-1} or ROOT, tokens of block i, extra keys of block i). A match on hash i
+therefore implies the whole prefix [0, (i+1)*H) matches. Only full blocks are hashed.
+`cache_salt` is an extra key of block 0 only; the chain carries it to every later block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+
+from hybridserve.core.errors import ConfigError
+
+BlockHash = bytes
+ExtraKey = str | int
+
+_GROUP_ID = struct.Struct(">I")
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    import xxhash  # optional dependency: the `fast` extra
+
+    return bytes(xxhash.xxh3_128_digest(data))
+
+
+def get_digest(algo: str) -> Callable[[bytes], bytes]:
+    """The digest function for `algo` ('sha256' or 'xxh3_128')."""
+    if algo == "sha256":
+        return _sha256
+    if algo == "xxh3_128":
+        try:
+            import xxhash  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "hash_algo", algo, "install the xxhash package (pip install 'hybridserve[fast]')"
+            ) from None
+        return _xxh3_128
+    raise ConfigError("hash_algo", algo, "use sha256 or xxh3_128")
+
+
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Little-endian signed 64-bit ids: the same bytes on every machine."""
+    encoded = array("q", token_ids)
+    if sys.byteorder == "big":
+        encoded.byteswap()
+    return encoded.tobytes()
+
+
+def encode_extra_keys(extra_keys: Sequence[ExtraKey]) -> bytes:
+    """Tagged, length-prefixed encoding so that ('ab',) and ('a', 'b') never collide."""
+    parts = [b"X", struct.pack("<I", len(extra_keys))]
+    for key in extra_keys:
+        if isinstance(key, str):
+            raw = key.encode("utf-8")
+            parts += [b"s", struct.pack("<I", len(raw)), raw]
+        else:
+            parts += [b"i", struct.pack("<q", key)]
+    return b"".join(parts)
+
+
+class BlockHasher:
+    """Computes a request's chained hashes incrementally, H tokens per block."""
+
+    def __init__(self, block_size: int, algo: str = "sha256", seed: bytes = b"hybridserve") -> None:
+        if block_size < 1:
+            raise ConfigError("hash_block_size", block_size, "use a positive block size")
+        self.block_size = block_size
+        self._digest = get_digest(algo)
+        # A fixed root keeps hashes reproducible across processes (vLLM's NONE_HASH is random
+        # unless PYTHONHASHSEED is set).
+        self.root: BlockHash = self._digest(b"root:" + seed)
+
+    def hash_block(
+        self,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        extra_keys: Sequence[ExtraKey] = (),
+    ) -> BlockHash:
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"a block hash needs {self.block_size} tokens, got {len(token_ids)}")
+        data = (parent or self.root) + encode_tokens(token_ids)
+        if extra_keys:
+            data += encode_extra_keys(extra_keys)
+        return self._digest(data)
+
+    def extend(
+        self,
+        hashes: list[BlockHash],
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[ExtraKey] = (),
+    ) -> list[BlockHash]:
+        """Append the hashes of every newly full block of `token_ids` to `hashes` (in place).
+
+        `extra_keys` (a LoRA name, say) go on every block; `cache_salt` on block 0 only.
+        """
+        size = self.block_size
+        num_full = len(token_ids) // size
+        parent = hashes[-1] if hashes else None
+        for index in range(len(hashes), num_full):
+            keys: tuple[ExtraKey, ...] = tuple(extra_keys)
+            if index == 0 and cache_salt is not None:
+                keys = (*keys, "salt", cache_salt)
+            parent = self.hash_block(parent, token_ids[index * size : (index + 1) * size], keys)
+            hashes.append(parent)
+        return hashes
+
+    def hash_tokens(
+        self, token_ids: Sequence[int], *, cache_salt: str | None = None
+    ) -> list[BlockHash]:
+        return self.extend([], token_ids, cache_salt=cache_salt)
+
+
+def cache_key(block_hash: BlockHash, group_id: int) -> bytes:
+    """The pool's map key: the hash followed by the group id as 4 big-endian bytes."""
+    return block_hash + _GROUP_ID.pack(group_id)
+
+
+def derived_hashes(base: Sequence[BlockHash], ratio: int) -> Sequence[BlockHash]:
+    """Hashes at a unit of `ratio` hash blocks.
+
+    Unit j covers base blocks [j*ratio, (j+1)*ratio). Because the chain makes the last base hash
+    of a unit identify the whole prefix, that hash alone identifies the unit.
+    """
+    if ratio == 1:
+        return base
+    return base[ratio - 1 :: ratio]

@@ -1,0 +1,128 @@
+"""CacheLayout: the groups plus the three granularities H (hash), A (alignment), P (page)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridserve.core.config import SpeculativeConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.kvcache.retention import RetentionPolicy
+from hybridserve.kvcache.spec import ChunkedLocalSpec, GroupKind, GroupSpec
+
+HASH_ALGOS = ("sha256", "xxh3_128")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheLayout:
+    """Everything the cache needs to know about a model's cache groups and their geometry.
+
+    * `hash_block_size` (H): tokens per request block hash.
+    * `alignment_tokens` (A): a reconciled hit is a multiple of A; defaults to P.
+    * P: the scheduler page, lcm of every group's lookup unit U_g.
+    * `dcp` (N): decode-context-parallel width; only full attention / MLA is sharded, so its
+      unit is block_size * N and every other group's unit is its block size.
+    """
+
+    groups: tuple[GroupSpec, ...]
+    num_blocks: int
+    hash_block_size: int = 0  # 0 = the smallest group unit
+    alignment_tokens: int = 0  # 0 = P
+    dcp: int = 1
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    hash_algo: str = "sha256"
+    units: tuple[int, ...] = field(init=False)
+    page_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("groups", (), "give at least one cache group")
+        if self.num_blocks < 2:
+            raise ConfigError(
+                "num_blocks", self.num_blocks, "use at least 2 (one is the null block)"
+            )
+        if self.dcp < 1:
+            raise ConfigError("dcp", self.dcp, "use a DCP width of 1 or more")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError("hash_algo", self.hash_algo, f"use one of {HASH_ALGOS}")
+        units = tuple(g.block_size * (self.dcp if g.dcp_sharded else 1) for g in self.groups)
+        object.__setattr__(self, "units", units)
+        object.__setattr__(self, "page_tokens", math.lcm(*units))
+        if self.hash_block_size == 0:
+            object.__setattr__(self, "hash_block_size", math.gcd(*units))
+        if self.alignment_tokens == 0:
+            object.__setattr__(self, "alignment_tokens", self.page_tokens)
+        self._validate_geometry()
+        self._validate_spec_support()
+
+    def _validate_geometry(self) -> None:
+        h, a, p = self.hash_block_size, self.alignment_tokens, self.page_tokens
+        for gid, unit in enumerate(self.units):
+            if unit % h != 0:
+                raise ConfigError(
+                    "hash_block_size",
+                    h,
+                    f"it must divide group {gid}'s lookup unit {unit}; use a divisor of {unit}",
+                )
+        if a % h != 0 or p % a != 0:
+            raise ConfigError(
+                "alignment_tokens",
+                a,
+                f"it must be a multiple of hash_block_size={h} that divides the page {p}",
+            )
+
+    def _validate_spec_support(self) -> None:
+        for gid, spec in enumerate(self.groups):
+            if not isinstance(spec, ChunkedLocalSpec):
+                continue
+            if self.speculative.drops_target_tail or self.dcp > 1:
+                raise ConfigError(
+                    f"groups[{gid}]",
+                    "chunked_local",
+                    "chunked local attention supports neither EAGLE/MTP nor DCP; remove one",
+                )
+            if spec.chunk % self.alignment_tokens != 0:
+                raise ConfigError(
+                    "alignment_tokens",
+                    self.alignment_tokens,
+                    f"it must divide the local-attention chunk {spec.chunk}",
+                )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def kind(self, group_id: int) -> GroupKind:
+        return self.groups[group_id].kind
+
+    def drops_tail(self, group_id: int) -> bool:
+        """Target attention groups lose one A of their hit under EAGLE/EAGLE3/MTP."""
+        if not self.speculative.drops_target_tail:
+            return False
+        return self.groups[group_id].kind in (GroupKind.FULL, GroupKind.MLA, GroupKind.SWA)
+
+    @property
+    def sharded_units(self) -> tuple[int, ...]:
+        """Distinct units of DCP-sharded groups wider than A (their landing grid is coarser)."""
+        return tuple(
+            sorted(
+                {
+                    u
+                    for g, u in zip(self.groups, self.units, strict=True)
+                    if g.dcp_sharded and u > self.alignment_tokens
+                }
+            )
+        )
+
+    def with_num_blocks(self, num_blocks: int) -> CacheLayout:
+        return CacheLayout(
+            groups=self.groups,
+            num_blocks=num_blocks,
+            hash_block_size=self.hash_block_size,
+            alignment_tokens=self.alignment_tokens,
+            dcp=self.dcp,
+            speculative=self.speculative,
+            retention=self.retention,
+            hash_algo=self.hash_algo,
+        )

@@ -1,0 +1,339 @@
+"""KVCacheManager: reconciled lookup, per-group allocation, registration, freeing, invariants.
+
+The scheduler-facing API. It takes ids, hashes and lengths, never a Request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridserve.core.errors import CacheInvariantError
+from hybridserve.core.plan import BlockCopy
+from hybridserve.kvcache.block_pool import Block, BlockPool
+from hybridserve.kvcache.coordinator import reconcile
+from hybridserve.kvcache.groups import GroupContext, GroupManager, make_manager
+from hybridserve.kvcache.groups.base import KeepMask
+from hybridserve.kvcache.groups.mamba import MambaManager
+from hybridserve.kvcache.hashing import BlockHash, BlockHasher, derived_hashes
+from hybridserve.kvcache.layout import CacheLayout
+from hybridserve.kvcache.metrics import AdmissionSample, CacheMetrics
+from hybridserve.kvcache.retention import RetentionKind
+from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHit:
+    """A reconciled prefix hit. Valid until the pool next changes: allocate it at once.
+
+    `ready` is False when a state it needs was registered in this step; such a request must
+    wait a step (allocate refuses it). `junction` is the full-attention match length when it
+    exceeds the hit: a shared prefix whose states are missing, retained from now on.
+    """
+
+    num_tokens: int
+    group_blocks: tuple[tuple[Block, ...], ...]
+    cow_sources: tuple[Block | None, ...]
+    ready: bool
+    junction: int
+    sample: AdmissionSample | None
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What one allocation added: new block ids per group, and copies to run first."""
+
+    new_block_ids: tuple[tuple[int, ...], ...]
+    block_copies: tuple[BlockCopy, ...]
+
+
+@dataclass(slots=True)
+class _RequestState:
+    num_prompt_tokens: int
+    boundaries: tuple[int, ...]
+    keep: KeepMask
+
+
+class KVCacheManager:
+    """All groups of one model over one BlockPool."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        *,
+        enable_caching: bool = True,
+        enable_metrics: bool = True,
+        uncached_to_head: bool = True,
+    ) -> None:
+        self.layout = layout
+        self.enable_caching = enable_caching
+        self.enable_metrics = enable_metrics
+        self.pool = BlockPool(layout.num_blocks, uncached_to_head=uncached_to_head)
+        self.hasher = BlockHasher(layout.hash_block_size, layout.hash_algo)
+        h, a = layout.hash_block_size, layout.alignment_tokens
+        self.groups: list[GroupManager] = [
+            make_manager(
+                spec,
+                GroupContext(gid, unit, unit // h, a, layout.drops_tail(gid)),
+                self.pool,
+            )
+            for gid, (spec, unit) in enumerate(zip(layout.groups, layout.units, strict=True))
+        ]
+        self._drops = tuple(layout.drops_tail(g) for g in range(layout.num_groups))
+        self._full_groups = [
+            g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
+        ]
+        self._requests: dict[str, _RequestState] = {}
+        self.metrics = CacheMetrics(tuple(s.kind.value for s in layout.groups))
+
+    # ----- lookup (never mutates) -------------------------------------------------------------
+
+    def find_hit(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int, *, resumed: bool = False
+    ) -> CacheHit:
+        """The reconciled hit for a sequence of `num_tokens` tokens with these hashes.
+
+        The lookup cap is num_tokens - 1: one token is always recomputed for its logits.
+        Does not mutate the pool; the metrics sample is committed only by `allocate`.
+        """
+        layout, cap = self.layout, num_tokens - 1
+        if not self.enable_caching or cap < layout.alignment_tokens:
+            return self._empty_hit(num_tokens, resumed)
+        lookups = [
+            g.lookup(derived_hashes(block_hashes, g.ctx.hash_ratio), cap) for g in self.groups
+        ]
+        rec = reconcile(lookups, self._drops, alignment=layout.alignment_tokens, cap=cap)
+        group_blocks, cows = [], []
+        for lookup in lookups:
+            blocks, cow = lookup.blocks(rec.num_tokens)
+            group_blocks.append(tuple(blocks))
+            cows.append(cow)
+        ready = all(
+            not (isinstance(g, MambaManager) and blocks and g.is_fresh(blocks[-1]))
+            for g, blocks in zip(self.groups, group_blocks, strict=True)
+        )
+        junction = 0
+        if self._full_groups:
+            matched = min(getattr(lookups[g], "matched", 0) for g in self._full_groups)
+            junction = matched if matched > rec.num_tokens else 0
+        sample = None
+        if self.enable_metrics:
+            sample = AdmissionSample(
+                queried_tokens=num_tokens,
+                cacheable_tokens=self.cacheable_tokens(num_tokens),
+                hit_tokens=rec.num_tokens,
+                group_offered_tokens=rec.offered,
+                limiting_group=rec.limiting_group,
+                resumed=resumed,
+            )
+        return CacheHit(rec.num_tokens, tuple(group_blocks), tuple(cows), ready, junction, sample)
+
+    def cacheable_tokens(self, num_tokens: int) -> int:
+        """The structural maximum hit: floor(cap/A)*A, minus A under a tail-dropping method."""
+        a = self.layout.alignment_tokens
+        best = max(num_tokens - 1, 0) // a * a
+        if self.layout.speculative.drops_target_tail:
+            best -= a
+        return max(best, 0)
+
+    def _empty_hit(self, num_tokens: int, resumed: bool) -> CacheHit:
+        n = self.layout.num_groups
+        sample = None
+        if self.enable_metrics:
+            sample = AdmissionSample(
+                num_tokens, self.cacheable_tokens(num_tokens), 0, (0,) * n, None, resumed
+            )
+        return CacheHit(0, ((),) * n, (None,) * n, True, 0, sample)
+
+    # ----- allocation -------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        req_id: str,
+        block_hashes: Sequence[BlockHash],
+        *,
+        num_tokens: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        hit: CacheHit | None = None,
+        num_prompt_tokens: int | None = None,
+        full_sequence_must_fit: bool = False,
+    ) -> Allocation | None:
+        """Make room for `num_new_tokens` (plus lookahead slots) and register full blocks.
+
+        A new admission passes its `hit` (from `find_hit`, just before) and `num_prompt_tokens`;
+        `num_computed_tokens` excludes the hit. Returns None, with nothing taken, when the
+        blocks do not fit or the hit is not ready; blocks the request no longer needs (outside
+        a window, old states) may still have been released. On success the hit's metrics
+        sample is committed: a request that failed k times and is then admitted counts once.
+        """
+        if hit is not None and not hit.ready:
+            return None
+        hit_tokens = hit.num_tokens if hit is not None else 0
+        total_computed = num_computed_tokens + hit_tokens
+        hit_blocks = hit.group_blocks if hit is not None else ((),) * len(self.groups)
+        cows = hit.cow_sources if hit is not None else (None,) * len(self.groups)
+        free = self.pool.num_free_blocks
+        if (
+            full_sequence_must_fit
+            and self._blocks_needed(req_id, num_tokens, hit_blocks, cows) > free
+        ):
+            return None
+        for group in self.groups:
+            group.remove_skipped(req_id, total_computed)
+        num_slots = total_computed + num_new_tokens + num_lookahead_tokens
+        if self._blocks_needed(req_id, num_slots, hit_blocks, cows) > self.pool.num_free_blocks:
+            return None
+        copies = []
+        if hit is not None:
+            self._begin_request(req_id, hit, num_prompt_tokens)
+            for gid, group in enumerate(self.groups):
+                cow_dst = group.add_hit(req_id, hit_blocks[gid], cows[gid])
+                cow_src = cows[gid]
+                if cow_dst is not None and cow_src is not None:
+                    unit = group.block_size
+                    copies.append(
+                        BlockCopy(gid, cow_src.block_id, cow_dst.block_id, hit_tokens % unit)
+                    )
+        elif req_id not in self._requests:
+            self._begin_request(req_id, self._empty_hit(num_tokens, False), num_prompt_tokens)
+        new_ids = tuple(
+            tuple(b.block_id for b in g.allocate(req_id, num_slots)) for g in self.groups
+        )
+        if self.enable_caching:
+            self._register(req_id, block_hashes, total_computed, num_new_tokens, num_tokens)
+        if hit is not None and hit.sample is not None:
+            self.metrics.commit(hit.sample)
+        return Allocation(new_ids, tuple(copies))
+
+    def _blocks_needed(
+        self,
+        req_id: str,
+        num_tokens: int,
+        hit_blocks: Sequence[Sequence[Block]],
+        cows: Sequence[Block | None],
+    ) -> int:
+        return sum(
+            g.num_blocks_needed(req_id, num_tokens, hit_blocks[gid], cows[gid])
+            for gid, g in enumerate(self.groups)
+        )
+
+    def _begin_request(self, req_id: str, hit: CacheHit, num_prompt_tokens: int | None) -> None:
+        if num_prompt_tokens is None:
+            raise ValueError(f"request {req_id!r}: a new admission must give num_prompt_tokens")
+        boundaries: tuple[int, ...] = (num_prompt_tokens - 1,)
+        if hit.junction:
+            boundaries = (*boundaries, hit.junction)
+        self._requests[req_id] = _RequestState(
+            num_prompt_tokens, boundaries, self._keep_mask(boundaries)
+        )
+
+    def _keep_mask(self, boundaries: Sequence[int]) -> KeepMask:
+        layout = self.layout
+        policy = layout.retention
+        state: set[int] = set()
+        window: set[int] = set()
+        for boundary in boundaries:
+            landing = policy.landing_positions(
+                boundary,
+                alignment=layout.alignment_tokens,
+                drops_target_tail=layout.speculative.drops_target_tail,
+                sharded_units=layout.sharded_units,
+            )
+            state.update(landing.state)
+            window.update(landing.window)
+        interval = policy.interval_tokens if policy.kind is RetentionKind.INTERVAL else 0
+        return KeepMask(
+            dense=policy.is_dense,
+            interval=interval,
+            state_positions=tuple(sorted(state)),
+            window_positions=tuple(sorted(window)),
+        )
+
+    def _register(
+        self,
+        req_id: str,
+        block_hashes: Sequence[BlockHash],
+        total_computed: int,
+        num_new_tokens: int,
+        num_tokens: int,
+    ) -> None:
+        # Never past num_tokens: draft tokens are unverified.
+        num_to_cache = min(total_computed + num_new_tokens, num_tokens)
+        chunk_end = total_computed + num_new_tokens
+        keep = self._requests[req_id].keep
+        for group in self.groups:
+            hashes = derived_hashes(block_hashes, group.ctx.hash_ratio)
+            group.register(req_id, hashes, num_to_cache, chunk_end=chunk_end, keep=keep)
+
+    def free(self, req_id: str) -> None:
+        """Release every block of a finished or preempted request (deepest first per group)."""
+        for group in self.groups:
+            group.free(req_id)
+        self._requests.pop(req_id, None)
+
+    def new_step(self) -> None:
+        """Call at the start of every schedule(): states registered before are now final."""
+        for group in self.groups:
+            group.new_step()
+
+    # ----- queries ----------------------------------------------------------------------------
+
+    def checkpoint_positions(self, req_id: str) -> tuple[int, ...]:
+        """Positions where an align-mode state group wants a prefill chunk to end."""
+        state = self._requests.get(req_id)
+        if state is None or not self._has_align_mamba():
+            return ()
+        return state.keep.state_positions
+
+    def _has_align_mamba(self) -> bool:
+        return any(
+            isinstance(s, MambaSpec) and s.mode is MambaCacheMode.ALIGN for s in self.layout.groups
+        )
+
+    def block_ids(self, req_id: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(b.block_id for b in g.tables.get(req_id, ())) for g in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def registered_blocks(self) -> list[int]:
+        return [g.num_registered for g in self.groups]
+
+    def evicted_blocks(self) -> list[int]:
+        return [self.pool.evictions_by_group.get(g, 0) for g in range(len(self.groups))]
+
+    def metrics_snapshot(self) -> dict[str, object]:
+        return self.metrics.snapshot(
+            registered=self.registered_blocks(), evicted=self.evicted_blocks()
+        )
+
+    def check_invariants(self) -> None:
+        """Raise CacheInvariantError if any invariant of SPEC.md section 8 items 1-4 is broken."""
+        self.pool.check_invariants()
+        expected: dict[int, int] = {}
+        null = self.pool.null_block
+        for group in self.groups:
+            for req_id, table in group.tables.items():
+                if req_id not in self._requests:
+                    raise CacheInvariantError(
+                        f"group {group.ctx.group_id} holds unknown {req_id!r}"
+                    )
+                for block in table:
+                    if block is not null:
+                        expected[block.block_id] = expected.get(block.block_id, 0) + 1
+            for block in group.cow_holds:
+                expected[block.block_id] = expected.get(block.block_id, 0) + 1
+        for block in self.pool.blocks[1:]:
+            if block.ref_cnt != expected.get(block.block_id, 0):
+                raise CacheInvariantError(
+                    f"{block}: ref count {block.ref_cnt} but {expected.get(block.block_id, 0)} "
+                    "table entries point at it"
+                )
+            if block.key is not None and block.group_id < 0:
+                raise CacheInvariantError(f"{block} is hashed without a group")

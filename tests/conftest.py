@@ -1,0 +1,60 @@
+"""Shared builders for the test suite."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from hybridserve.kvcache import CacheHit, KVCacheManager
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def require_data(*parts: str) -> Path:
+    """The path under ../shared/data, or skip the test with the reason."""
+    path = DATA_DIR.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the shared data folder is not beside this checkout")
+    return path
+
+
+def prefill(
+    manager: KVCacheManager,
+    req_id: str,
+    tokens: Sequence[int],
+    *,
+    chunk: int,
+    chunk_ends: Sequence[int] = (),
+    free: bool = True,
+) -> CacheHit:
+    """Admit `tokens`, resume at its hit, prefill the rest in steps of at most `chunk` tokens
+    (also ending a chunk at each of `chunk_ends`), then free it. Returns the admission hit."""
+    hashes = manager.hasher.hash_tokens(tokens)
+    manager.new_step()
+    hit = manager.find_hit(hashes, len(tokens))
+    position = hit.num_tokens
+    first = True
+    while position < len(tokens):
+        end = min(position + chunk, len(tokens))
+        end = min([e for e in chunk_ends if position < e < end] + [end])
+        if not first:
+            manager.new_step()
+        allocation = manager.allocate(
+            req_id,
+            hashes,
+            num_tokens=len(tokens),
+            num_computed_tokens=0 if first else position,
+            num_new_tokens=end - position,
+            hit=hit if first else None,
+            num_prompt_tokens=len(tokens),
+        )
+        assert allocation is not None, f"{req_id}: allocation failed at {position}"
+        manager.check_invariants()
+        first = False
+        position = end
+    if free:
+        manager.free(req_id)
+        manager.check_invariants()
+    return hit
