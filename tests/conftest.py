@@ -30,10 +30,12 @@ def prefill(
     free: bool = True,
 ) -> CacheHit:
     """Admit `tokens`, resume at its hit, prefill the rest in steps of at most `chunk` tokens
-    (also ending a chunk at each of `chunk_ends`), then free it. Returns the admission hit."""
+    (also ending a chunk at each of `chunk_ends` and at each state checkpoint the cache asks
+    for, as an align-mode scheduler does), then free it. Returns the admission hit."""
     hashes = manager.hasher.hash_tokens(tokens)
     manager.new_step()
     hit = manager.find_hit(hashes, len(tokens))
+    chunk_ends = (*chunk_ends, *manager.planned_checkpoints(len(tokens), hit))
     position = hit.num_tokens
     first = True
     while position < len(tokens):
@@ -51,7 +53,8 @@ def prefill(
             num_prompt_tokens=len(tokens),
         )
         assert allocation is not None, f"{req_id}: allocation failed at {position}"
-        manager.check_invariants()
+        if first:
+            manager.check_invariants()
         first = False
         position = end
     if free:

@@ -48,6 +48,10 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def peek(self) -> Block | None:
+        block = self._head.next
+        return None if block is self._tail else block
+
     def remove(self, block: Block) -> None:
         prev, nxt = block.prev, block.next
         if prev is None or nxt is None:
@@ -95,11 +99,14 @@ class BlockPool:
     tail (the plain LRU of SPEC.md 1.2's worked example).
     """
 
-    def __init__(self, num_blocks: int, *, uncached_to_head: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, *, uncached_to_head: bool = True, growable: bool = False
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (one is the null block)")
         self.num_blocks = num_blocks
         self.uncached_to_head = uncached_to_head
+        self.growable = growable  # an unbounded pool (replays with an infinite cache)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
@@ -113,6 +120,10 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Free blocks, evictable cached blocks included; the null block excluded."""
         return self.free_queue.num_free
+
+    def has_room(self, num: int) -> bool:
+        """Whether `num` more blocks can be handed out now."""
+        return self.growable or num <= self.free_queue.num_free
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
@@ -129,6 +140,8 @@ class BlockPool:
 
         Raises ValueError if fewer than `num` blocks are free (callers check first).
         """
+        if self.growable:
+            return self._allocate_growing(num)
         if num > self.free_queue.num_free:
             raise ValueError(f"asked for {num} blocks with {self.free_queue.num_free} free")
         out = []
@@ -136,6 +149,21 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.key is not None:
                 self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _allocate_growing(self, num: int) -> list[Block]:
+        """An unbounded pool never evicts: it reuses unhashed free blocks, else makes new ones."""
+        out = []
+        for _ in range(num):
+            head = self.free_queue.peek()
+            if head is None or head.key is not None:
+                self._grow(1)
+                block = self.blocks[-1]
+                self.free_queue.remove(block)
+            else:
+                block = self.free_queue.popleft()
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -195,6 +223,13 @@ class BlockPool:
         return True
 
     # ----- internals --------------------------------------------------------------------------
+
+    def _grow(self, num: int) -> None:
+        new = [Block(i) for i in range(self.num_blocks, self.num_blocks + num)]
+        self.blocks.extend(new)
+        self.num_blocks += num
+        for block in new:
+            self.free_queue.append(block)
 
     def _evict(self, block: Block) -> None:
         key = block.key

@@ -105,12 +105,23 @@ class BlockHasher:
         """
         size = self.block_size
         num_full = len(token_ids) // size
-        parent = hashes[-1] if hashes else None
-        for index in range(len(hashes), num_full):
-            keys: tuple[ExtraKey, ...] = tuple(extra_keys)
+        start = len(hashes)
+        if start >= num_full:
+            return hashes
+        parent = hashes[-1] if hashes else self.root
+        # Encode the new blocks once and slice the bytes: the hot path of a long prompt.
+        raw = encode_tokens(token_ids[start * size : num_full * size])
+        width = 8 * size
+        digest = self._digest
+        common = encode_extra_keys(extra_keys) if extra_keys else b""
+        for index in range(start, num_full):
+            offset = (index - start) * width
+            data = parent + raw[offset : offset + width]
             if index == 0 and cache_salt is not None:
-                keys = (*keys, "salt", cache_salt)
-            parent = self.hash_block(parent, token_ids[index * size : (index + 1) * size], keys)
+                data += encode_extra_keys((*extra_keys, "salt", cache_salt))
+            elif common:
+                data += common
+            parent = digest(data)
             hashes.append(parent)
         return hashes
 

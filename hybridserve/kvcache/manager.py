@@ -64,11 +64,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_metrics: bool = True,
         uncached_to_head: bool = True,
+        unbounded: bool = False,
     ) -> None:
         self.layout = layout
         self.enable_caching = enable_caching
         self.enable_metrics = enable_metrics
-        self.pool = BlockPool(layout.num_blocks, uncached_to_head=uncached_to_head)
+        self.pool = BlockPool(
+            layout.num_blocks, uncached_to_head=uncached_to_head, growable=unbounded
+        )
         self.hasher = BlockHasher(layout.hash_block_size, layout.hash_algo)
         h, a = layout.hash_block_size, layout.alignment_tokens
         self.groups: list[GroupManager] = [
@@ -174,16 +177,14 @@ class KVCacheManager:
         total_computed = num_computed_tokens + hit_tokens
         hit_blocks = hit.group_blocks if hit is not None else ((),) * len(self.groups)
         cows = hit.cow_sources if hit is not None else (None,) * len(self.groups)
-        free = self.pool.num_free_blocks
-        if (
-            full_sequence_must_fit
-            and self._blocks_needed(req_id, num_tokens, hit_blocks, cows) > free
+        if full_sequence_must_fit and not self.pool.has_room(
+            self._blocks_needed(req_id, num_tokens, hit_blocks, cows)
         ):
             return None
         for group in self.groups:
             group.remove_skipped(req_id, total_computed)
         num_slots = total_computed + num_new_tokens + num_lookahead_tokens
-        if self._blocks_needed(req_id, num_slots, hit_blocks, cows) > self.pool.num_free_blocks:
+        if not self.pool.has_room(self._blocks_needed(req_id, num_slots, hit_blocks, cows)):
             return None
         copies = []
         if hit is not None:
@@ -286,6 +287,15 @@ class KVCacheManager:
         if state is None or not self._has_align_mamba():
             return ()
         return state.keep.state_positions
+
+    def planned_checkpoints(self, num_prompt_tokens: int, hit: CacheHit) -> tuple[int, ...]:
+        """`checkpoint_positions` of a request before it is admitted with `hit`."""
+        if not self._has_align_mamba():
+            return ()
+        boundaries = (
+            (num_prompt_tokens - 1, hit.junction) if hit.junction else (num_prompt_tokens - 1,)
+        )
+        return self._keep_mask(boundaries).state_positions
 
     def _has_align_mamba(self) -> bool:
         return any(

@@ -1,0 +1,44 @@
+# The two commands: `make run` and `make test`. Each creates .venv if it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP_RUN := $(VENV)/.installed-run
+STAMP_TEST := $(VENV)/.installed-test
+
+.PHONY: run test lint typecheck contracts pytest bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP_RUN): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(STAMP_TEST): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@ $(STAMP_RUN)
+
+run: $(STAMP_RUN)
+	$(BIN)/hybridserve cache-replay
+
+test: $(STAMP_TEST) lint typecheck contracts pytest
+
+lint: $(STAMP_TEST)
+	$(BIN)/ruff check hybridserve tests benchmarks
+	$(BIN)/ruff format --check hybridserve tests benchmarks
+
+typecheck: $(STAMP_TEST)
+	$(BIN)/mypy hybridserve
+
+contracts: $(STAMP_TEST)
+	$(BIN)/lint-imports
+
+pytest: $(STAMP_TEST)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP_TEST)
+	$(BIN)/python benchmarks/cache_lookup.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,261 @@
+"""The `hybridserve` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hybridserve.core.config import SpeculativeConfig
+from hybridserve.core.errors import HybridServeError
+from hybridserve.kvcache import CacheLayout, RetentionPolicy
+from hybridserve.profiles import get_profile, parse_groups
+from hybridserve.replay.runner import CacheReplay, ReplayResult
+from hybridserve.replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
+
+app = typer.Typer(
+    help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+DEFAULT_TRACE_NAME = "conversation_trace.jsonl"
+
+
+def default_trace_path() -> Path | None:
+    """The Mooncake conversation trace in ../shared/data/traces, if it is there."""
+    candidates = [
+        Path(__file__).resolve().parents[2] / "shared" / "data" / "traces",
+        Path.cwd().parent / "shared" / "data" / "traces",
+    ]
+    for folder in candidates:
+        if (folder / DEFAULT_TRACE_NAME).exists():
+            return folder / DEFAULT_TRACE_NAME
+    return None
+
+
+def _version(value: bool) -> None:
+    if value:
+        from hybridserve import __version__
+
+        typer.echo(f"hybridserve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """hybridserve: an LLM serving engine core for hybrid models under prefill pressure."""
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    return typer.Exit(code=2)
+
+
+@app.command("cache-replay")
+def cache_replay(
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="Mooncake JSONL trace; default: the conversation trace in "
+            "../shared/data/traces, else a built-in synthetic agent trace."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Named layout: llama-3.1-8b, gemma-3-27b, qwen3-next-80b-a3b."),
+    ] = None,
+    groups: Annotated[
+        str | None,
+        typer.Option(help="Explicit groups, e.g. full:16,mamba:16 or full:16,swa:16:w=4096."),
+    ] = None,
+    alignment: Annotated[
+        int, typer.Option(help="Alignment unit A in tokens (0 = the page P).")
+    ] = 0,
+    hash_block_size: Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")] = 0,
+    spec: Annotated[
+        str, typer.Option(help="Speculative method: none|eagle|mtp|dflash|ngram.")
+    ] = "eagle",
+    retention: Annotated[
+        str | None,
+        typer.Option(
+            help="dense|boundary|boundary+predecessor|interval:N; several comma-separated "
+            "run side by side (default: boundary,boundary+predecessor)."
+        ),
+    ] = None,
+    dcp: Annotated[int, typer.Option(help="Decode-context-parallel width.")] = 1,
+    num_blocks: Annotated[str, typer.Option(help="KV pool size in blocks, or inf.")] = "inf",
+    concurrency: Annotated[int, typer.Option(help="Requests kept resident before finishing.")] = 16,
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Replay a block-hash trace through the cache alone: per-group, reconciled, ideal hits."""
+    try:
+        records, trace_name = _load_records(trace, limit)
+        layouts, name = _build_layouts(
+            model=model,
+            groups=groups,
+            alignment=alignment,
+            hash_block_size=hash_block_size,
+            spec=spec,
+            retention=retention,
+            dcp=dcp,
+            num_blocks=num_blocks,
+        )
+        if concurrency < 1:
+            raise _fail(f"--concurrency={concurrency}; use 1 or more")
+    except HybridServeError as exc:
+        raise _fail(str(exc)) from None
+    unbounded = num_blocks.strip().lower() == "inf"
+    results = [
+        _replay_one(
+            layout,
+            records,
+            name=name,
+            concurrency=concurrency,
+            unbounded=unbounded,
+            show_progress=not as_json,
+        )
+        for layout in layouts
+    ]
+    if as_json:
+        payload = (
+            results[0].to_json() if len(results) == 1 else {"runs": [r.to_json() for r in results]}
+        )
+        payload = {"trace": trace_name, **payload}
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    _print_table(results, trace_name=trace_name, num_blocks=num_blocks, concurrency=concurrency)
+
+
+def _load_records(trace: Path | None, limit: int | None) -> tuple[list[TraceRecord], str]:
+    if limit is not None and limit < 1:
+        raise _fail(f"--limit={limit}; use 1 or more")
+    path = trace if trace is not None else default_trace_path()
+    if path is None:
+        records = synthetic_agent_trace()
+        return records[:limit] if limit else records, "built-in synthetic agent trace"
+    return load_mooncake(path, limit=limit), str(path)
+
+
+def _build_layouts(
+    *,
+    model: str | None,
+    groups: str | None,
+    alignment: int,
+    hash_block_size: int,
+    spec: str,
+    retention: str | None,
+    dcp: int,
+    num_blocks: str,
+) -> tuple[list[CacheLayout], str]:
+    if model and groups:
+        raise _fail("give --model or --groups, not both")
+    if groups:
+        group_specs, name = parse_groups(groups), groups
+    else:
+        profile = get_profile(model or "qwen3-next-80b-a3b")
+        group_specs, name = profile.groups, profile.name
+    blocks = num_blocks.strip().lower()
+    if blocks == "inf":
+        pool = 1024  # grows on demand
+    elif blocks.isdigit() and int(blocks) >= 2:
+        pool = int(blocks)
+    else:
+        raise _fail(f"--num-blocks={num_blocks!r}; use an integer >= 2 or inf")
+    policies = [
+        RetentionPolicy.parse(p) for p in (retention or "boundary,boundary+predecessor").split(",")
+    ]
+    speculative = SpeculativeConfig.from_name(spec)
+    layouts = [
+        CacheLayout(
+            groups=group_specs,
+            num_blocks=pool,
+            hash_block_size=hash_block_size,
+            alignment_tokens=alignment,
+            dcp=dcp,
+            speculative=speculative,
+            retention=policy,
+        )
+        for policy in policies
+    ]
+    return layouts, name
+
+
+def _replay_one(
+    layout: CacheLayout,
+    records: list[TraceRecord],
+    *,
+    name: str,
+    concurrency: int,
+    unbounded: bool,
+    show_progress: bool,
+) -> ReplayResult:
+    replay = CacheReplay(layout, concurrency=concurrency, unbounded=unbounded)
+    if not show_progress:
+        return replay.run(records, name=name)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(f"replay ({layout.retention.name})", total=len(records))
+        return replay.run(records, name=name, progress=lambda n: progress.update(task, completed=n))
+
+
+def _print_table(
+    results: list[ReplayResult], *, trace_name: str, num_blocks: str, concurrency: int
+) -> None:
+    first = results[0]
+    table = Table(
+        title=f"cache-replay: {first.layout_name}, spec={first.spec}, "
+        f"num_blocks={num_blocks}, concurrency={concurrency}"
+    )
+    table.add_column("metric")
+    for result in results:
+        table.add_column(f"retention={result.retention}", justify="right")
+    rows: list[tuple[str, list[str]]] = [
+        ("requests (rejected)", [f"{r.requests} ({r.rejected})" for r in results]),
+        ("queried tokens", [f"{r.queried_tokens:,}" for r in results]),
+        ("cacheable tokens", [f"{r.cacheable_tokens:,}" for r in results]),
+        ("reconciled hit tokens", [f"{r.hit_tokens:,}" for r in results]),
+        ("hit rate", [f"{r.hit_rate:.4f}" for r in results]),
+    ]
+    for g, group in enumerate(first.group_names):
+        rows.append((f"group {group} offered", [f"{r.group_hit_tokens[g]:,}" for r in results]))
+        rows.append((f"group {group} limiting", [f"{r.group_limiting[g]:,}" for r in results]))
+    rows += [
+        (
+            "ideal full-attention hit rate",
+            [f"{r.ideal_full_attention_hit_rate:.4f}" for r in results],
+        ),
+        ("registered blocks", [f"{r.registered_blocks:,}" for r in results]),
+        ("evicted blocks", [f"{r.evicted_blocks:,}" for r in results]),
+    ]
+    for label, values in rows:
+        table.add_row(label, *values)
+    console = Console()
+    console.print(f"trace: {trace_name}")
+    console.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

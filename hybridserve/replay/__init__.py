@@ -1,0 +1,1 @@
+"""Replays of block-hash traces through the KV cache alone (`hybridserve cache-replay`)."""

@@ -1,0 +1,831 @@
+"""A stateful property test of the KV cache: block pool, group managers and coordinator.
+
+A Hypothesis `RuleBasedStateMachine` plays a scheduler against one `KVCacheManager`: it admits
+requests (lookup, then allocation of a first chunk), advances them by random chunks, decodes,
+finishes, preempts and re-admits them, and throws oversized requests at a small pool. Prompts
+come from a four-token alphabet and extend earlier prompts, so prefixes are shared; some carry a
+`cache_salt`. Every machine run draws one layout of a family (full attention; + sliding window;
++ Mamba; + Mamba + draft KV), block sizes of 4 or 8 tokens, an alignment unit A that the layout
+accepts, a speculative method (none, EAGLE, DFlash), a retention policy and a 24-64 block pool.
+
+Checked after every rule: `check_invariants()`, pool conservation, per-request tables (running
+requests hold blocks, others hold none; a registered block sits at or below the computed tokens
+and carries the request's own hash), and the admission metrics. Checked at every lookup: the hit
+is capped, aligned, isolated per salt, does not mutate the pool, is the largest length every
+group can serve (an oracle written from SPEC.md 2.1-2.4, not from the group code), does not
+depend on group order, and is not ready when it needs a Mamba state registered in the same step.
+Under DFlash a shadow manager without speculation replays the same calls and must agree exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from hybridserve.core.config import SpeculativeConfig
+from hybridserve.kvcache import (
+    Allocation,
+    CacheHit,
+    CacheLayout,
+    DraftSpec,
+    FullAttentionSpec,
+    KVCacheManager,
+    MambaSpec,
+    RetentionPolicy,
+    SlidingWindowSpec,
+)
+from hybridserve.kvcache.coordinator import reconcile
+from hybridserve.kvcache.hashing import BlockHash, cache_key, derived_hashes
+from hybridserve.kvcache.retention import RetentionKind
+from hybridserve.kvcache.spec import MambaCacheMode
+
+ALPHABET = 4  # token ids 0..3: unrelated prompts rarely collide, extensions share prefixes
+MAX_PROMPT = 48
+MAX_TOKENS = 64  # prompt plus output; a request at this length stops decoding
+MAX_WAITING = 4
+MAX_RUNNING = 6
+SALTS = (None, None, "tenant-a", "tenant-b")
+FAMILIES = ("full", "full+swa", "full+mamba", "full+mamba+draft")
+
+PoolState = tuple[tuple[int, ...], tuple[tuple[int, bytes | None], ...], int]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pool_state(manager: KVCacheManager) -> PoolState:
+    """Everything a lookup must leave alone: free-queue order, ref counts, keys, evictions."""
+    pool = manager.pool
+    return (
+        tuple(pool.free_queue.block_ids()),
+        tuple((b.ref_cnt, b.key) for b in pool.blocks),
+        pool.num_evictions,
+    )
+
+
+def metrics_state(manager: KVCacheManager) -> tuple[object, ...]:
+    """The admission counters (a deep copy), without registration or eviction counts."""
+    return dataclasses.astuple(manager.metrics)
+
+
+@dataclass
+class Req:
+    rid: str
+    tokens: list[int]
+    salt: str | None
+    hashes: list[BlockHash]
+    num_prompt: int
+    computed: int = 0  # tokens computed, hit included (0 while waiting)
+    running: bool = False
+    resumed: bool = False  # preempted at least once: its next admission is a resumption
+    boundaries: tuple[int, ...] = ()  # reachable boundaries given at admission
+    admitted_hit: int = 0
+    evictions_at_admission: int = 0
+    checkpoints_honoured: bool = True
+    failed_admissions: int = 0
+
+
+@dataclass
+class ExpectedMetrics:
+    requests: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    preempted_requests: int = 0
+    preempted_queried_tokens: int = 0
+    preempted_hit_tokens: int = 0
+
+
+def draw_layout(data: st.DataObject, family: str) -> CacheLayout:
+    def block_size() -> int:
+        return data.draw(st.sampled_from((4, 8)), label="block_size")
+
+    groups: list[FullAttentionSpec | SlidingWindowSpec | MambaSpec | DraftSpec] = [
+        FullAttentionSpec(block_size=block_size(), mla=data.draw(st.booleans(), label="mla"))
+    ]
+    if family == "full+swa":
+        window = data.draw(st.integers(1, 20), label="window")
+        groups.append(SlidingWindowSpec(block_size=block_size(), window=window))
+    if "mamba" in family:
+        mode = data.draw(
+            st.sampled_from((MambaCacheMode.ALIGN, MambaCacheMode.ALIGN, MambaCacheMode.ALL)),
+            label="mamba_mode",
+        )
+        groups.append(MambaSpec(block_size=block_size(), mode=mode))
+    if family.endswith("draft"):
+        groups.append(
+            DraftSpec(
+                block_size=block_size(),
+                window=data.draw(st.integers(1, 16), label="draft_window"),
+                extra_tokens=data.draw(st.integers(0, 8), label="draft_extra"),
+            )
+        )
+    units = [g.block_size for g in groups]
+    page = math.lcm(*units)
+    hash_block = data.draw(st.sampled_from(sorted({math.gcd(*units), 4})), label="H")
+    alignment = data.draw(
+        st.sampled_from([a for a in (4, 8) if a % hash_block == 0 and page % a == 0]),
+        label="A",
+    )
+    method = data.draw(st.sampled_from(("none", "eagle", "dflash")), label="method")
+    num_spec = 0 if method == "none" else data.draw(st.integers(1, 3), label="num_spec")
+    interval = data.draw(st.sampled_from((alignment, 2 * alignment, 3 * alignment, 5)))
+    retention = data.draw(
+        st.sampled_from(("dense", "boundary", "boundary+predecessor", f"interval:{interval}")),
+        label="retention",
+    )
+    return CacheLayout(
+        groups=tuple(groups),
+        num_blocks=data.draw(st.integers(24, 64), label="num_blocks"),
+        hash_block_size=hash_block,
+        alignment_tokens=alignment,
+        speculative=SpeculativeConfig.from_name(method, num_spec),
+        retention=RetentionPolicy.parse(retention),
+    )
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """One manager driven like a scheduler would drive it (see the module docstring)."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.family = family
+        self.manager: KVCacheManager | None = None
+        self.shadow: KVCacheManager | None = None  # DFlash only: the same layout, no speculation
+        self.waiting: dict[str, Req] = {}
+        self.running: dict[str, Req] = {}
+        self.corpus: list[tuple[list[int], str | None]] = []
+        self.scheduled: set[str] = set()  # requests scheduled in the current step
+        self.fresh: set[tuple[int, bytes]] = set()  # Mamba (block id, key) registered this step
+        self.expected = ExpectedMetrics()
+        self.next_id = 0
+        self.next_salt = 0
+        self.lookups = 0
+
+    # ----- helpers ------------------------------------------------------------------------------
+
+    @property
+    def m(self) -> KVCacheManager:
+        assert self.manager is not None
+        return self.manager
+
+    def _mamba_groups(self) -> list[int]:
+        return [g for g, s in enumerate(self.m.layout.groups) if isinstance(s, MambaSpec)]
+
+    def _keyed_mamba_blocks(self) -> set[tuple[int, bytes]]:
+        gids = set(self._mamba_groups())
+        return {
+            (b.block_id, b.key)
+            for b in self.m.pool.blocks
+            if b.key is not None and b.group_id in gids
+        }
+
+    def _new_step(self) -> None:
+        self.m.new_step()
+        if self.shadow is not None:
+            self.shadow.new_step()
+        self.scheduled.clear()
+        self.fresh.clear()
+
+    def _schedule(self, rid: str) -> None:
+        """A request is scheduled at most once per step: open a new step if it already was."""
+        if rid in self.scheduled:
+            self._new_step()
+        self.scheduled.add(rid)
+
+    def _fresh_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _hash(self, tokens: Sequence[int], salt: str | None) -> list[BlockHash]:
+        return self.m.hasher.hash_tokens(tokens, cache_salt=salt)
+
+    def _sources(self) -> list[tuple[list[int], str | None]]:
+        live = [(r.tokens, r.salt) for r in (*self.waiting.values(), *self.running.values())]
+        return self.corpus + live
+
+    def _draw_prompt(self, data: st.DataObject) -> tuple[list[int], str | None]:
+        """A prompt: a prefix of an earlier sequence (or nothing) plus fresh tokens."""
+        sources = self._sources()
+        tokens: list[int] = []
+        salt = data.draw(st.sampled_from(SALTS), label="salt")
+        if sources and data.draw(st.booleans(), label="extend"):
+            base, base_salt = sources[data.draw(st.integers(0, len(sources) - 1), label="src")]
+            tokens = list(base[: data.draw(st.integers(0, len(base)), label="keep")])
+            if data.draw(st.integers(0, 4), label="resalt") != 0:
+                salt = base_salt
+        extra = data.draw(
+            st.lists(st.integers(0, ALPHABET - 1), min_size=0 if tokens else 1, max_size=24),
+            label="extra",
+        )
+        tokens = (tokens + extra)[:MAX_PROMPT]
+        return tokens or [0], salt
+
+    # ----- mirrored manager calls ---------------------------------------------------------------
+
+    def _find_hit(
+        self, hashes: Sequence[BlockHash], num_tokens: int, *, resumed: bool = False
+    ) -> tuple[CacheHit, CacheHit | None]:
+        """find_hit with every lookup property checked (and mirrored on the shadow)."""
+        m = self.m
+        before = pool_state(m)
+        hit = m.find_hit(hashes, num_tokens, resumed=resumed)
+        assert pool_state(m) == before, "find_hit mutated the pool"
+        self.lookups += 1
+        a, cap = m.layout.alignment_tokens, num_tokens - 1
+        assert 0 <= hit.num_tokens <= max(cap, 0), (hit.num_tokens, num_tokens)
+        assert hit.num_tokens % a == 0, (hit.num_tokens, a)
+        assert hit.num_tokens <= m.cacheable_tokens(num_tokens)
+        if hit.sample is not None:
+            assert hit.sample.queried_tokens == num_tokens
+            assert hit.sample.hit_tokens == hit.num_tokens
+            assert hit.sample.resumed == resumed
+            assert len(hit.sample.group_offered_tokens) == m.layout.num_groups
+        if cap >= a:
+            self._check_reconciliation(hashes, num_tokens, hit)
+        else:
+            assert hit.num_tokens == 0
+        self._check_readiness(hit)
+        assert pool_state(m) == before, "checking the lookup mutated the pool"
+        shadow_hit = None
+        if self.shadow is not None:
+            shadow_hit = self.shadow.find_hit(hashes, num_tokens, resumed=resumed)
+            assert shadow_hit.num_tokens == hit.num_tokens, "DFlash lost a target hit"
+            assert shadow_hit.ready == hit.ready
+            assert shadow_hit.sample == hit.sample
+            assert [[b.block_id for b in bl] for bl in shadow_hit.group_blocks] == [
+                [b.block_id for b in bl] for bl in hit.group_blocks
+            ]
+        return hit, shadow_hit
+
+    def _allocate(
+        self,
+        rid: str,
+        hashes: Sequence[BlockHash],
+        hits: tuple[CacheHit, CacheHit | None] | None,
+        *,
+        num_tokens: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        num_prompt_tokens: int | None = None,
+        full_sequence_must_fit: bool = False,
+    ) -> Allocation | None:
+        """allocate, mirrored; records the Mamba states it registered as fresh this step."""
+        before = self._keyed_mamba_blocks()
+        results = []
+        for manager, hit in ((self.m, hits[0] if hits else None), (self.shadow, hits and hits[1])):
+            if manager is None:
+                continue
+            results.append(
+                manager.allocate(
+                    rid,
+                    hashes,
+                    num_tokens=num_tokens,
+                    num_computed_tokens=num_computed_tokens,
+                    num_new_tokens=num_new_tokens,
+                    num_lookahead_tokens=num_lookahead_tokens,
+                    hit=hit,
+                    num_prompt_tokens=num_prompt_tokens,
+                    full_sequence_must_fit=full_sequence_must_fit,
+                )
+            )
+            if manager is self.m:
+                self.fresh |= self._keyed_mamba_blocks() - before
+        if len(results) == 2:
+            assert results[1] == results[0], "DFlash allocated differently from no speculation"
+        return results[0]
+
+    def _free(self, rid: str) -> None:
+        """free, with the exact free-queue order of SPEC.md 1.2 checked."""
+        m = self.m
+        queue = m.pool.free_queue.block_ids()
+        refs = {b.block_id: b.ref_cnt for b in m.pool.blocks}
+        null = m.pool.null_block
+        for group in m.groups:
+            head: list[int] = []
+            tail: list[int] = []
+            for block in reversed(group.tables.get(rid, [])):
+                if block is null:
+                    continue
+                refs[block.block_id] -= 1
+                if refs[block.block_id] == 0:
+                    (tail if block.key is not None else head).append(block.block_id)
+            queue = head + queue + tail
+        m.free(rid)
+        assert m.pool.free_queue.block_ids() == queue, "freed blocks entered in the wrong order"
+        assert all(not t for t in m.block_ids(rid))
+        if self.shadow is not None:
+            self.shadow.free(rid)
+
+    # ----- lookup properties ----------------------------------------------------------------------
+
+    def _serves(self, gid: int, hashes: Sequence[BlockHash], length: int, cap: int) -> bool:
+        """Whether group `gid` can resume at `length`, by SPEC.md 2.1, 2.2, 2.4 and 3.2."""
+        if length == 0:
+            return True
+        m = self.m
+        spec, unit, a = m.layout.groups[gid], m.layout.units[gid], m.layout.alignment_tokens
+        margin = a if m.layout.drops_tail(gid) else 0
+        if length % a or length + margin > cap:
+            return False
+
+        def cached(index: int) -> bool:
+            return (
+                index < len(hashes) and m.pool.get_cached(cache_key(hashes[index], gid)) is not None
+            )
+
+        end = length + margin
+        if isinstance(spec, FullAttentionSpec):
+            # k consecutive blocks from block 0, at most cap // U of them.
+            return cdiv(end, unit) <= cap // unit and all(map(cached, range(cdiv(end, unit))))
+        if isinstance(spec, SlidingWindowSpec | DraftSpec):
+            first = max(length - spec.lookback_tokens, 0) // unit
+            return all(map(cached, range(first, cdiv(end, unit))))
+        assert isinstance(spec, MambaSpec)
+        return length % unit == 0 and cached(length // unit - 1)
+
+    def _check_reconciliation(
+        self, hashes: Sequence[BlockHash], num_tokens: int, hit: CacheHit
+    ) -> None:
+        m = self.m
+        a, cap, n = m.layout.alignment_tokens, num_tokens - 1, m.layout.num_groups
+        per_group = [derived_hashes(hashes, g.ctx.hash_ratio) for g in m.groups]
+        lookups = [g.lookup(h, cap) for g, h in zip(m.groups, per_group, strict=True)]
+        drops = [m.layout.drops_tail(g) for g in range(n)]
+        rec = reconcile(lookups, drops, alignment=a, cap=cap)
+        length = rec.num_tokens
+        assert length == hit.num_tokens
+        assert hit.sample is None or hit.sample.group_offered_tokens == rec.offered
+        # Group order does not matter: permuted lookups reconcile to the same length.
+        for perm in itertools.permutations(range(n)):
+            other = reconcile(
+                [lookups[i] for i in perm], [drops[i] for i in perm], alignment=a, cap=cap
+            )
+            assert other.num_tokens == length, (perm, other, rec)
+            assert other.offered == tuple(rec.offered[i] for i in perm)
+        # Every group serves the reconciled length, queried as the coordinator queries it ...
+        for g, lookup in enumerate(lookups):
+            limit = min(length + a, cap) if drops[g] else length
+            assert lookup.serve(limit, drops[g]) >= length, (g, limit, length)
+            assert self._serves(g, per_group[g], length, cap), (g, length)
+        # ... and no longer aligned length up to the cap is served by every group.
+        for longer in range(length + a, cap + 1, a):
+            assert not all(self._serves(g, per_group[g], longer, cap) for g in range(n)), (
+                f"reconciled {length} but every group serves {longer}"
+            )
+        # Block lists: L // U entries (null padding only before a window or state), the right
+        # content in each, and a copy-on-write source exactly when L ends inside a block.
+        null = m.pool.null_block
+        for g, blocks in enumerate(hit.group_blocks):
+            unit, spec = m.layout.units[g], m.layout.groups[g]
+            assert len(blocks) == length // unit, (g, len(blocks), length, unit)
+            if isinstance(spec, FullAttentionSpec):
+                assert null not in blocks
+            for index, block in enumerate(blocks):
+                if block is not null:
+                    assert block.key == cache_key(per_group[g][index], g)
+            cow = hit.cow_sources[g]
+            if isinstance(spec, MambaSpec) or length % unit == 0:
+                assert cow is None
+            else:
+                assert cow is not None and cow.key == cache_key(per_group[g][length // unit], g)
+
+    def _check_readiness(self, hit: CacheHit) -> None:
+        """A Mamba state registered in this step is never served: such a hit is not ready."""
+        null = self.m.pool.null_block
+        fresh_keys = {key for _, key in self.fresh}
+        uses_fresh_block = uses_fresh_key = False
+        for g in self._mamba_groups():
+            blocks = hit.group_blocks[g]
+            if blocks and blocks[-1] is not null:
+                last = blocks[-1]
+                assert last.key is not None
+                uses_fresh_block |= (last.block_id, last.key) in self.fresh
+                uses_fresh_key |= last.key in fresh_keys
+        if uses_fresh_block:
+            assert not hit.ready, "a Mamba state registered this step was offered as ready"
+        if not hit.ready:
+            assert uses_fresh_key, "a hit was held back with no state registered this step"
+
+    # ----- rules ------------------------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def build(self, data: st.DataObject) -> None:
+        layout = draw_layout(data, self.family)
+        self.manager = KVCacheManager(layout)
+        if layout.speculative.method.value == "dflash":
+            self.shadow = KVCacheManager(
+                CacheLayout(
+                    groups=layout.groups,
+                    num_blocks=layout.num_blocks,
+                    hash_block_size=layout.hash_block_size,
+                    alignment_tokens=layout.alignment_tokens,
+                    retention=layout.retention,
+                )
+            )
+        self._new_step()
+
+    @rule()
+    def begin_step(self) -> None:
+        self._new_step()
+
+    @precondition(lambda self: len(self.waiting) < MAX_WAITING)
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        tokens, salt = self._draw_prompt(data)
+        rid = self._fresh_id()
+        self.waiting[rid] = Req(rid, tokens, salt, self._hash(tokens, salt), len(tokens))
+
+    @precondition(lambda self: self.waiting and len(self.running) < MAX_RUNNING)
+    @rule(data=st.data())
+    def admit(self, data: st.DataObject) -> None:
+        """Lookup, then allocate a first chunk; a failure leaves everything as it was."""
+        rid = data.draw(st.sampled_from(sorted(self.waiting)), label="rid")
+        req = self.waiting[rid]
+        self._schedule(rid)
+        m = self.m
+        num_tokens = len(req.tokens)
+        hits = self._find_hit(req.hashes, num_tokens, resumed=req.resumed)
+        hit = hits[0]
+        boundaries = (req.num_prompt - 1, *((hit.junction,) if hit.junction else ()))
+        end, honoured = self._chunk_end(data, req, hit.num_tokens, boundaries)
+        before, metrics = pool_state(m), metrics_state(m)
+        evictions = m.pool.num_evictions
+        allocation = self._allocate(
+            rid,
+            req.hashes,
+            hits,
+            num_tokens=num_tokens,
+            num_computed_tokens=0,
+            num_new_tokens=end - hit.num_tokens,
+            num_lookahead_tokens=self._lookahead(data),
+            num_prompt_tokens=req.num_prompt,
+            full_sequence_must_fit=data.draw(st.booleans(), label="must_fit"),
+        )
+        if not hit.ready:
+            assert allocation is None, "allocate accepted a hit that is not ready"
+        if allocation is None:
+            event("admit: not ready" if not hit.ready else "admit: allocation failed")
+            assert pool_state(m) == before, "a failed admission changed the pool"
+            assert metrics_state(m) == metrics, "a failed admission committed metrics"
+            assert all(not t for t in m.block_ids(rid))
+            req.failed_admissions += 1
+            return
+        self._check_new_tables(rid, hit, allocation)
+        if req.resumed:
+            self.expected.preempted_requests += 1
+            self.expected.preempted_queried_tokens += num_tokens
+            self.expected.preempted_hit_tokens += hit.num_tokens
+        else:
+            self.expected.requests += 1
+            self.expected.queried_tokens += num_tokens
+            self.expected.hit_tokens += hit.num_tokens
+        if req.failed_admissions:
+            event("admit: admitted after failing")
+        event(f"admit: hit {'> 0' if hit.num_tokens else '= 0'}")
+        del self.waiting[rid]
+        self.running[rid] = req
+        req.running = True
+        req.admitted_hit = hit.num_tokens
+        req.evictions_at_admission = evictions
+        req.boundaries = boundaries
+        req.checkpoints_honoured = honoured
+        self._completed_chunk(data, req, end)
+
+    def _lookahead(self, data: st.DataObject) -> int:
+        k = self.m.layout.speculative.num_speculative_tokens
+        return data.draw(st.sampled_from((0, k)), label="lookahead") if k else 0
+
+    def _chunk_end(
+        self, data: st.DataObject, req: Req, position: int, boundaries: Sequence[int]
+    ) -> tuple[int, bool]:
+        """Where a chunk from `position` ends: random, and mostly cut at the next checkpoint
+        an align-mode state group wants (as the scheduler does). Also: whether it was cut."""
+        end = min(position + data.draw(st.integers(1, 24), label="chunk"), len(req.tokens))
+        honour = data.draw(st.integers(0, 5), label="honour") != 0
+        if honour:
+            positions = self._checkpoints(req, boundaries)
+            end = min([p for p in positions if position < p < end] + [end])
+        return end, honour
+
+    def _checkpoints(self, req: Req, boundaries: Sequence[int]) -> tuple[int, ...]:
+        m = self.m
+        if req.running:
+            return m.checkpoint_positions(req.rid)
+        layout = m.layout
+        if not any(
+            isinstance(s, MambaSpec) and s.mode is MambaCacheMode.ALIGN for s in layout.groups
+        ):
+            return ()
+        positions: set[int] = set()
+        for boundary in boundaries:  # not admitted yet: what its retention will ask for
+            landing = layout.retention.landing_positions(
+                boundary,
+                alignment=layout.alignment_tokens,
+                drops_target_tail=layout.speculative.drops_target_tail,
+                sharded_units=layout.sharded_units,
+            )
+            positions.update(landing.state)
+        return tuple(sorted(positions))
+
+    def _completed_chunk(self, data: st.DataObject, req: Req, end: int) -> None:
+        """Record a successful step; a step reaching the end samples one output token."""
+        req.computed = end
+        self._check_table(req)
+        if end == len(req.tokens) and len(req.tokens) < MAX_TOKENS:
+            req.tokens.append(data.draw(st.integers(0, ALPHABET - 1), label="sampled"))
+            self.m.hasher.extend(req.hashes, req.tokens, cache_salt=req.salt)
+
+    def _check_new_tables(self, rid: str, hit: CacheHit, allocation: Allocation) -> None:
+        """A new table starts with the hit's blocks; a copy-on-write tail is copied once."""
+        m = self.m
+        tables = m.block_ids(rid)
+        for g, blocks in enumerate(hit.group_blocks):
+            assert tables[g][: len(blocks)] == tuple(b.block_id for b in blocks)
+        copies = {c.group_id: c for c in allocation.block_copies}
+        for g, cow in enumerate(hit.cow_sources):
+            if cow is None:
+                assert g not in copies
+                continue
+            copy = copies[g]
+            unit = m.layout.units[g]
+            assert copy.src_block_id == cow.block_id
+            assert copy.dst_block_id == tables[g][len(hit.group_blocks[g])]
+            assert copy.num_tokens == hit.num_tokens % unit
+
+    def _check_table(self, req: Req) -> None:
+        """Registered blocks sit below the computed tokens and carry the request's own hash."""
+        m = self.m
+        null = m.pool.null_block
+        for g, group in enumerate(m.groups):
+            unit = m.layout.units[g]
+            hashes = derived_hashes(req.hashes, group.ctx.hash_ratio)
+            table = group.tables.get(req.rid, [])
+            if isinstance(m.layout.groups[g], FullAttentionSpec):
+                assert null not in table and len(table) >= cdiv(req.computed, unit)
+            for index, block in enumerate(table):
+                if block is null or block.key is None:
+                    continue
+                assert (index + 1) * unit <= req.computed, "registered past the computed tokens"
+                assert block.key == cache_key(hashes[index], g), "registered the wrong content"
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def advance(self, data: st.DataObject) -> None:
+        """One chunk of prefill, or one decode step; a failure releases at most."""
+        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
+        req = self.running[rid]
+        if req.computed >= len(req.tokens):
+            return  # at MAX_TOKENS: nothing left to compute
+        self._schedule(rid)
+        m = self.m
+        end, honoured = self._chunk_end(data, req, req.computed, req.boundaries)
+        before = pool_state(m)
+        metrics = metrics_state(m)
+        allocation = self._allocate(
+            rid,
+            req.hashes,
+            None,
+            num_tokens=len(req.tokens),
+            num_computed_tokens=req.computed,
+            num_new_tokens=end - req.computed,
+            num_lookahead_tokens=self._lookahead(data),
+        )
+        assert metrics_state(m) == metrics, "a running request committed admission metrics"
+        if allocation is None:
+            event("advance: allocation failed")
+            after = pool_state(m)
+            assert len(after[0]) >= len(before[0])
+            for (ref_before, key_before), (ref_after, key_after) in zip(
+                before[1], after[1], strict=True
+            ):
+                assert ref_after <= ref_before, "a failed allocation took a block"
+                assert key_after == key_before, "a failed allocation registered or evicted"
+            return
+        assert not allocation.block_copies
+        req.checkpoints_honoured &= honoured
+        self._completed_chunk(data, req, end)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
+        req = self.running.pop(rid)
+        self._free(rid)
+        req.running = False
+        self.corpus = [*self.corpus, (req.tokens, req.salt)][-16:]
+
+    @precondition(lambda self: self.running and len(self.waiting) < MAX_WAITING)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        """Free everything; the request comes back later through a fresh lookup."""
+        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
+        req = self.running.pop(rid)
+        self._free(rid)
+        req.running = False
+        req.resumed = True
+        req.computed = 0
+        req.checkpoints_honoured = True
+        self.waiting[rid] = req
+
+    @rule(data=st.data())
+    def pressure(self, data: st.DataObject) -> None:
+        """A request too large for the pool fails and leaves the pool exactly as it was."""
+        m = self.m
+        if data.draw(st.booleans(), label="new_step"):
+            self._new_step()
+        base, salt = self._draw_prompt(data)
+        widest = max(m.layout.units)
+        length = 2 * (m.layout.num_blocks + 1) * widest
+        filler = data.draw(st.integers(0, ALPHABET - 1), label="filler")
+        tokens = base + [filler] * (length - len(base))
+        hashes = self._hash(tokens, salt)
+        rid = self._fresh_id()
+        hits = self._find_hit(hashes, len(tokens))
+        hit = hits[0]
+        must_fit = data.draw(st.booleans(), label="must_fit")
+        chunk = data.draw(st.integers(1, 8), label="chunk") if must_fit else length - hit.num_tokens
+        before, metrics = pool_state(m), metrics_state(m)
+        free = m.num_free_blocks
+        allocation = self._allocate(
+            rid,
+            hashes,
+            hits,
+            num_tokens=len(tokens),
+            num_computed_tokens=0,
+            num_new_tokens=chunk,
+            num_prompt_tokens=len(tokens),
+            full_sequence_must_fit=must_fit,
+        )
+        assert allocation is None, "an oversized request was admitted"
+        assert m.num_free_blocks == free
+        assert pool_state(m) == before
+        assert metrics_state(m) == metrics
+        assert all(not t for t in m.block_ids(rid))
+
+    @rule(data=st.data())
+    def probe(self, data: st.DataObject) -> None:
+        """A lookup alone, of a known sequence's prefix plus a few tokens."""
+        sources = self._sources()
+        if not sources:
+            return
+        base, salt = sources[data.draw(st.integers(0, len(sources) - 1), label="src")]
+        tokens = list(base[: data.draw(st.integers(1, len(base)), label="keep")])
+        tokens += data.draw(st.lists(st.integers(0, ALPHABET - 1), max_size=8), label="extra")
+        self._find_hit(self._hash(tokens, salt), len(tokens))
+
+    @rule(data=st.data())
+    def fresh_salt_never_hits(self, data: st.DataObject) -> None:
+        """A salt never used before shares no block with anything: the hit is 0."""
+        sources = self._sources()
+        if not sources:
+            return
+        tokens, _ = sources[data.draw(st.integers(0, len(sources) - 1), label="src")]
+        self.next_salt += 1
+        hit, _ = self._find_hit(self._hash(tokens, f"fresh-{self.next_salt}"), len(tokens))
+        assert hit.num_tokens == 0, "a hit crossed cache salts"
+
+    @precondition(lambda self: self.scheduled & set(self.running))
+    @rule(data=st.data())
+    def sibling_in_same_step(self, data: st.DataObject) -> None:
+        """A sibling of a request scheduled in this step looks up (and tries to allocate)
+        in the same step: a Mamba state registered in this step must not be served."""
+        rid = data.draw(st.sampled_from(sorted(self.scheduled & set(self.running))), label="rid")
+        req = self.running[rid]
+        keep = data.draw(st.integers(1, req.computed), label="keep") if req.computed else 1
+        tokens = req.tokens[:keep] + data.draw(
+            st.lists(st.integers(0, ALPHABET - 1), max_size=6), label="extra"
+        )
+        hashes = self._hash(tokens, req.salt)
+        hits = self._find_hit(hashes, len(tokens))
+        if hits[0].ready:
+            return
+        m = self.m
+        before, metrics = pool_state(m), metrics_state(m)
+        sibling = self._fresh_id()
+        allocation = self._allocate(
+            sibling,
+            hashes,
+            hits,
+            num_tokens=len(tokens),
+            num_computed_tokens=0,
+            num_new_tokens=len(tokens) - hits[0].num_tokens,
+            num_prompt_tokens=len(tokens),
+        )
+        assert allocation is None, "allocate accepted a hit that is not ready"
+        assert pool_state(m) == before and metrics_state(m) == metrics
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def resend_of_untouched_prompt_hits(self, data: st.DataObject) -> None:
+        """SPEC.md 8.8: an identical resend and an extending sibling of a prefilled prompt hit
+        something whenever cap >= 2A, provided nothing was evicted since its admission."""
+        m = self.m
+        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
+        req = self.running[rid]
+        layout = m.layout
+        a = layout.alignment_tokens
+        if (
+            req.resumed
+            or req.admitted_hit
+            or req.computed < req.num_prompt
+            or not req.checkpoints_honoured
+            or m.pool.num_evictions != req.evictions_at_admission
+            or req.num_prompt - 1 < 2 * a
+            or (
+                layout.retention.kind is RetentionKind.BOUNDARY
+                and layout.speculative.drops_target_tail
+            )
+        ):
+            return
+        self._new_step()  # states registered so far are final now
+        prompt = req.tokens[: req.num_prompt]
+        resend, _ = self._find_hit(self._hash(prompt, req.salt), len(prompt))
+        extended = [*prompt, data.draw(st.integers(0, ALPHABET - 1), label="next")]
+        sibling, _ = self._find_hit(self._hash(extended, req.salt), len(extended))
+        assert resend.num_tokens > 0, "an identical resend of a retained prompt missed"
+        assert sibling.num_tokens > 0, "an extending sibling of a retained prompt missed"
+
+    # ----- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def cache_invariants_hold(self) -> None:
+        if self.manager is None:
+            return
+        m = self.m
+        m.check_invariants()
+        pool = m.pool
+        referenced = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
+        assert pool.num_free_blocks + referenced + 1 == pool.num_blocks
+
+    @invariant()
+    def requests_hold_blocks_iff_running(self) -> None:
+        if self.manager is None:
+            return
+        m = self.m
+        assert not set(self.running) & set(self.waiting)
+        for rid in self.waiting:
+            assert all(not t for t in m.block_ids(rid)), f"waiting {rid} holds blocks"
+        null = m.pool.null_block
+        for rid, req in self.running.items():
+            for g, group in enumerate(m.groups):
+                table = group.tables.get(rid)
+                assert table, f"running {rid} holds nothing in group {g}"
+                assert any(b is not null for b in table), f"running {rid}: group {g} all null"
+            self._check_table(req)
+        known = set(self.running)
+        for group in m.groups:
+            assert set(group.tables) <= known, "a freed or unknown request holds blocks"
+
+    @invariant()
+    def admissions_are_counted_once(self) -> None:
+        if self.manager is None:
+            return
+        metrics = self.m.metrics
+        assert metrics.requests == self.expected.requests
+        assert metrics.queried_tokens == self.expected.queried_tokens
+        assert metrics.hit_tokens == self.expected.hit_tokens
+        assert metrics.preempted_requests == self.expected.preempted_requests
+        assert metrics.preempted_queried_tokens == self.expected.preempted_queried_tokens
+        assert metrics.preempted_hit_tokens == self.expected.preempted_hit_tokens
+
+    @invariant()
+    def dflash_matches_no_speculation(self) -> None:
+        if self.shadow is None:
+            return
+        assert pool_state(self.shadow) == pool_state(self.m)
+        assert self.shadow.metrics_snapshot() == self.m.metrics_snapshot()
+
+
+MACHINE_SETTINGS = settings(
+    max_examples=30,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_keeps_invariants_and_lookup_properties_under_random_scheduling(
+    family: str,
+) -> None:
+    run_state_machine_as_test(lambda: CacheMachine(family), settings=MACHINE_SETTINGS)
