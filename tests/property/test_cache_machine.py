@@ -224,9 +224,10 @@ class CacheMachine(RuleBasedStateMachine):
         sources = self._sources()
         tokens: list[int] = []
         salt = data.draw(st.sampled_from(SALTS), label="salt")
-        if sources and data.draw(st.booleans(), label="extend"):
+        if sources and data.draw(st.integers(0, 3), label="extend") != 0:
             base, base_salt = sources[data.draw(st.integers(0, len(sources) - 1), label="src")]
-            tokens = list(base[: data.draw(st.integers(0, len(base)), label="keep")])
+            keep = data.draw(st.one_of(st.just(len(base)), st.integers(0, len(base))), label="keep")
+            tokens = list(base[:keep])
             if data.draw(st.integers(0, 4), label="resalt") != 0:
                 salt = base_salt
         extra = data.draw(
