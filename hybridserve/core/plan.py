@@ -25,10 +25,10 @@ class ScheduledChunk:
 
     req_id: str
     start: int  # first position computed this step (= num_computed_tokens before the step)
-    token_ids: tuple[int, ...]  # tokens fed this step, positions [start, start + len)
+    token_ids: tuple[int, ...]  # tokens fed this step, positions [start, start + len), drafts last
     block_ids: tuple[tuple[int, ...], ...]  # per cache group, the request's full block table
     sample: bool  # True when the chunk reaches the end of the known tokens (decode or last chunk)
-    num_draft_tokens: int = 0  # speculative draft tokens appended after token_ids
+    num_draft_tokens: int = 0  # how many of token_ids (at the end) are unverified drafts
     new_request: bool = False  # first step of this request (or of a resumption after preemption)
 
     @property
@@ -48,7 +48,7 @@ class StepPlan:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(c.num_tokens + c.num_draft_tokens for c in self.chunks)
+        return sum(c.num_tokens for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,14 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Chained block hashes of the full blocks of all_token_ids (maintained by the scheduler).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Shared-prefix junction found at the last admission: a prefix whose states are missing;
+    # prefill chunks stop there so that the state gets materialised (0 = none).
+    prefix_junction: int = 0
+    # Draft tokens proposed for the next step (speculative decoding); not yet verified.
+    spec_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)  # prompt + output, grown in place
 
     def __post_init__(self) -> None:
         if not self.req_id:
@@ -101,6 +109,11 @@ class Request:
             raise RequestError("prompt_token_ids", (), "send at least one prompt token")
         if any(t < 0 for t in self.prompt_token_ids):
             raise RequestError("prompt_token_ids", "<negative id>", "token ids are >= 0")
+        self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    def append_output_tokens(self, token_ids: Sequence[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,11 +126,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
     def all_token_ids(self) -> Sequence[int]:
-        return (*self.prompt_token_ids, *self.output_token_ids)
+        return self.token_ids
 
     def transition(self, to: RequestStatus) -> None:
         """Move to `to`. Raises IllegalTransition for a move the state machine does not allow."""

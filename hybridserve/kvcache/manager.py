@@ -13,7 +13,7 @@ from hybridserve.core.plan import BlockCopy
 from hybridserve.kvcache.block_pool import Block, BlockPool
 from hybridserve.kvcache.coordinator import reconcile
 from hybridserve.kvcache.groups import GroupContext, GroupManager, make_manager
-from hybridserve.kvcache.groups.base import KeepMask
+from hybridserve.kvcache.groups.base import KeepMask, SlotRequest
 from hybridserve.kvcache.groups.mamba import MambaManager
 from hybridserve.kvcache.hashing import BlockHash, BlockHasher, derived_hashes
 from hybridserve.kvcache.layout import CacheLayout
@@ -177,14 +177,15 @@ class KVCacheManager:
         total_computed = num_computed_tokens + hit_tokens
         hit_blocks = hit.group_blocks if hit is not None else ((),) * len(self.groups)
         cows = hit.cow_sources if hit is not None else (None,) * len(self.groups)
-        if full_sequence_must_fit and not self.pool.has_room(
-            self._blocks_needed(req_id, num_tokens, hit_blocks, cows)
-        ):
-            return None
+        if full_sequence_must_fit:
+            whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens)
+            if not self.pool.has_room(self._blocks_needed(req_id, whole, hit_blocks, cows)):
+                return None
         for group in self.groups:
             group.remove_skipped(req_id, total_computed)
-        num_slots = total_computed + num_new_tokens + num_lookahead_tokens
-        if not self.pool.has_room(self._blocks_needed(req_id, num_slots, hit_blocks, cows)):
+        chunk_end = total_computed + num_new_tokens
+        slots = SlotRequest(chunk_end + num_lookahead_tokens, total_computed, chunk_end, num_tokens)
+        if not self.pool.has_room(self._blocks_needed(req_id, slots, hit_blocks, cows)):
             return None
         copies = []
         if hit is not None:
@@ -199,9 +200,7 @@ class KVCacheManager:
                     )
         elif req_id not in self._requests:
             self._begin_request(req_id, self._empty_hit(num_tokens, False), num_prompt_tokens)
-        new_ids = tuple(
-            tuple(b.block_id for b in g.allocate(req_id, num_slots)) for g in self.groups
-        )
+        new_ids = tuple(tuple(b.block_id for b in g.allocate(req_id, slots)) for g in self.groups)
         if self.enable_caching:
             self._register(req_id, block_hashes, total_computed, num_new_tokens, num_tokens)
         if hit is not None and hit.sample is not None:
@@ -211,21 +210,19 @@ class KVCacheManager:
     def _blocks_needed(
         self,
         req_id: str,
-        num_tokens: int,
+        slots: SlotRequest,
         hit_blocks: Sequence[Sequence[Block]],
         cows: Sequence[Block | None],
     ) -> int:
         return sum(
-            g.num_blocks_needed(req_id, num_tokens, hit_blocks[gid], cows[gid])
+            g.num_blocks_needed(req_id, slots, hit_blocks[gid], cows[gid])
             for gid, g in enumerate(self.groups)
         )
 
     def _begin_request(self, req_id: str, hit: CacheHit, num_prompt_tokens: int | None) -> None:
         if num_prompt_tokens is None:
             raise ValueError(f"request {req_id!r}: a new admission must give num_prompt_tokens")
-        boundaries: tuple[int, ...] = (num_prompt_tokens - 1,)
-        if hit.junction:
-            boundaries = (*boundaries, hit.junction)
+        boundaries = self._boundaries(num_prompt_tokens, hit)
         self._requests[req_id] = _RequestState(
             num_prompt_tokens, boundaries, self._keep_mask(boundaries)
         )
@@ -288,14 +285,18 @@ class KVCacheManager:
             return ()
         return state.keep.state_positions
 
-    def planned_checkpoints(self, num_prompt_tokens: int, hit: CacheHit) -> tuple[int, ...]:
+    def planned_checkpoints(self, num_prompt_tokens: int, hit: CacheHit | None) -> tuple[int, ...]:
         """`checkpoint_positions` of a request before it is admitted with `hit`."""
         if not self._has_align_mamba():
             return ()
-        boundaries = (
-            (num_prompt_tokens - 1, hit.junction) if hit.junction else (num_prompt_tokens - 1,)
-        )
-        return self._keep_mask(boundaries).state_positions
+        return self._keep_mask(self._boundaries(num_prompt_tokens, hit)).state_positions
+
+    @staticmethod
+    def _boundaries(num_prompt_tokens: int, hit: CacheHit | None) -> tuple[int, ...]:
+        """Reachable boundaries: the replay boundary, and a junction found at admission."""
+        if hit is not None and hit.junction:
+            return (num_prompt_tokens - 1, hit.junction)
+        return (num_prompt_tokens - 1,)
 
     def _has_align_mamba(self) -> bool:
         return any(

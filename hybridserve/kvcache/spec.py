@@ -130,6 +130,10 @@ class MambaSpec:
 
     block_size: int
     mode: MambaCacheMode = MambaCacheMode.ALIGN
+    # Align mode: a prefill chunk that starts on the block grid and ends inside a block also
+    # writes the state at its last block boundary into a checkpoint block, so the chunk need
+    # not stop there (vLLM's num_prefill_checkpoint_blocks=1).
+    prefill_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         _check_block_size("mamba.block_size", self.block_size)

@@ -336,8 +336,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ----- lookup properties ----------------------------------------------------------------------
 
-    def _serves(self, gid: int, hashes: Sequence[BlockHash], length: int, cap: int) -> bool:
-        """Whether group `gid` can resume at `length`, by SPEC.md 2.1, 2.2, 2.4 and 3.2."""
+    def _serves(self, gid: int, cached: Sequence[bool], length: int, cap: int) -> bool:
+        """Whether group `gid` can resume at `length`, by SPEC.md 2.1, 2.2, 2.4 and 3.2.
+
+        `cached[i]`: whether the pool holds the group's block i of the request."""
         if length == 0:
             return True
         m = self.m
@@ -345,21 +347,17 @@ class CacheMachine(RuleBasedStateMachine):
         margin = a if m.layout.drops_tail(gid) else 0
         if length % a or length + margin > cap:
             return False
-
-        def cached(index: int) -> bool:
-            return (
-                index < len(hashes) and m.pool.get_cached(cache_key(hashes[index], gid)) is not None
-            )
-
-        end = length + margin
+        end = cdiv(length + margin, unit)  # blocks up to the end of the content needed
+        if end > len(cached):
+            return False
         if isinstance(spec, FullAttentionSpec):
             # k consecutive blocks from block 0, at most cap // U of them.
-            return cdiv(end, unit) <= cap // unit and all(map(cached, range(cdiv(end, unit))))
+            return end <= cap // unit and all(cached[:end])
         if isinstance(spec, SlidingWindowSpec | DraftSpec):
             first = max(length - spec.lookback_tokens, 0) // unit
-            return all(map(cached, range(first, cdiv(end, unit))))
+            return all(cached[first:end])
         assert isinstance(spec, MambaSpec)
-        return length % unit == 0 and cached(length // unit - 1)
+        return length % unit == 0 and cached[length // unit - 1]
 
     def _check_reconciliation(
         self, hashes: Sequence[BlockHash], num_tokens: int, hit: CacheHit
@@ -367,6 +365,9 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.m
         a, cap, n = m.layout.alignment_tokens, num_tokens - 1, m.layout.num_groups
         per_group = [derived_hashes(hashes, g.ctx.hash_ratio) for g in m.groups]
+        cached = [
+            [m.pool.get_cached(cache_key(h, g)) is not None for h in per_group[g]] for g in range(n)
+        ]
         lookups = [g.lookup(h, cap) for g, h in zip(m.groups, per_group, strict=True)]
         drops = [m.layout.drops_tail(g) for g in range(n)]
         rec = reconcile(lookups, drops, alignment=a, cap=cap)
@@ -384,10 +385,13 @@ class CacheMachine(RuleBasedStateMachine):
         for g, lookup in enumerate(lookups):
             limit = min(length + a, cap) if drops[g] else length
             assert lookup.serve(limit, drops[g]) >= length, (g, limit, length)
-            assert self._serves(g, per_group[g], length, cap), (g, length)
-        # ... and no longer aligned length up to the cap is served by every group.
-        for longer in range(length + a, cap + 1, a):
-            assert not all(self._serves(g, per_group[g], longer, cap) for g in range(n)), (
+            assert self._serves(g, cached[g], length, cap), (g, length)
+        # ... and no longer aligned length up to the cap is served by every group. (Full
+        # attention serves nothing past its run of cached blocks: stop there.)
+        run = next((i for i, hit_i in enumerate(cached[0]) if not hit_i), len(cached[0]))
+        longest = min(cap, run * m.layout.units[0])
+        for longer in range(length + a, longest + 1, a):
+            assert not all(self._serves(g, cached[g], longer, cap) for g in range(n)), (
                 f"reconciled {length} but every group serves {longer}"
             )
         # Block lists: L // U entries (null padding only before a window or state), the right
@@ -442,10 +446,6 @@ class CacheMachine(RuleBasedStateMachine):
             )
         self._new_step()
 
-    @rule()
-    def begin_step(self) -> None:
-        self._new_step()
-
     @precondition(lambda self: len(self.waiting) < MAX_WAITING)
     @rule(data=st.data())
     def submit(self, data: st.DataObject) -> None:
@@ -453,11 +453,26 @@ class CacheMachine(RuleBasedStateMachine):
         rid = self._fresh_id()
         self.waiting[rid] = Req(rid, tokens, salt, self._hash(tokens, salt), len(tokens))
 
+    @precondition(lambda self: self.running or self.waiting)
+    @rule(data=st.data())
+    def scheduler_step(self, data: st.DataObject) -> None:
+        """A new step: most running requests advance by a chunk, then waiters are admitted."""
+        self._new_step()
+        for rid in sorted(self.running):
+            if data.draw(st.integers(0, 4), label="skip") != 0:
+                self._advance(data, rid)
+        for rid in sorted(self.waiting):
+            if len(self.running) < MAX_RUNNING and data.draw(st.booleans(), label="admit"):
+                self._admit(data, rid)
+
     @precondition(lambda self: self.waiting and len(self.running) < MAX_RUNNING)
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
+        """Lookup, then allocate a first chunk (in the current step)."""
+        self._admit(data, data.draw(st.sampled_from(sorted(self.waiting)), label="rid"))
+
+    def _admit(self, data: st.DataObject, rid: str) -> None:
         """Lookup, then allocate a first chunk; a failure leaves everything as it was."""
-        rid = data.draw(st.sampled_from(sorted(self.waiting)), label="rid")
         req = self.waiting[rid]
         self._schedule(rid)
         m = self.m
@@ -589,8 +604,11 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def advance(self, data: st.DataObject) -> None:
+        """One chunk of prefill, or one decode step (in the current step)."""
+        self._advance(data, data.draw(st.sampled_from(sorted(self.running)), label="rid"))
+
+    def _advance(self, data: st.DataObject, rid: str) -> None:
         """One chunk of prefill, or one decode step; a failure releases at most."""
-        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
         req = self.running[rid]
         if req.computed >= len(req.tokens):
             return  # at MAX_TOKENS: nothing left to compute
@@ -645,6 +663,7 @@ class CacheMachine(RuleBasedStateMachine):
         req.checkpoints_honoured = True
         self.waiting[rid] = req
 
+    @precondition(lambda self: self.corpus or self.running)
     @rule(data=st.data())
     def pressure(self, data: st.DataObject) -> None:
         """A request too large for the pool fails and leaves the pool exactly as it was."""
@@ -680,26 +699,18 @@ class CacheMachine(RuleBasedStateMachine):
         assert metrics_state(m) == metrics
         assert all(not t for t in m.block_ids(rid))
 
+    @precondition(lambda self: self.corpus or self.running or self.waiting)
     @rule(data=st.data())
-    def probe(self, data: st.DataObject) -> None:
-        """A lookup alone, of a known sequence's prefix plus a few tokens."""
+    def lookups_alone(self, data: st.DataObject) -> None:
+        """Lookups with no allocation: a known sequence's prefix plus a few tokens, and the
+        whole sequence under a salt never used before, which shares no block: its hit is 0."""
         sources = self._sources()
-        if not sources:
-            return
         base, salt = sources[data.draw(st.integers(0, len(sources) - 1), label="src")]
         tokens = list(base[: data.draw(st.integers(1, len(base)), label="keep")])
         tokens += data.draw(st.lists(st.integers(0, ALPHABET - 1), max_size=8), label="extra")
         self._find_hit(self._hash(tokens, salt), len(tokens))
-
-    @rule(data=st.data())
-    def fresh_salt_never_hits(self, data: st.DataObject) -> None:
-        """A salt never used before shares no block with anything: the hit is 0."""
-        sources = self._sources()
-        if not sources:
-            return
-        tokens, _ = sources[data.draw(st.integers(0, len(sources) - 1), label="src")]
         self.next_salt += 1
-        hit, _ = self._find_hit(self._hash(tokens, f"fresh-{self.next_salt}"), len(tokens))
+        hit, _ = self._find_hit(self._hash(base, f"fresh-{self.next_salt}"), len(base))
         assert hit.num_tokens == 0, "a hit crossed cache salts"
 
     @precondition(lambda self: self.scheduled & set(self.running))
@@ -783,12 +794,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert not set(self.running) & set(self.waiting)
         for rid in self.waiting:
             assert all(not t for t in m.block_ids(rid)), f"waiting {rid} holds blocks"
-        null = m.pool.null_block
         for rid, req in self.running.items():
-            for g, group in enumerate(m.groups):
-                table = group.tables.get(rid)
-                assert table, f"running {rid} holds nothing in group {g}"
-                assert any(b is not null for b in table), f"running {rid}: group {g} all null"
+            # A window-1 group may hold only null entries (nothing before the next token).
+            assert all(rid in group.tables for group in m.groups), f"running {rid} holds nothing"
             self._check_table(req)
         known = set(self.running)
         for group in m.groups:

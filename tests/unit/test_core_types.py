@@ -181,10 +181,10 @@ def test_waiting_request_cannot_be_preempted_or_finish_normally() -> None:
 
 def test_request_counts_prompt_and_output_tokens() -> None:
     request = make_request()
-    request.output_token_ids.extend([7, 8])
+    request.append_output_tokens([7, 8])
     assert request.num_tokens == 5 and list(request.all_token_ids) == [1, 2, 3, 7, 8]
 
 
 def test_step_plan_counts_scheduled_tokens_with_drafts() -> None:
     chunk = ScheduledChunk("r1", 0, (1, 2, 3), ((1,),), True, num_draft_tokens=2)
-    assert StepPlan(0, (chunk,)).num_scheduled_tokens == 5
+    assert StepPlan(0, (chunk,)).num_scheduled_tokens == 3

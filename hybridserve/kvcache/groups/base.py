@@ -16,6 +16,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """What one allocation asks of every group."""
+
+    num_slots: int  # slots to hold: computed + new + lookahead tokens
+    computed: int  # tokens computed before this chunk (a new request's hit included)
+    chunk_end: int  # computed + new tokens (lookahead excluded)
+    seq_tokens: int  # the request's known tokens (prompt + output)
+
+
+@dataclass(frozen=True, slots=True)
 class GroupContext:
     """What a group manager needs to know about its place in the layout."""
 
@@ -76,7 +86,7 @@ class GroupManager:
         return 0
 
     def num_blocks_needed(
-        self, req_id: str, num_tokens: int, hit: Sequence[Block], cow_src: Block | None
+        self, req_id: str, slots: SlotRequest, hit: Sequence[Block], cow_src: Block | None
     ) -> int:
         """Blocks this group must take from the free queue to hold `num_tokens` slots.
 
@@ -87,7 +97,7 @@ class GroupManager:
         held = max(len(hit) + len(table), self.skipped_tokens_for_new(req_id, hit))
         if cow_src is not None:
             held += 1
-        new = max(cdiv(num_tokens, self.block_size) - held, 0)
+        new = max(cdiv(slots.num_slots, self.block_size) - held, 0)
         return new + _num_evictable(hit, self.pool) + _cow_cost(cow_src)
 
     def skipped_tokens_for_new(self, req_id: str, hit: Sequence[Block]) -> int:
@@ -111,11 +121,11 @@ class GroupManager:
         self.num_processed[req_id] = len(hit)
         return cow_dst
 
-    def allocate(self, req_id: str, num_tokens: int) -> list[Block]:
-        """Grow the table to hold `num_tokens` slots. The caller checked capacity."""
+    def allocate(self, req_id: str, slots: SlotRequest) -> list[Block]:
+        """Grow the table to hold `slots.num_slots` slots. The caller checked capacity."""
         table = self.tables.setdefault(req_id, [])
         self.num_processed.setdefault(req_id, 0)
-        num_new = cdiv(num_tokens, self.block_size) - len(table)
+        num_new = cdiv(slots.num_slots, self.block_size) - len(table)
         if num_new <= 0:
             return []
         blocks = self.pool.allocate(num_new)

@@ -10,6 +10,7 @@ from hybridserve.kvcache.groups.base import (
     GroupLookup,
     GroupManager,
     KeepMask,
+    SlotRequest,
     _num_evictable,
     cdiv,
 )
@@ -59,13 +60,29 @@ class MambaManager(GroupManager):
         return max(cdiv(num_computed_tokens, self.block_size) - 1, 0) * self.block_size
 
     def num_blocks_needed(
-        self, req_id: str, num_tokens: int, hit: Sequence[Block], cow_src: Block | None
+        self, req_id: str, slots: SlotRequest, hit: Sequence[Block], cow_src: Block | None
     ) -> int:
         if not self.align:
-            return super().num_blocks_needed(req_id, num_tokens, hit, cow_src)
+            return super().num_blocks_needed(req_id, slots, hit, cow_src)
         table = self.tables.get(req_id, ())
-        grows = cdiv(num_tokens, self.block_size) > len(hit) + len(table)
-        return (1 if grows else 0) + _num_evictable(hit, self.pool)
+        if cdiv(slots.num_slots, self.block_size) <= len(hit) + len(table):
+            return _num_evictable(hit, self.pool)
+        checkpoint = 1 if self._checkpoint_index(req_id, slots, len(hit)) is not None else 0
+        return 1 + checkpoint + _num_evictable(hit, self.pool)
+
+    def _checkpoint_index(self, req_id: str, slots: SlotRequest, num_hit: int) -> int | None:
+        """Where the final prefill chunk writes the state at its last block boundary."""
+        if not self.spec.prefill_checkpoint:
+            return None
+        bs, end = self.block_size, slots.chunk_end
+        if end != slots.seq_tokens or end % bs == 0 or slots.computed % bs != 0:
+            return None
+        index = cdiv(end, bs) - 2
+        live = self.live.get(req_id, ())
+        held = max(len(self.tables.get(req_id, ())), num_hit)
+        if index < 0 or (index < held and index in live):
+            return None
+        return index
 
     def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> Block | None:
         cow_dst = super().add_hit(req_id, hit, cow_src)
@@ -74,49 +91,62 @@ class MambaManager(GroupManager):
             self.live[req_id] = [i for i, b in enumerate(hit) if b is not null]
         return cow_dst
 
-    def allocate(self, req_id: str, num_tokens: int) -> list[Block]:
+    def allocate(self, req_id: str, slots: SlotRequest) -> list[Block]:
         if not self.align:
-            return super().allocate(req_id, num_tokens)
+            return super().allocate(req_id, slots)
         table = self.tables.setdefault(req_id, [])
         self.num_processed.setdefault(req_id, 0)
         live = self.live.setdefault(req_id, [])
-        target = cdiv(num_tokens, self.block_size)
+        target = cdiv(slots.num_slots, self.block_size)
         if target <= len(table):
             return []
-        table.extend([self.pool.null_block] * (target - 1 - len(table)))
-        blocks = self.pool.allocate(1)
-        table.extend(blocks)
-        live.append(target - 1)
+        checkpoint = self._checkpoint_index(req_id, slots, len(table))
+        null = self.pool.null_block
+        table.extend([null] * (target - len(table)))
+        indices = [target - 1] if checkpoint is None else [checkpoint, target - 1]
+        blocks = self.pool.allocate(len(indices))
+        for index, block in zip(indices, blocks, strict=True):
+            table[index] = block
+            live.append(index)
         return blocks
 
     def remove_skipped(self, req_id: str, num_computed_tokens: int) -> None:
+        """Release states no later step reads, as vLLM does: first the run of real blocks just
+        below the computed position (one release), then the previous running state."""
         if not self.align:
             super().remove_skipped(req_id, num_computed_tokens)
             return
         live = self.live.get(req_id)
         if not live:
             return
-        cutoff = self.skipped_tokens(num_computed_tokens) // self.block_size
-        stale = [i for i in live if i < cutoff]
-        if not stale:
-            return
         table = self.tables[req_id]
-        freed = [table[i] for i in reversed(stale)]
-        for i in stale:
-            table[i] = self.pool.null_block
-        self.live[req_id] = [i for i in live if i >= cutoff]
-        self.pool.free(freed)
+        keep_from = cdiv(num_computed_tokens, self.block_size) - 1
+        top = min(max(num_computed_tokens - 1, 0) // self.block_size, len(table))
+        null = self.pool.null_block
+        run = []
+        for index in range(top - 1, -1, -1):
+            if table[index] is null:
+                break
+            run.append(index)
+        rest = [i for i in live if i < keep_from and i not in run]
+        for group in (run, *([i] for i in sorted(rest, reverse=True))):
+            if group:
+                freed = [table[i] for i in group]
+                for i in group:
+                    table[i] = null
+                self.pool.free(freed)
+        self.live[req_id] = [i for i in live if table[i] is not null]
 
     def free(self, req_id: str) -> None:
         self.live.pop(req_id, None)
         super().free(req_id)
 
     def _should_register(self, index: int, chunk_end: int, keep: KeepMask) -> bool:
+        # Only real blocks reach here: in align mode a real block past the processed prefix
+        # holds a state materialised this step (a chunk end or a prefill checkpoint).
         position = (index + 1) * self.block_size
         if position % self.ctx.alignment != 0:
             return False
-        if self.align and position != chunk_end:
-            return False  # no state was materialised here
         return keep.keeps_position(position)
 
 

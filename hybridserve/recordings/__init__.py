@@ -1,0 +1,1 @@
+"""Differential replay against recorded vLLM scheduler decisions (`vllm-sched-trace/1`)."""

@@ -1,0 +1,165 @@
+"""Read a `vllm-sched-trace/1` recording and rebuild its scenario exactly.
+
+The prompts come from the header's closed-form generator; each is checked against the
+recorded sha256, so a replay proves it rebuilt the exact token sequences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
+from hybridserve.core.errors import HybridServeError
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
+from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode
+
+FORMAT = "vllm-sched-trace/1"
+
+
+class RecordingError(HybridServeError, ValueError):
+    """The recording is malformed, or a rebuilt prompt does not match its digest."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    req_id: str
+    index: int
+    arrival_step: int
+    arrival_time: float
+    priority: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampler_base: int
+    sampler_offset: int
+    sampler_mod: int
+
+    def output_token(self, t: int) -> int:
+        return self.sampler_base + (self.sampler_offset + t) % self.sampler_mod
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    path: Path
+    header: dict[str, Any]
+    requests: tuple[RecordedRequest, ...]
+    steps: tuple[dict[str, Any], ...]
+
+    @property
+    def scenario(self) -> str:
+        return str(self.header.get("scenario", self.path.stem))
+
+
+def load_recording(path: Path) -> Recording:
+    if not path.exists():
+        raise RecordingError(f"recording {path} does not exist")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise RecordingError(f"{path}: line {exc.lineno} is not JSON ({exc.msg})") from None
+    if not rows or rows[0].get("format") != FORMAT:
+        raise RecordingError(f"{path}: line 1 must be a {FORMAT!r} header")
+    header = rows[0]
+    params = header["workload"]["params"]
+    requests = tuple(
+        _build_request(path, row, params, header) for row in rows[1:] if "req_id" in row
+    )
+    steps = tuple(row for row in rows[1:] if "step" in row)
+    if len(requests) != header["workload"]["n_requests"]:
+        raise RecordingError(
+            f"{path}: {len(requests)} request lines, header says {header['workload']['n_requests']}"
+        )
+    return Recording(path, header, requests, steps)
+
+
+def generate_prompt(i: int, p: dict[str, int]) -> list[int]:
+    """The recorder's closed-form prompt generator (FORMAT.md, workload.formulas)."""
+    a, k = i % p["n_agents"], i // p["n_agents"]
+    shared_len = p["base_min"] + (a * p["base_mul"]) % p["base_mod"] + k * p["growth"]
+    suffix_len = p["suffix_min"] + (i * p["suffix_len_mul"]) % p["suffix_len_mod"]
+    prompt = [p["agent_tag_base"] + a]
+    a_term = a * p["agent_a_mul"]
+    prompt += [
+        p["agent_tok_base"] + (a_term + q * p["agent_p_mul"]) % p["agent_tok_mod"]
+        for q in range(1, shared_len)
+    ]
+    prompt.append(p["suffix_tag_base"] + i)
+    i_term = i * p["suffix_i_mul"]
+    prompt += [
+        p["suffix_tok_base"] + (i_term + j * p["suffix_j_mul"]) % p["suffix_tok_mod"]
+        for j in range(1, suffix_len)
+    ]
+    return prompt
+
+
+def _build_request(
+    path: Path, row: dict[str, Any], params: dict[str, int], header: dict[str, Any]
+) -> RecordedRequest:
+    index = row["idx"]
+    prompt = generate_prompt(index, params)
+    digest = hashlib.sha256(",".join(map(str, prompt)).encode("ascii")).hexdigest()
+    if digest != row["prompt_sha256"] or len(prompt) != row["prompt_len"]:
+        raise RecordingError(
+            f"{path}: request {row['req_id']}: the rebuilt prompt ({len(prompt)} tokens) does "
+            "not match the recorded prompt_sha256; the generator parameters disagree"
+        )
+    sampler = row["sampler"]
+    return RecordedRequest(
+        req_id=row["req_id"],
+        index=index,
+        arrival_step=row["arrival_step"],
+        arrival_time=row["arrival_time"],
+        priority=row["priority"],
+        prompt=tuple(prompt),
+        max_tokens=row["max_tokens"],
+        sampler_base=sampler["base"],
+        sampler_offset=sampler["offset"],
+        sampler_mod=sampler["mod"],
+    )
+
+
+def scheduler_config(header: dict[str, Any]) -> SchedulerConfig:
+    engine = header["engine"]
+    return SchedulerConfig(
+        max_num_seqs=engine["max_num_seqs"],
+        max_num_batched_tokens=engine["max_num_scheduled_tokens"],
+        max_model_len=engine["max_model_len"],
+        enable_chunked_prefill=engine["enable_chunked_prefill"],
+        long_prefill_token_threshold=engine["long_prefill_token_threshold"],
+        policy=SchedulingPolicy(engine["policy"]),
+        reserve_full_isl=engine["scheduler_reserve_full_isl"],
+    )
+
+
+def cache_layout(header: dict[str, Any]) -> CacheLayout:
+    cache, engine = header["cache"], header["engine"]
+    groups: list[GroupSpec] = []
+    for group in cache["groups"]:
+        if group["kind"] == "FullAttentionSpec":
+            groups.append(FullAttentionSpec(block_size=group["block_size"]))
+        elif group["kind"] == "MambaSpec":
+            mode = MambaCacheMode(group.get("mamba_cache_mode") or "align")
+            checkpoint = (group.get("num_prefill_checkpoint_blocks") or 0) > 0
+            groups.append(
+                MambaSpec(block_size=group["block_size"], mode=mode, prefill_checkpoint=checkpoint)
+            )
+        else:
+            raise RecordingError(f"unsupported cache group kind {group['kind']!r}")
+    interval = cache.get("prefix_cache_retention_interval")
+    if interval is None:
+        retention = RetentionPolicy.parse("dense")
+    elif interval == 0:
+        retention = RetentionPolicy.parse("boundary")
+    else:
+        retention = RetentionPolicy.parse(f"interval:{interval}")
+    return CacheLayout(
+        groups=tuple(groups),
+        num_blocks=engine["num_blocks"],
+        hash_block_size=engine["hash_block_size"],
+        alignment_tokens=cache.get("cache_hit_alignment_tokens") or 0,
+        retention=retention,
+    )

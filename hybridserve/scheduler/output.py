@@ -1,0 +1,29 @@
+"""What one schedule() decided: the executor's plan plus the scheduler's own record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridserve.core.plan import StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    plan: StepPlan
+    # (req_id, tokens) in vLLM's order: scheduled running requests, then admissions.
+    num_scheduled_tokens: tuple[tuple[str, int], ...]
+    new_reqs: tuple[tuple[str, int], ...]  # first admissions: (req_id, prefix-hit tokens)
+    resumed: tuple[tuple[str, int], ...]  # re-admissions after preemption: (req_id, hit)
+    preempted: tuple[str, ...]  # in the order they were preempted
+    finished_req_ids: tuple[str, ...]  # finished in the previous step's update
+    num_free_blocks: int  # right after scheduling
+    num_prefill_tokens: int  # scheduled tokens of requests still short of their prompt end
+    num_decode_tokens: int
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

@@ -1,0 +1,431 @@
+"""Scheduler: vLLM v1's token-budget loop (running first, then waiting), preemption by
+recompute, prefix hits at admission, and the finished-id flush one step later.
+
+With every control off the decisions are vLLM 0.33's exactly; `hybridserve replay-vllm` proves
+it step by step against recordings of the real scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
+from hybridserve.core.errors import RequestError
+from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult
+from hybridserve.core.request import Request, RequestStatus
+from hybridserve.kvcache import Allocation, CacheHit, KVCacheManager
+from hybridserve.kvcache.retention import RetentionKind
+from hybridserve.kvcache.spec import MambaCacheMode, MambaSpec
+from hybridserve.scheduler.output import SchedulerOutput
+from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+
+
+class Scheduler:
+    """Owns the requests and their lifecycle. Only the scheduler mutates a Request."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: KVCacheManager,
+        *,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.num_lookahead_tokens = num_speculative_tokens
+        self.waiting: FcfsQueue | PriorityQueue = (
+            PriorityQueue() if config.policy is SchedulingPolicy.PRIORITY else FcfsQueue()
+        )
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_pending: list[str] = []
+        self.step_id = 0
+        self.token_budget = config.max_num_batched_tokens
+        self.align_block = _align_block_size(cache)
+        self.drops_tail = cache.layout.speculative.drops_target_tail
+        # The final chunk's checkpoint block holds the last boundary's state (not with EAGLE).
+        self.prefill_checkpoint = not self.drops_tail and any(
+            isinstance(s, MambaSpec) and s.prefill_checkpoint for s in cache.layout.groups
+        )
+
+    # ----- requests -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises RequestError (and queues nothing) if it cannot run."""
+        if request.req_id in self.requests:
+            raise RequestError("req_id", request.req_id, "use an id that is not in flight")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise RequestError("status", request.status.value, "add a fresh request")
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens >= limit:
+            raise RequestError(
+                "prompt_token_ids",
+                f"<{request.num_prompt_tokens} tokens>",
+                f"max_model_len={limit} leaves no room to generate; shorten the prompt",
+            )
+        if self.config.policy is SchedulingPolicy.FCFS and request.priority != 0:
+            raise RequestError(
+                "priority", request.priority, "the fcfs scheduler takes priority 0 only"
+            )
+        request.block_hashes = self.cache.hasher.hash_tokens(
+            request.token_ids, cache_salt=request.cache_salt
+        )
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+
+    def abort(self, req_id: str) -> None:
+        """Abort a waiting or running request and free its blocks."""
+        request = self.requests.get(req_id)
+        if request is None:
+            raise RequestError("req_id", req_id, "no such request is in flight")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.cache.free(req_id)
+        else:
+            self.waiting.remove(request)
+        request.transition(RequestStatus.FINISHED_ABORTED)
+        del self.requests[req_id]
+        self._finished_pending.append(req_id)
+
+    def has_requests(self) -> bool:
+        """True while any request is unfinished or finished ids are not yet reported."""
+        return bool(self.running or self.waiting or self._finished_pending)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----- schedule -----------------------------------------------------------------------
+
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """Running requests first (decodes and partial prefills, in order), then waiting ones.
+
+        `now` is the step's time; the baseline does not use it (the controls do).
+        """
+        self.cache.new_step()
+        step = _Step(self.token_budget, self._threshold())
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._finish_schedule(step)
+
+    def _threshold(self) -> int:
+        # vLLM caps long prefills only when more than one request is in flight.
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0 and len(self.running) + len(self.waiting) > 1:
+            return threshold
+        return 0
+
+    def _schedule_running(self, step: _Step) -> None:
+        index = 0
+        while index < len(self.running) and step.budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < step.threshold < num_new:
+                num_new = step.threshold
+            num_new = min(num_new, step.budget)
+            num_new = min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
+            if self.align_block:
+                num_new = self._align_split(
+                    request, num_new, hit=0, junction=request.prefix_junction
+                )
+            if num_new <= 0:
+                index += 1
+                continue
+            allocation, index = self._allocate_or_preempt(step, request, num_new, index)
+            if allocation is None:
+                break  # the request preempted itself
+            step.record(request.req_id, num_new, allocation)
+            index += 1
+
+    def _allocate_or_preempt(
+        self, step: _Step, request: Request, num_new: int, index: int
+    ) -> tuple[Allocation | None, int]:
+        while True:
+            allocation = self.cache.allocate(
+                request.req_id,
+                request.block_hashes,
+                num_tokens=request.num_tokens,
+                num_computed_tokens=request.num_computed_tokens,
+                num_new_tokens=num_new,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+            )
+            if allocation is not None:
+                return allocation, index
+            victim = self._pick_victim()
+            victim_index = self.running.index(victim)
+            self.running.pop(victim_index)
+            if victim_index < index:
+                index -= 1
+            step.unschedule(victim.req_id)
+            self._preempt(victim, step)
+            if victim is request:
+                return None, index
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        self.cache.free(request.req_id)
+        request.transition(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.spec_token_ids.clear()
+        self.waiting.prepend(request)
+        step.preempted.append(request.req_id)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        config = self.config
+        while self.waiting and step.budget > 0:
+            if len(self.running) >= config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            resumed = request.status is RequestStatus.PREEMPTED
+            hit = self.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
+            num_new = request.num_tokens - hit.num_tokens
+            if 0 < step.threshold < num_new:
+                num_new = step.threshold
+            if not config.enable_chunked_prefill and num_new > step.budget:
+                break
+            num_new = min(num_new, step.budget)
+            if self.align_block:
+                num_new = self._align_split(
+                    request, num_new, hit=hit.num_tokens, junction=hit.junction
+                )
+                if num_new <= 0:
+                    break
+            allocation = self._admit(request, hit, num_new)
+            if allocation is None:
+                break  # head-of-line blocking
+            (step.resumed if resumed else step.new_reqs).append((request.req_id, hit.num_tokens))
+            step.record(request.req_id, num_new, allocation, new_request=True)
+
+    def _admit(self, request: Request, hit: CacheHit, num_new: int) -> Allocation | None:
+        allocation = self.cache.allocate(
+            request.req_id,
+            request.block_hashes,
+            num_tokens=request.num_tokens,
+            num_computed_tokens=0,
+            num_new_tokens=num_new,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+            hit=hit,
+            num_prompt_tokens=request.num_prompt_tokens,
+            full_sequence_must_fit=self.config.reserve_full_isl,
+        )
+        if allocation is None:
+            return None
+        self.waiting.pop()
+        self.running.append(request)
+        request.transition(RequestStatus.RUNNING)
+        request.num_computed_tokens = hit.num_tokens
+        request.prefix_junction = hit.junction
+        return allocation
+
+    def _align_split(self, request: Request, num_new: int, *, hit: int, junction: int) -> int:
+        """Cut a prefill chunk so that the states future lookups need get materialised.
+
+        Non-final chunks end on the state block grid. A chunk stops at the sequence's last
+        block boundary (one block earlier under a tail-dropping method) unless it starts on
+        the grid and a prefill checkpoint block will hold that state, and it stops at a
+        shared-prefix junction. Retention policies other than `boundary` add their own
+        checkpoint positions as stops.
+        """
+        start = request.num_computed_tokens + hit
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if start >= prefill_end:
+            return num_new  # decode
+        block = self.align_block
+        end = start + num_new
+        last_cache = request.num_tokens - request.num_tokens % block
+        if self.drops_tail:
+            last_cache = max(last_cache - block, 0)
+        if self.prefill_checkpoint and start % block == 0:
+            last_cache = 0
+        if end < prefill_end:
+            aligned_end = end // block * block
+            if aligned_end > start or block <= self._max_prefill_chunk():
+                end = aligned_end
+        stops = [last_cache]
+        if start % block:
+            stops.append((start // block + 1) * block)
+        if start < junction < end:
+            stops.append(start + (junction - start) // block * block)
+        stops.extend(self._retention_stops(request))
+        end = min([end, *(s for s in stops if start < s < end)])
+        return max(end - start, 0)
+
+    def _max_prefill_chunk(self) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        return min(self.token_budget, threshold) if threshold > 0 else self.token_budget
+
+    def _retention_stops(self, request: Request) -> tuple[int, ...]:
+        if self.cache.layout.retention.kind is RetentionKind.BOUNDARY:
+            return ()  # exactly vLLM's forced chunk ends
+        return self.cache.checkpoint_positions(request.req_id) or self.cache.planned_checkpoints(
+            request.num_prompt_tokens, None
+        )
+
+    def _finish_schedule(self, step: _Step) -> SchedulerOutput:
+        chunks = []
+        num_prefill = num_decode = 0
+        for req_id, num_new in step.scheduled.items():
+            request = self.requests[req_id]
+            start = request.num_computed_tokens
+            request.num_computed_tokens = start + num_new
+            num_tokens = request.num_tokens
+            end = start + num_new
+            num_draft = max(end - num_tokens, 0)
+            tokens = request.token_ids[start : end - num_draft]
+            if num_draft:
+                tokens = tokens + request.spec_token_ids[:num_draft]
+            if start + 1 < num_tokens:
+                num_prefill += num_new
+            else:
+                num_decode += num_new
+            new_request = req_id in step.admitted
+            allocation = step.allocations[req_id]
+            block_ids = self.cache.block_ids(req_id) if new_request else allocation.new_block_ids
+            chunks.append(
+                ScheduledChunk(
+                    req_id=req_id,
+                    start=start,
+                    token_ids=tuple(tokens),
+                    block_ids=block_ids,
+                    sample=end - num_draft >= num_tokens,
+                    num_draft_tokens=num_draft,
+                    new_request=new_request,
+                )
+            )
+        finished = tuple(self._finished_pending)
+        self._finished_pending = []
+        plan = StepPlan(
+            step_id=self.step_id,
+            chunks=tuple(chunks),
+            block_copies=tuple(c for a in step.allocations.values() for c in a.block_copies),
+            preempted_req_ids=tuple(step.preempted),
+            finished_req_ids=finished,
+        )
+        self.step_id += 1
+        return SchedulerOutput(
+            plan=plan,
+            num_scheduled_tokens=tuple(step.scheduled.items()),
+            new_reqs=tuple(step.new_reqs),
+            resumed=tuple(step.resumed),
+            preempted=tuple(step.preempted),
+            finished_req_ids=finished,
+            num_free_blocks=self.cache.num_free_blocks,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+        )
+
+    # ----- update -------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """Append sampled tokens, reject unverified drafts, finish requests, free their blocks."""
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        for chunk in output.plan.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted since
+            sampled = result.sampled_token_ids.get(chunk.req_id, ())
+            if chunk.num_draft_tokens:
+                accepted = max(len(sampled) - 1, 0)
+                request.num_computed_tokens -= chunk.num_draft_tokens - accepted
+                request.spec_token_ids.clear()
+            if not sampled:
+                continue
+            new_tokens = self._append(request, sampled)
+            finished = request.status is not RequestStatus.RUNNING
+            any_finished |= finished
+            reason = request.finish_reason.value if request.finish_reason else None
+            outputs.append(RequestOutput(request.req_id, new_tokens, finished, reason))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    def _append(self, request: Request, sampled: tuple[int, ...]) -> tuple[int, ...]:
+        sampling = request.sampling
+        kept: list[int] = []
+        status = None
+        for token in sampled:
+            kept.append(token)
+            if not sampling.ignore_eos and token in sampling.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                break
+            if request.num_output_tokens + len(kept) >= sampling.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        request.append_output_tokens(kept)
+        self.cache.hasher.extend(
+            request.block_hashes, request.token_ids, cache_salt=request.cache_salt
+        )
+        if status is not None:
+            request.transition(status)
+            self.cache.free(request.req_id)
+            del self.requests[request.req_id]
+            self._finished_pending.append(request.req_id)
+        return tuple(kept)
+
+
+class _Step:
+    """One schedule() call's working state."""
+
+    __slots__ = (
+        "admitted",
+        "allocations",
+        "budget",
+        "new_reqs",
+        "preempted",
+        "resumed",
+        "scheduled",
+        "threshold",
+    )
+
+    def __init__(self, budget: int, threshold: int) -> None:
+        self.budget = budget
+        self.threshold = threshold
+        self.scheduled: dict[str, int] = {}
+        self.allocations: dict[str, Allocation] = {}
+        self.admitted: set[str] = set()
+        self.new_reqs: list[tuple[str, int]] = []
+        self.resumed: list[tuple[str, int]] = []
+        self.preempted: list[str] = []
+
+    def record(
+        self, req_id: str, num_new: int, allocation: Allocation, *, new_request: bool = False
+    ) -> None:
+        self.scheduled[req_id] = num_new
+        self.allocations[req_id] = allocation
+        self.budget -= num_new
+        if new_request:
+            self.admitted.add(req_id)
+
+    def unschedule(self, req_id: str) -> None:
+        """A victim scheduled earlier in this step gives its tokens back."""
+        num = self.scheduled.pop(req_id, None)
+        if num is not None:
+            self.budget += num
+            del self.allocations[req_id]
+
+
+def _align_block_size(cache: KVCacheManager) -> int:
+    """Block size of align-mode state groups (prefill chunks end on its grid), or 0."""
+    sizes = [
+        s.block_size
+        for s in cache.layout.groups
+        if isinstance(s, MambaSpec) and s.mode is MambaCacheMode.ALIGN
+    ]
+    return max(sizes) if sizes else 0
