@@ -253,6 +253,57 @@ def _print_table(
     console.print(table)
 
 
+@app.command("replay-vllm")
+def replay_vllm(
+    files: Annotated[list[Path], typer.Argument(help="vllm-sched-trace/1 JSONL recordings.")],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object per file.")
+    ] = False,
+    check_invariants: Annotated[
+        bool, typer.Option(help="Check the cache's invariants after every step (slower).")
+    ] = False,
+) -> None:
+    """Replay recorded vLLM scheduler decisions through the hybridserve baseline, step by step.
+
+    Exits 0 only if every step of every file is identical.
+    """
+    from hybridserve.recordings.replay import replay_recording
+    from hybridserve.recordings.trace import load_recording
+
+    all_identical = True
+    for path in files:
+        try:
+            recording = load_recording(path)
+            report = replay_recording(recording, check_invariants=check_invariants)
+        except HybridServeError as exc:
+            raise _fail(str(exc)) from None
+        all_identical &= report.first_divergence is None
+        if as_json:
+            sys.stdout.write(json.dumps(report.to_json()) + "\n")
+            continue
+        status = "[green]identical[/]" if report.first_divergence is None else "[red]diverged[/]"
+        Console().print(
+            f"{path.name}: {report.identical_steps}/{report.steps} steps identical {status}",
+            highlight=False,
+        )
+        if report.first_divergence is not None:
+            d = report.first_divergence
+            want, got = d["expected"], d["actual"]
+            where = ""
+            if "index" in d:
+                i = d["index"]
+                where = f" (first difference at item {i})"
+                want, got = want[max(i - 2, 0) : i + 3], got[max(i - 2, 0) : i + 3]
+            Console().print(
+                f"  first divergence at step {d['step']}, field {d['field']}{where}:\n"
+                f"    vLLM:        {want}\n    hybridserve: {got}",
+                highlight=False,
+                soft_wrap=True,
+            )
+    if not all_identical:
+        raise typer.Exit(code=1)
+
+
 def main() -> None:
     app()
 

