@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.kvcache import CacheHit, KVCacheManager
+from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.executor.fake import FakeExecutor
+from hybridserve.kvcache import (
+    CacheHit,
+    CacheLayout,
+    FullAttentionSpec,
+    GroupSpec,
+    KVCacheManager,
+    MambaSpec,
+)
+from hybridserve.scheduler import Scheduler
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -61,3 +72,33 @@ def prefill(
         manager.free(req_id)
         manager.check_invariants()
     return hit
+
+
+def make_scheduler(
+    *,
+    block_size: int = 16,
+    num_blocks: int = 4096,
+    mamba: bool = False,
+    **config: object,
+) -> Scheduler:
+    """A scheduler over a full-attention (optionally + align-mode Mamba) cache."""
+    groups: tuple[GroupSpec, ...] = (FullAttentionSpec(block_size=block_size),)
+    if mamba:
+        groups = (*groups, MambaSpec(block_size=block_size))
+    layout = CacheLayout(groups=groups, num_blocks=num_blocks)
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(layout))  # type: ignore[arg-type]
+
+
+def make_request(
+    req_id: str, prompt_len: int, *, max_tokens: int = 4, arrival: float = 0.0, base: int = 0
+) -> Request:
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=tuple(range(base, base + prompt_len)),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        arrival_time=arrival,
+    )
+
+
+def fake_executor() -> FakeExecutor:
+    return FakeExecutor(lambda req_id, t: 7 + t)

@@ -19,6 +19,13 @@ class SchedulerOutput:
     num_free_blocks: int  # right after scheduling
     num_prefill_tokens: int  # scheduled tokens of requests still short of their prompt end
     num_decode_tokens: int
+    kv_tokens_read: int = 0  # context tokens the step attends over (sum of chunk ends)
+    num_running: int = 0  # after scheduling
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    mixed_budget: int = 0  # the governed prefill budget Bp of a mixed step (0: none)
+    decode_only: bool = False  # a decode-burst step that deferred all prefill
+    deadline_bypass: bool = False  # the oldest-waiter deadline opened this step
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -16,8 +16,11 @@ from hybridserve.core.request import Request, RequestStatus
 from hybridserve.kvcache import Allocation, CacheHit, KVCacheManager
 from hybridserve.kvcache.retention import RetentionKind
 from hybridserve.kvcache.spec import MambaCacheMode, MambaSpec
+from hybridserve.scheduler.controls import UNLIMITED as UNLIMITED_PLAN
+from hybridserve.scheduler.controls import PrefillController, PrefillPlan, is_decode
 from hybridserve.scheduler.output import SchedulerOutput
 from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue
+from hybridserve.scheduler.step_model import StepTimeModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,7 @@ class Scheduler:
         cache: KVCacheManager,
         *,
         num_speculative_tokens: int = 0,
+        step_model: StepTimeModel | None = None,
     ) -> None:
         self.config = config
         self.cache = cache
@@ -56,6 +60,10 @@ class Scheduler:
         # The final chunk's checkpoint block holds the last boundary's state (not with EAGLE).
         self.prefill_checkpoint = not self.drops_tail and any(
             isinstance(s, MambaSpec) and s.prefill_checkpoint for s in cache.layout.groups
+        )
+        # The quantum q: prefill grants are multiples of the state block (1 without one).
+        self.controls = PrefillController(
+            config, quantum=self.align_block or 1, step_model=step_model
         )
 
     # ----- requests -----------------------------------------------------------------------
@@ -113,10 +121,19 @@ class Scheduler:
         `now` is the step's time; the baseline does not use it (the controls do).
         """
         self.cache.new_step()
-        step = _Step(self.token_budget, self._threshold())
+        plan = self.controls.plan(
+            now=now,
+            running=self.running,
+            waiting=list(self.waiting) if self.controls.enabled else (),
+            token_budget=self.token_budget,
+            seq_slot_free=len(self.running) < self.config.max_num_seqs,
+        )
+        step = _Step(self.token_budget, self._threshold(), plan)
         self._schedule_running(step)
-        if not step.preempted:
+        if not step.preempted and plan.allow_prefill:
             self._schedule_waiting(step)
+        if plan.grants is not None and step.waiter_tokens:
+            self._reclaim(step)
         return self._finish_schedule(step)
 
     def _threshold(self) -> int:
@@ -131,6 +148,8 @@ class Scheduler:
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = request.num_tokens_with_spec - request.num_computed_tokens
+            if step.plan is not UNLIMITED_PLAN and not is_decode(request):
+                num_new = self._granted(step.plan, request, num_new)
             if 0 < step.threshold < num_new:
                 num_new = step.threshold
             num_new = min(num_new, step.budget)
@@ -200,17 +219,30 @@ class Scheduler:
             if not config.enable_chunked_prefill and num_new > step.budget:
                 break
             num_new = min(num_new, step.budget)
+            if step.waiter_tokens is not None:
+                num_new = min(num_new, step.waiter_tokens)
+                if num_new <= 0:
+                    break
             if self.align_block:
                 num_new = self._align_split(
                     request, num_new, hit=hit.num_tokens, junction=hit.junction
                 )
                 if num_new <= 0:
                     break
+            completes = hit.num_tokens + num_new >= request.num_tokens
+            if not self.controls.admits(
+                partials_after=self._partials_after(step), completes=completes
+            ):
+                break
             allocation = self._admit(request, hit, num_new)
             if allocation is None:
                 break  # head-of-line blocking
             (step.resumed if resumed else step.new_reqs).append((request.req_id, hit.num_tokens))
             step.record(request.req_id, num_new, allocation, new_request=True)
+            if step.waiter_tokens is not None:
+                step.waiter_tokens -= num_new
+            if not completes:
+                step.new_partials += 1
 
     def _admit(self, request: Request, hit: CacheHit, num_new: int) -> Allocation | None:
         allocation = self.cache.allocate(
@@ -232,6 +264,60 @@ class Scheduler:
         request.num_computed_tokens = hit.num_tokens
         request.prefix_junction = hit.junction
         return allocation
+
+    def _granted(self, plan: PrefillPlan, request: Request, num_new: int) -> int:
+        """A running partial prefill's tokens under the step's prefill plan."""
+        if not plan.allow_prefill:
+            return 0
+        if plan.grants is None:
+            return num_new
+        return min(num_new, plan.grants.get(request.req_id, 0))
+
+    def _partials_after(self, step: _Step) -> int:
+        """Running requests still short of their prompt end once this step's tokens land."""
+        count = step.new_partials
+        for request in self.running:
+            if step.admitted and request.req_id in step.admitted:
+                continue
+            done = request.num_computed_tokens + step.scheduled.get(request.req_id, 0)
+            if done < max(request.num_prompt_tokens, request.num_tokens - 1):
+                count += 1
+        return count
+
+    def _reclaim(self, step: _Step) -> None:
+        """Give quanta the head waiter could not use back to the running partial prefills."""
+        left = step.waiter_tokens or 0
+        for request in self.running:
+            if left <= 0 or step.budget <= 0:
+                break
+            if request.req_id in step.admitted or is_decode(request):
+                continue
+            already = step.scheduled.get(request.req_id, 0)
+            remaining = request.num_tokens - request.num_computed_tokens
+            total = min(already + left, remaining, already + step.budget)
+            if self.align_block:
+                total = self._align_split(request, total, hit=0, junction=request.prefix_junction)
+            extra = total - already
+            if extra <= 0:
+                continue
+            allocation = self.cache.allocate(
+                request.req_id,
+                request.block_hashes,
+                num_tokens=request.num_tokens,
+                num_computed_tokens=request.num_computed_tokens + already,
+                num_new_tokens=extra,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+            )
+            if allocation is None:
+                break
+            previous = step.allocations.get(request.req_id)
+            if previous is not None:
+                allocation = _merge(previous, allocation)
+            step.scheduled[request.req_id] = already + extra
+            step.allocations[request.req_id] = allocation
+            step.budget -= extra
+            left -= extra
+        step.waiter_tokens = left
 
     def _align_split(self, request: Request, num_new: int, *, hit: int, junction: int) -> int:
         """Cut a prefill chunk so that the states future lookups need get materialised.
@@ -279,7 +365,7 @@ class Scheduler:
 
     def _finish_schedule(self, step: _Step) -> SchedulerOutput:
         chunks = []
-        num_prefill = num_decode = 0
+        num_prefill = num_decode = kv_read = 0
         for req_id, num_new in step.scheduled.items():
             request = self.requests[req_id]
             start = request.num_computed_tokens
@@ -290,7 +376,8 @@ class Scheduler:
             tokens = request.token_ids[start : end - num_draft]
             if num_draft:
                 tokens = tokens + request.spec_token_ids[:num_draft]
-            if start + 1 < num_tokens:
+            kv_read += end
+            if start < max(request.num_prompt_tokens, num_tokens - 1):
                 num_prefill += num_new
             else:
                 num_decode += num_new
@@ -308,6 +395,9 @@ class Scheduler:
                     new_request=new_request,
                 )
             )
+        if self.controls.enabled:
+            partials = sum(1 for r in self.running if not is_decode(r))
+            self.controls.observe(step.plan, prefill_tokens=num_prefill, partials_after=partials)
         finished = tuple(self._finished_pending)
         self._finished_pending = []
         plan = StepPlan(
@@ -328,12 +418,25 @@ class Scheduler:
             num_free_blocks=self.cache.num_free_blocks,
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
+            kv_tokens_read=kv_read,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.cache.usage(),
+            mixed_budget=step.plan.mixed_budget,
+            decode_only=not step.plan.allow_prefill,
+            deadline_bypass=step.plan.bypass,
         )
 
     # ----- update -------------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Append sampled tokens, reject unverified drafts, finish requests, free their blocks."""
+        self.controls.learn(
+            decode=output.num_decode_tokens,
+            prefill=output.num_prefill_tokens,
+            kv_tokens_read=output.kv_tokens_read,
+            duration_s=result.duration_s,
+        )
         outputs: list[RequestOutput] = []
         any_finished = False
         for chunk in output.plan.chunks:
@@ -387,16 +490,22 @@ class _Step:
         "admitted",
         "allocations",
         "budget",
+        "new_partials",
         "new_reqs",
+        "plan",
         "preempted",
         "resumed",
         "scheduled",
         "threshold",
+        "waiter_tokens",
     )
 
-    def __init__(self, budget: int, threshold: int) -> None:
+    def __init__(self, budget: int, threshold: int, plan: PrefillPlan) -> None:
         self.budget = budget
         self.threshold = threshold
+        self.plan = plan
+        self.waiter_tokens = plan.waiter_tokens
+        self.new_partials = 0
         self.scheduled: dict[str, int] = {}
         self.allocations: dict[str, Allocation] = {}
         self.admitted: set[str] = set()
@@ -419,6 +528,13 @@ class _Step:
         if num is not None:
             self.budget += num
             del self.allocations[req_id]
+
+
+def _merge(first: Allocation, second: Allocation) -> Allocation:
+    return Allocation(
+        tuple(a + b for a, b in zip(first.new_block_ids, second.new_block_ids, strict=True)),
+        first.block_copies + second.block_copies,
+    )
 
 
 def _align_block_size(cache: KVCacheManager) -> int:
