@@ -5,6 +5,7 @@ The scheduler-facing API. It takes ids, hashes and lengths, never a Request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,6 +88,21 @@ class KVCacheManager:
             g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
         ]
         self._requests: dict[str, _RequestState] = {}
+        # Positions a state or window group can resume at lie on lcm(A, its block size).
+        self._serving_grids = sorted(
+            {
+                math.lcm(layout.alignment_tokens, g.block_size)
+                for g in self.groups
+                if g.kind in (GroupKind.MAMBA, GroupKind.SWA, GroupKind.DRAFT)
+            }
+        )
+        self._state_grids = sorted(
+            {
+                math.lcm(layout.alignment_tokens, s.block_size)
+                for s in layout.groups
+                if isinstance(s, MambaSpec) and s.mode is MambaCacheMode.ALIGN
+            }
+        )
         self.metrics = CacheMetrics(tuple(s.kind.value for s in layout.groups))
 
     # ----- lookup (never mutates) -------------------------------------------------------------
@@ -241,6 +257,15 @@ class KVCacheManager:
             )
             state.update(landing.state)
             window.update(landing.window)
+        # A landing the target reaches but some group cannot serve (its block is coarser than
+        # A) falls to that group's grid: keep those lower positions in every group too.
+        frontier = set(window)
+        while frontier:
+            projected = {p // g * g for p in frontier for g in self._serving_grids} - window
+            projected.discard(0)
+            window |= projected
+            state |= projected
+            frontier = projected
         interval = policy.interval_tokens if policy.kind is RetentionKind.INTERVAL else 0
         return KeepMask(
             dense=policy.is_dense,
@@ -281,15 +306,19 @@ class KVCacheManager:
     def checkpoint_positions(self, req_id: str) -> tuple[int, ...]:
         """Positions where an align-mode state group wants a prefill chunk to end."""
         state = self._requests.get(req_id)
-        if state is None or not self._has_align_mamba():
+        if state is None or not self._state_grids:
             return ()
-        return state.keep.state_positions
+        return self._on_state_grid(state.keep.state_positions)
+
+    def _on_state_grid(self, positions: Sequence[int]) -> tuple[int, ...]:
+        return tuple(p for p in positions if any(p % g == 0 for g in self._state_grids))
 
     def planned_checkpoints(self, num_prompt_tokens: int, hit: CacheHit | None) -> tuple[int, ...]:
         """`checkpoint_positions` of a request before it is admitted with `hit`."""
-        if not self._has_align_mamba():
+        if not self._state_grids:
             return ()
-        return self._keep_mask(self._boundaries(num_prompt_tokens, hit)).state_positions
+        keep = self._keep_mask(self._boundaries(num_prompt_tokens, hit))
+        return self._on_state_grid(keep.state_positions)
 
     @staticmethod
     def _boundaries(num_prompt_tokens: int, hit: CacheHit | None) -> tuple[int, ...]:
@@ -297,11 +326,6 @@ class KVCacheManager:
         if hit is not None and hit.junction:
             return (num_prompt_tokens - 1, hit.junction)
         return (num_prompt_tokens - 1,)
-
-    def _has_align_mamba(self) -> bool:
-        return any(
-            isinstance(s, MambaSpec) and s.mode is MambaCacheMode.ALIGN for s in self.layout.groups
-        )
 
     def block_ids(self, req_id: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(b.block_id for b in g.tables.get(req_id, ())) for g in self.groups)
