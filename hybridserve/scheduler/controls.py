@@ -52,6 +52,32 @@ class ControlStats:
     active_partial_prefills: int = 0  # gauge, after the last step
     last_grants: dict[str, int] = field(default_factory=dict)
 
+    def samples(self) -> list[tuple[str, str, float]]:
+        """(name, type, value) in Prometheus naming under `hybridserve:`."""
+        return [
+            (
+                "hybridserve:scheduler_governed_prefill_tokens_total",
+                "counter",
+                self.governed_prefill_tokens,
+            ),
+            (
+                "hybridserve:scheduler_active_partial_prefills",
+                "gauge",
+                self.active_partial_prefills,
+            ),
+            (
+                "hybridserve:scheduler_decode_only_steps_while_prefill_pending_total",
+                "counter",
+                self.decode_only_steps_while_pending,
+            ),
+            ("hybridserve:scheduler_deadline_bypasses_total", "counter", self.deadline_bypasses),
+            (
+                "hybridserve:scheduler_adaptive_budget_fallbacks_total",
+                "counter",
+                self.adaptive_fallbacks,
+            ),
+        ]
+
 
 class PrefillController:
     def __init__(

@@ -105,6 +105,14 @@ class Scheduler:
         del self.requests[req_id]
         self._finished_pending.append(req_id)
 
+    def metrics_snapshot(self) -> dict[str, float]:
+        """Scheduler-control counters (SPEC.md 6.3) and queue gauges, by Prometheus name."""
+        out: dict[str, float] = {name: value for name, _, value in self.controls.stats.samples()}
+        out["hybridserve:num_requests_running"] = len(self.running)
+        out["hybridserve:num_requests_waiting"] = len(self.waiting)
+        out["hybridserve:kv_cache_usage_perc"] = self.cache.usage()
+        return out
+
     def has_requests(self) -> bool:
         """True while any request is unfinished or finished ids are not yet reported."""
         return bool(self.running or self.waiting or self._finished_pending)

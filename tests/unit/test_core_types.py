@@ -15,7 +15,16 @@ from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, Reten
 from hybridserve.kvcache.spec import ChunkedLocalSpec, SlidingWindowSpec
 
 
-@pytest.mark.parametrize("module", ["hybridserve.kvcache", "hybridserve.core", "hybridserve.cli"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "hybridserve.kvcache",
+        "hybridserve.core",
+        "hybridserve.scheduler",
+        "hybridserve.engine",
+        "hybridserve.cli",
+    ],
+)
 def test_importing_the_core_leaves_torch_and_numpy_out(module: str) -> None:
     code = f"import sys, {module}; print(sorted({{'torch', 'numpy'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

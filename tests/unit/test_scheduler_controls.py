@@ -301,3 +301,19 @@ def test_every_request_finishes_under_every_control_setting() -> None:
             o.req_id for done in run_engine(scheduler, requests) for o in done.outputs if o.finished
         }
         assert finished == {r.req_id for r in requests}, setting
+
+
+def test_scheduler_metrics_report_the_control_counters_by_name() -> None:
+    scheduler = make_scheduler(
+        max_num_batched_tokens=512,
+        max_num_prefill_tokens_per_step=256,
+        decode_prefill_min_decode_steps=2,
+    )
+    requests = [make_request("short", 8, max_tokens=30)]
+    requests += [make_request("long", 2000, max_tokens=2, base=50_000)]
+    run_engine(scheduler, requests)
+    snapshot = scheduler.metrics_snapshot()
+    assert snapshot["hybridserve:scheduler_governed_prefill_tokens_total"] > 0
+    assert snapshot["hybridserve:scheduler_decode_only_steps_while_prefill_pending_total"] > 0
+    assert snapshot["hybridserve:num_requests_running"] == 0
+    assert all(name.startswith("hybridserve:") for name in snapshot)
