@@ -171,7 +171,7 @@ class Scheduler:
                 continue
             allocation, index = self._allocate_or_preempt(step, request, num_new, index)
             if allocation is None:
-                break  # the request preempted itself
+                continue  # it preempted itself; the requests after it may still fit
             step.record(request.req_id, num_new, allocation)
             index += 1
 

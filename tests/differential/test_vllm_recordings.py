@@ -21,23 +21,9 @@ RECORDINGS = [
     "hybrid_align_544_tight",
     "priority_fa16",
 ]
-KNOWN_DIVERGENT = {
-    "priority_fa16": "step 720: vLLM preempts the lowest-priority request one allocation earlier "
-    "than the recorded free-block count allows; the rule behind it is not identified yet",
-}
 
 
-def recording_params() -> list[object]:
-    params: list[object] = []
-    for name in RECORDINGS:
-        marks = []
-        if name in KNOWN_DIVERGENT:
-            marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_DIVERGENT[name]))
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
-
-
-@pytest.mark.parametrize("name", recording_params())
+@pytest.mark.parametrize("name", RECORDINGS)
 def test_baseline_reproduces_every_recorded_vllm_step(name: str) -> None:
     recording = load_recording(require_data("vllm-recordings", f"{name}.jsonl"))
     report = replay_recording(recording, check_invariants=name == "hybrid_align_544_tight")
