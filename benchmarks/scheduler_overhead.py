@@ -64,22 +64,19 @@ BUCKET_RULE = (
     "p99 = sorted[ceil(0.99*n) - 1] (nearest rank), median = statistics.median"
 )
 
-# vLLM 0.33.0 thread CPU time per step, median (p99), µs: ../shared/data/README.md, E3 table.
-VLLM_0_33: dict[str, dict[str, dict[str, int]]] = {
+# vLLM 0.33.0, thread CPU time per step in µs, from ../shared/data/README.md (E3 table):
+# bucket -> (schedule() median, p99, update_from_output() median, p99).
+VLLM_0_33: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "full": {
-        "32": {"schedule_us_median": 301, "schedule_us_p99": 4323},
-        "128": {"schedule_us_median": 1188, "schedule_us_p99": 7667},
-        "256": {"schedule_us_median": 3761, "schedule_us_p99": 9858},
+        "32": (301, 4323, 166, 1089),
+        "128": (1188, 7667, 782, 2149),
+        "256": (3761, 9858, 1905, 3698),
     },
     "hybrid": {
-        "32": {"schedule_us_median": 496, "schedule_us_p99": 951},
-        "128": {"schedule_us_median": 2180, "schedule_us_p99": 3195},
-        "256": {"schedule_us_median": 4426, "schedule_us_p99": 7850},
+        "32": (496, 951, 145, 343),
+        "128": (2180, 3195, 765, 1278),
+        "256": (4426, 7850, 1583, 2567),
     },
-}
-VLLM_0_33_UPDATE: dict[str, dict[str, tuple[int, int]]] = {
-    "full": {"32": (166, 1089), "128": (782, 2149), "256": (1905, 3698)},
-    "hybrid": {"32": (145, 343), "128": (765, 1278), "256": (1583, 2567)},
 }
 VLLM_0_33_WHOLE_TRACE = {"steps": 933, "total_cpu_s": 3.70}  # full attention only
 
@@ -177,13 +174,13 @@ def summarize(timings: Timings) -> dict[str, dict[str, Any]]:
 
 def vllm_reference(kind: str) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
-    for bucket, sched in VLLM_0_33[kind].items():
-        update_median, update_p99 = VLLM_0_33_UPDATE[kind][bucket]
+    for bucket, (sched, sched_p99, update, update_p99) in VLLM_0_33[kind].items():
         out[bucket] = {
-            **sched,
-            "update_us_median": update_median,
+            "schedule_us_median": sched,
+            "schedule_us_p99": sched_p99,
+            "update_us_median": update,
             "update_us_p99": update_p99,
-            "schedule_plus_update_us_median": sched["schedule_us_median"] + update_median,
+            "schedule_plus_update_us_median": sched + update,
         }
     return out
 

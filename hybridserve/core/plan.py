@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,14 +20,15 @@ class BlockCopy:
     num_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """One request's work in a step."""
+class ScheduledChunk(NamedTuple):
+    """One request's work in a step (a NamedTuple: built for every request every step)."""
 
     req_id: str
     start: int  # first position computed this step (= num_computed_tokens before the step)
     token_ids: tuple[int, ...]  # tokens fed this step, positions [start, start + len), drafts last
-    block_ids: tuple[tuple[int, ...], ...]  # per cache group, the request's full block table
+    # Per cache group: the request's whole block table when `new_request`, else only the blocks
+    # added this step (the executor keeps the tables, as vLLM's cached-request diff does).
+    block_ids: tuple[tuple[int, ...], ...]
     sample: bool  # True when the chunk reaches the end of the known tokens (decode or last chunk)
     num_draft_tokens: int = 0  # how many of token_ids (at the end) are unverified drafts
     new_request: bool = False  # first step of this request (or of a resumption after preemption)

@@ -101,6 +101,7 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding); not yet verified.
     spec_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)  # prompt + output, grown in place
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.req_id:
@@ -110,14 +111,11 @@ class Request:
         if any(t < 0 for t in self.prompt_token_ids):
             raise RequestError("prompt_token_ids", "<negative id>", "token ids are >= 0")
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     def append_output_tokens(self, token_ids: Sequence[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.token_ids.extend(token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

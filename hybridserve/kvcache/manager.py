@@ -88,6 +88,7 @@ class KVCacheManager:
             g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
         ]
         self._requests: dict[str, _RequestState] = {}
+        self._no_change = Allocation(((),) * len(self.groups), ())
         # Positions a state or window group can resume at lie on lcm(A, its block size).
         self._serving_grids = sorted(
             {
@@ -166,6 +167,32 @@ class KVCacheManager:
 
     # ----- allocation -------------------------------------------------------------------------
 
+    def allocate_running(
+        self,
+        req_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> Allocation | None:
+        """`allocate` for a running request, positional and with the no-change fast path first
+        (the per-request call of every scheduling step)."""
+        total = num_computed_tokens + num_new_tokens
+        to_cache = total if total < num_tokens else num_tokens
+        wanted = total + num_lookahead_tokens
+        for group in self.groups:
+            if not group.settled(req_id, wanted, to_cache, num_computed_tokens):
+                return self.allocate(
+                    req_id,
+                    block_hashes,
+                    num_tokens=num_tokens,
+                    num_computed_tokens=num_computed_tokens,
+                    num_new_tokens=num_new_tokens,
+                    num_lookahead_tokens=num_lookahead_tokens,
+                )
+        return self._no_change
+
     def allocate(
         self,
         req_id: str,
@@ -187,6 +214,15 @@ class KVCacheManager:
         a window, old states) may still have been released. On success the hit's metrics
         sample is committed: a request that failed k times and is then admitted counts once.
         """
+        if hit is None and not full_sequence_must_fit:
+            total = num_computed_tokens + num_new_tokens
+            to_cache = total if total < num_tokens else num_tokens
+            wanted = total + num_lookahead_tokens
+            for group in self.groups:
+                if not group.settled(req_id, wanted, to_cache, num_computed_tokens):
+                    break
+            else:
+                return self._no_change
         if hit is not None and not hit.ready:
             return None
         hit_tokens = hit.num_tokens if hit is not None else 0

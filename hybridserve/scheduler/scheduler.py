@@ -7,7 +7,7 @@ it step by step against recordings of the real scheduler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
 from hybridserve.core.errors import RequestError
@@ -23,8 +23,7 @@ from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue
 from hybridserve.scheduler.step_model import StepTimeModel
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     """What one step produced for one request."""
 
     req_id: str
@@ -55,6 +54,7 @@ class Scheduler:
         self._finished_pending: list[str] = []
         self.step_id = 0
         self.token_budget = config.max_num_batched_tokens
+        self.hash_block_size = cache.layout.hash_block_size
         self.align_block = _align_block_size(cache)
         self.drops_tail = cache.layout.speculative.drops_target_tail
         # The final chunk's checkpoint block holds the last boundary's state (not with EAGLE).
@@ -152,27 +152,47 @@ class Scheduler:
         return 0
 
     def _schedule_running(self, step: _Step) -> None:
+        # The hot loop of every step: locals instead of attribute lookups.
+        running = self.running
+        limited = step.plan is not UNLIMITED_PLAN
+        threshold = step.threshold
+        max_position = self.config.max_model_len - 1
+        align = self.align_block
+        allocate = self.cache.allocate_running
+        lookahead = self.num_lookahead_tokens
+        scheduled, allocations = step.scheduled, step.allocations
         index = 0
-        while index < len(self.running) and step.budget > 0:
-            request = self.running[index]
-            num_new = request.num_tokens_with_spec - request.num_computed_tokens
-            if step.plan is not UNLIMITED_PLAN and not is_decode(request):
+        while index < len(running) and step.budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_new = len(request.token_ids) + len(request.spec_token_ids) - computed
+            if limited and not is_decode(request):
                 num_new = self._granted(step.plan, request, num_new)
-            if 0 < step.threshold < num_new:
-                num_new = step.threshold
-            num_new = min(num_new, step.budget)
-            num_new = min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
-            if self.align_block:
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, step.budget, max_position - computed)
+            if align:
                 num_new = self._align_split(
                     request, num_new, hit=0, junction=request.prefix_junction
                 )
             if num_new <= 0:
                 index += 1
                 continue
-            allocation, index = self._allocate_or_preempt(step, request, num_new, index)
+            allocation = allocate(
+                request.req_id,
+                request.block_hashes,
+                len(request.token_ids),
+                computed,
+                num_new,
+                lookahead,
+            )
             if allocation is None:
-                continue  # it preempted itself; the requests after it may still fit
-            step.record(request.req_id, num_new, allocation)
+                allocation, index = self._allocate_or_preempt(step, request, num_new, index)
+                if allocation is None:
+                    continue  # it preempted itself; the requests after it may still fit
+            scheduled[request.req_id] = num_new
+            allocations[request.req_id] = allocation
+            step.budget -= num_new
             index += 1
 
     def _allocate_or_preempt(
@@ -238,7 +258,7 @@ class Scheduler:
                 if num_new <= 0:
                     break
             completes = hit.num_tokens + num_new >= request.num_tokens
-            if not self.controls.admits(
+            if self.controls.max_partials and not self.controls.admits(
                 partials_after=self._partials_after(step), completes=completes
             ):
                 break
@@ -374,35 +394,49 @@ class Scheduler:
     def _finish_schedule(self, step: _Step) -> SchedulerOutput:
         chunks = []
         num_prefill = num_decode = kv_read = 0
+        requests, admitted, allocations = self.requests, step.admitted, step.allocations
         for req_id, num_new in step.scheduled.items():
-            request = self.requests[req_id]
+            request = requests[req_id]
             start = request.num_computed_tokens
-            request.num_computed_tokens = start + num_new
-            num_tokens = request.num_tokens
             end = start + num_new
-            num_draft = max(end - num_tokens, 0)
-            tokens = request.token_ids[start : end - num_draft]
-            if num_draft:
-                tokens = tokens + request.spec_token_ids[:num_draft]
+            request.num_computed_tokens = end
+            token_ids = request.token_ids
+            num_tokens = len(token_ids)
             kv_read += end
-            if start < max(request.num_prompt_tokens, num_tokens - 1):
+            if end <= num_tokens:
+                num_draft = 0
+                tokens = (token_ids[start],) if num_new == 1 else tuple(token_ids[start:end])
+            else:
+                num_draft = end - num_tokens
+                tokens = (*token_ids[start:], *request.spec_token_ids[:num_draft])
+            prompt_end = request.num_prompt_tokens
+            if start < (prompt_end if prompt_end > num_tokens - 1 else num_tokens - 1):
                 num_prefill += num_new
             else:
                 num_decode += num_new
-            new_request = req_id in step.admitted
-            allocation = step.allocations[req_id]
-            block_ids = self.cache.block_ids(req_id) if new_request else allocation.new_block_ids
-            chunks.append(
-                ScheduledChunk(
-                    req_id=req_id,
-                    start=start,
-                    token_ids=tuple(tokens),
-                    block_ids=block_ids,
-                    sample=end - num_draft >= num_tokens,
-                    num_draft_tokens=num_draft,
-                    new_request=new_request,
+            if req_id in admitted:
+                chunks.append(
+                    ScheduledChunk(
+                        req_id,
+                        start,
+                        tokens,
+                        self.cache.block_ids(req_id),
+                        end - num_draft >= num_tokens,
+                        num_draft,
+                        True,
+                    )
                 )
-            )
+            else:
+                chunks.append(
+                    ScheduledChunk(
+                        req_id,
+                        start,
+                        tokens,
+                        allocations[req_id].new_block_ids,
+                        end - num_draft >= num_tokens,
+                        num_draft,
+                    )
+                )
         if self.controls.enabled:
             partials = sum(1 for r in self.running if not is_decode(r))
             self.controls.observe(step.plan, prefill_tokens=num_prefill, partials_after=partials)
@@ -447,42 +481,69 @@ class Scheduler:
         )
         outputs: list[RequestOutput] = []
         any_finished = False
+        requests, sampled_ids = self.requests, result.sampled_token_ids
+        running_status = RequestStatus.RUNNING
         for chunk in output.plan.chunks:
-            request = self.requests.get(chunk.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if not chunk.sample:
+                continue  # a partial prefill chunk samples nothing
+            request = requests.get(chunk.req_id)
+            if request is None or request.status is not running_status:
                 continue  # aborted or preempted since
-            sampled = result.sampled_token_ids.get(chunk.req_id, ())
+            sampled = sampled_ids.get(chunk.req_id, ())
             if chunk.num_draft_tokens:
                 accepted = max(len(sampled) - 1, 0)
                 request.num_computed_tokens -= chunk.num_draft_tokens - accepted
                 request.spec_token_ids.clear()
             if not sampled:
                 continue
+            sampling = request.sampling
+            if (
+                len(sampled) == 1
+                and (sampling.ignore_eos or not sampling.stop_token_ids)
+                and sampling.max_tokens - len(request.output_token_ids) > 1
+            ):
+                # The common decode: one token, no stop condition can trigger.
+                request.output_token_ids.append(sampled[0])
+                token_ids = request.token_ids
+                token_ids.append(sampled[0])
+                if len(token_ids) // self.hash_block_size > len(request.block_hashes):
+                    self.cache.hasher.extend(
+                        request.block_hashes, token_ids, cache_salt=request.cache_salt
+                    )
+                outputs.append(RequestOutput(request.req_id, sampled, False, None))
+                continue
             new_tokens = self._append(request, sampled)
-            finished = request.status is not RequestStatus.RUNNING
-            any_finished |= finished
-            reason = request.finish_reason.value if request.finish_reason else None
-            outputs.append(RequestOutput(request.req_id, new_tokens, finished, reason))
+            if request.status is not running_status:
+                any_finished = True
+                reason = request.finish_reason.value if request.finish_reason else None
+                outputs.append(RequestOutput(request.req_id, new_tokens, True, reason))
+            else:
+                outputs.append(RequestOutput(request.req_id, new_tokens, False, None))
         if any_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running_status]
         return outputs
 
     def _append(self, request: Request, sampled: tuple[int, ...]) -> tuple[int, ...]:
         sampling = request.sampling
-        kept: list[int] = []
+        stop_ids = () if sampling.ignore_eos else sampling.stop_token_ids
+        room = sampling.max_tokens - len(request.output_token_ids)
         status = None
-        for token in sampled:
-            kept.append(token)
-            if not sampling.ignore_eos and token in sampling.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                break
-            if request.num_output_tokens + len(kept) >= sampling.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-                break
+        if len(sampled) == 1 and not stop_ids and room > 1:
+            kept: tuple[int, ...] | list[int] = sampled  # the common decode: nothing to check
+        else:
+            kept = []
+            for token in sampled:
+                kept.append(token)
+                if token in stop_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                    break
+                if len(kept) >= room:
+                    status = RequestStatus.FINISHED_LENGTH
+                    break
         request.append_output_tokens(kept)
-        self.cache.hasher.extend(
-            request.block_hashes, request.token_ids, cache_salt=request.cache_salt
-        )
+        hashes, token_ids = request.block_hashes, request.token_ids
+        if len(token_ids) // self.hash_block_size > len(hashes):
+            self.cache.hasher.extend(hashes, token_ids, cache_salt=request.cache_salt)
         if status is not None:
             request.transition(status)
             self.cache.free(request.req_id)

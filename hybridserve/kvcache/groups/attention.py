@@ -28,10 +28,22 @@ class FullAttentionManager(GroupManager):
         super().__init__(spec, ctx, pool)
         self.kind = spec.kind
 
+    def settled(self, req_id: str, num_slots: int, num_to_cache: int, computed: int) -> bool:
+        table = self.tables.get(req_id)
+        return (
+            table is not None
+            and len(table) * self.block_size >= num_slots
+            and num_to_cache // self.block_size <= self.num_processed[req_id]
+        )
+
+    def remove_skipped(self, req_id: str, num_computed_tokens: int) -> None:
+        return None  # full attention needs every block
+
     def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
         found: list[Block] = []
+        get, suffix = self.pool.get_cached, self.key_suffix
         for index in range(min(cap // self.block_size, len(hashes))):
-            block = self._cached(hashes, index)
+            block = get(hashes[index] + suffix)
             if block is None:
                 break
             found.append(block)

@@ -67,6 +67,7 @@ class GroupManager:
         self.num_processed: dict[str, int] = {}  # block indices already considered for registry
         self.num_registered = 0
         self.cow_holds: list[Block] = []  # copy-on-write sources referenced until the next step
+        self.key_suffix = cache_key(b"", ctx.group_id)  # cache key = hash + this suffix
 
     # ----- lookup -----------------------------------------------------------------------------
 
@@ -77,13 +78,19 @@ class GroupManager:
     def _cached(self, hashes: Sequence[BlockHash], index: int) -> Block | None:
         if index >= len(hashes):
             return None
-        return self.pool.get_cached(cache_key(hashes[index], self.ctx.group_id))
+        return self.pool.get_cached(hashes[index] + self.key_suffix)
 
     # ----- allocation -------------------------------------------------------------------------
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens whose blocks a request no longer needs once it computed this many."""
         return 0
+
+    def settled(self, req_id: str, num_slots: int, num_to_cache: int, computed: int) -> bool:
+        """True if allocating `num_slots` for a running request would change nothing here:
+        the table already holds them, no block becomes full and nothing is released.
+        The scheduler's per-step fast path (most decode steps of most requests)."""
+        return False
 
     def num_blocks_needed(
         self, req_id: str, slots: SlotRequest, hit: Sequence[Block], cow_src: Block | None
@@ -184,9 +191,7 @@ class GroupManager:
             block = table[index]
             if block is null or not self._should_register(index, chunk_end, keep):
                 continue
-            if self.pool.register(
-                block, cache_key(hashes[index], self.ctx.group_id), self.ctx.group_id
-            ):
+            if self.pool.register(block, hashes[index] + self.key_suffix, self.ctx.group_id):
                 count += 1
                 self._on_registered(hashes[index])
         self.num_processed[req_id] = end

@@ -14,7 +14,7 @@ from hybridserve.kvcache.groups.base import (
     _num_evictable,
     cdiv,
 )
-from hybridserve.kvcache.hashing import BlockHash, cache_key
+from hybridserve.kvcache.hashing import BlockHash
 from hybridserve.kvcache.spec import MambaCacheMode, MambaSpec
 
 
@@ -45,7 +45,7 @@ class MambaManager(GroupManager):
         self.keys_this_step.clear()
 
     def _on_registered(self, block_hash: BlockHash) -> None:
-        self.keys_this_step.add(cache_key(block_hash, self.ctx.group_id))
+        self.keys_this_step.add(block_hash + self.key_suffix)
 
     def is_fresh(self, block: Block) -> bool:
         """True if `block`'s state was registered in the current step."""
@@ -58,6 +58,20 @@ class MambaManager(GroupManager):
             return 0
         # Keep only the block holding the state at the last computed position.
         return max(cdiv(num_computed_tokens, self.block_size) - 1, 0) * self.block_size
+
+    def settled(self, req_id: str, num_slots: int, num_to_cache: int, computed: int) -> bool:
+        table = self.tables.get(req_id)
+        bs = self.block_size
+        if (
+            table is None
+            or len(table) * bs < num_slots
+            or num_to_cache // bs > self.num_processed[req_id]
+        ):
+            return False
+        if not self.align:
+            return True
+        live = self.live.get(req_id)
+        return not live or live[0] >= max(computed - 1, 0) // bs
 
     def num_blocks_needed(
         self, req_id: str, slots: SlotRequest, hit: Sequence[Block], cow_src: Block | None
