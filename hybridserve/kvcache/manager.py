@@ -364,7 +364,7 @@ class KVCacheManager:
         return (num_prompt_tokens - 1,)
 
     def block_ids(self, req_id: str) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(b.block_id for b in g.tables.get(req_id, ())) for g in self.groups)
+        return tuple(tuple([b.block_id for b in g.tables.get(req_id, ())]) for g in self.groups)
 
     @property
     def num_free_blocks(self) -> int:
