@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -61,3 +61,5 @@ class StepResult:
     # req_id -> tokens emitted this step (accepted drafts plus the bonus token), in order.
     sampled_token_ids: dict[str, tuple[int, ...]]
     duration_s: float  # wall (torch) or modelled (simulator) time of the step
+    # req_id -> draft tokens proposed for the next step (speculative decoding), if any.
+    draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -521,6 +521,10 @@ class Scheduler:
                 outputs.append(RequestOutput(request.req_id, new_tokens, False, None))
         if any_finished:
             self.running = [r for r in self.running if r.status is running_status]
+        for req_id, drafts in result.draft_token_ids.items():
+            request = requests.get(req_id)
+            if request is not None and request.status is running_status and drafts:
+                request.spec_token_ids[:] = drafts[: self.num_lookahead_tokens]
         return outputs
 
     def _append(self, request: Request, sampled: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,1 @@
+"""Request and job metrics: TTFT, ITL, E2E, job goodput, percentiles."""

@@ -1,0 +1,1 @@
+"""Simulator: GPU cost model, simulated executor, event loop, workloads and traces."""

@@ -1,0 +1,125 @@
+"""Agent workload (experiment E1): N agents run multi-turn jobs back to back.
+
+A job's turn 0 is a shared system/tool prompt plus a unique task. Each turn the model answers;
+the agent waits a tool time, appends the answer and a (heavy-tailed) tool result, and sends the
+grown context as the next prompt. A job ends after its last turn, or when the context would pass
+the context limit. Defaults and their evidence: DESIGN.md section 6 (E1 table).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from hybridserve.core.errors import ConfigError
+
+_TASK_BASE = 1 << 32  # synthesised task and tool tokens live above any model vocabulary
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogNormal:
+    """LN(median, sigma), clipped to [low, high]."""
+
+    median: float
+    sigma: float
+    low: float = 0.0
+    high: float = math.inf
+
+    def sample(self, rng: random.Random) -> float:
+        value = self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+        return min(max(value, self.low), self.high)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentParams:
+    num_agents: int = 20
+    system_prompt_tokens: int = 12_000
+    task_tokens: LogNormal = LogNormal(median=500, sigma=0.8, low=50, high=8_000)
+    turns_per_job: LogNormal = LogNormal(median=30, sigma=0.7, low=3, high=250)
+    output_tokens: LogNormal = LogNormal(median=150, sigma=1.5, low=1, high=8_192)
+    tool_result_tokens: LogNormal = LogNormal(median=300, sigma=1.5, low=1, high=25_000)
+    tool_time_fast: LogNormal = LogNormal(median=0.5, sigma=1.0, high=600)
+    tool_time_slow: LogNormal = LogNormal(median=6.0, sigma=1.8, high=600)
+    slow_tool_fraction: float = 0.08
+    context_limit: int = 131_072
+
+    def __post_init__(self) -> None:
+        if self.num_agents < 1:
+            raise ConfigError("agents.num_agents", self.num_agents, "use 1 or more agents")
+        if not 0.0 <= self.slow_tool_fraction <= 1.0:
+            raise ConfigError(
+                "agents.slow_tool_fraction", self.slow_tool_fraction, "use a value in [0, 1]"
+            )
+        if self.system_prompt_tokens + 1 >= self.context_limit:
+            raise ConfigError(
+                "agents.system_prompt_tokens",
+                self.system_prompt_tokens,
+                f"it must leave room below context_limit={self.context_limit}",
+            )
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request of a job: the prompt to send and how long the answer may be."""
+
+    job_id: str
+    turn: int
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Job:
+    job_id: str
+    agent: int
+    num_turns: int
+    history: list[int]
+    turn: int = 0
+
+
+class AgentWorkload:
+    """Generates jobs and turns; deterministic for a seed."""
+
+    def __init__(self, params: AgentParams, *, seed: int) -> None:
+        self.params = params
+        self.rng = random.Random(seed)
+        self.system_prompt = list(range(params.system_prompt_tokens))
+        self._next_token = _TASK_BASE
+        self._num_jobs = 0
+
+    def _fresh_tokens(self, count: int) -> list[int]:
+        start = self._next_token
+        self._next_token += count
+        return list(range(start, start + count))
+
+    def new_job(self, agent: int) -> Job:
+        p = self.params
+        job_id = f"job{self._num_jobs}"
+        self._num_jobs += 1
+        task = self._fresh_tokens(int(p.task_tokens.sample(self.rng)))
+        turns = round(p.turns_per_job.sample(self.rng))
+        return Job(job_id, agent, turns, [*self.system_prompt, *task])
+
+    def is_over(self, job: Job) -> bool:
+        """No turn is left, or the context has no room for another."""
+        return job.turn >= job.num_turns or self.params.context_limit - len(job.history) <= 1
+
+    def next_turn(self, job: Job) -> Turn | None:
+        """The job's next request, or None when the job is over."""
+        if self.is_over(job):
+            return None
+        room = self.params.context_limit - len(job.history)
+        wanted = int(self.params.output_tokens.sample(self.rng))
+        turn = Turn(job.job_id, job.turn, list(job.history), max(min(wanted, room - 1), 1))
+        job.turn += 1
+        return turn
+
+    def after_answer(self, job: Job, answer: list[int]) -> float:
+        """Append the answer and a tool result to the job's history; returns the tool time."""
+        p = self.params
+        result = self._fresh_tokens(int(p.tool_result_tokens.sample(self.rng)))
+        job.history.extend(answer)
+        job.history.extend(result)
+        slow = self.rng.random() < p.slow_tool_fraction
+        return (p.tool_time_slow if slow else p.tool_time_fast).sample(self.rng)

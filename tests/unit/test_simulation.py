@@ -1,0 +1,126 @@
+"""The simulated executor, the agent workload and the event loop."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
+from hybridserve.core.plan import ScheduledChunk, StepPlan
+from hybridserve.engine import Engine
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager, MambaSpec
+from hybridserve.scheduler import Scheduler
+from hybridserve.sim.executor import SimulatedExecutor
+from hybridserve.sim.loop import AgentSimulation
+from hybridserve.sim.workload import AgentParams, AgentWorkload, LogNormal
+
+
+def linear_step_time(plan: StepPlan) -> float:
+    return 0.005 + 2e-5 * plan.num_scheduled_tokens
+
+
+SMALL = AgentParams(
+    num_agents=4,
+    system_prompt_tokens=1_000,
+    task_tokens=LogNormal(median=100, sigma=0.5, low=10, high=400),
+    turns_per_job=LogNormal(median=4, sigma=0.3, low=2, high=8),
+    output_tokens=LogNormal(median=20, sigma=0.5, low=1, high=80),
+    tool_result_tokens=LogNormal(median=60, sigma=0.8, low=1, high=600),
+    context_limit=8_192,
+)
+
+
+def simulate(seed: int, *, spec: bool = False, until_s: float = 60.0):  # type: ignore[no-untyped-def]
+    groups = (FullAttentionSpec(block_size=32), MambaSpec(block_size=32))
+    speculative = SpeculativeConfig.from_name("mtp", 2) if spec else SpeculativeConfig()
+    cache = KVCacheManager(CacheLayout(groups=groups, num_blocks=4096, speculative=speculative))
+    scheduler = Scheduler(
+        SchedulerConfig(max_model_len=SMALL.context_limit + 1, max_num_batched_tokens=2048),
+        cache,
+        num_speculative_tokens=2 if spec else 0,
+    )
+    executor = SimulatedExecutor(
+        linear_step_time,
+        seed=seed,
+        num_speculative_tokens=2 if spec else 0,
+        acceptance_rate=0.7,
+    )
+    sim = AgentSimulation(Engine(scheduler, executor), AgentWorkload(SMALL, seed=seed))
+    recorder = sim.run(until_s)
+    cache.check_invariants()
+    return sim, recorder.summary(window_start_s=10.0, window_end_s=until_s)
+
+
+def test_same_seed_gives_an_identical_report() -> None:
+    assert simulate(3)[1] == simulate(3)[1]
+    assert simulate(3)[1] != simulate(4)[1]
+
+
+def test_agents_complete_jobs_and_reuse_their_growing_prefix() -> None:
+    _, summary = simulate(1)
+    assert summary["jobs_completed"] > 0 and summary["job_goodput_per_hour"] > 0
+    assert summary["prefix_hit_rate"] > 0.5  # turns resend a growing history
+    assert summary["itl_p50_ms"] > 0 and summary["ttft_p50_ms"] > 0
+
+
+def test_a_job_finishes_exactly_when_its_last_turn_does() -> None:
+    sim, _ = simulate(2)
+    recorder = sim.recorder
+    for job in recorder.jobs.values():
+        if job.finish_s is None:
+            continue
+        turns = [r for r in recorder.requests.values() if r.job_id == job.job_id]
+        assert len(turns) == job.turns
+        assert job.finish_s == max(r.finish_s for r in turns if r.finish_s is not None)
+
+
+def test_speculative_steps_deliver_several_tokens_as_one_gap() -> None:
+    _, plain = simulate(5)
+    sim, spec = simulate(5, spec=True)
+    multi = [r for r in sim.recorder.requests.values() if r.output_tokens > len(r.gaps_s) + 1]
+    assert multi, "no step delivered accepted drafts"
+    assert spec["itl_p50_ms"] > 0 and plain["itl_p50_ms"] > 0
+
+
+def test_simulated_executor_accepts_drafts_with_the_given_probability() -> None:
+    executor = SimulatedExecutor(
+        lambda plan: 0.01, seed=0, num_speculative_tokens=3, acceptance_rate=0.5
+    )
+    chunk = ScheduledChunk("r", 10, (1, 2, 3, 4), ((),), True, 3)
+    lengths = [
+        len(executor.execute(StepPlan(i, (chunk,))).sampled_token_ids["r"]) for i in range(4000)
+    ]
+    # accepted drafts ~ truncated geometric: E = 0.5 + 0.25 + 0.125 = 0.875, plus the bonus
+    assert statistics.mean(lengths) == pytest.approx(1.875, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("dist", "mean"),
+    [
+        (LogNormal(median=150, sigma=1.5, high=8_192), None),
+        (LogNormal(median=500, sigma=0.8), 500 * math.exp(0.8**2 / 2)),
+        (LogNormal(median=30, sigma=0.7), 30 * math.exp(0.7**2 / 2)),
+    ],
+)
+def test_lognormal_generators_match_their_declared_distribution(
+    dist: LogNormal, mean: float | None
+) -> None:
+    rng = random.Random(7)
+    samples = [dist.sample(rng) for _ in range(40_000)]
+    assert statistics.median(samples) == pytest.approx(dist.median, rel=0.05)
+    if mean is not None:
+        assert statistics.mean(samples) == pytest.approx(mean, rel=0.05)
+    assert max(samples) <= dist.high
+
+
+def test_default_agent_parameters_give_long_growing_requests() -> None:
+    workload = AgentWorkload(AgentParams(), seed=0)
+    job = workload.new_job(0)
+    turn = workload.next_turn(job)
+    assert turn is not None and len(turn.prompt) >= 12_000 + 50
+    workload.after_answer(job, [1, 2, 3])
+    second = workload.next_turn(job)
+    assert second is not None and second.prompt[: len(turn.prompt)] == turn.prompt
