@@ -1,0 +1,338 @@
+"""GPU step-time model: the time of one engine step as a sum of named roofline terms.
+
+Each term is max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)) for one kind
+of work, so every prediction can be explained term by term (Vidur's lesson). docs/cost_model.md
+lists each term, each constant and its source, and compares predictions with measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Protocol
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import StepPlan
+from hybridserve.kvcache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hybridserve.sim.gpus import GpuSpec, dtype_bytes
+from hybridserve.sim.models import ModelProfile
+
+_ACT_BYTES = 2.0  # activations, attention math and recurrent state stay in bf16
+_FULL = FullAttentionSpec(block_size=16)  # block size is irrelevant for per-token bytes
+_MLA = FullAttentionSpec(block_size=16, mla=True)
+
+
+class RequestShape(NamedTuple):
+    """One request's work in a step."""
+
+    num_new_tokens: int  # tokens computed this step (prefill chunk, 1 decode, or k+1 verify)
+    num_context_tokens: int  # tokens already in the cache before them
+    num_draft_tokens: int = 0  # of the new tokens, unverified drafts (verify = k + 1 tokens)
+    sample: bool = True  # the step produces logits for this request
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens <= 1 + self.num_draft_tokens
+
+    @property
+    def num_logit_tokens(self) -> int:
+        return 1 + self.num_draft_tokens if self.sample else 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What the cost model needs to know about a step: per-request token counts."""
+
+    requests: tuple[RequestShape, ...]
+    scheduler_cpu_s: float = 0.0  # measured schedule() + update() CPU time, added as a term
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+    @classmethod
+    def decode(cls, *, batch: int, context_tokens: int, verify_tokens: int = 1) -> StepShape:
+        """`batch` decodes at `context_tokens`; `verify_tokens` = k + 1 with k drafts."""
+        request = RequestShape(verify_tokens, context_tokens, verify_tokens - 1)
+        return cls((request,) * batch)
+
+    @classmethod
+    def prefill(cls, num_tokens: int, *, context_tokens: int = 0) -> StepShape:
+        """One prefill chunk of `num_tokens` after `context_tokens` cached tokens."""
+        return cls((RequestShape(num_tokens, context_tokens),))
+
+
+def shape_from_plan(plan: StepPlan, *, scheduler_cpu_s: float = 0.0) -> StepShape:
+    """The StepShape of a scheduler's StepPlan (chunk.start = tokens already computed)."""
+    requests = tuple(
+        RequestShape(len(c.token_ids), c.start, c.num_draft_tokens, c.sample) for c in plan.chunks
+    )
+    return StepShape(requests, scheduler_cpu_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCost:
+    """Seconds per term of one step; `total_s` is their sum."""
+
+    linear_s: float = 0.0  # dense projections, MLPs, shared experts, router, LM head
+    moe_s: float = 0.0  # routed experts: min(E, tokens x top-k) experts' weights
+    attention_prefill_s: float = 0.0  # full attention of prefill chunks (causal FLOPs)
+    attention_decode_s: float = 0.0  # full attention of decodes/verifies (KV bytes read)
+    sliding_window_s: float = 0.0  # sliding-window layers, context bounded by the window
+    mla_s: float = 0.0  # multi-head latent attention (latent KV bytes)
+    state_s: float = 0.0  # Mamba2 / GDN: state read+write per sequence, chunked-scan FLOPs
+    tp_allreduce_s: float = 0.0  # 2 ring all-reduces per layer over the interconnect
+    dcp_allgather_s: float = 0.0  # decode context parallel: query and output+LSE all-gathers
+    launch_s: float = 0.0  # fixed per-step overhead (launches, sampling, host sync)
+    scheduler_s: float = 0.0  # measured scheduler CPU time passed in by the caller
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.terms().values())
+
+    @property
+    def attention_s(self) -> float:
+        parts = (self.attention_prefill_s, self.attention_decode_s, self.sliding_window_s)
+        return sum(parts) + self.mla_s
+
+    def terms(self) -> dict[str, float]:
+        """Every term by name, in seconds."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Efficiency:
+    """Fractions of datasheet peaks that kernels reach, and fixed latencies (see docs)."""
+
+    gemm: float = 0.7  # large GEMMs: fraction of dense tensor-core peak
+    attention: float = 0.5  # flash attention / chunked scans: fraction of bf16 peak
+    hbm: float = 0.8  # streaming reads: fraction of HBM bandwidth
+    link: float = 0.7  # NCCL ring bus bandwidth: fraction of per-direction link bandwidth
+    collective_latency_s: float = 10e-6  # fixed cost of one collective
+    step_overhead_s: float = 1e-3  # per step: launches, sampling, host-device sync
+
+    def __post_init__(self) -> None:
+        for name in ("gemm", "attention", "hbm", "link"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ConfigError(f"efficiency.{name}", value, "use a fraction in (0, 1]")
+        for name in ("collective_latency_s", "step_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"efficiency.{name}", getattr(self, name), "use >= 0 seconds")
+
+
+class CostModel(Protocol):
+    def step_cost(self, batch: StepShape) -> StepCost:
+        """The modelled time of one step, by term. Does not mutate."""
+        ...
+
+
+def causal_pairs(context: int, new: int, window: int | None = None) -> int:
+    """(query, key) pairs attended by `new` tokens after `context` (keys within `window`)."""
+    if window is None:
+        return new * context + new * (new + 1) // 2
+    end = context + new
+    ramp_end = min(max(window - 1, context), end)  # positions whose reach is below the window
+    ramp = (ramp_end * (ramp_end + 1) - context * (context + 1)) // 2
+    return ramp + (end - ramp_end) * window
+
+
+class RooflineCostModel:
+    """CostModel for one model replica on `tp` GPUs, `dcp` of them sharding full-attention KV."""
+
+    def __init__(
+        self,
+        gpu: GpuSpec,
+        model: ModelProfile,
+        *,
+        tp: int = 1,
+        dcp: int = 1,
+        dtype: str = "bf16",
+        kv_dtype: str | None = None,
+        efficiency: Efficiency = Efficiency(),  # frozen, so sharing the default is safe
+    ) -> None:
+        if tp < 1 or dcp < 1 or tp % dcp:
+            raise ConfigError("dcp", dcp, f"use tp >= 1 and a dcp that divides tp={tp}")
+        self.gpu, self.model, self.tp, self.dcp = gpu, model, tp, dcp
+        self.weight_bytes = dtype_bytes(dtype)
+        self.kv_dtype = kv_dtype or dtype
+        self.eff = efficiency
+        self._gemm_flops = gpu.peak_flops(dtype) * efficiency.gemm
+        self._attn_flops = gpu.bf16_flops * efficiency.attention
+        self._hbm = gpu.hbm_bytes_per_s * efficiency.hbm
+
+    def step_cost(self, batch: StepShape) -> StepCost:
+        """The modelled time of `batch`, by term. Does not mutate."""
+        if not batch.requests:
+            return StepCost(scheduler_s=batch.scheduler_cpu_s)
+        prefill, decode = self._full_attention(batch)
+        return StepCost(
+            linear_s=self._linear(batch),
+            moe_s=self._moe(batch.num_tokens),
+            attention_prefill_s=prefill,
+            attention_decode_s=decode,
+            sliding_window_s=self._sliding_window(batch),
+            mla_s=self._mla(batch),
+            state_s=self._state(batch),
+            tp_allreduce_s=self._tp_allreduce(batch.num_tokens),
+            dcp_allgather_s=self._dcp_allgather(batch.num_tokens),
+            launch_s=self.eff.step_overhead_s,
+            scheduler_s=batch.scheduler_cpu_s,
+        )
+
+    def _roofline(self, flops: float, num_bytes: float, *, gemm: bool) -> float:
+        peak = self._gemm_flops if gemm else self._attn_flops
+        return max(flops / peak, num_bytes / self._hbm)
+
+    def _linear(self, batch: StepShape) -> float:
+        m, tp = self.model, self.tp
+        params = m.dense_linear_params() / tp
+        body = self._roofline(2 * batch.num_tokens * params, params * self.weight_bytes, gemm=True)
+        logits = sum(r.num_logit_tokens for r in batch.requests)
+        head = m.vocab_size * m.hidden_size / tp
+        lm_bytes = head * self.weight_bytes if logits else 0.0
+        return body + self._roofline(2 * logits * head, lm_bytes, gemm=True)
+
+    def _moe(self, num_tokens: int) -> float:
+        moe = self.model.moe
+        if moe is None or num_tokens == 0:
+            return 0.0
+        expert = moe.expert_params(self.model.hidden_size) / self.tp
+        touched = min(moe.num_experts, num_tokens * moe.num_experts_per_tok)
+        flops = 2 * num_tokens * moe.num_experts_per_tok * expert
+        per_layer = self._roofline(flops, touched * expert * self.weight_bytes, gemm=True)
+        return self.model.num_moe_layers * per_layer
+
+    def _full_attention(self, batch: StepShape) -> tuple[float, float]:
+        """(prefill, decode) seconds of the full-attention layers; DCP shards KV by token."""
+        m = self.model
+        if m.attention is None or m.num_full_layers == 0:
+            return 0.0, 0.0
+        heads = m.attention.num_heads / self.tp
+        flops_per_pair = 4 * heads * m.attention.head_dim * m.num_full_layers / self.dcp
+        kv_token = m.kv_bytes_per_token(_FULL, dtype=self.kv_dtype, tp=self.tp)
+        prefill = decode = 0.0
+        for r in batch.requests:
+            flops = flops_per_pair * causal_pairs(r.num_context_tokens, r.num_new_tokens)
+            read = (r.num_context_tokens + r.num_new_tokens) / self.dcp
+            seconds = self._roofline(flops, kv_token * (read + r.num_new_tokens), gemm=False)
+            if r.is_decode:
+                decode += seconds
+            else:
+                prefill += seconds
+        return prefill, decode
+
+    def _sliding_window(self, batch: StepShape) -> float:
+        m, window = self.model, self.model.sliding_window
+        if m.attention is None or window is None or m.num_swa_layers == 0:
+            return 0.0
+        swa = SlidingWindowSpec(block_size=16, window=window)
+        kv_token = m.kv_bytes_per_token(swa, dtype=self.kv_dtype, tp=self.tp)
+        flops_per_pair = 4 * m.attention.num_heads / self.tp * m.attention.head_dim
+        total = 0.0
+        for r in batch.requests:
+            pairs = causal_pairs(r.num_context_tokens, r.num_new_tokens, window)
+            read = min(r.num_context_tokens, window - 1) + 2 * r.num_new_tokens
+            flops = flops_per_pair * m.num_swa_layers * pairs
+            total += self._roofline(flops, kv_token * read, gemm=False)
+        return total
+
+    def _mla(self, batch: StepShape) -> float:
+        m, mla = self.model, self.model.mla
+        if mla is None or m.num_mla_layers == 0:
+            return 0.0
+        heads = mla.num_heads / self.tp
+        latent = m.kv_bytes_per_token(_MLA, dtype=self.kv_dtype)  # replicated across TP
+        total = 0.0
+        for r in batch.requests:
+            # Decode runs absorbed (scores and values over the latent); prefill expands heads.
+            if r.is_decode:
+                dims = 2 * mla.kv_lora_rank + mla.qk_rope_head_dim
+            else:
+                dims = mla.qk_dim + mla.v_head_dim
+            pairs = causal_pairs(r.num_context_tokens, r.num_new_tokens)
+            flops = 2 * heads * dims * pairs * m.num_mla_layers / self.dcp
+            read = (r.num_context_tokens + r.num_new_tokens) / self.dcp + r.num_new_tokens
+            total += self._roofline(flops, latent * read, gemm=False)
+        return total
+
+    def _state(self, batch: StepShape) -> float:
+        """Recurrent layers: each sequence's state is read and written once per step."""
+        m, rec = self.model, self.model.recurrent
+        if rec is None or m.num_recurrent_layers == 0:
+            return 0.0
+        state = m.state_bytes_per_sequence(tp=self.tp)
+        flops_per_token = rec.scan_flops_per_token() * m.num_recurrent_layers / self.tp
+        total = 0.0
+        for r in batch.requests:
+            total += self._roofline(flops_per_token * r.num_new_tokens, 2 * state, gemm=False)
+        return total
+
+    def _ring_bus_s(self, num_bytes: float) -> float:
+        return num_bytes / (self.gpu.link_bytes_per_s * self.eff.link) + (
+            self.eff.collective_latency_s
+        )
+
+    def _tp_allreduce(self, num_tokens: int) -> float:
+        """One all-reduce after every mixer and every MLP/MoE block (2 per decoder layer)."""
+        if self.tp == 1:
+            return 0.0
+        m = self.model
+        mixers = m.num_full_layers + m.num_swa_layers + m.num_mla_layers + m.num_recurrent_layers
+        count = mixers + m.num_dense_mlp_layers + m.num_moe_layers
+        ring = 2 * (self.tp - 1) / self.tp * num_tokens * m.hidden_size * _ACT_BYTES
+        return count * self._ring_bus_s(ring)
+
+    def _dcp_allgather(self, num_tokens: int) -> float:
+        """Per sharded layer: all-gather queries, then partial outputs with their LSE."""
+        m = self.model
+        if self.dcp == 1:
+            return 0.0
+        if m.mla is not None:
+            heads, q_dim, v_dim = m.mla.num_heads, m.mla.latent_dim, m.mla.kv_lora_rank
+        elif m.attention is not None:
+            heads, q_dim = m.attention.num_heads, m.attention.head_dim
+            v_dim = q_dim
+        else:
+            return 0.0
+        rows = num_tokens * heads / self.tp  # (token, head) rows each rank contributes
+        gather_q = self._ring_bus_s((self.dcp - 1) * rows * q_dim * _ACT_BYTES)
+        gather_out = self._ring_bus_s((self.dcp - 1) * rows * (v_dim * _ACT_BYTES + 4))  # + LSE
+        return (m.num_full_layers + m.num_mla_layers) * (gather_q + gather_out)
+
+
+def bytes_per_block(model: ModelProfile, *, tp: int = 1, kv_dtype: str = "bf16") -> float:
+    """Bytes one GPU stores per block id, summed over every group's layers (state: one page)."""
+    total = 0.0
+    for group in model.cache_groups():
+        if isinstance(group, MambaSpec):
+            total += model.state_bytes_per_sequence(tp=tp)
+        else:
+            total += group.block_size * model.kv_bytes_per_token(group, dtype=kv_dtype, tp=tp)
+    return total
+
+
+def kv_pool_blocks(
+    gpu: GpuSpec,
+    model: ModelProfile,
+    *,
+    tp: int = 1,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    activation_reserve_frac: float = 0.1,
+    gpu_memory_utilization: float = 0.9,
+) -> int:
+    """Blocks that fit on one GPU: HBM x utilization - weights / tp - activation reserve.
+
+    Raises ConfigError when the weights leave no room for a single block.
+    """
+    budget = gpu.hbm_bytes * (gpu_memory_utilization - activation_reserve_frac)
+    weights = model.weight_bytes(dtype) / tp
+    blocks = int((budget - weights) // bytes_per_block(model, tp=tp, kv_dtype=kv_dtype or dtype))
+    if blocks < 1:
+        raise ConfigError(
+            "tp",
+            tp,
+            f"{model.name} needs {weights / 1e9:.1f} GB of weights per GPU, more than the "
+            f"{budget / 1e9:.1f} GB budget of {gpu.name}; raise tp or use a smaller dtype",
+        )
+    return blocks

@@ -1,0 +1,123 @@
+"""GPU catalog for the cost model: peak dense FLOP/s, HBM capacity and bandwidth, link speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridserve.core.errors import ConfigError
+
+# Bytes per element of each supported dtype (weights, KV cache, activations).
+DTYPE_BYTES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuSpec:
+    """One accelerator, datasheet values (no efficiency applied)."""
+
+    name: str
+    bf16_flops: float  # dense (no sparsity) BF16/FP16 tensor-core FLOP/s
+    fp8_flops: float | None  # dense FP8 FLOP/s; None where the chip has no FP8 tensor cores
+    fp4_flops: float | None  # dense FP4 FLOP/s; None where unsupported
+    hbm_bytes: float  # HBM capacity, datasheet GB taken as 1e9 bytes
+    hbm_bytes_per_s: float  # HBM bandwidth
+    link_bytes_per_s: float  # GPU-to-GPU bandwidth per direction (half the bidirectional total)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for GEMMs whose inputs are `dtype`. Raises ConfigError if none."""
+        if dtype in ("bf16", "fp16"):
+            return self.bf16_flops
+        table = {"fp8": self.fp8_flops, "fp4": self.fp4_flops}
+        if dtype not in table:
+            raise ConfigError("dtype", dtype, f"use one of {sorted(DTYPE_BYTES)}")
+        peak = table[dtype]
+        if peak is None:
+            raise ConfigError("dtype", dtype, f"{self.name} has no {dtype} tensor cores; use bf16")
+        return peak
+
+    def ridge_flops_per_byte(self, dtype: str = "bf16") -> float:
+        """Roofline ridge point: FLOPs per HBM byte at which compute time equals memory time."""
+        return self.peak_flops(dtype) / self.hbm_bytes_per_s
+
+
+_T = 1e12
+_G = 1e9
+
+# Sources: ../shared/data/gpu-datasheets.json, which quotes (dense values, no sparsity):
+# - A100-SXM4 80GB: glennklockwood.com/garden/processors/A100 citing the NVIDIA A100 datasheet
+#   (BF16 312 TFLOP/s, 80 GB HBM2e, 2.039 TB/s); NVLink 3 600 GB/s bidirectional (denvrdata KB,
+#   fudzilla); no FP8 on Ampere (TransformerEngine support matrix).
+# - H100-SXM5 80GB: glennklockwood.com h100 page citing the NVIDIA H100 datasheet (BF16 989.4,
+#   FP8 1978.9 = half the 3,958 sparse figure, 80 GB HBM3, 3.35 TB/s, NVLink 4 900 GB/s).
+# - H200-SXM 141GB: TensorRT-LLM docs/source/blogs/H200launch.md (4.8 TB/s, 141 GB) and the
+#   MLPerf v4.1 NVIDIA H200 system JSON (NVLink 900 GB/s); compute equals H100 (same GH100 die).
+# - B200 (HGX, 1000 W): glennklockwood.com B200 page (BF16 2250, FP8 4500, FP4 9000) and the
+#   NVIDIA HGX B200 spec table (180 GB HBM3e, 7.7 TB/s; other sources say 8 TB/s), NVLink 5
+#   1.8 TB/s.
+# - MI300X 192GB: alpharomercoma/MI300X-vs-H200 METHODOLOGY.md (BF16 1307.4, FP8 2614.9,
+#   5.3 TB/s, 192 GB); Infinity Fabric 7 x 128 GB/s = 896 GB/s aggregate (gpu.blog MI300X page).
+GPUS: dict[str, GpuSpec] = {
+    g.name: g
+    for g in (
+        GpuSpec(
+            name="A100-80G",
+            bf16_flops=312 * _T,
+            fp8_flops=None,
+            fp4_flops=None,
+            hbm_bytes=80 * _G,
+            hbm_bytes_per_s=2.039 * _T,
+            link_bytes_per_s=300 * _G,
+        ),
+        GpuSpec(
+            name="H100-SXM",
+            bf16_flops=989.4 * _T,
+            fp8_flops=1978.9 * _T,
+            fp4_flops=None,
+            hbm_bytes=80 * _G,
+            hbm_bytes_per_s=3.35 * _T,
+            link_bytes_per_s=450 * _G,
+        ),
+        GpuSpec(
+            name="H200",
+            bf16_flops=989.4 * _T,
+            fp8_flops=1978.9 * _T,
+            fp4_flops=None,
+            hbm_bytes=141 * _G,
+            hbm_bytes_per_s=4.8 * _T,
+            link_bytes_per_s=450 * _G,
+        ),
+        GpuSpec(
+            name="B200",
+            bf16_flops=2250 * _T,
+            fp8_flops=4500 * _T,
+            fp4_flops=9000 * _T,
+            hbm_bytes=180 * _G,
+            hbm_bytes_per_s=7.7 * _T,
+            link_bytes_per_s=900 * _G,
+        ),
+        GpuSpec(
+            name="MI300X",
+            bf16_flops=1307.4 * _T,
+            fp8_flops=2614.9 * _T,
+            fp4_flops=None,
+            hbm_bytes=192 * _G,
+            hbm_bytes_per_s=5.3 * _T,
+            link_bytes_per_s=448 * _G,
+        ),
+    )
+}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The catalog entry for `name`. Raises ConfigError naming the known GPUs."""
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise ConfigError("gpu", name, f"use one of {sorted(GPUS)}") from None
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of `dtype`. Raises ConfigError for an unknown dtype."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ConfigError("dtype", dtype, f"use one of {sorted(DTYPE_BYTES)}") from None
