@@ -124,3 +124,37 @@ def test_default_agent_parameters_give_long_growing_requests() -> None:
     workload.after_answer(job, [1, 2, 3])
     second = workload.next_turn(job)
     assert second is not None and second.prompt[: len(turn.prompt)] == turn.prompt
+
+
+def test_simulate_and_bench_commands_report_the_documented_keys(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from typer.testing import CliRunner
+
+    from hybridserve.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    args = ["--duration", "40", "--warmup", "10", "--agents", "3", "--json"]
+    first = runner.invoke(app, ["simulate", *args])
+    assert first.exit_code == 0, first.output
+    metrics = json.loads(first.stdout)
+    for key in (
+        "job_goodput_per_hour",
+        "jobs_completed",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "prefix_hit_rate",
+        "preemptions",
+    ):
+        assert key in metrics
+    assert json.loads(runner.invoke(app, ["simulate", *args]).stdout) == metrics
+    bench = runner.invoke(app, ["bench", *args, "--name", "t"])
+    assert bench.exit_code == 0, bench.output
+    report = json.loads(bench.stdout)
+    assert set(report) >= {"baseline", "hybridserve", "ratios"}
+    assert (tmp_path / "runs" / "t" / "report.json").exists()
+    bad = runner.invoke(app, ["simulate", "--duration", "5", "--warmup", "10"])
+    assert bad.exit_code == 2 and "duration_s" in bad.output
