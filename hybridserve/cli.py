@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -343,8 +344,9 @@ def _run_sim(config: object, *, label: str, quiet: bool) -> dict[str, float]:
         return simulate(config, progress=lambda now: bar.update(task, completed=now))
 
 
-def _metrics_json(summary: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 4) for k, v in summary.items()}
+def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
+    """Rounded values; an undefined statistic (no sample in the window) becomes null."""
+    return {k: None if math.isnan(v) else round(v, 4) for k, v in summary.items()}
 
 
 SimOption = Annotated[str, typer.Option(help="Model profile.")]
@@ -361,10 +363,15 @@ def simulate_cmd(
     duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 1800.0,
     warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 300.0,
     spec: Annotated[str, typer.Option(help="Speculative method.")] = "mtp",
+    workload: Annotated[
+        str, typer.Option(help="agents, mooncake:PATH, azure:PATH or poisson:rate=R,requests=N")
+    ] = "agents",
+    time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
+    limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
     seed: Annotated[int, typer.Option(help="Seed: same seed, same report.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Simulate agents (E1) on a modelled GPU and report job goodput, TTFT, ITL and hits."""
+    """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
     try:
         config = _sim_config(
             model=model,
@@ -377,6 +384,9 @@ def simulate_cmd(
             warmup_s=warmup,
             spec=spec,
             seed=seed,
+            workload=workload,
+            time_scale=time_scale,
+            limit=limit,
         )
         summary = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
     except HybridServeError as exc:

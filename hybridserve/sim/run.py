@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
@@ -21,8 +23,9 @@ from hybridserve.scheduler import Scheduler
 from hybridserve.sim.cost_model import RooflineCostModel, kv_pool_blocks, shape_from_plan
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.gpus import get_gpu
-from hybridserve.sim.loop import AgentSimulation
+from hybridserve.sim.loop import AgentSimulation, OpenLoopSimulation, Simulation
 from hybridserve.sim.models import get_model
+from hybridserve.sim.traces import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.workload import AgentParams, AgentWorkload
 
 PRESETS = ("baseline", "hybridserve")
@@ -69,6 +72,9 @@ class SimConfig:
     warmup_s: float = 300.0
     seed: int = 0
     agents: AgentParams = field(default_factory=AgentParams)
+    workload: str = "agents"  # agents | mooncake:PATH | azure:PATH | poisson:rate=R,...
+    time_scale: float = 1.0
+    limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.warmup_s < 0 or self.duration_s <= self.warmup_s:
@@ -114,19 +120,68 @@ def simulate(
     """Run E1 and return the summary over [warmup, duration]. `progress(simulated_s)` is
     called after every 256 steps."""
     engine, _ = build_engine(config)
-    holder: list[AgentSimulation] = []
+    holder: list[Simulation] = []
 
     def on_step(step: EngineStep) -> None:
         if progress is not None and holder and holder[0].steps % 256 == 0:
             progress(holder[0].now)
 
-    sim = AgentSimulation(engine, AgentWorkload(config.agents, seed=config.seed), on_step=on_step)
+    sim = make_simulation(config, engine, on_step)
     holder.append(sim)
     recorder = sim.run(config.duration_s)
     summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=config.duration_s)
     summary["steps"] = float(sim.steps)
     summary["simulated_s"] = sim.now
     return summary
+
+
+def make_simulation(
+    config: SimConfig, engine: Engine, on_step: Callable[[EngineStep], None]
+) -> Simulation:
+    """The simulation for `config.workload`."""
+    kind, _, arg = config.workload.partition(":")
+    if kind == "agents":
+        return AgentSimulation(
+            engine, AgentWorkload(config.agents, seed=config.seed), on_step=on_step
+        )
+    scale, limit = config.time_scale, config.limit
+    if kind == "mooncake" and arg:
+        arrivals = list(mooncake_arrivals(Path(arg), time_scale=scale, limit=limit))
+    elif kind == "azure" and arg:
+        arrivals = list(azure_arrivals(Path(arg), time_scale=scale, limit=limit))
+    elif kind == "poisson":
+        arrivals = list(poisson_arrivals(seed=config.seed, **_poisson_options(arg)))
+    else:
+        raise ConfigError(
+            "workload",
+            config.workload,
+            "use agents, mooncake:PATH, azure:PATH or poisson:rate=R,requests=N,input=I,output=O",
+        )
+    return OpenLoopSimulation(engine, arrivals, on_step=on_step)
+
+
+def _poisson_options(text: str) -> dict[str, Any]:
+    names = {
+        "rate": "rate_per_s",
+        "requests": "num_requests",
+        "input": "input_tokens",
+        "output": "output_tokens",
+    }
+    options: dict[str, Any] = {
+        "rate_per_s": 1.0,
+        "num_requests": 100,
+        "input_tokens": 1024,
+        "output_tokens": 128,
+    }
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in names:
+            raise ConfigError("workload", item, f"poisson takes {sorted(names)}")
+        try:
+            options[names[key]] = float(value) if key == "rate" else int(value)
+        except ValueError:
+            raise ConfigError("workload", item, "give numbers, e.g. rate=2") from None
+    return options
 
 
 def with_preset(config: SimConfig, name: str) -> SimConfig:

@@ -158,3 +158,51 @@ def test_simulate_and_bench_commands_report_the_documented_keys(tmp_path, monkey
     assert (tmp_path / "runs" / "t" / "report.json").exists()
     bad = runner.invoke(app, ["simulate", "--duration", "5", "--warmup", "10"])
     assert bad.exit_code == 2 and "duration_s" in bad.output
+
+
+def test_mooncake_replay_keeps_the_trace_arrival_times_and_lengths(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from hybridserve.sim.traces import mooncake_arrivals
+
+    rows = [
+        {"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [1, 2]},
+        {"timestamp": 1500, "input_length": 300, "output_length": 0, "hash_ids": [1]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    arrivals = list(mooncake_arrivals(path, time_scale=2.0))
+    assert [a[0] for a in arrivals] == [0.0, 3.0]
+    assert [len(a[2]) for a in arrivals] == [600, 300] and [a[3] for a in arrivals] == [7, 1]
+    assert arrivals[0][2][:300] == arrivals[1][2]
+
+
+def test_poisson_and_azure_workloads_have_the_declared_shape(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hybridserve.sim.traces import azure_arrivals, poisson_arrivals
+
+    arrivals = list(
+        poisson_arrivals(rate_per_s=4.0, num_requests=4000, input_tokens=8, output_tokens=3, seed=1)
+    )
+    assert arrivals[-1][0] / len(arrivals) == pytest.approx(0.25, rel=0.05)
+    csv_path = tmp_path / "a.csv"
+    csv_path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.9799600,48,10\n2023-11-16 18:17:05.9799600,30,8\n"
+    )
+    rows = list(azure_arrivals(csv_path))
+    assert [round(r[0], 3) for r in rows] == [0.0, 2.0] and [len(r[2]) for r in rows] == [48, 30]
+
+
+def test_open_loop_simulation_serves_every_trace_request() -> None:
+    from hybridserve.sim.loop import OpenLoopSimulation
+    from hybridserve.sim.traces import poisson_arrivals
+
+    cache = KVCacheManager(CacheLayout(groups=(FullAttentionSpec(block_size=16),), num_blocks=2048))
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=1024), cache)
+    engine = Engine(scheduler, SimulatedExecutor(linear_step_time, seed=0))
+    arrivals = poisson_arrivals(
+        rate_per_s=5.0, num_requests=50, input_tokens=300, output_tokens=20, seed=0
+    )
+    recorder = OpenLoopSimulation(engine, arrivals).run(1_000.0)
+    assert sum(1 for r in recorder.requests.values() if r.finish_s is not None) == 50
+    assert all(r.output_tokens == 20 for r in recorder.requests.values())
