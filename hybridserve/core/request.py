@@ -108,7 +108,7 @@ class Request:
             raise RequestError("req_id", self.req_id, "use a non-empty id")
         if len(self.prompt_token_ids) == 0:
             raise RequestError("prompt_token_ids", (), "send at least one prompt token")
-        if any(t < 0 for t in self.prompt_token_ids):
+        if min(self.prompt_token_ids) < 0:
             raise RequestError("prompt_token_ids", "<negative id>", "token ids are >= 0")
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(self.prompt_token_ids)

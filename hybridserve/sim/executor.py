@@ -46,8 +46,13 @@ class SimulatedExecutor:
             accepted = 0
             while accepted < chunk.num_draft_tokens and rng.random() < self.acceptance_rate:
                 accepted += 1
-            draft_ids = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
-            sampled[chunk.req_id] = (*draft_ids[:accepted], rng.randrange(vocab))
+            token = int(rng.random() * vocab)
+            if accepted:
+                draft_ids = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+                sampled[chunk.req_id] = (*draft_ids[:accepted], token)
+            else:
+                sampled[chunk.req_id] = (token,)
             if k:
-                drafts[chunk.req_id] = tuple(rng.randrange(vocab) for _ in range(k))
+                # Draft values never matter to the simulation, only how many are accepted.
+                drafts[chunk.req_id] = (token,) * k
         return StepResult(plan.step_id, sampled, self.step_time(plan), drafts)
