@@ -413,12 +413,18 @@ def bench_cmd(
     warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 300.0,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
+    ablations: Annotated[
+        bool, typer.Option(help="Also run controls-only and retention-only.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Experiment E1: the vLLM baseline against hybridserve, side by side, with ratios."""
     results: dict[str, dict[str, float]] = {}
+    presets = ["baseline", "hybridserve"]
+    if ablations:
+        presets += ["controls-only", "retention-only"]
     try:
-        for preset in ("baseline", "hybridserve"):
+        for preset in presets:
             config = _sim_config(
                 model=model,
                 gpu=gpu,
@@ -435,10 +441,11 @@ def bench_cmd(
         raise _fail(str(exc)) from None
     base, ours = results["baseline"], results["hybridserve"]
     ratios = {k: round(ours[k] / base[k], 4) if base[k] else None for k in REPORT_KEYS}
-    report = {
+    report: dict[str, object] = {
         "baseline": _metrics_json(base),
         "hybridserve": _metrics_json(ours),
         "ratios": ratios,
+        **{preset: _metrics_json(results[preset]) for preset in presets[2:]},
         "setup": {
             "model": model,
             "gpu": gpu,
@@ -457,12 +464,17 @@ def bench_cmd(
         sys.stdout.write(json.dumps(report) + "\n")
         return
     table = Table(title=f"E1: {agents} agents, {model} on simulated {gpu} (tp={tp}, {dtype})")
-    for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio"):
+    for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio", *presets[2:]):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for key in REPORT_KEYS:
         ratio = ratios[key]
+        extra = [f"{results[p][key]:,.2f}" for p in presets[2:]]
         table.add_row(
-            key, f"{base[key]:,.2f}", f"{ours[key]:,.2f}", "-" if ratio is None else f"{ratio:.2f}x"
+            key,
+            f"{base[key]:,.2f}",
+            f"{ours[key]:,.2f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            *extra,
         )
     console = Console()
     console.print(table)

@@ -28,7 +28,7 @@ from hybridserve.sim.models import get_model
 from hybridserve.sim.traces import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.workload import AgentParams, AgentWorkload
 
-PRESETS = ("baseline", "hybridserve")
+PRESETS = ("baseline", "hybridserve", "controls-only", "retention-only")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,24 +38,25 @@ class Preset:
 
 
 def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
-    """The named configuration; controls in multiples of the quantum (the state block)."""
-    if name == "baseline":
-        return Preset(
-            scheduler=SchedulerConfig(max_model_len=max_model_len),
-            retention=RetentionPolicy.parse("boundary"),
+    """The named configuration; controls in multiples of the quantum (the state block).
+
+    `controls-only` and `retention-only` are the two ablations of `hybridserve`.
+    """
+    if name not in PRESETS:
+        raise ConfigError("preset", name, f"use one of {PRESETS}")
+    controls = name in ("hybridserve", "controls-only")
+    predecessor = name in ("hybridserve", "retention-only")
+    scheduler = SchedulerConfig(max_model_len=max_model_len)
+    if controls:
+        scheduler = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_prefill_tokens_per_step=4 * quantum,
+            max_num_partial_prefills=2,
+            decode_prefill_min_decode_steps=2,
+            decode_prefill_max_wait_ms=2_000.0,
         )
-    if name == "hybridserve":
-        return Preset(
-            scheduler=SchedulerConfig(
-                max_model_len=max_model_len,
-                max_num_prefill_tokens_per_step=4 * quantum,
-                max_num_partial_prefills=2,
-                decode_prefill_min_decode_steps=2,
-                decode_prefill_max_wait_ms=2_000.0,
-            ),
-            retention=RetentionPolicy.parse("boundary+predecessor"),
-        )
-    raise ConfigError("preset", name, f"use one of {PRESETS}")
+    retention = RetentionPolicy.parse("boundary+predecessor" if predecessor else "boundary")
+    return Preset(scheduler=scheduler, retention=retention)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
