@@ -154,7 +154,9 @@ class PrefillController:
         if self.cap:
             limit = min(limit, self.cap)
         if self.target_s:
-            limit = min(limit, self._adaptive_grant(decodes, partials))
+            # At least one quantum: prefill never starves (a deadline bypass always moves),
+            # and a mixed step exceeds T by at most one quantum's cost.
+            limit = min(limit, max(self._adaptive_grant(decodes, partials), self.quantum))
         return limit // self.quantum * self.quantum
 
     def _adaptive_grant(self, decodes: Sequence[Request], partials: Sequence[Request]) -> int:
