@@ -100,7 +100,7 @@ class SlidingWindowManager(GroupManager):
         null = self.pool.null_block
         return sum(1 for b in hit if b is null)
 
-    def _should_register(self, index: int, chunk_end: int, keep: KeepMask) -> bool:
+    def _should_register(self, req_id: str, index: int, chunk_end: int, keep: KeepMask) -> bool:
         # A tail-dropping target group needs one extra A of cached content past its landing.
         lookahead = self.ctx.alignment if self.ctx.drops_tail else 0
         start = index * self.block_size

@@ -189,7 +189,7 @@ class GroupManager:
         count = 0
         for index in range(start, end):
             block = table[index]
-            if block is null or not self._should_register(index, chunk_end, keep):
+            if block is null or not self._should_register(req_id, index, chunk_end, keep):
                 continue
             if self.pool.register(block, hashes[index] + self.key_suffix, self.ctx.group_id):
                 count += 1
@@ -198,7 +198,7 @@ class GroupManager:
         self.num_registered += count
         return count
 
-    def _should_register(self, index: int, chunk_end: int, keep: KeepMask) -> bool:
+    def _should_register(self, req_id: str, index: int, chunk_end: int, keep: KeepMask) -> bool:
         return True
 
     def _on_registered(self, block_hash: BlockHash) -> None:

@@ -36,6 +36,7 @@ class MambaManager(GroupManager):
         self.align = spec.mode is MambaCacheMode.ALIGN
         self.keys_this_step: set[bytes] = set()
         self.live: dict[str, list[int]] = {}  # align mode: indices of real blocks, ascending
+        self.checkpoints: dict[str, int] = {}  # align mode: this step's prefill checkpoint index
 
     def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
         return _StateLookup(self, hashes)
@@ -71,18 +72,34 @@ class MambaManager(GroupManager):
         if not self.align:
             return True
         live = self.live.get(req_id)
-        return not live or live[0] >= max(computed - 1, 0) // bs
+        if not live or live[0] < max(computed - 1, 0) // bs:
+            return False  # a stale state is to be released
+        # Every state and scratch block of the chunk must be live already (the chunk end lies
+        # between num_to_cache and num_slots).
+        first = cdiv(max(num_to_cache, computed, 1), bs) - 1
+        return all(i in live for i in range(first, cdiv(num_slots, bs)))
 
     def num_blocks_needed(
         self, req_id: str, slots: SlotRequest, hit: Sequence[Block], cow_src: Block | None
     ) -> int:
         if not self.align:
             return super().num_blocks_needed(req_id, slots, hit, cow_src)
-        table = self.tables.get(req_id, ())
-        if cdiv(slots.num_slots, self.block_size) <= len(hit) + len(table):
-            return _num_evictable(hit, self.pool)
-        checkpoint = 1 if self._checkpoint_index(req_id, slots, len(hit)) is not None else 0
-        return 1 + checkpoint + _num_evictable(hit, self.pool)
+        return len(self._new_indices(req_id, slots, hit)) + _num_evictable(hit, self.pool)
+
+    def _new_indices(self, req_id: str, slots: SlotRequest, hit: Sequence[Block]) -> list[int]:
+        """Table indices that need a real block: the state at the chunk end, the draft-token
+        scratch states after it (lookahead), and a prefill checkpoint."""
+        bs, null = self.block_size, self.pool.null_block
+        state = cdiv(slots.chunk_end, bs) - 1
+        last = max(cdiv(slots.num_slots, bs) - 1, state)
+        live = set(self.live.get(req_id, ()))
+        live.update(i for i, b in enumerate(hit) if b is not null)
+        indices = [i for i in range(max(state, 0), last + 1) if i not in live]
+        if indices:
+            checkpoint = self._checkpoint_index(req_id, slots, len(hit))
+            if checkpoint is not None:
+                indices.insert(0, checkpoint)
+        return indices
 
     def _checkpoint_index(self, req_id: str, slots: SlotRequest, num_hit: int) -> int | None:
         """Where the final prefill chunk writes the state at its last block boundary."""
@@ -111,17 +128,20 @@ class MambaManager(GroupManager):
         table = self.tables.setdefault(req_id, [])
         self.num_processed.setdefault(req_id, 0)
         live = self.live.setdefault(req_id, [])
-        target = cdiv(slots.num_slots, self.block_size)
-        if target <= len(table):
+        indices = self._new_indices(req_id, slots, ())
+        checkpoint = self._checkpoint_index(req_id, slots, 0) if indices else None
+        if checkpoint is not None:
+            self.checkpoints[req_id] = checkpoint
+        else:
+            self.checkpoints.pop(req_id, None)
+        if not indices:
             return []
-        checkpoint = self._checkpoint_index(req_id, slots, len(table))
-        null = self.pool.null_block
-        table.extend([null] * (target - len(table)))
-        indices = [target - 1] if checkpoint is None else [checkpoint, target - 1]
+        table.extend([self.pool.null_block] * (max(indices) + 1 - len(table)))
         blocks = self.pool.allocate(len(indices))
         for index, block in zip(indices, blocks, strict=True):
             table[index] = block
             live.append(index)
+        live.sort()
         return blocks
 
     def remove_skipped(self, req_id: str, num_computed_tokens: int) -> None:
@@ -153,13 +173,16 @@ class MambaManager(GroupManager):
 
     def free(self, req_id: str) -> None:
         self.live.pop(req_id, None)
+        self.checkpoints.pop(req_id, None)
         super().free(req_id)
 
-    def _should_register(self, index: int, chunk_end: int, keep: KeepMask) -> bool:
-        # Only real blocks reach here: in align mode a real block past the processed prefix
-        # holds a state materialised this step (a chunk end or a prefill checkpoint).
+    def _should_register(self, req_id: str, index: int, chunk_end: int, keep: KeepMask) -> bool:
+        # In align mode a state exists only where this step's chunk ends, or at its last block
+        # boundary when a prefill checkpoint block holds it.
         position = (index + 1) * self.block_size
         if position % self.ctx.alignment != 0:
+            return False
+        if self.align and position != chunk_end and index != self.checkpoints.get(req_id):
             return False
         return keep.keeps_position(position)
 
