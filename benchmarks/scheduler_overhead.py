@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.request import Request, SamplingParams
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import CacheLayout, KVCacheManager
 from hybridserve.recordings.trace import (
@@ -117,7 +116,7 @@ def drive(
     cursor = step = 0
     while cursor < len(pending) or scheduler.has_requests():
         while cursor < len(pending) and pending[cursor].arrival_step == step:
-            scheduler.add_request(_request(pending[cursor]))
+            scheduler.add_request(pending[cursor].to_request())
             cursor += 1
         if profiler is not None:
             profiler.enable()
@@ -140,16 +139,6 @@ def drive(
         timings.num_preempted += len(scheduled.preempted)
         step += 1
     return timings
-
-
-def _request(recorded: Any) -> Request:
-    return Request(
-        req_id=recorded.req_id,
-        prompt_token_ids=recorded.prompt,
-        sampling=SamplingParams(max_tokens=recorded.max_tokens, ignore_eos=True),
-        arrival_time=recorded.arrival_time,
-        priority=recorded.priority,
-    )
 
 
 def percentile(values: list[float], p: float) -> float:

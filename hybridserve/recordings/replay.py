@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import KVCacheManager
@@ -50,7 +49,7 @@ def replay_recording(recording: Recording, *, check_invariants: bool = False) ->
     recorded = recording.steps
     while cursor < len(pending) or engine.has_requests():
         while cursor < len(pending) and pending[cursor].arrival_step == step:
-            engine.add_request(_request(pending[cursor]))
+            engine.add_request(pending[cursor].to_request())
             cursor += 1
         done = engine.step(float(step))
         if check_invariants:
@@ -66,16 +65,6 @@ def replay_recording(recording: Recording, *, check_invariants: bool = False) ->
     if step != len(recorded) and first is None:
         first = {"step": step, "field": "steps", "expected": len(recorded), "actual": step}
     return ReplayReport(recording.scenario, len(recorded), identical, first)
-
-
-def _request(recorded: Any) -> Request:
-    return Request(
-        req_id=recorded.req_id,
-        prompt_token_ids=recorded.prompt,
-        sampling=SamplingParams(max_tokens=recorded.max_tokens, ignore_eos=True),
-        arrival_time=recorded.arrival_time,
-        priority=recorded.priority,
-    )
 
 
 def _step_line(done: Any, cache: KVCacheManager) -> dict[str, Any]:

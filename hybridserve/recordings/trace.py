@@ -14,6 +14,7 @@ from typing import Any
 
 from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
 from hybridserve.core.errors import HybridServeError
+from hybridserve.core.request import Request, SamplingParams
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
 from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode
 
@@ -39,6 +40,16 @@ class RecordedRequest:
 
     def output_token(self, t: int) -> int:
         return self.sampler_base + (self.sampler_offset + t) % self.sampler_mod
+
+    def to_request(self) -> Request:
+        """The request as the recorder passed it to vLLM (ignore_eos, greedy)."""
+        return Request(
+            req_id=self.req_id,
+            prompt_token_ids=self.prompt,
+            sampling=SamplingParams(max_tokens=self.max_tokens, ignore_eos=True),
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+        )
 
 
 @dataclass(frozen=True, slots=True)
