@@ -14,12 +14,12 @@ from hybridserve.core.errors import RequestError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult
 from hybridserve.core.request import Request, RequestStatus
 from hybridserve.kvcache import Allocation, CacheHit, KVCacheManager
-from hybridserve.kvcache.retention import RetentionKind
-from hybridserve.kvcache.spec import MambaCacheMode, MambaSpec
+from hybridserve.scheduler.align import AlignSplitter
 from hybridserve.scheduler.controls import UNLIMITED as UNLIMITED_PLAN
 from hybridserve.scheduler.controls import PrefillController, PrefillPlan, is_decode
 from hybridserve.scheduler.output import SchedulerOutput
 from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue
+from hybridserve.scheduler.step import StepState
 from hybridserve.scheduler.step_model import StepTimeModel
 
 
@@ -55,12 +55,8 @@ class Scheduler:
         self.step_id = 0
         self.token_budget = config.max_num_batched_tokens
         self.hash_block_size = cache.layout.hash_block_size
-        self.align_block = _align_block_size(cache)
-        self.drops_tail = cache.layout.speculative.drops_target_tail
-        # The final chunk's checkpoint block holds the last boundary's state (not with EAGLE).
-        self.prefill_checkpoint = not self.drops_tail and any(
-            isinstance(s, MambaSpec) and s.prefill_checkpoint for s in cache.layout.groups
-        )
+        self.splitter = AlignSplitter(config, cache)
+        self.align_block = self.splitter.block
         # The quantum q: prefill grants are multiples of the state block (1 without one).
         self.controls = PrefillController(
             config, quantum=self.align_block or 1, step_model=step_model
@@ -136,7 +132,7 @@ class Scheduler:
             token_budget=self.token_budget,
             seq_slot_free=len(self.running) < self.config.max_num_seqs,
         )
-        step = _Step(self.token_budget, self._threshold(), plan)
+        step = StepState(self.token_budget, self._threshold(), plan)
         self._schedule_running(step)
         if not step.preempted and plan.allow_prefill:
             self._schedule_waiting(step)
@@ -151,7 +147,7 @@ class Scheduler:
             return threshold
         return 0
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepState) -> None:
         # The hot loop of every step: locals instead of attribute lookups.
         running = self.running
         limited = step.plan is not UNLIMITED_PLAN
@@ -172,7 +168,7 @@ class Scheduler:
                 num_new = threshold
             num_new = min(num_new, step.budget, max_position - computed)
             if align:
-                num_new = self._align_split(
+                num_new = self.splitter.split(
                     request, num_new, hit=0, junction=request.prefix_junction
                 )
             if num_new <= 0:
@@ -196,7 +192,7 @@ class Scheduler:
             index += 1
 
     def _allocate_or_preempt(
-        self, step: _Step, request: Request, num_new: int, index: int
+        self, step: StepState, request: Request, num_new: int, index: int
     ) -> tuple[Allocation | None, int]:
         while True:
             allocation = self.cache.allocate(
@@ -224,7 +220,7 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, step: _Step) -> None:
+    def _preempt(self, request: Request, step: StepState) -> None:
         self.cache.free(request.req_id)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
@@ -233,7 +229,7 @@ class Scheduler:
         self.waiting.prepend(request)
         step.preempted.append(request.req_id)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepState) -> None:
         config = self.config
         while self.waiting and step.budget > 0:
             if len(self.running) >= config.max_num_seqs:
@@ -252,7 +248,7 @@ class Scheduler:
                 if num_new <= 0:
                     break
             if self.align_block:
-                num_new = self._align_split(
+                num_new = self.splitter.split(
                     request, num_new, hit=hit.num_tokens, junction=hit.junction
                 )
                 if num_new <= 0:
@@ -301,7 +297,7 @@ class Scheduler:
             return num_new
         return min(num_new, plan.grants.get(request.req_id, 0))
 
-    def _partials_after(self, step: _Step) -> int:
+    def _partials_after(self, step: StepState) -> int:
         """Running requests still short of their prompt end once this step's tokens land."""
         count = step.new_partials
         for request in self.running:
@@ -312,7 +308,7 @@ class Scheduler:
                 count += 1
         return count
 
-    def _reclaim(self, step: _Step) -> None:
+    def _reclaim(self, step: StepState) -> None:
         """Give quanta the head waiter could not use back to the running partial prefills."""
         left = step.waiter_tokens or 0
         for request in self.running:
@@ -324,7 +320,7 @@ class Scheduler:
             remaining = request.num_tokens - request.num_computed_tokens
             total = min(already + left, remaining, already + step.budget)
             if self.align_block:
-                total = self._align_split(request, total, hit=0, junction=request.prefix_junction)
+                total = self.splitter.split(request, total, hit=0, junction=request.prefix_junction)
             extra = total - already
             if extra <= 0:
                 continue
@@ -338,60 +334,11 @@ class Scheduler:
             )
             if allocation is None:
                 break
-            previous = step.allocations.get(request.req_id)
-            if previous is not None:
-                allocation = _merge(previous, allocation)
-            step.scheduled[request.req_id] = already + extra
-            step.allocations[request.req_id] = allocation
-            step.budget -= extra
+            step.extend(request.req_id, extra, allocation)
             left -= extra
         step.waiter_tokens = left
 
-    def _align_split(self, request: Request, num_new: int, *, hit: int, junction: int) -> int:
-        """Cut a prefill chunk so that the states future lookups need get materialised.
-
-        Non-final chunks end on the state block grid. A chunk stops at the sequence's last
-        block boundary (one block earlier under a tail-dropping method) unless it starts on
-        the grid and a prefill checkpoint block will hold that state, and it stops at a
-        shared-prefix junction. Retention policies other than `boundary` add their own
-        checkpoint positions as stops.
-        """
-        start = request.num_computed_tokens + hit
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        if start >= prefill_end:
-            return num_new  # decode
-        block = self.align_block
-        end = start + num_new
-        last_cache = request.num_tokens - request.num_tokens % block
-        if self.drops_tail:
-            last_cache = max(last_cache - block, 0)
-        if self.prefill_checkpoint and start % block == 0:
-            last_cache = 0
-        if end < prefill_end:
-            aligned_end = end // block * block
-            if aligned_end > start or block <= self._max_prefill_chunk():
-                end = aligned_end
-        stops = [last_cache]
-        if start % block:
-            stops.append((start // block + 1) * block)
-        if start < junction < end:
-            stops.append(start + (junction - start) // block * block)
-        stops.extend(self._retention_stops(request))
-        end = min([end, *(s for s in stops if start < s < end)])
-        return max(end - start, 0)
-
-    def _max_prefill_chunk(self) -> int:
-        threshold = self.config.long_prefill_token_threshold
-        return min(self.token_budget, threshold) if threshold > 0 else self.token_budget
-
-    def _retention_stops(self, request: Request) -> tuple[int, ...]:
-        if self.cache.layout.retention.kind is RetentionKind.BOUNDARY:
-            return ()  # exactly vLLM's forced chunk ends
-        return self.cache.checkpoint_positions(request.req_id) or self.cache.planned_checkpoints(
-            request.num_prompt_tokens, None
-        )
-
-    def _finish_schedule(self, step: _Step) -> SchedulerOutput:
+    def _finish_schedule(self, step: StepState) -> SchedulerOutput:
         chunks = []
         num_prefill = num_decode = kv_read = 0
         requests, admitted, allocations = self.requests, step.admitted, step.allocations
@@ -554,67 +501,3 @@ class Scheduler:
             del self.requests[request.req_id]
             self._finished_pending.append(request.req_id)
         return tuple(kept)
-
-
-class _Step:
-    """One schedule() call's working state."""
-
-    __slots__ = (
-        "admitted",
-        "allocations",
-        "budget",
-        "new_partials",
-        "new_reqs",
-        "plan",
-        "preempted",
-        "resumed",
-        "scheduled",
-        "threshold",
-        "waiter_tokens",
-    )
-
-    def __init__(self, budget: int, threshold: int, plan: PrefillPlan) -> None:
-        self.budget = budget
-        self.threshold = threshold
-        self.plan = plan
-        self.waiter_tokens = plan.waiter_tokens
-        self.new_partials = 0
-        self.scheduled: dict[str, int] = {}
-        self.allocations: dict[str, Allocation] = {}
-        self.admitted: set[str] = set()
-        self.new_reqs: list[tuple[str, int]] = []
-        self.resumed: list[tuple[str, int]] = []
-        self.preempted: list[str] = []
-
-    def record(
-        self, req_id: str, num_new: int, allocation: Allocation, *, new_request: bool = False
-    ) -> None:
-        self.scheduled[req_id] = num_new
-        self.allocations[req_id] = allocation
-        self.budget -= num_new
-        if new_request:
-            self.admitted.add(req_id)
-
-    def unschedule(self, req_id: str) -> None:
-        """A victim scheduled earlier in this step gives its tokens back."""
-        num = self.scheduled.pop(req_id, None)
-        if num is not None:
-            self.budget += num
-            del self.allocations[req_id]
-
-
-def _merge(first: Allocation, second: Allocation) -> Allocation:
-    return Allocation(
-        tuple(a + b for a, b in zip(first.new_block_ids, second.new_block_ids, strict=True)),
-        first.block_copies + second.block_copies,
-    )
-
-
-def _align_block_size(cache: KVCacheManager) -> int:
-    """Block size of align-mode state groups (prefill chunks end on its grid), or 0."""
-    sizes = [
-        s.block_size
-        for s in cache.layout.groups
-        if isinstance(s, MambaSpec) and s.mode is MambaCacheMode.ALIGN
-    ]
-    return max(sizes) if sizes else 0
