@@ -1,0 +1,10 @@
+"""The `hybridserve` command line."""
+
+from hybridserve.cli import cache_commands, sim_commands
+from hybridserve.cli.app import app
+
+__all__ = ["app", "cache_commands", "main", "sim_commands"]
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,192 @@
+"""`hybridserve simulate` and `hybridserve bench` (experiment E1)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hybridserve.cli.app import app, err, fail
+from hybridserve.core.errors import HybridServeError
+
+REPORT_KEYS = (
+    "job_goodput_per_hour",
+    "jobs_completed",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "prefix_hit_rate",
+    "preemptions",
+    "output_tokens_per_s",
+    "tpot_mean_ms",
+)
+
+
+def _sim_config(**options: object) -> object:
+    from hybridserve.sim.run import SimConfig
+    from hybridserve.sim.workload import AgentParams
+
+    agents = AgentParams(num_agents=int(options.pop("num_agents")))  # type: ignore[call-overload]
+    return SimConfig(agents=agents, **options)  # type: ignore[arg-type]
+
+
+def _run_sim(config: object, *, label: str, quiet: bool) -> dict[str, float]:
+    from hybridserve.sim.run import SimConfig, simulate
+
+    assert isinstance(config, SimConfig)
+    if quiet:
+        return simulate(config)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f} / {task.total:.0f} simulated s"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(label, total=config.duration_s)
+        return simulate(config, progress=lambda now: bar.update(task, completed=now))
+
+
+def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
+    """Rounded values; an undefined statistic (no sample in the window) becomes null."""
+    return {k: None if math.isnan(v) else round(v, 4) for k, v in summary.items()}
+
+
+SimOption = Annotated[str, typer.Option(help="Model profile.")]
+
+
+@app.command("simulate")
+def simulate_cmd(
+    model: SimOption = "qwen3-next-80b-a3b",
+    gpu: Annotated[str, typer.Option(help="GPU: A100-80G, H100-SXM, H200, B200, MI300X.")] = "H200",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel width.")] = 1,
+    dtype: Annotated[str, typer.Option(help="Weight dtype: bf16, fp8, fp4.")] = "fp8",
+    preset: Annotated[str, typer.Option(help="baseline or hybridserve.")] = "hybridserve",
+    agents: Annotated[int, typer.Option(help="Agents running jobs back to back.")] = 20,
+    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 1800.0,
+    warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 300.0,
+    spec: Annotated[str, typer.Option(help="Speculative method.")] = "mtp",
+    workload: Annotated[
+        str, typer.Option(help="agents, mooncake:PATH, azure:PATH or poisson:rate=R,requests=N")
+    ] = "agents",
+    time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
+    limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed: same seed, same report.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
+    try:
+        config = _sim_config(
+            model=model,
+            gpu=gpu,
+            tp=tp,
+            dtype=dtype,
+            preset=preset,
+            num_agents=agents,
+            duration_s=duration,
+            warmup_s=warmup,
+            spec=spec,
+            seed=seed,
+            workload=workload,
+            time_scale=time_scale,
+            limit=limit,
+        )
+        summary = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
+    except HybridServeError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
+        return
+    table = Table(title=f"simulate: {model} on {gpu} (tp={tp}, {dtype}), preset={preset}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in REPORT_KEYS:
+        table.add_row(key, f"{summary[key]:,.3f}")
+    Console().print(table)
+
+
+@app.command("bench")
+def bench_cmd(
+    model: SimOption = "qwen3-next-80b-a3b",
+    gpu: Annotated[str, typer.Option(help="GPU from the catalog.")] = "H200",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel width.")] = 1,
+    dtype: Annotated[str, typer.Option(help="Weight dtype.")] = "fp8",
+    agents: Annotated[int, typer.Option(help="Agents running jobs back to back.")] = 20,
+    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 1800.0,
+    warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 300.0,
+    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
+    ablations: Annotated[
+        bool, typer.Option(help="Also run controls-only and retention-only.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Experiment E1: the vLLM baseline against hybridserve, side by side, with ratios."""
+    results: dict[str, dict[str, float]] = {}
+    presets = ["baseline", "hybridserve"]
+    if ablations:
+        presets += ["controls-only", "retention-only"]
+    try:
+        for preset in presets:
+            config = _sim_config(
+                model=model,
+                gpu=gpu,
+                tp=tp,
+                dtype=dtype,
+                preset=preset,
+                num_agents=agents,
+                duration_s=duration,
+                warmup_s=warmup,
+                seed=seed,
+            )
+            results[preset] = _run_sim(config, label=preset, quiet=as_json)
+    except HybridServeError as exc:
+        raise fail(str(exc)) from None
+    base, ours = results["baseline"], results["hybridserve"]
+    ratios = {k: round(ours[k] / base[k], 4) if base[k] else None for k in REPORT_KEYS}
+    report: dict[str, object] = {
+        "baseline": _metrics_json(base),
+        "hybridserve": _metrics_json(ours),
+        "ratios": ratios,
+        **{preset: _metrics_json(results[preset]) for preset in presets[2:]},
+        "setup": {
+            "model": model,
+            "gpu": gpu,
+            "tp": tp,
+            "dtype": dtype,
+            "agents": agents,
+            "duration_s": duration,
+            "warmup_s": warmup,
+            "seed": seed,
+        },
+    }
+    folder = Path("runs") / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return
+    table = Table(title=f"E1: {agents} agents, {model} on simulated {gpu} (tp={tp}, {dtype})")
+    for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio", *presets[2:]):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for key in REPORT_KEYS:
+        ratio = ratios[key]
+        extra = [f"{results[p][key]:,.2f}" for p in presets[2:]]
+        table.add_row(
+            key,
+            f"{base[key]:,.2f}",
+            f"{ours[key]:,.2f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            *extra,
+        )
+    console = Console()
+    console.print(table)
+    console.print(f"report: {folder / 'report.json'}")
