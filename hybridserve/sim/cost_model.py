@@ -150,8 +150,10 @@ class RooflineCostModel:
         kv_dtype: str | None = None,
         efficiency: Efficiency = Efficiency(),  # frozen, so sharing the default is safe
     ) -> None:
-        if tp < 1 or dcp < 1 or tp % dcp:
-            raise ConfigError("dcp", dcp, f"use tp >= 1 and a dcp that divides tp={tp}")
+        if tp < 1:
+            raise ConfigError("tp", tp, "use a tensor-parallel width of 1 or more")
+        if dcp < 1 or tp % dcp:
+            raise ConfigError("dcp", dcp, f"use a DCP width that divides tp={tp}")
         self.gpu, self.model, self.tp, self.dcp = gpu, model, tp, dcp
         self.weight_bytes = dtype_bytes(dtype)
         self.kv_dtype = kv_dtype or dtype
