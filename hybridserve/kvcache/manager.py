@@ -242,13 +242,17 @@ class KVCacheManager:
         copies = []
         if hit is not None:
             self._begin_request(req_id, hit, num_prompt_tokens)
+            # Hold every group's hit first: a new block must never be another group's hit.
             for gid, group in enumerate(self.groups):
-                cow_dst = group.add_hit(req_id, hit_blocks[gid], cows[gid])
+                group.add_hit(req_id, hit_blocks[gid], cows[gid])
+            for gid, group in enumerate(self.groups):
                 cow_src = cows[gid]
-                if cow_dst is not None and cow_src is not None:
-                    unit = group.block_size
+                if cow_src is not None:
+                    cow_dst = group.add_copy_target(req_id)
                     copies.append(
-                        BlockCopy(gid, cow_src.block_id, cow_dst.block_id, hit_tokens % unit)
+                        BlockCopy(
+                            gid, cow_src.block_id, cow_dst.block_id, hit_tokens % group.block_size
+                        )
                     )
         elif req_id not in self._requests:
             self._begin_request(req_id, self._empty_hit(num_tokens, False), num_prompt_tokens)

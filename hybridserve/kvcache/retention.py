@@ -84,7 +84,9 @@ class RetentionPolicy:
         """
         base = boundary // alignment * alignment
         if self.kind is RetentionKind.BOUNDARY:
-            only = (base,) if base > 0 else ()
+            # The boundary itself, and where a full-attention lookup coarser than A lands on it.
+            kept = {base, *(boundary // unit * unit for unit in sharded_units)}
+            only = tuple(sorted(p for p in kept if p > 0))
             return Landing(state=only, window=only)
         drop = alignment if drops_target_tail else 0
         window = {

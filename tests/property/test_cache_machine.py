@@ -24,8 +24,9 @@ Freeing follows SPEC.md 1.2's free-queue order exactly. A prefilled prompt untou
 is hit again by an identical resend and by an extending sibling (SPEC.md 8.8). Under DFlash a
 shadow manager without speculation replays the same calls and must agree exactly (SPEC.md 8.7).
 
-Deterministic tests at the end pin the fine-alignment retention case and, as strict xfails, one
-known defect (KNOWN_MAMBA_LOOKAHEAD_DEFECT).
+Deterministic regression tests at the end pin two defects this machine found: retention with A
+finer than a state or window block (fixed in bc5b53d), and align-mode Mamba with lookahead slots
+(fixed in fead574).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from hybridserve.kvcache import (
     CacheLayout,
     DraftSpec,
     FullAttentionSpec,
+    GroupSpec,
     KVCacheManager,
     MambaSpec,
     RetentionPolicy,
@@ -71,12 +73,6 @@ MAX_TOKENS = 64  # prompt plus output; a request at this length stops decoding
 MAX_WAITING = 4
 MAX_RUNNING = 6
 SALTS = (None, None, "tenant-a", "tenant-b")
-# A known defect, pinned by the strict xfail tests at the end of this file: with lookahead
-# slots, align-mode Mamba puts the running state block one block ahead, so (1) the state at a
-# chunk end on the grid is never registered (a resend misses) and (2) that block is registered
-# later at a block end no chunk ended on (a stale state). While this is True the machine
-# tolerates exactly these two symptoms; set it to False when the defect is fixed.
-KNOWN_MAMBA_LOOKAHEAD_DEFECT = False
 FAMILIES = ("full", "full+swa", "full+mamba", "full+mamba+draft")
 
 PoolState = tuple[tuple[int, ...], tuple[tuple[int, bytes | None], ...], int]
@@ -114,7 +110,6 @@ class Req:
     admitted_hit: int = 0
     evictions_at_admission: int = 0
     checkpoints_honoured: bool = True
-    prefill_lookahead: bool = False  # a prefill chunk was allocated with lookahead slots
     failed_admissions: int = 0
 
 
@@ -126,6 +121,12 @@ class ExpectedMetrics:
     preempted_requests: int = 0
     preempted_queried_tokens: int = 0
     preempted_hit_tokens: int = 0
+
+
+def draw_tokens(data: st.DataObject, min_size: int, max_size: int) -> list[int]:
+    """Token ids from the small alphabet, drawn as one byte string (one draw, not one each)."""
+    raw = data.draw(st.binary(min_size=min_size, max_size=max_size), label="tokens")
+    return [byte % ALPHABET for byte in raw]
 
 
 def draw_layout(data: st.DataObject, family: str) -> CacheLayout:
@@ -252,10 +253,7 @@ class CacheMachine(RuleBasedStateMachine):
             if data.draw(st.integers(0, 4), label="resalt") != 0:
                 salt = base_salt
         size = data.draw(st.integers(0 if tokens else 1, 32), label="size")
-        extra = data.draw(
-            st.lists(st.integers(0, ALPHABET - 1), min_size=size, max_size=size), label="extra"
-        )
-        tokens = (tokens + extra)[:MAX_PROMPT]
+        tokens = (tokens + draw_tokens(data, size, size))[:MAX_PROMPT]
         return tokens or [0], salt
 
     # ----- mirrored manager calls ---------------------------------------------------------------
@@ -310,7 +308,6 @@ class CacheMachine(RuleBasedStateMachine):
         """allocate, mirrored; records the Mamba states it registered as fresh this step."""
         m, mamba = self.m, self._mamba_groups()
         before = self._keyed_mamba_blocks()
-        held = {b.block_id for g in mamba for b in m.groups[g].tables.get(rid, [])}
         # A free cached state block handed out again is evicted; if this request registers
         # the same key into it, only the eviction tells that it was registered anew.
         free_cached = {
@@ -348,7 +345,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.fresh |= new_states
                 computed = num_computed_tokens + (hit.num_tokens if hit is not None else 0)
                 self._check_new_states(
-                    rid, new_states, held, computed, computed + num_new_tokens, num_tokens
+                    rid, new_states, computed, computed + num_new_tokens, num_tokens
                 )
         if len(results) == 2:
             assert results[1] == results[0], "DFlash allocated differently from no speculation"
@@ -358,7 +355,6 @@ class CacheMachine(RuleBasedStateMachine):
         self,
         rid: str,
         new_states: set[tuple[int, bytes]],
-        held: set[int],
         computed: int,
         chunk_end: int,
         num_tokens: int,
@@ -387,12 +383,6 @@ class CacheMachine(RuleBasedStateMachine):
                     and chunk_end % unit != 0
                     and position == chunk_end // unit * unit
                 )
-                if position != chunk_end and not checkpoint and block.block_id in held:
-                    # The known defect (see KNOWN_MAMBA_LOOKAHEAD_DEFECT): a block the request
-                    # already held, written at an earlier chunk end.
-                    event("known defect: a stale Mamba state was registered")
-                    assert KNOWN_MAMBA_LOOKAHEAD_DEFECT, f"stale state registered at {position}"
-                    continue
                 assert position == chunk_end or checkpoint, (
                     f"group {g} registered a state at {position}, but the chunk "
                     f"[{computed}, {chunk_end}) of {num_tokens} tokens materialised none there"
@@ -607,7 +597,6 @@ class CacheMachine(RuleBasedStateMachine):
         req.admitted_hit = hit.num_tokens
         req.evictions_at_admission = evictions
         req.checkpoints_honoured = honoured
-        req.prefill_lookahead = lookahead > 0
         self._completed_chunk(data, req, end)
 
     def _lookahead(self, data: st.DataObject) -> int:
@@ -623,7 +612,8 @@ class CacheMachine(RuleBasedStateMachine):
         num_tokens = len(req.tokens)
         end = min(position + data.draw(st.integers(1, 24), label="chunk"), num_tokens)
         grid = self._align_block()
-        if grid and end < num_tokens:
+        free_chunking = data.draw(st.integers(0, 3), label="free") == 0
+        if grid and end < num_tokens and not free_chunking:
             if position % grid:
                 end = min(end, (position // grid + 1) * grid)
             else:
@@ -727,7 +717,6 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert not allocation.block_copies
         req.checkpoints_honoured &= honoured
-        req.prefill_lookahead |= lookahead > 0 and req.computed < req.num_prompt
         self._completed_chunk(data, req, end)
 
     @precondition(lambda self: self.running)
@@ -796,7 +785,7 @@ class CacheMachine(RuleBasedStateMachine):
         sources = self._sources()
         base, salt = sources[data.draw(st.integers(0, len(sources) - 1), label="src")]
         tokens = list(base[: data.draw(st.integers(1, len(base)), label="keep")])
-        tokens += data.draw(st.lists(st.integers(0, ALPHABET - 1), max_size=8), label="extra")
+        tokens += draw_tokens(data, 0, 8)
         self._find_hit(self._hash(tokens, salt), len(tokens))
         self.next_salt += 1
         hit, _ = self._find_hit(self._hash(base, f"fresh-{self.next_salt}"), len(base))
@@ -810,9 +799,7 @@ class CacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.scheduled & set(self.running))), label="rid")
         req = self.running[rid]
         keep = data.draw(st.integers(1, req.computed), label="keep") if req.computed else 1
-        tokens = req.tokens[:keep] + data.draw(
-            st.lists(st.integers(0, ALPHABET - 1), max_size=6), label="extra"
-        )
+        tokens = req.tokens[:keep] + draw_tokens(data, 0, 6)
         hashes = self._hash(tokens, req.salt)
         hits = self._find_hit(hashes, len(tokens))
         if hits[0].ready:
@@ -861,9 +848,12 @@ class CacheMachine(RuleBasedStateMachine):
             or cap // unit * unit - drop < layout.page_tokens
             or (
                 layout.retention.kind is RetentionKind.BOUNDARY
-                and layout.speculative.drops_target_tail
+                and (layout.speculative.drops_target_tail or a % unit != 0)
             )
         ):
+            # `boundary` keeps floor(B/A)*A alone: under EAGLE the lookup lands one A lower
+            # (SPEC.md 3.4), and with A finer than the full-attention block the lookup cannot
+            # reach it (see test_boundary_retention_keeps_a_position_full_attention_reaches).
             return
         event("resend: checked")
         self._new_step()  # states registered so far are final now
@@ -871,10 +861,6 @@ class CacheMachine(RuleBasedStateMachine):
         resend, _ = self._find_hit(self._hash(prompt, req.salt), len(prompt))
         extended = [*prompt, data.draw(st.integers(0, ALPHABET - 1), label="next")]
         sibling, _ = self._find_hit(self._hash(extended, req.salt), len(extended))
-        if req.prefill_lookahead and self._align_block() and KNOWN_MAMBA_LOOKAHEAD_DEFECT:
-            if not (resend.num_tokens and sibling.num_tokens):
-                event("known defect: a Mamba state at a chunk end was not registered")
-            return
         assert resend.num_tokens > 0, "an identical resend of a retained prompt missed"
         assert sibling.num_tokens > 0, "an extending sibling of a retained prompt missed"
 
@@ -903,8 +889,15 @@ class CacheMachine(RuleBasedStateMachine):
             assert all(rid in group.tables for group in m.groups), f"running {rid} holds nothing"
             self._check_table(req)
         known = set(self.running)
-        for group in m.groups:
+        owner: dict[int, int] = {}  # block id -> the one group whose tables hold it
+        null = m.pool.null_block
+        for g, group in enumerate(m.groups):
             assert set(group.tables) <= known, "a freed or unknown request holds blocks"
+            blocks = [b for table in group.tables.values() for b in table if b is not null]
+            for block in [*blocks, *group.cow_holds]:
+                assert owner.setdefault(block.block_id, g) == g, (
+                    f"block {block.block_id} is held by groups {owner[block.block_id]} and {g}"
+                )
 
     @invariant()
     def admissions_are_counted_once(self) -> None:
@@ -1039,7 +1032,7 @@ def test_resend_of_a_prefilled_prompt_hits_when_alignment_is_the_page(case: str)
     assert resend > 0 and sibling > 0, (resend, sibling)
 
 
-# ----- known defect: a state registered where no chunk ended -------------------------------
+# ----- align-mode Mamba with lookahead slots ----------------------------------------------
 
 
 def test_align_mode_registers_no_state_at_a_block_end_no_chunk_ended_on() -> None:
@@ -1122,3 +1115,102 @@ def _eagle_resend_with_lookahead(lookahead: int) -> None:
     manager.new_step()
     # Full attention matches 32 and drops one A: the state at 24 serves the resend.
     assert manager.find_hit(hashes, len(prompt)).num_tokens == 24
+
+
+# ----- regression tests for defects this machine found (fixed) -------------------------------
+
+
+def test_copy_on_write_target_is_never_another_groups_hit_block() -> None:
+    """A hit at 12 with full-attention blocks of 8 (so a copy-on-write tail) and a Mamba state
+    block at 12 that sits free at the head of the free queue (after the full hit blocks)."""
+    layout = CacheLayout(
+        groups=(FullAttentionSpec(block_size=8), MambaSpec(block_size=4, mode=MambaCacheMode.ALL)),
+        num_blocks=15,
+        hash_block_size=4,
+        alignment_tokens=4,
+        retention=RetentionPolicy.parse("boundary"),
+    )
+    manager = KVCacheManager(layout)
+
+    def run(req_id: str, tokens: list[int], *, free: bool) -> None:
+        hashes = manager.hasher.hash_tokens(tokens)
+        manager.new_step()
+        hit = manager.find_hit(hashes, len(tokens))
+        allocation = manager.allocate(
+            req_id,
+            hashes,
+            num_tokens=len(tokens),
+            num_computed_tokens=0,
+            num_new_tokens=len(tokens) - hit.num_tokens,
+            hit=hit,
+            num_prompt_tokens=len(tokens),
+        )
+        assert allocation is not None
+        if free:
+            manager.free(req_id)
+
+    # The producer: a 13-token prompt (its Mamba state at 12 is kept), then three decode steps
+    # so that full attention caches [0, 16).
+    producer = list(range(13))
+    hashes = manager.hasher.hash_tokens(producer)
+    manager.new_step()
+    hit = manager.find_hit(hashes, 13)
+    assert manager.allocate(
+        "producer",
+        hashes,
+        num_tokens=13,
+        num_computed_tokens=0,
+        num_new_tokens=13,
+        hit=hit,
+        num_prompt_tokens=13,
+    )
+    for n in range(13, 16):
+        producer.append(100 + n)
+        manager.hasher.extend(hashes, producer)
+        manager.new_step()
+        assert manager.allocate(
+            "producer", hashes, num_tokens=n + 1, num_computed_tokens=n, num_new_tokens=1
+        )
+    manager.free("producer")
+    run("filler-freed", [500 + i for i in range(24)], free=True)  # cached blocks behind it
+    run("filler-running", [700 + i for i in range(12)], free=False)  # takes what is before it
+    consumer = [*producer[:16], 999, 999]
+    hashes = manager.hasher.hash_tokens(consumer)
+    manager.new_step()
+    hit = manager.find_hit(hashes, len(consumer))
+    assert hit.num_tokens == 12 and hit.cow_sources[0] is not None
+    state_block = hit.group_blocks[1][-1].block_id
+    queue = manager.pool.free_queue.block_ids()
+    full_hit = {hit.group_blocks[0][0].block_id, hit.cow_sources[0].block_id}
+    assert set(queue[:2]) == full_hit and queue[2] == state_block, queue
+    allocation = manager.allocate(
+        "consumer",
+        hashes,
+        num_tokens=len(consumer),
+        num_computed_tokens=0,
+        num_new_tokens=len(consumer) - 12,
+        hit=hit,
+        num_prompt_tokens=len(consumer),
+    )
+    assert allocation is not None
+    full, mamba = manager.block_ids("consumer")
+    assert mamba[2] == state_block
+    assert state_block not in full, f"block {state_block} is both a KV copy target and a state"
+
+
+@pytest.mark.parametrize("second", ["mamba-all", "mamba-align", "swa"])
+def test_boundary_retention_keeps_a_position_full_attention_reaches(second: str) -> None:
+    specs: dict[str, GroupSpec] = {
+        "mamba-all": MambaSpec(block_size=4, mode=MambaCacheMode.ALL),
+        "mamba-align": MambaSpec(block_size=4),
+        "swa": SlidingWindowSpec(block_size=4, window=4),
+    }
+    layout = CacheLayout(
+        groups=(FullAttentionSpec(block_size=8), specs[second]),
+        num_blocks=64,
+        hash_block_size=4,
+        alignment_tokens=4,
+        retention=RetentionPolicy.parse("boundary"),
+    )
+    resend, sibling = _prefill_then_resend(layout, 31)
+    assert resend == sibling == 24, (resend, sibling)

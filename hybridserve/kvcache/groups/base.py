@@ -110,23 +110,25 @@ class GroupManager:
     def skipped_tokens_for_new(self, req_id: str, hit: Sequence[Block]) -> int:
         return 0
 
-    def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> Block | None:
-        """Start a request's table with its prefix hit; returns the copy-on-write target."""
+    def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> None:
+        """Start a request's table with its prefix hit: take a reference on every hit block
+        (and on a copy-on-write source, held until the copy has run). Allocates nothing, so
+        every group's hit is held before any group takes a new block."""
         if req_id in self.tables:
             raise CacheInvariantError(f"request {req_id!r} already holds blocks in this group")
         self.pool.touch(hit)
-        table = list(hit)
-        cow_dst = None
         if cow_src is not None:
-            # Hold the source until the copy has run (released at the next step).
             self.pool.touch((cow_src,))
             self.cow_holds.append(cow_src)
-            cow_dst = self.pool.allocate(1)[0]
-            table.append(cow_dst)
-        self.tables[req_id] = table
-        # Hit blocks are registered already; a copy-on-write block is not full yet.
+        self.tables[req_id] = list(hit)
+        # Hit blocks are registered already.
         self.num_processed[req_id] = len(hit)
-        return cow_dst
+
+    def add_copy_target(self, req_id: str) -> Block:
+        """The new block a copy-on-write tail continues in (not full: not registered)."""
+        block = self.pool.allocate(1)[0]
+        self.tables[req_id].append(block)
+        return block
 
     def allocate(self, req_id: str, slots: SlotRequest) -> list[Block]:
         """Grow the table to hold `slots.num_slots` slots. The caller checked capacity."""

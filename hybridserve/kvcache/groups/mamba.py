@@ -115,12 +115,11 @@ class MambaManager(GroupManager):
             return None
         return index
 
-    def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> Block | None:
-        cow_dst = super().add_hit(req_id, hit, cow_src)
+    def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> None:
+        super().add_hit(req_id, hit, cow_src)
         if self.align:
             null = self.pool.null_block
             self.live[req_id] = [i for i, b in enumerate(hit) if b is not null]
-        return cow_dst
 
     def allocate(self, req_id: str, slots: SlotRequest) -> list[Block]:
         if not self.align:
