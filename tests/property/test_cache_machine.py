@@ -24,9 +24,10 @@ Freeing follows SPEC.md 1.2's free-queue order exactly. A prefilled prompt untou
 is hit again by an identical resend and by an extending sibling (SPEC.md 8.8). Under DFlash a
 shadow manager without speculation replays the same calls and must agree exactly (SPEC.md 8.7).
 
-Deterministic regression tests at the end pin two defects this machine found: retention with A
-finer than a state or window block (fixed in bc5b53d), and align-mode Mamba with lookahead slots
-(fixed in fead574).
+Deterministic regression tests at the end pin four defects this machine found, all fixed:
+retention with A finer than a state or window block, align-mode Mamba with lookahead slots, a
+copy-on-write target taken from another group's hit, and `boundary` retention with A finer than
+the full-attention block.
 """
 
 from __future__ import annotations
