@@ -190,3 +190,65 @@ def bench_cmd(
     console = Console()
     console.print(table)
     console.print(f"report: {folder / 'report.json'}")
+
+
+@app.command("sweep")
+def sweep_cmd(
+    trials: Annotated[int, typer.Option(help="Random control settings to try (plus all-off).")] = 8,
+    workers: Annotated[int, typer.Option(help="Local worker processes.")] = 1,
+    itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
+    model: SimOption = "qwen3-next-80b-a3b",
+    gpu: Annotated[str, typer.Option(help="GPU from the catalog.")] = "H200",
+    dtype: Annotated[str, typer.Option(help="Weight dtype.")] = "fp8",
+    agents: Annotated[int, typer.Option(help="Agents running jobs back to back.")] = 20,
+    duration: Annotated[float, typer.Option(help="Simulated seconds per trial.")] = 900.0,
+    warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 150.0,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and of the draws.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Search the scheduler controls for the best job goodput under a p99 ITL SLO."""
+    from hybridserve.sim.models import get_model
+    from hybridserve.sim.sweep import best, sweep
+
+    if trials < 1 or workers < 1:
+        raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
+    try:
+        config = _sim_config(
+            model=model,
+            gpu=gpu,
+            dtype=dtype,
+            num_agents=agents,
+            duration_s=duration,
+            warmup_s=warmup,
+            seed=seed,
+        )
+        groups = get_model(model).cache_groups()
+        quantum = max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
+        results = sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)  # type: ignore[arg-type]
+    except HybridServeError as exc:
+        raise fail(str(exc)) from None
+    winner = best(results, itl_slo_ms=itl_slo_ms)
+    rows = [
+        {"controls": dict(t.controls), **_metrics_json(t.metrics), "meets_slo": t.meets(itl_slo_ms)}
+        for t in results
+    ]
+    if as_json:
+        payload = {"itl_slo_ms": itl_slo_ms, "best": dict(winner.controls), "trials": rows}
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    table = Table(title=f"sweep: {len(results)} trials, p99 ITL SLO {itl_slo_ms:.0f} ms")
+    for column in ("controls", "job goodput/h", "p99 ITL ms", "TTFT p50 ms", "SLO"):
+        table.add_column(column, justify="left" if column == "controls" else "right")
+    for trial in sorted(results, key=lambda t: -t.metrics["job_goodput_per_hour"]):
+        label = ", ".join(f"{k}={v:g}" for k, v in trial.controls if v) or "all off"
+        m = trial.metrics
+        table.add_row(
+            label,
+            f"{m['job_goodput_per_hour']:.1f}",
+            f"{m['itl_p99_ms']:.1f}",
+            f"{m['ttft_p50_ms']:.0f}",
+            "yes" if trial.meets(itl_slo_ms) else "no",
+        )
+    console = Console()
+    console.print(table)
+    console.print(f"best under the SLO: {dict(winner.controls) or 'all off'}")

@@ -76,6 +76,8 @@ class SimConfig:
     workload: str = "agents"  # agents | mooncake:PATH | azure:PATH | poisson:rate=R,...
     time_scale: float = 1.0
     limit: int | None = None
+    # Scheduler-control overrides on top of the preset (a sweep trial): field name -> value.
+    controls: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.warmup_s < 0 or self.duration_s <= self.warmup_s:
@@ -94,6 +96,11 @@ def build_engine(config: SimConfig) -> tuple[Engine, Scheduler]:
     )
     quantum = max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
     chosen = preset(config.preset, quantum=quantum, max_model_len=config.agents.context_limit + 1)
+    if config.controls:
+        overrides: dict[str, Any] = dict(config.controls)
+        chosen = Preset(
+            scheduler=replace(chosen.scheduler, **overrides), retention=chosen.retention
+        )
     layout = CacheLayout(
         groups=groups, num_blocks=num_blocks, speculative=speculative, retention=chosen.retention
     )

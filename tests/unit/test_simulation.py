@@ -206,3 +206,34 @@ def test_open_loop_simulation_serves_every_trace_request() -> None:
     recorder = OpenLoopSimulation(engine, arrivals).run(1_000.0)
     assert sum(1 for r in recorder.requests.values() if r.finish_s is not None) == 50
     assert all(r.output_tokens == 20 for r in recorder.requests.values())
+
+
+def test_sweep_draws_valid_settings_and_picks_the_best_under_the_slo(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from typer.testing import CliRunner
+
+    from hybridserve.cli import app
+    from hybridserve.core.config import SchedulerConfig
+    from hybridserve.sim.sweep import Trial, best, draw_controls
+
+    rng = random.Random(0)
+    for _ in range(200):
+        controls = dict(draw_controls(rng, 544))
+        SchedulerConfig(**controls)  # type: ignore[arg-type]  # raises if D lacks Cp, etc.
+        assert controls["max_num_prefill_tokens_per_step"] % 544 == 0
+
+    def trial(goodput: float, itl: float) -> Trial:
+        return Trial((("x", goodput),), {"job_goodput_per_hour": goodput, "itl_p99_ms": itl})
+
+    assert best([trial(10, 50), trial(30, 200), trial(20, 90)], itl_slo_ms=100).controls == (
+        ("x", 20),
+    )
+    assert best([trial(30, 200), trial(10, 150)], itl_slo_ms=100).controls == (("x", 10),)
+    result = CliRunner().invoke(
+        app,
+        ["sweep", "--trials", "2", "--agents", "2", "--duration", "30", "--warmup", "5", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert len(payload["trials"]) == 3 and payload["trials"][0]["controls"] == {}

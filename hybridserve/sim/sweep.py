@@ -1,0 +1,84 @@
+"""Search the scheduler controls for the best job goodput under a p99 ITL SLO.
+
+Trials are random draws (seeded) from a grid of control values, each a full simulated run on
+the same workload and seed; they run in local worker processes. The best trial is the one with
+the highest job goodput among those that meet the SLO (if none does, the lowest p99 ITL).
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+
+from hybridserve.sim.run import SimConfig, simulate
+
+# Control values tried; Cp is counted in quanta (the state block size, 1 without one).
+GRID: dict[str, tuple[float, ...]] = {
+    "max_num_prefill_tokens_per_step": (0, 2, 4, 8, 16),
+    "max_num_partial_prefills": (0, 1, 2, 4),
+    "decode_prefill_min_decode_steps": (0, 1, 2, 4),
+    "decode_prefill_max_wait_ms": (0.0, 500.0, 2_000.0),
+    "target_mixed_step_ms": (0.0, 30.0, 60.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    controls: tuple[tuple[str, float], ...]
+    metrics: dict[str, float]
+
+    def meets(self, itl_slo_ms: float) -> bool:
+        return self.metrics["itl_p99_ms"] <= itl_slo_ms
+
+
+def draw_controls(rng: random.Random, quantum: int) -> tuple[tuple[str, float], ...]:
+    """One valid setting: D needs Cp, W needs D (SPEC.md 5.2 startup validation)."""
+    pick = {name: rng.choice(values) for name, values in GRID.items()}
+    pick["max_num_prefill_tokens_per_step"] = int(pick["max_num_prefill_tokens_per_step"]) * (
+        quantum
+    )
+    if not pick["max_num_prefill_tokens_per_step"]:
+        pick["decode_prefill_min_decode_steps"] = 0
+    if not pick["decode_prefill_min_decode_steps"]:
+        pick["decode_prefill_max_wait_ms"] = 0.0
+    for name in (
+        "max_num_prefill_tokens_per_step",
+        "max_num_partial_prefills",
+        "decode_prefill_min_decode_steps",
+    ):
+        pick[name] = int(pick[name])
+    return tuple(sorted(pick.items()))
+
+
+def _run_trial(config: SimConfig) -> Trial:
+    return Trial(config.controls, simulate(config))
+
+
+def sweep(
+    base: SimConfig, *, trials: int, quantum: int, workers: int = 1, seed: int = 0
+) -> list[Trial]:
+    """Run `trials` distinct random control settings (plus all-off) on `base`."""
+    rng = random.Random(seed)
+    settings: list[tuple[tuple[str, float], ...]] = [()]
+    attempts = 0
+    while len(settings) < trials + 1 and attempts < 100 * (trials + 1):
+        candidate = draw_controls(rng, quantum)
+        attempts += 1
+        if candidate not in settings:
+            settings.append(candidate)
+    # Predecessor retention with controls off, plus each trial's controls.
+    configs = [replace(base, preset="retention-only", controls=c) for c in settings]
+    if workers <= 1:
+        return [_run_trial(c) for c in configs]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(_run_trial, configs))
+
+
+def best(results: list[Trial], *, itl_slo_ms: float) -> Trial:
+    meeting = [t for t in results if t.meets(itl_slo_ms)]
+    if meeting:
+        return max(
+            meeting, key=lambda t: (t.metrics["job_goodput_per_hour"], -t.metrics["itl_p99_ms"])
+        )
+    return min(results, key=lambda t: t.metrics["itl_p99_ms"])
