@@ -849,12 +849,11 @@ class CacheMachine(RuleBasedStateMachine):
             or cap // unit * unit - drop < layout.page_tokens
             or (
                 layout.retention.kind is RetentionKind.BOUNDARY
-                and (layout.speculative.drops_target_tail or a % unit != 0)
+                and layout.speculative.drops_target_tail
             )
         ):
-            # `boundary` keeps floor(B/A)*A alone: under EAGLE the lookup lands one A lower
-            # (SPEC.md 3.4), and with A finer than the full-attention block the lookup cannot
-            # reach it (see test_boundary_retention_keeps_a_position_full_attention_reaches).
+            # `boundary` keeps no predecessor: under EAGLE the lookup lands one A below what it
+            # keeps and hits 0 (SPEC.md 3.4); that is the policy, not a defect.
             return
         event("resend: checked")
         self._new_step()  # states registered so far are final now
