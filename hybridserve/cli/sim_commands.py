@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -15,6 +15,9 @@ from rich.table import Table
 
 from hybridserve.cli.app import app, err, fail
 from hybridserve.core.errors import HybridServeError
+
+if TYPE_CHECKING:
+    from hybridserve.sim.run import SimConfig
 
 REPORT_KEYS = (
     "job_goodput_per_hour",
@@ -30,18 +33,17 @@ REPORT_KEYS = (
 )
 
 
-def _sim_config(**options: object) -> object:
+def _sim_config(*, num_agents: int, **options: Any) -> SimConfig:
+    """Import the simulator only when a simulation command runs."""
     from hybridserve.sim.run import SimConfig
     from hybridserve.sim.workload import AgentParams
 
-    agents = AgentParams(num_agents=int(options.pop("num_agents")))  # type: ignore[call-overload]
-    return SimConfig(agents=agents, **options)  # type: ignore[arg-type]
+    return SimConfig(agents=AgentParams(num_agents=num_agents), **options)
 
 
-def _run_sim(config: object, *, label: str, quiet: bool) -> dict[str, float]:
-    from hybridserve.sim.run import SimConfig, simulate
+def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> dict[str, float]:
+    from hybridserve.sim.run import simulate
 
-    assert isinstance(config, SimConfig)
     if quiet:
         return simulate(config)
     columns = (
@@ -61,26 +63,36 @@ def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
 
 
 SimOption = Annotated[str, typer.Option(help="Model profile.")]
+GpuOption = Annotated[str, typer.Option(help="GPU: A100-80G, H100-SXM, H200, B200, MI300X.")]
+DtypeOption = Annotated[str, typer.Option(help="Weight dtype: bf16, fp8, fp4.")]
+TpOption = Annotated[int, typer.Option(help="Tensor-parallel width.")]
+AgentsOption = Annotated[int, typer.Option(help="Agents running jobs back to back.")]
+DurationOption = Annotated[float, typer.Option(help="Simulated seconds (per run).")]
+WarmupOption = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
+SeedOption = Annotated[int, typer.Option(help="Seed: same seed, same report.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
 @app.command("simulate")
 def simulate_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
-    gpu: Annotated[str, typer.Option(help="GPU: A100-80G, H100-SXM, H200, B200, MI300X.")] = "H200",
-    tp: Annotated[int, typer.Option(help="Tensor-parallel width.")] = 1,
-    dtype: Annotated[str, typer.Option(help="Weight dtype: bf16, fp8, fp4.")] = "fp8",
-    preset: Annotated[str, typer.Option(help="baseline or hybridserve.")] = "hybridserve",
-    agents: Annotated[int, typer.Option(help="Agents running jobs back to back.")] = 20,
-    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 1800.0,
-    warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 300.0,
+    gpu: GpuOption = "H200",
+    tp: TpOption = 1,
+    dtype: DtypeOption = "fp8",
+    preset: Annotated[
+        str, typer.Option(help="baseline, hybridserve, controls-only or retention-only.")
+    ] = "hybridserve",
+    agents: AgentsOption = 20,
+    duration: DurationOption = 1800.0,
+    warmup: WarmupOption = 300.0,
     spec: Annotated[str, typer.Option(help="Speculative method.")] = "mtp",
     workload: Annotated[
         str, typer.Option(help="agents, mooncake:PATH, azure:PATH or poisson:rate=R,requests=N")
     ] = "agents",
     time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
     limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed: same seed, same report.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    seed: SeedOption = 0,
+    as_json: JsonOption = False,
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
     try:
@@ -116,38 +128,39 @@ def simulate_cmd(
 @app.command("bench")
 def bench_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
-    gpu: Annotated[str, typer.Option(help="GPU from the catalog.")] = "H200",
-    tp: Annotated[int, typer.Option(help="Tensor-parallel width.")] = 1,
-    dtype: Annotated[str, typer.Option(help="Weight dtype.")] = "fp8",
-    agents: Annotated[int, typer.Option(help="Agents running jobs back to back.")] = 20,
-    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 1800.0,
-    warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 300.0,
-    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    gpu: GpuOption = "H200",
+    tp: TpOption = 1,
+    dtype: DtypeOption = "fp8",
+    agents: AgentsOption = 20,
+    duration: DurationOption = 1800.0,
+    warmup: WarmupOption = 300.0,
+    seed: SeedOption = 0,
     name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
     ablations: Annotated[
         bool, typer.Option(help="Also run controls-only and retention-only.")
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Experiment E1: the vLLM baseline against hybridserve, side by side, with ratios."""
     results: dict[str, dict[str, float]] = {}
     presets = ["baseline", "hybridserve"]
     if ablations:
         presets += ["controls-only", "retention-only"]
+    from hybridserve.sim.run import with_preset
+
     try:
+        config = _sim_config(
+            model=model,
+            gpu=gpu,
+            tp=tp,
+            dtype=dtype,
+            num_agents=agents,
+            duration_s=duration,
+            warmup_s=warmup,
+            seed=seed,
+        )
         for preset in presets:
-            config = _sim_config(
-                model=model,
-                gpu=gpu,
-                tp=tp,
-                dtype=dtype,
-                preset=preset,
-                num_agents=agents,
-                duration_s=duration,
-                warmup_s=warmup,
-                seed=seed,
-            )
-            results[preset] = _run_sim(config, label=preset, quiet=as_json)
+            results[preset] = _run_sim(with_preset(config, preset), label=preset, quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     base, ours = results["baseline"], results["hybridserve"]
@@ -198,16 +211,16 @@ def sweep_cmd(
     workers: Annotated[int, typer.Option(help="Local worker processes.")] = 1,
     itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
     model: SimOption = "qwen3-next-80b-a3b",
-    gpu: Annotated[str, typer.Option(help="GPU from the catalog.")] = "H200",
-    dtype: Annotated[str, typer.Option(help="Weight dtype.")] = "fp8",
-    agents: Annotated[int, typer.Option(help="Agents running jobs back to back.")] = 20,
-    duration: Annotated[float, typer.Option(help="Simulated seconds per trial.")] = 900.0,
-    warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 150.0,
-    seed: Annotated[int, typer.Option(help="Seed of the workload and of the draws.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    gpu: GpuOption = "H200",
+    dtype: DtypeOption = "fp8",
+    agents: AgentsOption = 20,
+    duration: DurationOption = 900.0,
+    warmup: WarmupOption = 150.0,
+    seed: SeedOption = 0,
+    as_json: JsonOption = False,
 ) -> None:
     """Search the scheduler controls for the best job goodput under a p99 ITL SLO."""
-    from hybridserve.sim.models import get_model
+    from hybridserve.sim.run import state_quantum
     from hybridserve.sim.sweep import best, sweep
 
     if trials < 1 or workers < 1:
@@ -222,9 +235,8 @@ def sweep_cmd(
             warmup_s=warmup,
             seed=seed,
         )
-        groups = get_model(model).cache_groups()
-        quantum = max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
-        results = sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)  # type: ignore[arg-type]
+        quantum = state_quantum(model)
+        results = sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     winner = best(results, itl_slo_ms=itl_slo_ms)

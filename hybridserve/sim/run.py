@@ -86,6 +86,12 @@ class SimConfig:
             )
 
 
+def state_quantum(model: str) -> int:
+    """The control quantum q of a model: its state block size, or 1 without state groups."""
+    groups = get_model(model).cache_groups()
+    return max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
+
+
 def build_engine(config: SimConfig) -> tuple[Engine, Scheduler]:
     gpu, model = get_gpu(config.gpu), get_model(config.model)
     cost = RooflineCostModel(gpu, model, tp=config.tp, dtype=config.dtype)
@@ -94,7 +100,7 @@ def build_engine(config: SimConfig) -> tuple[Engine, Scheduler]:
     speculative = SpeculativeConfig.from_name(
         config.spec, config.num_speculative_tokens if config.spec != "none" else 0
     )
-    quantum = max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
+    quantum = state_quantum(config.model)
     chosen = preset(config.preset, quantum=quantum, max_model_len=config.agents.context_limit + 1)
     if config.controls:
         overrides: dict[str, Any] = dict(config.controls)
