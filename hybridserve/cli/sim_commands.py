@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -17,7 +19,7 @@ from hybridserve.cli.app import app, err, fail
 from hybridserve.core.errors import HybridServeError
 
 if TYPE_CHECKING:
-    from hybridserve.sim.run import SimConfig
+    from hybridserve.sim.run import SimConfig, SimRun
 
 REPORT_KEYS = (
     "job_goodput_per_hour",
@@ -41,11 +43,14 @@ def _sim_config(*, num_agents: int, **options: Any) -> SimConfig:
     return SimConfig(agents=AgentParams(num_agents=num_agents), **options)
 
 
-def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> dict[str, float]:
-    from hybridserve.sim.run import simulate
+def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> SimRun:
+    """One run, with a progress bar in simulated seconds on stderr unless `quiet`."""
+    from hybridserve.sim.run import run_simulation
 
+    # The measured-CPU option needs a clock; the simulator never reads one itself.
+    clock = time.perf_counter if config.include_scheduler_cpu else None
     if quiet:
-        return simulate(config)
+        return run_simulation(config, cpu_clock=clock)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -54,7 +59,32 @@ def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> dict[str, float]:
     )
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(label, total=config.duration_s)
-        return simulate(config, progress=lambda now: bar.update(task, completed=now))
+        return run_simulation(
+            config, progress=lambda now: bar.update(task, completed=now), cpu_clock=clock
+        )
+
+
+def _file_options(config_file: Path | None) -> dict[str, Any]:
+    """SimConfig overrides from a --config TOML file (scheduler fields and cache retention)."""
+    if config_file is None:
+        return {}
+    from hybridserve.sim.config_file import load_config_file
+
+    loaded = load_config_file(config_file)
+    return {"controls": loaded.scheduler, "retention": loaded.retention}
+
+
+def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
+    """report.json plus the PNG plots (skipped, with a note, when matplotlib is absent)."""
+    from hybridserve.cli.plots import plots_available, write_plots
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "report.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    if not plots_available():
+        err.print("plots skipped: matplotlib is not installed (pip install 'hybridserve[sim]')")
+        return [path]
+    return [path, *write_plots(folder, runs)]
 
 
 def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
@@ -71,6 +101,16 @@ DurationOption = Annotated[float, typer.Option(help="Simulated seconds (per run)
 WarmupOption = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
 SeedOption = Annotated[int, typer.Option(help="Seed: same seed, same report.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", help="TOML file: [scheduler] fields and [cache] retention over the preset."
+    ),
+]
+CpuOption = Annotated[
+    bool,
+    typer.Option(help="Add the measured schedule()+update() CPU time to every step (not seeded)."),
+]
 
 
 @app.command("simulate")
@@ -91,6 +131,11 @@ def simulate_cmd(
     ] = "agents",
     time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
     limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
+    config_file: ConfigOption = None,
+    include_scheduler_cpu: CpuOption = False,
+    out: Annotated[
+        Path | None, typer.Option(help="Also write report.json and plots to this folder.")
+    ] = None,
     seed: SeedOption = 0,
     as_json: JsonOption = False,
 ) -> None:
@@ -110,10 +155,15 @@ def simulate_cmd(
             workload=workload,
             time_scale=time_scale,
             limit=limit,
+            include_scheduler_cpu=include_scheduler_cpu,
+            **_file_options(config_file),
         )
-        summary = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
+        run = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    summary = run.summary
+    if out is not None:
+        _write_report(out, {preset: _metrics_json(summary)}, {preset: run})
     if as_json:
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
@@ -135,6 +185,7 @@ def bench_cmd(
     duration: DurationOption = 1800.0,
     warmup: WarmupOption = 300.0,
     seed: SeedOption = 0,
+    config_file: ConfigOption = None,
     name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
     ablations: Annotated[
         bool, typer.Option(help="Also run controls-only and retention-only.")
@@ -142,7 +193,7 @@ def bench_cmd(
     as_json: JsonOption = False,
 ) -> None:
     """Experiment E1: the vLLM baseline against hybridserve, side by side, with ratios."""
-    results: dict[str, dict[str, float]] = {}
+    runs: dict[str, SimRun] = {}
     presets = ["baseline", "hybridserve"]
     if ablations:
         presets += ["controls-only", "retention-only"]
@@ -160,9 +211,13 @@ def bench_cmd(
             seed=seed,
         )
         for preset in presets:
-            results[preset] = _run_sim(with_preset(config, preset), label=preset, quiet=as_json)
+            # A --config file shapes the hybridserve side only: the baseline stays vLLM.
+            extra = _file_options(config_file) if preset != "baseline" else {}
+            chosen = replace(with_preset(config, preset), **extra)
+            runs[preset] = _run_sim(chosen, label=preset, quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    results = {preset: run.summary for preset, run in runs.items()}
     base, ours = results["baseline"], results["hybridserve"]
     ratios = {k: round(ours[k] / base[k], 4) if base[k] else None for k in REPORT_KEYS}
     report: dict[str, object] = {
@@ -182,8 +237,7 @@ def bench_cmd(
         },
     }
     folder = Path("runs") / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    files = _write_report(folder, report, runs)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
@@ -192,23 +246,31 @@ def bench_cmd(
         table.add_column(column, justify="left" if column == "metric" else "right")
     for key in REPORT_KEYS:
         ratio = ratios[key]
-        extra = [f"{results[p][key]:,.2f}" for p in presets[2:]]
+        cells = [f"{results[p][key]:,.2f}" for p in presets[2:]]
         table.add_row(
             key,
             f"{base[key]:,.2f}",
             f"{ours[key]:,.2f}",
             "-" if ratio is None else f"{ratio:.2f}x",
-            *extra,
+            *cells,
         )
     console = Console()
     console.print(table)
-    console.print(f"report: {folder / 'report.json'}")
+    console.print("files: " + ", ".join(str(f) for f in files))
 
 
 @app.command("sweep")
 def sweep_cmd(
     trials: Annotated[int, typer.Option(help="Random control settings to try (plus all-off).")] = 8,
     workers: Annotated[int, typer.Option(help="Local worker processes.")] = 1,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            help="Run trials on a Ray cluster: auto, ray://HOST:10001, or local (needs the "
+            "ray extra).",
+        ),
+    ] = None,
     itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: GpuOption = "H200",
@@ -236,7 +298,9 @@ def sweep_cmd(
             seed=seed,
         )
         quantum = state_quantum(model)
-        results = sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)
+        results = sweep(
+            config, trials=trials, quantum=quantum, workers=workers, seed=seed, ray_address=ray
+        )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     winner = best(results, itl_slo_ms=itl_slo_ms)

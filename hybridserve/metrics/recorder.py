@@ -34,11 +34,80 @@ class JobRecord:
     turns: int = 0
 
 
+@dataclass(slots=True)
+class TimelineBucket:
+    """Steps that ended inside one bucket of simulated time."""
+
+    start_s: float
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    busy_s: float = 0.0
+    kv_usage_max: float = 0.0
+
+
+class Timeline:
+    """Prefill and decode tokens per step, and KV usage, over time in fixed buckets (a long
+    run keeps a bounded record, whatever its step count)."""
+
+    def __init__(self, bucket_s: float = 1.0) -> None:
+        if bucket_s <= 0:
+            raise ValueError(f"bucket_s={bucket_s}: use a positive bucket width")
+        self.bucket_s = bucket_s
+        self.buckets: list[TimelineBucket] = []
+
+    def on_step(
+        self, end_s: float, *, duration_s: float, prefill: int, decode: int, kv_usage: float
+    ) -> None:
+        index = int(end_s // self.bucket_s)
+        while len(self.buckets) <= index:
+            self.buckets.append(TimelineBucket(len(self.buckets) * self.bucket_s))
+        bucket = self.buckets[index]
+        bucket.steps += 1
+        bucket.prefill_tokens += prefill
+        bucket.decode_tokens += decode
+        bucket.busy_s += duration_s
+        bucket.kv_usage_max = max(bucket.kv_usage_max, kv_usage)
+
+    def rows(self) -> list[dict[str, float]]:
+        """One row per bucket: mean prefill/decode tokens per step, steps, max KV usage."""
+        return [
+            {
+                "t_s": b.start_s,
+                "steps": float(b.steps),
+                "prefill_tokens_per_step": b.prefill_tokens / b.steps if b.steps else 0.0,
+                "decode_tokens_per_step": b.decode_tokens / b.steps if b.steps else 0.0,
+                "busy_frac": min(1.0, b.busy_s / self.bucket_s),
+                "kv_usage_max": b.kv_usage_max,
+            }
+            for b in self.buckets
+        ]
+
+
 class MetricsRecorder:
     def __init__(self) -> None:
         self.requests: dict[str, RequestRecord] = {}
         self.jobs: dict[str, JobRecord] = {}
         self.preemptions = 0
+        self.timeline = Timeline()
+
+    def finished_in(self, window_start_s: float, window_end_s: float) -> list[RequestRecord]:
+        """Requests that finished inside [window_start_s, window_end_s]."""
+        return [
+            r
+            for r in self.requests.values()
+            if r.finish_s is not None and window_start_s <= r.finish_s <= window_end_s
+        ]
+
+    def ttft_samples_s(self, window_start_s: float, window_end_s: float) -> list[float]:
+        return [
+            r.first_token_s - r.arrival_s
+            for r in self.finished_in(window_start_s, window_end_s)
+            if r.first_token_s is not None
+        ]
+
+    def itl_samples_s(self, window_start_s: float, window_end_s: float) -> list[float]:
+        return [g for r in self.finished_in(window_start_s, window_end_s) for g in r.gaps_s]
 
     def on_arrival(
         self, req_id: str, now: float, prompt_tokens: int, job_id: str | None = None
@@ -76,11 +145,7 @@ class MetricsRecorder:
         """Latency percentiles over requests (and gaps) that finished inside the window."""
         if window_end_s <= window_start_s:
             raise ValueError("the measurement window is empty; run longer or lower the warm-up")
-        done = [
-            r
-            for r in self.requests.values()
-            if r.finish_s is not None and window_start_s <= r.finish_s <= window_end_s
-        ]
+        done = self.finished_in(window_start_s, window_end_s)
         ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
         e2e = [r.finish_s - r.arrival_s for r in done if r.finish_s is not None]
         gaps = [g for r in done for g in r.gaps_s]

@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
-from hybridserve.kvcache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
 from hybridserve.sim.gpus import GpuSpec, dtype_bytes
 from hybridserve.sim.models import ModelProfile
 
@@ -147,7 +147,7 @@ class RooflineCostModel:
         tp: int = 1,
         dcp: int = 1,
         dtype: str = "bf16",
-        kv_dtype: str | None = None,
+        kv_dtype: str = "bf16",
         efficiency: Efficiency = Efficiency(),  # frozen, so sharing the default is safe
     ) -> None:
         if tp < 1:
@@ -156,7 +156,9 @@ class RooflineCostModel:
             raise ConfigError("dcp", dcp, f"use a DCP width that divides tp={tp}")
         self.gpu, self.model, self.tp, self.dcp = gpu, model, tp, dcp
         self.weight_bytes = dtype_bytes(dtype)
-        self.kv_dtype = kv_dtype or dtype
+        # KV and recurrent state stay in the activation dtype unless asked otherwise, as vLLM's
+        # kv_cache_dtype=auto does for an fp8 checkpoint (the block sizes assume bf16 pages).
+        self.kv_dtype = kv_dtype
         self.eff = efficiency
         self._gemm_flops = gpu.peak_flops(dtype) * efficiency.gemm
         self._attn_flops = gpu.bf16_flops * efficiency.attention
@@ -303,14 +305,12 @@ class RooflineCostModel:
 
 
 def bytes_per_block(model: ModelProfile, *, tp: int = 1, kv_dtype: str = "bf16") -> float:
-    """Bytes one GPU stores per block id, summed over every group's layers (state: one page)."""
-    total = 0.0
-    for group in model.cache_groups():
-        if isinstance(group, MambaSpec):
-            total += model.state_bytes_per_sequence(tp=tp)
-        else:
-            total += group.block_size * model.kv_bytes_per_token(group, dtype=kv_dtype, tp=tp)
-    return total
+    """Bytes one block id costs on one GPU, as vLLM lays out a hybrid cache: every KV cache group
+    holds `layers_per_kv_group` layers whose pages are padded to the largest page of any kind
+    (a recurrent state page is padded to the attention page and vice versa), and each group
+    allocates its own block ids from one pool."""
+    page = max(model.page_bytes_per_layer(g, dtype=kv_dtype, tp=tp) for g in model.cache_groups())
+    return model.layers_per_kv_group * page
 
 
 def kv_pool_blocks(
@@ -319,7 +319,7 @@ def kv_pool_blocks(
     *,
     tp: int = 1,
     dtype: str = "bf16",
-    kv_dtype: str | None = None,
+    kv_dtype: str = "bf16",
     activation_reserve_frac: float = 0.1,
     gpu_memory_utilization: float = 0.9,
 ) -> int:
@@ -329,7 +329,7 @@ def kv_pool_blocks(
     """
     budget = gpu.hbm_bytes * (gpu_memory_utilization - activation_reserve_frac)
     weights = model.weight_bytes(dtype) / tp
-    blocks = int((budget - weights) // bytes_per_block(model, tp=tp, kv_dtype=kv_dtype or dtype))
+    blocks = int((budget - weights) // bytes_per_block(model, tp=tp, kv_dtype=kv_dtype))
     if blocks < 1:
         raise ConfigError(
             "tp",

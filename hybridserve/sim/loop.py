@@ -95,7 +95,15 @@ class Simulation:
         self.steps += 1
         end = self.now + max(step.result.duration_s, 1e-6)
         recorder = self.recorder
-        recorder.preemptions += len(step.scheduled.preempted)
+        scheduled = step.scheduled
+        recorder.preemptions += len(scheduled.preempted)
+        recorder.timeline.on_step(
+            end,
+            duration_s=end - self.now,
+            prefill=scheduled.num_prefill_tokens,
+            decode=scheduled.num_decode_tokens,
+            kv_usage=scheduled.kv_usage,
+        )
         for req_id, hit in step.scheduled.new_reqs:
             recorder.on_admitted(req_id, hit)
         for output in step.outputs:

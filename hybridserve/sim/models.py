@@ -177,7 +177,28 @@ class ModelProfile:
             raise ConfigError(f"{self.name}.sliding_window", None, "give the window in tokens")
 
     def cache_groups(self) -> tuple[GroupSpec, ...]:
+        """One group per layer kind: the logical layout that `cache-replay --model` uses."""
         return self.groups
+
+    @property
+    def layers_per_kv_group(self) -> int:
+        """Layers per KV cache group as vLLM splits a hybrid model: the smallest kind's layer
+        count, or the largest when all kinds are within 25% of each other (vLLM
+        `kv_cache_utils._get_kv_cache_groups_uniform_page_size`)."""
+        counts = [self.cached_layers(g) for g in self.groups]
+        smallest, largest = min(counts), max(counts)
+        return largest if largest < smallest * 1.25 else smallest
+
+    def kv_cache_groups(self) -> tuple[GroupSpec, ...]:
+        """The cache groups the engine allocates from one pool, as vLLM builds them: each kind
+        split into groups of `layers_per_kv_group` layers (the last one padded). Qwen3-Next:
+        1 attention group (12 layers + the MTP layer) and 3 gated-delta-net groups of 13;
+        Gemma 3 27B: 1 global group of 10 and 6 sliding-window groups. Every group allocates
+        its own block ids, and one block id costs `layers_per_kv_group` pages."""
+        size = self.layers_per_kv_group
+        return tuple(
+            spec for spec in self.groups for _ in range(-(-self.cached_layers(spec) // size))
+        )
 
     @property
     def num_layers(self) -> int:
@@ -224,12 +245,26 @@ class ModelProfile:
         return self.num_params() * dtype_bytes(dtype)
 
     def group_layers(self, group: GroupSpec) -> int:
-        """How many of the model's layers store their cache in `group`."""
+        """How many of the model's (target) layers store their cache in `group`."""
         if isinstance(group, MambaSpec):
             return self.num_recurrent_layers
         if isinstance(group, FullAttentionSpec):
             return self.num_mla_layers if group.mla else self.num_full_layers
         return self.num_swa_layers
+
+    def cached_layers(self, group: GroupSpec) -> int:
+        """Layers holding cache in `group`, multi-token-prediction layers included: they are
+        full-attention (or MLA) layers with their own KV, allocated with that kind."""
+        extra = self.num_mtp_layers if isinstance(group, FullAttentionSpec) else 0
+        return self.group_layers(group) + extra
+
+    def page_bytes_per_layer(self, group: GroupSpec, *, dtype: str = "bf16", tp: int = 1) -> float:
+        """Bytes of one layer's page in `group` on one GPU: block_size tokens of KV, or one
+        recurrent state."""
+        if isinstance(group, MambaSpec):
+            return self.state_bytes_per_sequence(dtype=dtype, tp=tp) / self.num_recurrent_layers
+        per_token = self.kv_bytes_per_token(group, dtype=dtype, tp=tp) / self.group_layers(group)
+        return group.block_size * per_token
 
     def kv_bytes_per_token(self, group: GroupSpec, *, dtype: str = "bf16", tp: int = 1) -> float:
         """KV bytes one GPU stores per token, summed over the group's layers.

@@ -16,10 +16,12 @@ from typing import Any
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.plan import StepPlan
+from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.kvcache import CacheLayout, KVCacheManager, RetentionPolicy
-from hybridserve.scheduler import Scheduler
+from hybridserve.metrics.recorder import MetricsRecorder
+from hybridserve.scheduler import Scheduler, SchedulerOutput
+from hybridserve.scheduler.scheduler import RequestOutput
 from hybridserve.sim.cost_model import RooflineCostModel, kv_pool_blocks, shape_from_plan
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.gpus import get_gpu
@@ -76,8 +78,10 @@ class SimConfig:
     workload: str = "agents"  # agents | mooncake:PATH | azure:PATH | poisson:rate=R,...
     time_scale: float = 1.0
     limit: int | None = None
-    # Scheduler-control overrides on top of the preset (a sweep trial): field name -> value.
-    controls: tuple[tuple[str, float], ...] = ()
+    # Scheduler overrides on top of the preset (a sweep trial, a --config file): field -> value.
+    controls: tuple[tuple[str, Any], ...] = ()
+    retention: str | None = None  # overrides the preset's retention policy
+    include_scheduler_cpu: bool = False  # add measured schedule()+update() time to each step
 
     def __post_init__(self) -> None:
         if self.warmup_s < 0 or self.duration_s <= self.warmup_s:
@@ -92,11 +96,42 @@ def state_quantum(model: str) -> int:
     return max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
 
 
-def build_engine(config: SimConfig) -> tuple[Engine, Scheduler]:
+class TimedScheduler(Scheduler):
+    """A Scheduler whose schedule() and update() time is measured with an injected clock, so
+    the simulator can add it to the step (`--include-scheduler-cpu`). The clock comes from the
+    caller: the simulator itself never reads one. Measured time makes a run irreproducible."""
+
+    def __init__(self, *args: Any, cpu_clock: Callable[[], float], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cpu_clock = cpu_clock
+        self.pending_cpu_s = 0.0  # update() of the previous step + schedule() of this one
+
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        start = self._cpu_clock()
+        out = super().schedule(now)
+        self.pending_cpu_s += self._cpu_clock() - start
+        return out
+
+    def update(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        start = self._cpu_clock()
+        outputs = super().update(scheduled, result)
+        self.pending_cpu_s += self._cpu_clock() - start
+        return outputs
+
+    def take_cpu_s(self) -> float:
+        taken, self.pending_cpu_s = self.pending_cpu_s, 0.0
+        return taken
+
+
+def build_engine(
+    config: SimConfig, *, cpu_clock: Callable[[], float] | None = None
+) -> tuple[Engine, Scheduler]:
+    """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
+    `config.include_scheduler_cpu`."""
     gpu, model = get_gpu(config.gpu), get_model(config.model)
     cost = RooflineCostModel(gpu, model, tp=config.tp, dtype=config.dtype)
     num_blocks = kv_pool_blocks(gpu, model, tp=config.tp, dtype=config.dtype)
-    groups = model.cache_groups()
+    groups = model.kv_cache_groups()
     speculative = SpeculativeConfig.from_name(
         config.spec, config.num_speculative_tokens if config.spec != "none" else 0
     )
@@ -107,17 +142,33 @@ def build_engine(config: SimConfig) -> tuple[Engine, Scheduler]:
         chosen = Preset(
             scheduler=replace(chosen.scheduler, **overrides), retention=chosen.retention
         )
+    retention = chosen.retention
+    if config.retention is not None:
+        retention = RetentionPolicy.parse(config.retention)
     layout = CacheLayout(
-        groups=groups, num_blocks=num_blocks, speculative=speculative, retention=chosen.retention
+        groups=groups, num_blocks=num_blocks, speculative=speculative, retention=retention
     )
-    scheduler = Scheduler(
-        chosen.scheduler,
-        KVCacheManager(layout),
-        num_speculative_tokens=speculative.num_speculative_tokens,
-    )
+    manager = KVCacheManager(layout)
+    spec_tokens = speculative.num_speculative_tokens
+    if config.include_scheduler_cpu:
+        if cpu_clock is None:
+            raise ConfigError(
+                "include_scheduler_cpu", True, "pass a cpu_clock (e.g. time.perf_counter)"
+            )
+        timed = TimedScheduler(
+            chosen.scheduler, manager, num_speculative_tokens=spec_tokens, cpu_clock=cpu_clock
+        )
 
-    def step_time(plan: StepPlan) -> float:
-        return cost.step_cost(shape_from_plan(plan)).total_s
+        def step_time(plan: StepPlan) -> float:
+            shape = shape_from_plan(plan, scheduler_cpu_s=timed.take_cpu_s())
+            return cost.step_cost(shape).total_s
+
+        scheduler: Scheduler = timed
+    else:
+        scheduler = Scheduler(chosen.scheduler, manager, num_speculative_tokens=spec_tokens)
+
+        def step_time(plan: StepPlan) -> float:
+            return cost.step_cost(shape_from_plan(plan)).total_s
 
     executor = SimulatedExecutor(
         step_time,
@@ -128,12 +179,31 @@ def build_engine(config: SimConfig) -> tuple[Engine, Scheduler]:
     return Engine(scheduler, executor), scheduler
 
 
-def simulate(
-    config: SimConfig, *, progress: Callable[[float], None] | None = None
-) -> dict[str, float]:
-    """Run E1 and return the summary over [warmup, duration]. `progress(simulated_s)` is
-    called after every 256 steps."""
-    engine, _ = build_engine(config)
+@dataclass(frozen=True, slots=True)
+class SimRun:
+    """A finished run: the summary over the window, the recorder (samples, timeline) and the
+    cache's own counters."""
+
+    config: SimConfig
+    summary: dict[str, float]
+    recorder: MetricsRecorder
+    cache: dict[str, Any]
+
+    def ttft_samples_s(self) -> list[float]:
+        return self.recorder.ttft_samples_s(self.config.warmup_s, self.config.duration_s)
+
+    def itl_samples_s(self) -> list[float]:
+        return self.recorder.itl_samples_s(self.config.warmup_s, self.config.duration_s)
+
+
+def run_simulation(
+    config: SimConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+    cpu_clock: Callable[[], float] | None = None,
+) -> SimRun:
+    """Run the workload; `progress(simulated_s)` is called after every 256 steps."""
+    engine, scheduler = build_engine(config, cpu_clock=cpu_clock)
     holder: list[Simulation] = []
 
     def on_step(step: EngineStep) -> None:
@@ -146,7 +216,31 @@ def simulate(
     summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=config.duration_s)
     summary["steps"] = float(sim.steps)
     summary["simulated_s"] = sim.now
-    return summary
+    cache = scheduler.cache.metrics_snapshot()
+    summary.update(group_hit_rates(cache))
+    return SimRun(config, summary, recorder, cache)
+
+
+def group_hit_rates(cache: dict[str, Any]) -> dict[str, float]:
+    """Per-group offered hit tokens over queried tokens, over the whole run (the cache counts
+    from the start): `group{g}_{kind}_hit_rate`. The reconciled rate is `prefix_hit_rate`."""
+    queried = cache["queried_tokens"]
+    return {
+        f"group{g['group']}_{g['kind']}_hit_rate": g["offered_hit_tokens"] / queried
+        if queried
+        else 0.0
+        for g in cache["groups"]
+    }
+
+
+def simulate(
+    config: SimConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+    cpu_clock: Callable[[], float] | None = None,
+) -> dict[str, float]:
+    """Run the workload and return the summary over [warmup, duration]."""
+    return run_simulation(config, progress=progress, cpu_clock=cpu_clock).summary
 
 
 def make_simulation(

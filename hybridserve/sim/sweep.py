@@ -1,8 +1,9 @@
 """Search the scheduler controls for the best job goodput under a p99 ITL SLO.
 
 Trials are random draws (seeded) from a grid of control values, each a full simulated run on
-the same workload and seed; they run in local worker processes. The best trial is the one with
-the highest job goodput among those that meet the SLO (if none does, the lowest p99 ITL).
+the same workload and seed; they run in local worker processes, or as Ray tasks on a cluster
+(`ray_address`; Ray is the optional `ray` extra). The best trial is the one with the highest
+job goodput among those that meet the SLO (if none does, the lowest p99 ITL).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
+from hybridserve.core.errors import ConfigError
 from hybridserve.sim.run import SimConfig, simulate
 
 # Control values tried; Cp is counted in quanta (the state block size, 1 without one).
@@ -56,9 +59,18 @@ def _run_trial(config: SimConfig) -> Trial:
 
 
 def sweep(
-    base: SimConfig, *, trials: int, quantum: int, workers: int = 1, seed: int = 0
+    base: SimConfig,
+    *,
+    trials: int,
+    quantum: int,
+    workers: int = 1,
+    seed: int = 0,
+    ray_address: str | None = None,
 ) -> list[Trial]:
-    """Run `trials` distinct random control settings (plus all-off) on `base`."""
+    """Run `trials` distinct random control settings (plus all-off) on `base`.
+
+    With `ray_address` ("auto", "ray://host:10001", or "local" for an in-process cluster, or
+    "connected" when the caller already ran `ray.init`), each trial is a Ray task."""
     rng = random.Random(seed)
     settings: list[tuple[tuple[str, float], ...]] = [()]
     attempts = 0
@@ -69,10 +81,29 @@ def sweep(
             settings.append(candidate)
     # Predecessor retention with controls off, plus each trial's controls.
     configs = [replace(base, preset="retention-only", controls=c) for c in settings]
+    if ray_address is not None:
+        return _ray_map(configs, ray_address)
     if workers <= 1:
         return [_run_trial(c) for c in configs]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(_run_trial, configs))
+
+
+def _ray_map(configs: list[SimConfig], address: str) -> list[Trial]:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "ray", address, "install Ray: pip install 'hybridserve[ray]' (or drop --ray)"
+        ) from None
+    ray_mod: Any = ray
+    if not ray_mod.is_initialized():
+        if address == "connected":
+            raise ConfigError("ray", address, "call ray.init() first, or give an address")
+        ray_mod.init(address=None if address == "local" else address, log_to_driver=False)
+    task = ray_mod.remote(_run_trial)
+    results: list[Trial] = ray_mod.get([task.remote(c) for c in configs])
+    return results
 
 
 def best(results: list[Trial], *, itl_slo_ms: float) -> Trial:

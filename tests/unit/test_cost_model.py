@@ -16,6 +16,7 @@ from hybridserve.sim.cost_model import (
     RequestShape,
     RooflineCostModel,
     StepShape,
+    bytes_per_block,
     causal_pairs,
     kv_pool_blocks,
     shape_from_plan,
@@ -212,6 +213,32 @@ def test_kv_pool_rejects_a_model_that_does_not_fit() -> None:
 def test_cache_groups_match_the_named_profiles() -> None:
     for name in ("llama-3.1-8b", "gemma-3-27b", "qwen3-next-80b-a3b"):
         assert get_model(name).cache_groups() == get_profile(name).groups
+
+
+def test_kv_cache_groups_split_each_kind_into_equal_layer_groups_as_vllm_does() -> None:
+    kinds = {
+        name: [g.kind.value for g in get_model(name).kv_cache_groups()]
+        for name in ("llama-3.1-8b", "gemma-3-27b", "qwen3-next-80b-a3b", "nemotron-h-8b")
+    }
+    assert kinds["llama-3.1-8b"] == ["full"]
+    # 52 sliding-window layers in groups of 10 (the last padded), then the 10 global layers.
+    assert kinds["gemma-3-27b"] == ["swa"] * 6 + ["full"]
+    # 12 attention layers + the MTP layer = 13 per group; 36 GDN layers -> 3 groups.
+    assert get_model("qwen3-next-80b-a3b").layers_per_kv_group == 13
+    assert kinds["qwen3-next-80b-a3b"] == ["full"] + ["mamba"] * 3
+    assert kinds["nemotron-h-8b"] == ["full"] + ["mamba"] * 6
+
+
+def test_a_block_id_costs_one_padded_page_per_layer_of_a_group() -> None:
+    qwen = get_model("qwen3-next-80b-a3b")
+    attention_page = 544 * 2 * 2 * 256 * 2  # 544 tokens x K,V x 2 heads x 256 x bf16
+    assert attention_page >= qwen.page_bytes_per_layer(qwen.cache_groups()[1])  # state fits
+    assert bytes_per_block(qwen) == 13 * attention_page
+    gemma = get_model("gemma-3-27b")
+    assert bytes_per_block(gemma) == 10 * 16 * 2 * 16 * 128 * 2
+    # The pool counts block ids: HBM budget minus weights over the per-id bytes.
+    blocks = kv_pool_blocks(H200, qwen, dtype="fp8")
+    assert blocks == int((141e9 * 0.8 - qwen.weight_bytes("fp8")) // (13 * attention_page))
 
 
 def test_hybrid_block_size_rule_reproduces_qwen3_next_and_sizes_nemotron_h() -> None:

@@ -155,7 +155,10 @@ def test_simulate_and_bench_commands_report_the_documented_keys(tmp_path, monkey
     assert bench.exit_code == 0, bench.output
     report = json.loads(bench.stdout)
     assert set(report) >= {"baseline", "hybridserve", "ratios"}
-    assert (tmp_path / "runs" / "t" / "report.json").exists()
+    folder = tmp_path / "runs" / "t"
+    for name in ("report.json", "itl_cdf.png", "ttft_cdf.png", "goodput.png", "timeline.png"):
+        assert (folder / name).stat().st_size > 0, name
+    assert any(key.startswith("group1_mamba") for key in report["baseline"])
     bad = runner.invoke(app, ["simulate", "--duration", "5", "--warmup", "10"])
     assert bad.exit_code == 2 and "duration_s" in bad.output
 
@@ -237,3 +240,62 @@ def test_sweep_draws_valid_settings_and_picks_the_best_under_the_slo(tmp_path) -
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert len(payload["trials"]) == 3 and payload["trials"][0]["controls"] == {}
+
+
+def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hybridserve.core.errors import ConfigError
+    from hybridserve.sim.config_file import load_config_file
+    from hybridserve.sim.run import SimConfig, build_engine
+
+    path = tmp_path / "run.toml"
+    path.write_text(
+        "[scheduler]\nmax_num_prefill_tokens_per_step = 1088\nmax_num_partial_prefills = 2\n"
+        "decode_prefill_min_decode_steps = 2\n"
+        "decode_prefill_max_wait_ms = 500\n[cache]\nretention = 'dense'\n"
+    )
+    loaded = load_config_file(path)
+    config = SimConfig(preset="baseline", controls=loaded.scheduler, retention=loaded.retention)
+    _, scheduler = build_engine(config)
+    assert scheduler.config.max_num_prefill_tokens_per_step == 1088
+    assert scheduler.config.decode_prefill_max_wait_ms == 500.0
+    assert scheduler.cache.layout.retention.kind.value == "dense"
+    for text, field in (
+        ("[scheduler]\nmax_num_seqs = 'many'\n", "scheduler.max_num_seqs"),
+        ("[scheduler]\nmax_num_seq = 4\n", "scheduler.max_num_seq"),
+        ("[cache]\nretention = 'sometimes'\n", "retention"),
+        ("[engine]\nx = 1\n", "config"),
+        ("[scheduler\n", "config"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=field):
+            load_config_file(path)
+
+
+def test_measured_scheduler_cpu_time_lengthens_every_step() -> None:
+    from hybridserve.sim.run import SimConfig, simulate
+    from hybridserve.sim.workload import AgentParams
+
+    ticks = iter(range(10**9))
+    small = AgentParams(num_agents=2)
+    plain = simulate(SimConfig(agents=small, duration_s=30.0, warmup_s=1.0))
+    config = SimConfig(agents=small, duration_s=30.0, warmup_s=1.0, include_scheduler_cpu=True)
+    # A fake clock that advances 1 ms per read: every step costs 2 ms more.
+    slow = simulate(config, cpu_clock=lambda: next(ticks) * 1e-3)
+    assert slow["itl_p50_ms"] > plain["itl_p50_ms"] + 1.5
+
+
+def test_sweep_runs_trials_as_ray_tasks() -> None:
+    ray = pytest.importorskip("ray", reason="Ray is the optional ray extra")
+    from hybridserve.sim.run import SimConfig
+    from hybridserve.sim.sweep import sweep
+    from hybridserve.sim.workload import AgentParams
+
+    base = SimConfig(agents=AgentParams(num_agents=2), duration_s=20.0, warmup_s=2.0)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        remote = sweep(base, trials=1, quantum=544, seed=3, ray_address="connected")
+    finally:
+        ray.shutdown()
+    local = sweep(base, trials=1, quantum=544, seed=3)
+    assert [t.controls for t in remote] == [t.controls for t in local]
+    assert [t.metrics for t in remote] == [t.metrics for t in local]
