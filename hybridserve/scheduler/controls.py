@@ -9,6 +9,8 @@ it returns the unlimited plan and the schedule is vLLM's.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -174,9 +176,10 @@ class PrefillController:
         slack = self.target_s - base
         if slack <= 0:
             return 0
-        if per_token <= 0:
-            return 1 << 30
-        return int(slack / per_token) // self.quantum * self.quantum
+        tokens = slack / per_token if per_token > 0 else math.inf
+        if not math.isfinite(tokens):
+            return 1 << 30  # no per-token cost learned: only the step cap binds
+        return int(tokens) // self.quantum * self.quantum
 
     def _rotate(self, partials: Sequence[Request], quanta: int) -> dict[str, int]:
         """Equal shares of the quanta; the remainder goes to consecutive requests from `rot`."""

@@ -2,10 +2,17 @@
 
 Recursive least squares with a forgetting factor, coefficients clamped non-negative, seedable
 from a cost model. Used by the adaptive mixed-prefill budget (SPEC.md 5.3).
+
+The covariance is kept bounded: with forgetting, a feature that stays constant (no prefill for
+thousands of decode steps) is never excited, and its variance grows by 1/lambda every step until
+it overflows to inf and the coefficients to NaN ("covariance wind-up"). Every diagonal entry is
+therefore held at or below the initial uncertainty by rescaling the whole matrix, and an update
+that would leave a non-finite value is dropped (the model keeps what it had).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -35,6 +42,7 @@ class StepTimeModel:
         self.forgetting = forgetting
         n = NUM_FEATURES
         self._p = [[initial_uncertainty if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.max_uncertainty = initial_uncertainty
         self._errors: deque[float] = deque(maxlen=error_window)
         self.num_updates = 0
 
@@ -61,11 +69,20 @@ class StepTimeModel:
         denom = lam + sum(z[i] * px[i] for i in range(NUM_FEATURES))
         gain = [v / denom for v in px]
         error = duration_s - sum(w * v for w, v in zip(self._w, z, strict=True))
-        self._w = [w + g * error for w, g in zip(self._w, gain, strict=True)]
-        self._p = [
+        w_new = [w + g * error for w, g in zip(self._w, gain, strict=True)]
+        p_new = [
             [(p[i][j] - gain[i] * px[j]) / lam for j in range(NUM_FEATURES)]
             for i in range(NUM_FEATURES)
         ]
+        if not all(math.isfinite(v) for v in w_new) or not all(
+            math.isfinite(v) for row in p_new for v in row
+        ):
+            return  # a degenerate sample: keep the last finite state
+        largest = max(p_new[i][i] for i in range(NUM_FEATURES))
+        if largest > self.max_uncertainty:  # bound the wind-up of unexcited directions
+            factor = self.max_uncertainty / largest
+            p_new = [[v * factor for v in row] for row in p_new]
+        self._w, self._p = w_new, p_new
         self.num_updates += 1
 
     @property

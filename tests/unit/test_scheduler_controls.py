@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pytest
 
 from hybridserve.core.config import SchedulerConfig
@@ -317,3 +318,15 @@ def test_scheduler_metrics_report_the_control_counters_by_name() -> None:
     assert snapshot["hybridserve:scheduler_decode_only_steps_while_prefill_pending_total"] > 0
     assert snapshot["hybridserve:num_requests_running"] == 0
     assert all(name.startswith("hybridserve:") for name in snapshot)
+
+
+def test_step_model_stays_finite_through_long_unexcited_stretches() -> None:
+    """Thousands of decode-only steps never excite the prefill feature; without a bound on the
+    covariance its variance overflows and the adaptive grant became NaN."""
+    model = StepTimeModel(seed_coefficients=(0.010, 0.0001, 0.00002, 0.0))
+    for step in range(40_000):
+        model.update(model.features(40, 0, 40 * 30_000), 0.012 + 1e-9 * (step % 7))
+    assert all(math.isfinite(c) for c in model.theta)
+    model.update(model.features(40, 4_352, 40 * 30_000), 0.080)  # then a prefill arrives
+    prediction = model.predict(model.features(40, 4_352, 40 * 30_000))
+    assert math.isfinite(prediction) and 0.0 < prediction < 1.0
