@@ -10,7 +10,6 @@ it returns the unlimited plan and the schedule is vLLM's.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
