@@ -135,12 +135,9 @@ def create_app(state: ServerState) -> FastAPI:
             prompt_ids = _encode(lambda: state.tokenizer.encode(body.prompt), "prompt")  # type: ignore[arg-type]
         else:
             prompt_ids = body.prompt
-            if max(prompt_ids) >= state.tokenizer.vocab_size:
-                raise ApiError(
-                    400,
-                    f"prompt: token ids must be < vocab size {state.tokenizer.vocab_size}",
-                    param="prompt",
-                )
+            vocab = state.tokenizer.vocab_size
+            if not all(0 <= t < vocab for t in prompt_ids):
+                raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
         fmt = CompletionFormat(state.model_name, f"cmpl-{next(state.ids)}", state.created)
         return await _serve(state, http, body, prompt_ids, body.max_tokens, "prompt", fmt)
 
@@ -266,7 +263,8 @@ def _make_request(
             cache_salt=body.cache_salt,
         )
     except RequestError as exc:
-        raise ApiError(400, str(exc), param=exc.field) from None
+        param = prompt_field if exc.field == "prompt_token_ids" else exc.field
+        raise ApiError(400, str(exc), param=param) from None
     if body.priority != 0 and state.parts.scheduler.config.policy.value == "fcfs":
         raise ApiError(400, "priority: the fcfs scheduler takes priority 0 only", param="priority")
     return request, body.stop_list()

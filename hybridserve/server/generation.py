@@ -70,10 +70,12 @@ async def generate(
     http: HttpRequest,
 ) -> AsyncIterator[Piece]:
     """Submit `request` and yield its text as it is generated. The request is aborted in the
-    engine if the client disconnects or stops reading."""
+    engine if the client disconnects or stops reading. A stop token counts as an output token
+    but adds no text."""
     stream = engine.submit(request)
     watcher = asyncio.create_task(_abort_on_disconnect(http, engine, request.req_id))
     decoder, matcher = tokenizer.new_decoder(), StopMatcher(stops)
+    stop_ids = frozenset(request.sampling.stop_token_ids)
     arrival, last = request.arrival_time, None
     num_tokens = 0
     reason: str | None = None
@@ -91,7 +93,10 @@ async def generate(
                 else:
                     metrics.on_gap(now - last)
                 last = now
-            text = decoder.push(delivery.token_ids)
+            token_ids = delivery.token_ids
+            if delivery.finish_reason == "stop" and token_ids[-1:] and token_ids[-1] in stop_ids:
+                token_ids = token_ids[:-1]
+            text = decoder.push(token_ids)
             if delivery.finished:
                 text += decoder.flush()
             out, stopped = matcher.feed(text, final=delivery.finished)

@@ -113,8 +113,21 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=reg,
         )
+        # Exported at zero from the start, so a scrape before any traffic shows every series.
         for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)  # exported at zero from the start
+            self.request_success.labels(model_name, reason)
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.num_preemptions,
+            self.engine_steps,
+            self.engine_step_seconds,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+        ):
+            metric.labels(model_name)
 
     def attach(self, read: Callable[[], list[Sample]]) -> None:
         """Export the engine's state through `read`, called at every scrape."""
