@@ -44,10 +44,12 @@ class RequestStream:
 
 @dataclass(slots=True)
 class LoopStats:
-    """Engine-thread time: inside `Engine.step`, and busy in all (commands, dispatch, metrics)."""
+    """Engine-thread time: inside `Engine.step` (wall and CPU), and busy in all (commands,
+    dispatch, metrics)."""
 
     steps: int = 0
     step_s: float = 0.0
+    step_cpu_s: float = 0.0  # the engine thread's CPU time inside `Engine.step`
     busy_s: float = 0.0
 
 
@@ -155,15 +157,19 @@ class AsyncEngine:
                 if stopping:
                     self._abort_all(batch)
                 elif engine.has_requests() and time.monotonic() >= next_step_at:
-                    step_start = time.monotonic()
+                    step_start, cpu_start = time.monotonic(), time.thread_time()
                     step = engine.step(self.now())
-                    step_end = time.monotonic()
+                    step_s = time.monotonic() - step_start
+                    step_cpu_s = time.thread_time() - cpu_start
                     next_step_at = step_start + self._pace_s(step.result)
-                    self._after_step(step, step_end - step_start, batch)
+                    self._after_step(step, step_s, step_cpu_s, batch)
             self._post(batch)
             self.stats.busy_s += time.monotonic() - busy_from
             if stopping:
                 return
+            # Hand the GIL to the event loop between steps: back-to-back steps would otherwise
+            # starve it for a whole switch interval, and new requests would trickle in.
+            time.sleep(0)
 
     def _apply(
         self, commands: list[tuple[str, Request | str]], batch: list[tuple[str, Delivery]]
@@ -187,10 +193,11 @@ class AsyncEngine:
         self._num_waiting = 0
 
     def _after_step(
-        self, step: EngineStep, step_s: float, batch: list[tuple[str, Delivery]]
+        self, step: EngineStep, step_s: float, step_cpu_s: float, batch: list[tuple[str, Delivery]]
     ) -> None:
         self.stats.steps += 1
         self.stats.step_s += step_s
+        self.stats.step_cpu_s += step_cpu_s
         scheduled = step.scheduled
         requests = self.parts.scheduler.requests
         num_generated = 0
@@ -207,6 +214,8 @@ class AsyncEngine:
         self.metrics.on_step(
             now=step.now,
             step_s=step_s,
+            step_cpu_s=step_cpu_s,
+            executor_s=step.result.duration_s,
             admitted_arrivals=new_arrivals,
             num_prompt_tokens=num_prompt,
             num_generation_tokens=num_generated,

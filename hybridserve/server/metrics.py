@@ -85,6 +85,18 @@ class ServerMetrics:
         self.engine_step_seconds = Counter(
             f"{NS}:engine_step_seconds", "Wall seconds spent in Engine.step.", labels, registry=reg
         )
+        self.engine_step_cpu_seconds = Counter(
+            f"{NS}:engine_step_cpu_seconds",
+            "Engine-thread CPU seconds spent in Engine.step.",
+            labels,
+            registry=reg,
+        )
+        self.executor_step_seconds = Counter(
+            f"{NS}:executor_step_duration_seconds",
+            "Step durations the executor reported (modelled time for the simulator).",
+            labels,
+            registry=reg,
+        )
         self.ttft = Histogram(
             f"{NS}:time_to_first_token_seconds",
             "Time to first token.",
@@ -122,6 +134,8 @@ class ServerMetrics:
             self.num_preemptions,
             self.engine_steps,
             self.engine_step_seconds,
+            self.engine_step_cpu_seconds,
+            self.executor_step_seconds,
             self.ttft,
             self.itl,
             self.e2e,
@@ -138,6 +152,8 @@ class ServerMetrics:
         *,
         now: float,
         step_s: float,
+        step_cpu_s: float,
+        executor_s: float,
         admitted_arrivals: Sequence[float],
         num_prompt_tokens: int,
         num_generation_tokens: int,
@@ -147,6 +163,8 @@ class ServerMetrics:
         m = self.model_name
         self.engine_steps.labels(m).inc()
         self.engine_step_seconds.labels(m).inc(step_s)
+        self.engine_step_cpu_seconds.labels(m).inc(step_cpu_s)
+        self.executor_step_seconds.labels(m).inc(executor_s)
         if num_prompt_tokens:
             self.prompt_tokens.labels(m).inc(num_prompt_tokens)
         if num_generation_tokens:
