@@ -23,7 +23,7 @@ import typer
 
 from hybridserve.cli.app import app, fail
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
-from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -63,6 +63,12 @@ def scheduler_settings(
             raise ConfigError("config.scheduler", sorted(bad), f"use {sorted(_SCHEDULER_FIELDS)}")
     chosen = preset(preset_name, quantum=groups_quantum, max_model_len=max_model_len)
     merged = {**table, **{k: v for k, v in overrides.items() if v is not None}}
+    if "policy" in merged:
+        try:
+            merged["policy"] = SchedulingPolicy(merged["policy"])
+        except ValueError:
+            choices = [p.value for p in SchedulingPolicy]
+            raise ConfigError("scheduler.policy", merged["policy"], f"use {choices}") from None
     scheduler = replace(chosen.scheduler, **merged)
     return scheduler, retention or chosen.retention.kind.value
 
@@ -107,7 +113,7 @@ def serve_cmd(
         str, typer.Option(help="baseline, hybridserve, controls-only or retention-only.")
     ] = "hybridserve",
     config: Annotated[
-        Path | None, typer.Option(help="TOML: preset, retention, [scheduler] fields.")
+        Path | None, typer.Option(help="TOML file: preset, retention and a scheduler table.")
     ] = None,
     retention: Annotated[
         str | None, typer.Option(help="Mamba retention: boundary, boundary+predecessor, ...")
@@ -116,6 +122,10 @@ def serve_cmd(
     max_model_len: Annotated[int | None, typer.Option(help="Context limit (tokens).")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="Running requests limit.")] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Tokens per step.")] = None,
+    policy: Annotated[str | None, typer.Option(help="Waiting-queue order: fcfs, priority.")] = None,
+    enable_chunked_prefill: Annotated[
+        bool | None, typer.Option(help="Split long prefills across steps.")
+    ] = None,
     long_prefill_token_threshold: Annotated[
         int | None, typer.Option(help="Cap a long prefill's chunk (0 = off).")
     ] = None,
@@ -158,6 +168,8 @@ def serve_cmd(
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "policy": policy,
+        "enable_chunked_prefill": enable_chunked_prefill,
         "long_prefill_token_threshold": long_prefill_token_threshold,
         "max_num_prefill_tokens_per_step": max_num_prefill_tokens_per_step,
         "max_num_partial_prefills": max_num_partial_prefills,

@@ -110,7 +110,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not state.engine.running:
-            raise ApiError(503, "the engine loop is not running", kind="server_error")
+            reason = state.engine.failure or "the engine loop is not running"
+            raise ApiError(503, reason, kind="server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models", dependencies=[auth])

@@ -13,6 +13,7 @@ keep being applied while it waits, so an abort frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from hybridserve.engine import EngineStep
 from hybridserve.server.backend import EngineParts
 from hybridserve.server.metrics import ServerMetrics
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
@@ -34,6 +37,7 @@ class Delivery:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 400  # the HTTP status of `error`
 
 
 @dataclass(slots=True)
@@ -79,6 +83,7 @@ class AsyncEngine:
         self._num_waiting = 0
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.failure: str | None = None  # why the engine thread ended, if it failed
 
     # ----- event-loop side --------------------------------------------------------------------
 
@@ -139,6 +144,24 @@ class AsyncEngine:
     # ----- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve_steps()
+        except Exception as exc:
+            # A broken engine must not leave streams waiting forever: end every one of them.
+            self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
+            logger.exception("engine loop failed")
+            with self._cond:
+                self._stopping = True
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all_streams)
+
+    def _fail_all_streams(self) -> None:
+        delivery = Delivery((), True, "abort", self.failure, status=500)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(delivery)
+        self._streams.clear()
+
+    def _serve_steps(self) -> None:
         next_step_at = 0.0
         engine = self.parts.engine
         while True:

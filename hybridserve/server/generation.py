@@ -84,7 +84,9 @@ async def generate(
             delivery = await stream.queue.get()
             if delivery.error is not None:
                 reason = "abort"
-                raise ApiError(400, delivery.error, param="prompt")
+                if delivery.status >= 500:
+                    raise ApiError(delivery.status, delivery.error, kind="server_error")
+                raise ApiError(delivery.status, delivery.error, param="prompt")
             now = engine.now()
             if delivery.token_ids:
                 num_tokens += len(delivery.token_ids)

@@ -79,6 +79,11 @@ def start_server(
 ) -> LiveServer:
     backend = SimServingBackend(sim_speed=sim_speed, max_model_len=max_model_len)
     app = build_app(backend, settings or ServerSettings(), overrides=options)
+    return serve_in_thread(app, shutdown_timeout_s=shutdown_timeout_s)
+
+
+def serve_in_thread(app: Any, *, shutdown_timeout_s: int = 5) -> LiveServer:
+    """Run `app` under uvicorn in a daemon thread on a free loopback port."""
     port = _free_port()
     config = uvicorn.Config(
         app,

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.cli.serve_commands import scheduler_settings
+from hybridserve.core.config import SchedulingPolicy
 from hybridserve.core.errors import ConfigError
 from hybridserve.server.generation import StopMatcher
 from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer, ChatMessage
@@ -57,7 +58,7 @@ def test_serve_settings_apply_preset_then_file_then_flags(tmp_path: Path) -> Non
     config = tmp_path / "serve.toml"
     config.write_text(
         'preset = "baseline"\nretention = "dense"\n'
-        "[scheduler]\nmax_num_seqs = 64\nmax_num_batched_tokens = 4096\n"
+        '[scheduler]\nmax_num_seqs = 64\nmax_num_batched_tokens = 4096\npolicy = "priority"\n'
     )
     scheduler, retention = scheduler_settings(
         groups_quantum=16,
@@ -69,6 +70,7 @@ def test_serve_settings_apply_preset_then_file_then_flags(tmp_path: Path) -> Non
     assert scheduler.max_num_prefill_tokens_per_step == 0  # baseline from the file
     assert scheduler.max_num_batched_tokens == 4096  # from the file
     assert scheduler.max_num_seqs == 8  # the flag wins
+    assert scheduler.policy is SchedulingPolicy.PRIORITY
     assert retention == "dense"
 
 
