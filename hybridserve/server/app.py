@@ -133,14 +133,23 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(http: HttpRequest) -> Response:
         body = _parse(CompletionRequest, await _read_json(http, state.settings.max_request_bytes))
         if isinstance(body.prompt, str):
-            prompt_ids = _encode(lambda: state.tokenizer.encode(body.prompt), "prompt")  # type: ignore[arg-type]
+            text = body.prompt
+            prompt_ids = _encode(lambda: state.tokenizer.encode(text), "prompt")
         else:
             prompt_ids = body.prompt
             vocab = state.tokenizer.vocab_size
             if not all(0 <= t < vocab for t in prompt_ids):
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
         fmt = CompletionFormat(state.model_name, f"cmpl-{next(state.ids)}", state.created)
-        return await _serve(state, http, body, prompt_ids, body.max_tokens, "prompt", fmt)
+        return await _serve(
+            state,
+            http,
+            body=body,
+            prompt_ids=prompt_ids,
+            max_tokens=body.max_tokens,
+            prompt_field="prompt",
+            fmt=fmt,
+        )
 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(http: HttpRequest) -> Response:
@@ -151,7 +160,13 @@ def create_app(state: ServerState) -> FastAPI:
         prompt_ids = _encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
         fmt = ChatFormat(state.model_name, f"chatcmpl-{next(state.ids)}", state.created)
         return await _serve(
-            state, http, body, prompt_ids, body.requested_max_tokens(), "messages", fmt
+            state,
+            http,
+            body=body,
+            prompt_ids=prompt_ids,
+            max_tokens=body.requested_max_tokens(),
+            prompt_field="messages",
+            fmt=fmt,
         )
 
     return app
@@ -160,13 +175,16 @@ def create_app(state: ServerState) -> FastAPI:
 async def _serve(
     state: ServerState,
     http: HttpRequest,
+    *,
     body: CompletionRequest | ChatCompletionRequest,
     prompt_ids: list[int],
     max_tokens: int | None,
     prompt_field: str,
     fmt: ResponseFormat,
 ) -> Response:
-    request, stops = _make_request(state, body, prompt_ids, max_tokens, prompt_field)
+    request, stops = _make_request(
+        state, body, prompt_ids=prompt_ids, max_tokens=max_tokens, prompt_field=prompt_field
+    )
     _admission_check(state)
     pieces = generate(
         engine=state.engine,
@@ -215,6 +233,7 @@ def _event(payload: dict[str, Any]) -> bytes:
 def _make_request(
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
+    *,
     prompt_ids: list[int],
     max_tokens: int | None,
     prompt_field: str,

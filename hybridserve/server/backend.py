@@ -3,6 +3,11 @@
 A backend owns the model side (tokenizer, cache geometry, the executor); the server owns the
 scheduler configuration. Every type in the protocol lives below the server layer, so an
 executor package can implement it without importing the server.
+
+`hybridserve serve --executor torch` calls `hybridserve.executor.torch.serving_backend(model,
+*, device, max_model_len)`, where `model` is a built-in alias (`smollm2`, `gemma3-270m`) or a
+local checkpoint path and `max_model_len` is None unless `--max-model-len` was given; it
+returns an object satisfying ServingBackend, with a `Tokenizer` (server/tokenizer.py).
 """
 
 from __future__ import annotations
