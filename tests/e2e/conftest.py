@@ -75,10 +75,12 @@ def start_server(
     sim_speed: float = 1000.0,
     max_model_len: int = 4096,
     shutdown_timeout_s: int = 5,
+    num_blocks: int | None = None,
     **options: Any,
 ) -> LiveServer:
+    """A sim server; `options` are SchedulerConfig fields."""
     backend = SimServingBackend(sim_speed=sim_speed, max_model_len=max_model_len)
-    app = build_app(backend, settings or ServerSettings(), overrides=options)
+    app = build_app(backend, settings or ServerSettings(), num_blocks=num_blocks, overrides=options)
     return serve_in_thread(app, shutdown_timeout_s=shutdown_timeout_s)
 
 

@@ -181,3 +181,27 @@ def test_failed_engine_ends_every_stream_with_a_server_error() -> None:
         assert rejected.status_code == 503
     finally:
         server.stop()
+
+
+def test_requests_preempted_for_lack_of_blocks_still_deliver_every_token() -> None:
+    server = start_server(num_blocks=8)  # 7 usable blocks of 544 tokens for 8 requests
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60.0) as http:
+            url = server.base_url + "/v1/completions"
+            return await asyncio.gather(
+                *(
+                    http.post(url, json={**_body(700, stream=False), "prompt": f"req {i} " * 20})
+                    for i in range(8)
+                )
+            )
+
+    try:
+        responses = asyncio.run(scenario())
+        assert [r.json()["usage"]["completion_tokens"] for r in responses] == [700] * 8
+        assert all(len(r.json()["choices"][0]["text"]) == 700 for r in responses)
+        server.wait_idle()
+        assert server.metrics()["hybridserve:num_preemptions_total{}"] > 0
+        _assert_clean(server)
+    finally:
+        server.stop()
