@@ -100,7 +100,9 @@ def serve_cmd(
     model: Annotated[
         str, typer.Option(help="Torch: smollm2, gemma3-270m or a local checkpoint path.")
     ] = "smollm2",
-    device: Annotated[str, typer.Option(help="Torch: cpu, cuda, cuda:N.")] = "cuda",
+    device: Annotated[
+        str, typer.Option(help="Torch: auto (CUDA when available), cpu, cuda, cuda:N.")
+    ] = "auto",
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",

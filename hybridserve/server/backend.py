@@ -6,7 +6,8 @@ executor package can implement it without importing the server.
 
 `hybridserve serve --executor torch` calls `hybridserve.executor.torch.serving_backend(model,
 *, device, max_model_len)`, where `model` is a built-in alias (`smollm2`, `gemma3-270m`) or a
-local checkpoint path and `max_model_len` is None unless `--max-model-len` was given; it
+local checkpoint path, `device` is `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`,
+and `max_model_len` is None unless `--max-model-len` was given; it
 returns an object satisfying ServingBackend, with a `Tokenizer` (server/tokenizer.py).
 """
 
