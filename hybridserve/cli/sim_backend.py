@@ -1,0 +1,114 @@
+"""The `--executor sim` serving backend: a model profile on a modelled GPU, synthetic tokens.
+
+Text goes through the server's byte-level tokenizer. Sampled ids are folded onto lowercase
+letters, space and period so that streamed output is readable ASCII (the simulator's token
+values carry no meaning). A step takes its modelled duration divided by `sim_speed` in wall
+time; `sim_speed=1` is real time.
+"""
+
+from __future__ import annotations
+
+from hybridserve.core.config import SpeculativeConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.executor.api import Executor
+from hybridserve.kvcache import CacheLayout, GroupSpec
+from hybridserve.server.tokenizer import ByteTokenizer
+from hybridserve.sim.cost_model import RooflineCostModel, kv_pool_blocks, shape_from_plan
+from hybridserve.sim.executor import SimulatedExecutor
+from hybridserve.sim.gpus import get_gpu
+from hybridserve.sim.models import get_model
+
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
+_PRINTABLE = frozenset(_ALPHABET)
+DEFAULT_MAX_MODEL_LEN = 32_768
+
+
+def _printable(token: int) -> int:
+    # Idempotent, so accepted drafts (already folded) keep their values.
+    return token if token in _PRINTABLE else _ALPHABET[token % len(_ALPHABET)]
+
+
+class PrintableTokens:
+    """An executor whose sampled and draft ids are folded onto printable ASCII bytes."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = self.inner.execute(plan)
+        sampled = {
+            r: tuple(_printable(t) for t in ids) for r, ids in result.sampled_token_ids.items()
+        }
+        drafts = {r: tuple(_printable(t) for t in ids) for r, ids in result.draft_token_ids.items()}
+        return StepResult(result.step_id, sampled, result.duration_s, drafts)
+
+
+class SimServingBackend:
+    def __init__(
+        self,
+        *,
+        model_profile: str = "qwen3-next-80b-a3b",
+        gpu: str = "H200",
+        tp: int = 1,
+        dtype: str = "fp8",
+        spec: str = "none",
+        num_speculative_tokens: int | None = None,
+        acceptance_rate: float = 0.7,
+        seed: int = 0,
+        sim_speed: float = 1.0,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    ) -> None:
+        if not sim_speed > 0:
+            raise ConfigError("sim_speed", sim_speed, "use a factor > 0 (1 = real time)")
+        self._gpu = get_gpu(gpu)
+        self._model = get_model(model_profile)
+        self._tp, self._dtype = tp, dtype
+        self._cost = RooflineCostModel(self._gpu, self._model, tp=tp, dtype=dtype)
+        self._speculative = SpeculativeConfig.from_name(spec, num_speculative_tokens)
+        self._acceptance_rate = acceptance_rate
+        self._seed = seed
+        self._sim_speed = sim_speed
+        self._max_model_len = max_model_len
+        self._tokenizer = ByteTokenizer()
+
+    @property
+    def model_name(self) -> str:
+        return self._model.name
+
+    @property
+    def tokenizer(self) -> ByteTokenizer:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return self._speculative
+
+    def cache_groups(self) -> tuple[GroupSpec, ...]:
+        return self._model.cache_groups()
+
+    def num_blocks(self) -> int:
+        return kv_pool_blocks(self._gpu, self._model, tp=self._tp, dtype=self._dtype)
+
+    def make_executor(self, layout: CacheLayout) -> Executor:
+        cost = self._cost
+
+        def step_time(plan: StepPlan) -> float:
+            return cost.step_cost(shape_from_plan(plan)).total_s
+
+        return PrintableTokens(
+            SimulatedExecutor(
+                step_time,
+                seed=self._seed,
+                vocab_size=256,
+                num_speculative_tokens=self._speculative.num_speculative_tokens,
+                acceptance_rate=self._acceptance_rate,
+            )
+        )
+
+    def pace_s(self, result: StepResult) -> float:
+        return result.duration_s / self._sim_speed

@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: the FastAPI app, the async engine loop, tokenizers, metrics."""

@@ -1,0 +1,96 @@
+"""ServingBackend: what `hybridserve serve` needs from a model, and the engine built over it.
+
+A backend owns the model side (tokenizer, cache geometry, the executor); the server owns the
+scheduler configuration. Every type in the protocol lives below the server layer, so an
+executor package can implement it without importing the server.
+
+`hybridserve serve --executor torch` calls `hybridserve.executor.torch.serving_backend(model,
+*, device, max_model_len)`, where `model` is a built-in alias (`smollm2`, `gemma3-270m`) or a
+local checkpoint path, `device` is `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`,
+and `max_model_len` is None unless `--max-model-len` was given; it
+returns an object satisfying ServingBackend, with a `Tokenizer` (server/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
+from hybridserve.core.plan import StepResult
+from hybridserve.engine import Engine
+from hybridserve.executor.api import Executor
+from hybridserve.kvcache import CacheLayout, GroupKind, GroupSpec, KVCacheManager, RetentionPolicy
+from hybridserve.scheduler import Scheduler
+from hybridserve.server.tokenizer import Tokenizer
+
+
+class ServingBackend(Protocol):
+    @property
+    def model_name(self) -> str:
+        """The id clients put in `model` and `/v1/models` lists."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's longest context (prompt plus output), in tokens."""
+        ...
+
+    @property
+    def speculative(self) -> SpeculativeConfig: ...
+
+    def cache_groups(self) -> tuple[GroupSpec, ...]:
+        """The model's cache groups (one per layer kind with its own cache spec)."""
+        ...
+
+    def num_blocks(self) -> int:
+        """KV/state blocks that fit in device memory once the weights are loaded."""
+        ...
+
+    def make_executor(self, layout: CacheLayout) -> Executor:
+        """The executor over this cache layout; called once, before serving starts."""
+        ...
+
+    def pace_s(self, result: StepResult) -> float:
+        """Wall seconds a step should take at least: the simulated duration scaled by the
+        sim speed for the simulator, 0 for an executor whose steps take real time."""
+        ...
+
+
+def state_quantum(groups: tuple[GroupSpec, ...]) -> int:
+    """The control quantum: the largest state-group block size, or 1 without one."""
+    return max((g.block_size for g in groups if g.kind is GroupKind.MAMBA), default=1)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    engine: Engine
+    scheduler: Scheduler
+    cache: KVCacheManager
+
+
+def build_engine(
+    backend: ServingBackend,
+    scheduler_config: SchedulerConfig,
+    *,
+    retention: RetentionPolicy,
+    num_blocks: int | None = None,
+) -> EngineParts:
+    """An engine over the backend's executor. `num_blocks` caps the backend's pool size."""
+    blocks = backend.num_blocks() if num_blocks is None else min(num_blocks, backend.num_blocks())
+    layout = CacheLayout(
+        groups=backend.cache_groups(),
+        num_blocks=blocks,
+        speculative=backend.speculative,
+        retention=retention,
+    )
+    cache = KVCacheManager(layout)
+    scheduler = Scheduler(
+        scheduler_config,
+        cache,
+        num_speculative_tokens=backend.speculative.num_speculative_tokens,
+    )
+    return EngineParts(Engine(scheduler, backend.make_executor(layout)), scheduler, cache)

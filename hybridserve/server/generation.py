@@ -1,0 +1,117 @@
+"""One request's generation on the event loop: submit, detokenize, stop strings, metrics.
+
+Stop strings are matched on the detokenized text; the text is cut before the match (as OpenAI
+does) and the request is aborted in the engine, which frees its blocks at once. While
+streaming, the last `len(longest stop) - 1` characters are held back so a stop string split
+across deliveries is never sent in part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request as HttpRequest
+
+from hybridserve.core.request import Request
+from hybridserve.server.async_engine import AsyncEngine
+from hybridserve.server.metrics import ServerMetrics
+from hybridserve.server.protocol import ApiError
+from hybridserve.server.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Text released by one delivery; `finish_reason` is set on the last piece only."""
+
+    text: str
+    finish_reason: str | None
+    num_output_tokens: int
+
+
+class StopMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+
+    def feed(self, text: str, *, final: bool) -> tuple[str, bool]:
+        """(text safe to release, whether a stop string ended the output)."""
+        self._pending += text
+        if not self.stops:
+            out, self._pending = self._pending, ""
+            return out, False
+        cut = min((i for s in self.stops if (i := self._pending.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            out, self._pending = self._pending[:cut], ""
+            return out, True
+        keep = 0 if final else self._hold
+        split = max(len(self._pending) - keep, 0)
+        out, self._pending = self._pending[:split], self._pending[split:]
+        return out, False
+
+
+async def _abort_on_disconnect(http: HttpRequest, engine: AsyncEngine, req_id: str) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            engine.abort(req_id)
+            return
+
+
+async def generate(
+    *,
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    tokenizer: Tokenizer,
+    request: Request,
+    stops: Sequence[str],
+    http: HttpRequest,
+) -> AsyncIterator[Piece]:
+    """Submit `request` and yield its text as it is generated. The request is aborted in the
+    engine if the client disconnects or stops reading. A stop token counts as an output token
+    but adds no text."""
+    stream = engine.submit(request)
+    watcher = asyncio.create_task(_abort_on_disconnect(http, engine, request.req_id))
+    decoder, matcher = tokenizer.new_decoder(), StopMatcher(stops)
+    stop_ids = frozenset(request.sampling.stop_token_ids)
+    arrival, last = request.arrival_time, None
+    num_tokens = 0
+    reason: str | None = None
+    try:
+        while reason is None:
+            delivery = await stream.queue.get()
+            if delivery.error is not None:
+                reason = "abort"
+                if delivery.status >= 500:
+                    raise ApiError(delivery.status, delivery.error, kind="server_error")
+                raise ApiError(delivery.status, delivery.error, param="prompt")
+            now = engine.now()
+            if delivery.token_ids:
+                num_tokens += len(delivery.token_ids)
+                if last is None:
+                    metrics.on_first_token(now - arrival)
+                else:
+                    metrics.on_gap(now - last)
+                last = now
+            token_ids = delivery.token_ids
+            if delivery.finish_reason == "stop" and token_ids[-1:] and token_ids[-1] in stop_ids:
+                token_ids = token_ids[:-1]
+            text = decoder.push(token_ids)
+            if delivery.finished:
+                text += decoder.flush()
+            out, stopped = matcher.feed(text, final=delivery.finished)
+            if stopped:
+                reason = "stop"
+                engine.abort(request.req_id)
+            elif delivery.finished:
+                reason = delivery.finish_reason or "stop"
+            if out or reason is not None:
+                yield Piece(out, reason, num_tokens)
+    finally:
+        watcher.cancel()
+        if reason is None:
+            reason = "abort"
+            engine.abort(request.req_id)
+        metrics.on_finished(reason=reason, latency_s=engine.now() - arrival)

@@ -1,0 +1,158 @@
+"""Bad input gets an OpenAI-style error naming the field, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import MODEL, LiveServer
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+BASE: dict[str, Any] = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+CHAT_BASE: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello"}],
+    "max_tokens": 4,
+}
+
+
+def without(body: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != key}
+
+
+# (id, path, body: dict or raw bytes, status, param)
+CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
+    ("missing-model", COMPLETIONS, without(BASE, "model"), 400, "model"),
+    ("missing-prompt", COMPLETIONS, without(BASE, "prompt"), 400, "prompt"),
+    ("prompt-int", COMPLETIONS, {**BASE, "prompt": 123}, 400, "prompt"),
+    ("prompt-empty", COMPLETIONS, {**BASE, "prompt": ""}, 400, "prompt"),
+    ("prompt-empty-ids", COMPLETIONS, {**BASE, "prompt": []}, 400, "prompt"),
+    ("prompt-negative-id", COMPLETIONS, {**BASE, "prompt": [5, -1]}, 400, "prompt"),
+    ("prompt-id-past-vocab", COMPLETIONS, {**BASE, "prompt": [5, 9999]}, 400, "prompt"),
+    (
+        "prompt-lone-surrogate",
+        COMPLETIONS,
+        b'{"model": "%s", "prompt": "\\ud800"}' % MODEL.encode(),
+        400,
+        "prompt",
+    ),
+    ("prompt-too-long", COMPLETIONS, {**BASE, "prompt": "x" * 5000}, 400, "prompt"),
+    ("max-tokens-zero", COMPLETIONS, {**BASE, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-negative", COMPLETIONS, {**BASE, "max_tokens": -5}, 400, "max_tokens"),
+    ("max-tokens-string", COMPLETIONS, {**BASE, "max_tokens": "10"}, 400, "max_tokens"),
+    ("max-tokens-float", COMPLETIONS, {**BASE, "max_tokens": 1.5}, 400, "max_tokens"),
+    ("max-tokens-past-context", COMPLETIONS, {**BASE, "max_tokens": 4092}, 400, "max_tokens"),
+    ("temperature-string", COMPLETIONS, {**BASE, "temperature": "hot"}, 400, "temperature"),
+    ("temperature-too-high", COMPLETIONS, {**BASE, "temperature": 5}, 400, "temperature"),
+    ("top-p-zero", COMPLETIONS, {**BASE, "top_p": 0}, 400, "top_p"),
+    ("top-k-below-minus-one", COMPLETIONS, {**BASE, "top_k": -2}, 400, "top_k"),
+    ("n-two", COMPLETIONS, {**BASE, "n": 2}, 400, "n"),
+    ("unknown-model", COMPLETIONS, {**BASE, "model": "gpt-9"}, 404, "model"),
+    ("unsupported-logit-bias", COMPLETIONS, {**BASE, "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ("unsupported-echo", COMPLETIONS, {**BASE, "echo": True}, 400, "echo"),
+    ("unsupported-logprobs", COMPLETIONS, {**BASE, "logprobs": 1}, 400, "logprobs"),
+    ("penalty", COMPLETIONS, {**BASE, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("stream-string", COMPLETIONS, {**BASE, "stream": "yes"}, 400, "stream"),
+    ("stop-empty-string", COMPLETIONS, {**BASE, "stop": [""]}, 400, "stop"),
+    ("stop-too-many", COMPLETIONS, {**BASE, "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("stop-int", COMPLETIONS, {**BASE, "stop": 5}, 400, "stop"),
+    ("stop-token-negative", COMPLETIONS, {**BASE, "stop_token_ids": [-3]}, 400, "stop_token_ids.0"),
+    ("cache-salt-empty", COMPLETIONS, {**BASE, "cache_salt": ""}, 400, "cache_salt"),
+    ("priority-on-fcfs", COMPLETIONS, {**BASE, "priority": 3}, 400, "priority"),
+    (
+        "stream-options-type",
+        COMPLETIONS,
+        {**BASE, "stream": True, "stream_options": {"include_usage": "yes"}},
+        400,
+        "stream_options.include_usage",
+    ),
+    ("body-not-json", COMPLETIONS, b'{"model": ', 400, "body"),
+    ("body-json-array", COMPLETIONS, b"[1, 2]", 400, "body"),
+    ("body-invalid-utf8", COMPLETIONS, b'{"model": "\xff\xfe", "prompt": "hi"}', 400, "body"),
+    (
+        "body-too-large",
+        COMPLETIONS,
+        json.dumps({**BASE, "prompt": "y" * 70_000}).encode(),
+        413,
+        "body",
+    ),
+    ("chat-missing-messages", CHAT, without(CHAT_BASE, "messages"), 400, "messages"),
+    ("chat-no-messages", CHAT, {**CHAT_BASE, "messages": []}, 400, "messages"),
+    (
+        "chat-unknown-role",
+        CHAT,
+        {**CHAT_BASE, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "chat-content-int",
+        CHAT,
+        {**CHAT_BASE, "messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages.0.content",
+    ),
+    (
+        "chat-missing-content",
+        CHAT,
+        {**CHAT_BASE, "messages": [{"role": "user"}]},
+        400,
+        "messages.0.content",
+    ),
+    (
+        "chat-max-completion-zero",
+        CHAT,
+        {**CHAT_BASE, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    ("chat-max-tokens-past-context", CHAT, {**CHAT_BASE, "max_tokens": 5000}, 400, "max_tokens"),
+    ("chat-tools", CHAT, {**CHAT_BASE, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat-unknown-model", CHAT, {**CHAT_BASE, "model": "other"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_malformed_request_is_rejected_naming_the_field(
+    live_server: LiveServer, path: str, body: dict[str, Any] | bytes, status: int, param: str
+) -> None:
+    url = live_server.base_url + path
+    if isinstance(body, bytes):
+        response = live_server.client.post(
+            url, content=body, headers={"Content-Type": "application/json"}
+        )
+    else:
+        response = live_server.client.post(url, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+
+
+def test_rejected_requests_leave_nothing_queued_or_allocated(live_server: LiveServer) -> None:
+    before = live_server.metrics()
+    for _, path, body, _, _ in CASES:
+        if isinstance(body, dict):
+            live_server.client.post(live_server.base_url + path, json=body)
+    live_server.wait_idle()
+    after = live_server.metrics()
+    assert after["hybridserve:num_requests_running{}"] == 0
+    assert after["hybridserve:num_requests_waiting{}"] == 0
+    assert after["hybridserve:kv_cache_usage_perc{}"] == 0
+    assert after["hybridserve:prompt_tokens_total{}"] == before["hybridserve:prompt_tokens_total{}"]
+    cache = live_server.state.parts.cache
+    with live_server.state.engine.lock:
+        cache.check_invariants()
+        assert cache.num_free_blocks == cache.layout.num_blocks - 1
+
+
+def test_unknown_route_answers_an_openai_style_404(live_server: LiveServer) -> None:
+    response = live_server.client.get(live_server.base_url + "/v1/engines")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "404"

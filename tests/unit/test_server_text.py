@@ -1,0 +1,103 @@
+"""The server's text path: byte tokenizer, incremental decoding, stop strings, serve settings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridserve.cli import app
+from hybridserve.cli.serve_commands import scheduler_settings
+from hybridserve.core.config import SchedulingPolicy
+from hybridserve.core.errors import ConfigError
+from hybridserve.server.generation import StopMatcher
+from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer, ChatMessage
+
+
+def test_byte_decoder_holds_a_split_multibyte_character_until_complete() -> None:
+    ids = ByteTokenizer().encode("né€")
+    decoder = ByteTokenizer().new_decoder()
+    pieces = [decoder.push([t]) for t in ids]
+    assert pieces == ["n", "", "é", "", "", "€"]
+    assert decoder.flush() == ""
+
+
+def test_byte_decoder_replaces_invalid_bytes_and_skips_eos() -> None:
+    decoder = ByteTokenizer().new_decoder()
+    assert decoder.push([0xFF, ord("a"), BYTE_EOS_ID]) == "\ufffda"
+    assert decoder.push([0xE2]) == ""
+    assert decoder.flush() == "\ufffd"
+
+
+def test_sim_chat_template_ends_with_an_open_assistant_turn() -> None:
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.apply_chat_template([ChatMessage("user", "hi")])
+    assert bytes(ids).decode() == "<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_stop_string_split_across_deliveries_is_never_released() -> None:
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("abcST", final=False) == ("ab", False)
+    assert matcher.feed("O", final=False) == ("c", False)
+    assert matcher.feed("Pxyz", final=False) == ("", True)
+
+
+def test_held_back_text_is_released_at_the_end() -> None:
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("abcST", final=False) == ("ab", False)
+    assert matcher.feed("", final=True) == ("cST", False)
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    assert StopMatcher(["zz", "b"]).feed("abzz", final=True) == ("a", True)
+
+
+def test_serve_settings_apply_preset_then_file_then_flags(tmp_path: Path) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        'preset = "baseline"\nretention = "dense"\n'
+        '[scheduler]\nmax_num_seqs = 64\nmax_num_batched_tokens = 4096\npolicy = "priority"\n'
+    )
+    scheduler, retention = scheduler_settings(
+        groups_quantum=16,
+        max_model_len=8192,
+        preset_name="hybridserve",
+        config_file=config,
+        overrides={"max_num_seqs": 8, "target_mixed_step_ms": None},
+    )
+    assert scheduler.max_num_prefill_tokens_per_step == 0  # baseline from the file
+    assert scheduler.max_num_batched_tokens == 4096  # from the file
+    assert scheduler.max_num_seqs == 8  # the flag wins
+    assert scheduler.policy is SchedulingPolicy.PRIORITY
+    assert retention == "dense"
+
+
+def test_serve_settings_reject_an_unknown_scheduler_key(tmp_path: Path) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text("[scheduler]\nmax_seqs = 64\n")
+    with pytest.raises(ConfigError, match="max_seqs"):
+        scheduler_settings(
+            groups_quantum=1,
+            max_model_len=4096,
+            preset_name="baseline",
+            config_file=config,
+            overrides={},
+        )
+
+
+def test_serve_with_torch_executor_fails_clearly_when_it_is_not_importable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "hybridserve.executor.torch", None)
+    result = CliRunner().invoke(app, ["serve", "--executor", "torch"])
+    assert result.exit_code == 2
+    assert "hybridserve.executor.torch" in result.output
+    assert "--executor sim" in result.output
+
+
+def test_serve_rejects_an_unknown_model_profile() -> None:
+    result = CliRunner().invoke(app, ["serve", "--model-profile", "no-such-model"])
+    assert result.exit_code == 2
+    assert "no-such-model" in result.output
