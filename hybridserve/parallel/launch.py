@@ -50,6 +50,9 @@ def init_from_env(
         raise RuntimeError(f"set {', '.join(missing)} (as torchrun does) to join a DCP group")
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if chosen == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(
             chosen,
@@ -106,6 +109,16 @@ def _next_answer(
     return rank, payload
 
 
+def _context() -> mp.context.BaseContext:
+    """Ranks fork from a forkserver that has imported torch once (and never touched CUDA), so a
+    group starts without each rank paying for `import torch`; spawn where forkserver is absent."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., object],
     world_size: int,
@@ -122,7 +135,7 @@ def run_ranks(
     """
     if world_size == 1:
         return [fn(DcpGroup(interleave=interleave), *args)]
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue[tuple[int, bool, bytes | str]] = ctx.Queue()
     options = {"interleave": interleave, "backend": backend, "timeout_s": timeout_s}
     port = find_free_port()
