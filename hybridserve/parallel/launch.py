@@ -104,12 +104,12 @@ def _next_answer(
     except queue.Empty:
         waiting = sorted(set(range(world_size)) - set(answers))
         raise RuntimeError(f"DCP ranks {waiting} did not answer in time") from None
-    if not ok or not isinstance(payload, bytes):
-        raise RuntimeError(f"DCP rank {rank} failed:\n{payload}")
+    if isinstance(payload, str) or not ok:
+        raise RuntimeError(f"DCP rank {rank} failed:\n{payload!s}")
     return rank, payload
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.ForkServerContext | mp.context.SpawnContext:
     """Ranks fork from a forkserver that has imported torch once (and never touched CUDA), so a
     group starts without each rank paying for `import torch`; spawn where forkserver is absent."""
     if "forkserver" not in mp.get_all_start_methods():

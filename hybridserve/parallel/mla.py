@@ -70,7 +70,7 @@ class MlaWeights:
     def random(cls, cfg: MlaConfig, generator: torch.Generator, dtype: torch.dtype) -> MlaWeights:
         def linear(out_dim: int, in_dim: int) -> torch.Tensor:
             w = torch.randn(out_dim, in_dim, generator=generator, dtype=torch.float64)
-            return (w * in_dim**-0.5).to(dtype)
+            return (w * float(in_dim) ** -0.5).to(dtype)
 
         def norm(dim: int) -> torch.Tensor:
             w = 1.0 + 0.1 * torch.randn(dim, generator=generator, dtype=torch.float64)
@@ -130,7 +130,7 @@ def project_queries(
     """Queries of every row for `heads`, and the indexer's queries and head weights."""
     q_latent = rms_norm(x @ w.wq_a.T, w.q_norm)
     q = (q_latent @ w.wq_b.T).view(x.shape[0], cfg.num_heads, -1)[:, heads]
-    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     index_q = (q_latent @ w.index_wq.T).view(x.shape[0], cfg.index_num_heads, -1)
     index_weights = (x @ w.index_weights.T) * cfg.index_num_heads**-0.5
     return MlaQueries(q_nope, apply_rope(q_pe, positions), index_q, index_weights)
@@ -140,7 +140,8 @@ def project_latent(
     w: MlaWeights, cfg: MlaConfig, x: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's cache entries: latent `[c_kv | k_pe]` `[rows, 1, latent]`, index key."""
-    c_kv, k_pe = (x @ w.wkv_a.T).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    kv = x @ w.wkv_a.T
+    c_kv, k_pe = kv[:, : cfg.kv_lora_rank], kv[:, cfg.kv_lora_rank :]
     k_pe = apply_rope(k_pe.unsqueeze(1), positions)
     latent = torch.cat([rms_norm(c_kv, w.kv_norm).unsqueeze(1), k_pe], dim=-1)
     return latent, (x @ w.index_wk.T).unsqueeze(1)
@@ -213,7 +214,7 @@ def mla_attention_dense(w: MlaWeights, cfg: MlaConfig, x: torch.Tensor) -> torch
     positions = torch.arange(tokens)
     queries = project_queries(w, cfg, x, positions, slice(0, cfg.num_heads))
     latent, index_key = project_latent(w, cfg, x, positions)
-    c_kv, k_pe = latent[:, 0].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    c_kv, k_pe = latent[:, 0, : cfg.kv_lora_rank], latent[:, 0, cfg.kv_lora_rank :]
     w_uk, w_uv = w.up_projections(cfg)
     k_nope = torch.einsum("tc,hnc->thn", c_kv, w_uk)
     v = torch.einsum("tc,hvc->thv", c_kv, w_uv)
