@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["lse_weights", "mask_empty_rows", "merge_attention_states"]
+__all__ = ["lse_weights", "mask_empty_lse", "mask_empty_rows", "merge_attention_states"]
+
+
+def mask_empty_lse(lse: torch.Tensor, num_local_tokens: torch.Tensor) -> torch.Tensor:
+    """`lse` `[..., rows, heads]` with -inf where the row has no local tokens; NaN and +inf
+    become -inf too, as upstream's kernel maps them."""
+    dead = (num_local_tokens <= 0).unsqueeze(-1) | torch.isnan(lse) | (lse == float("inf"))
+    return lse.masked_fill(dead, float("-inf"))
 
 
 def mask_empty_rows(
@@ -20,15 +27,11 @@ def mask_empty_rows(
     """One rank's fill before any reduction: rows without local tokens get `lse=-inf`, `out=0`.
 
     `output` is `[..., rows, heads, dim]`, `lse` `[..., rows, heads]`, `num_local_tokens`
-    `[..., rows]`. NaN and +inf LSE values also become -inf, as upstream's kernel does. Uses
-    `where`, never a multiply, so a NaN in a dead row cannot leak through a zero weight.
+    `[..., rows]`. Fills, never multiplies, so a NaN in a dead row cannot leak through a zero
+    weight.
     """
-    neg_inf = torch.full_like(lse, float("-inf"))
-    dead = (num_local_tokens <= 0).unsqueeze(-1) | torch.isnan(lse) | (lse == float("inf"))
-    lse = torch.where(dead, neg_inf, lse)
-    dead_out = (lse == float("-inf")).unsqueeze(-1)
-    output = torch.where(dead_out, torch.zeros_like(output), output)
-    return output, lse
+    lse = mask_empty_lse(lse, num_local_tokens)
+    return output.masked_fill((lse == float("-inf")).unsqueeze(-1), 0.0), lse
 
 
 def lse_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +70,14 @@ def merge_attention_states(
         )
     if outputs.shape[0] == 0:
         raise ValueError("merge_attention_states needs at least one rank")
-    outputs, lses = mask_empty_rows(outputs, lses, num_local_tokens)
+    lses = mask_empty_lse(lses, num_local_tokens)
     weights, merged_lse = lse_weights(lses)
-    merged = (weights.unsqueeze(-1) * outputs).sum(dim=0)
-    return merged, merged_lse
+    dead = (lses == float("-inf")).unsqueeze(-1)
+    # One rank at a time: no [ranks, rows, heads, dim] temporary, accumulated at least in the
+    # LSE's precision.
+    merged = outputs.new_zeros(
+        outputs.shape[1:], dtype=torch.promote_types(outputs.dtype, weights.dtype)
+    )
+    for rank in range(outputs.shape[0]):
+        merged.addcmul_(outputs[rank].masked_fill(dead[rank], 0.0), weights[rank].unsqueeze(-1))
+    return merged.to(outputs.dtype), merged_lse

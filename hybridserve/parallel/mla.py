@@ -14,6 +14,7 @@ back to its own heads (SPEC.md 4.4).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ class MlaWeights:
     def random(cls, cfg: MlaConfig, generator: torch.Generator, dtype: torch.dtype) -> MlaWeights:
         def linear(out_dim: int, in_dim: int) -> torch.Tensor:
             w = torch.randn(out_dim, in_dim, generator=generator, dtype=torch.float64)
-            return (w * float(in_dim) ** -0.5).to(dtype)
+            return (w / math.sqrt(in_dim)).to(dtype)
 
         def norm(dim: int) -> torch.Tensor:
             w = 1.0 + 0.1 * torch.randn(dim, generator=generator, dtype=torch.float64)

@@ -24,7 +24,7 @@ from hybridserve.parallel.mla import (
 )
 from hybridserve.parallel.rope import apply_rope, rms_norm
 
-__all__ = ["GqaCaches", "TinyDecoder", "TinyModelConfig"]
+__all__ = ["TINY_MODELS", "GqaCaches", "TinyDecoder", "TinyModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -194,3 +194,10 @@ class TinyDecoder:
             return out @ wo.T
 
         return self._run(token_ids, attend)
+
+
+TINY_MODELS = {
+    "gqa": TinyModelConfig(),
+    "mla": TinyModelConfig(attention="mla"),
+    "sparse-mla": TinyModelConfig(attention="mla", mla=MlaConfig(index_top_k=5)),
+}
