@@ -11,7 +11,10 @@ import json
 import os
 from typing import Any
 
-from hybridserve.parallel.group import DcpGroup
+import torch
+import torch.distributed as dist
+
+from hybridserve.parallel.group import DcpGroup, all_gather_stacked
 from hybridserve.parallel.launch import init_from_env, run_ranks, torchrun_env_present
 from hybridserve.parallel.models import TINY_MODELS, TinyDecoder
 from hybridserve.parallel.runner import DecodeScenario, greedy_dense, run_scenario
@@ -48,7 +51,11 @@ def run_demo(*, dcp: int, model: str = "sparse-mla", interleave: int = 1) -> dic
     os.environ.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy:UserWarning")
     if torchrun_env_present():
         group = init_from_env(interleave=interleave)
-        outputs, world_size = [demo_rank(group, model)], group.world_size
+        mine = demo_rank(group, model)
+        names = sorted(mine)
+        gathered = all_gather_stacked(torch.tensor([mine[name] for name in names]), group)
+        outputs = [dict(zip(names, rank.tolist(), strict=True)) for rank in gathered]
+        world_size = group.world_size
     else:
         outputs = run_ranks(demo_rank, dcp, model, interleave=interleave)
         world_size = dcp
@@ -79,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", type=int, default=1, choices=[1, 2, 4])
     args = parser.parse_args(argv)
     report = run_demo(dcp=args.dcp, model=args.model, interleave=args.interleave)
-    print(json.dumps(report))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps(report))
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0 if report["identical"] else 1
 
 

@@ -74,6 +74,8 @@ def all_gather_stacked(tensor: torch.Tensor, dcp: DcpGroup) -> torch.Tensor:
         return tensor.unsqueeze(0)
     tensor = tensor.contiguous()
     gathered = tensor.new_empty((dcp.world_size, *tensor.shape))
+    if tensor.numel() == 0:  # the same shape on every rank, so every rank skips together
+        return gathered
     dist.all_gather_single(gathered.view(-1, *tensor.shape[1:]), tensor, group=dcp.process_group)
     return gathered
 
@@ -100,23 +102,21 @@ def merge_across_ranks(
     sums the outputs: with `all_reduce` (every rank gets every head) or, with
     `scatter_heads=True`, with a reduce-scatter that leaves each rank its own `heads / N`.
     """
+    heads = dcp.head_slice(output.shape[1]) if scatter_heads else slice(None)
     if dcp.world_size == 1:
         merged, merged_lse = merge_attention_states(
             output.unsqueeze(0), lse.unsqueeze(0), num_local_tokens.unsqueeze(0)
         )
-    else:
-        output, lse = mask_empty_rows(output, lse, num_local_tokens)
-        weights, merged_lse = lse_weights(all_gather_stacked(lse, dcp))
-        merged = weights[dcp.rank].unsqueeze(-1) * output
-        if not scatter_heads:
-            dist.all_reduce(merged, group=dcp.process_group)
-            return merged, merged_lse
-        heads = dcp.head_slice(output.shape[1])
-        by_head = merged.transpose(0, 1).contiguous()
-        mine = by_head.new_empty((heads.stop - heads.start, *by_head.shape[1:]))
-        dist.reduce_scatter_single(mine, by_head, group=dcp.process_group)
-        return mine.transpose(0, 1), merged_lse[:, heads]
-    if scatter_heads:
-        heads = dcp.head_slice(output.shape[1])
         return merged[:, heads], merged_lse[:, heads]
-    return merged, merged_lse
+    output, lse = mask_empty_rows(output, lse, num_local_tokens)
+    weights, merged_lse = lse_weights(all_gather_stacked(lse, dcp))
+    scaled = weights[dcp.rank].unsqueeze(-1) * output
+    if scaled.numel() == 0:  # the same shape on every rank, so every rank skips together
+        return scaled[:, heads], merged_lse[:, heads]
+    if not scatter_heads:
+        dist.all_reduce(scaled, group=dcp.process_group)
+        return scaled, merged_lse
+    by_head = scaled.transpose(0, 1).contiguous()
+    mine = by_head.new_empty((heads.stop - heads.start, *by_head.shape[1:]))
+    dist.reduce_scatter_single(mine, by_head, group=dcp.process_group)
+    return mine.transpose(0, 1), merged_lse[:, heads]

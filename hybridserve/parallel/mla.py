@@ -212,7 +212,7 @@ def mla_attention_dense(w: MlaWeights, cfg: MlaConfig, x: torch.Tensor) -> torch
     variant keeps each query's top-k keys by index score (ties to the earlier key).
     """
     tokens = x.shape[0]
-    positions = torch.arange(tokens)
+    positions = torch.arange(tokens, device=x.device)
     queries = project_queries(w, cfg, x, positions, slice(0, cfg.num_heads))
     latent, index_key = project_latent(w, cfg, x, positions)
     c_kv, k_pe = latent[:, 0, : cfg.kv_lora_rank], latent[:, 0, cfg.kv_lora_rank :]
@@ -222,7 +222,7 @@ def mla_attention_dense(w: MlaWeights, cfg: MlaConfig, x: torch.Tensor) -> torch
     k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, cfg.num_heads, -1)], dim=-1)
     q = torch.cat([queries.q_nope, queries.q_pe], dim=-1)
     scores = torch.einsum("shd,thd->hst", q, k) * cfg.scale
-    mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    mask = torch.ones(tokens, tokens, dtype=torch.bool, device=x.device).tril()
     if cfg.index_top_k > 0:
         keys = index_key[:, 0].unsqueeze(0).expand(tokens, -1, -1)
         index = index_scores(queries.index_q, queries.index_weights, keys)

@@ -132,6 +132,18 @@ def greedy_tokens(dcp: DcpGroup) -> dict[str, dict[str, list[int]]]:
     }
 
 
+def no_rows(dcp: DcpGroup) -> tuple[int, ...]:
+    """A step with no query rows: nothing to write, attend or merge, and no collective hangs."""
+    shape = (4, BLOCK_SIZE, KV_HEADS, DIM)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    rows = AttentionRows(
+        torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long), BLOCK_SIZE
+    )
+    q, kv = torch.zeros(0, HEADS, DIM), torch.zeros(0, KV_HEADS, DIM)
+    out = dcp_attention(q, kv, kv, k_cache=k_cache, v_cache=v_cache, rows=rows, dcp=dcp, scale=1.0)
+    return tuple(out.shape)
+
+
 def all_checks(dcp: DcpGroup) -> dict[str, object]:
     """Everything one rank contributes, with interleave 1 and 2 for the attention steps."""
     interleaved = DcpGroup(dcp.rank, dcp.world_size, 2, dcp.process_group)
@@ -140,6 +152,7 @@ def all_checks(dcp: DcpGroup) -> dict[str, object]:
         "gqa_i2": gqa_attention_steps(interleaved),
         "sparse_mla": sparse_mla_steps(dcp),
         "tokens": greedy_tokens(dcp),
+        "no_rows": no_rows(dcp),
     }
 
 

@@ -86,6 +86,10 @@ def test_greedy_decode_with_sharded_kv_gives_the_unsharded_tokens(ranks, single,
         assert result["tokens"][model] == reference
 
 
+def test_a_step_without_rows_returns_an_empty_result_on_every_rank(ranks):
+    assert [result["no_rows"] for result in ranks] == [(0, w.HEADS, w.DIM)] * len(ranks)
+
+
 def test_a_failing_rank_raises_instead_of_hanging_the_group():
     with pytest.raises(RuntimeError, match="rank 1 failed"):
         run_ranks(w.fail_on_rank_one, 2, timeout_s=60)
