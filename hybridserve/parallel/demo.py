@@ -1,7 +1,7 @@
 """Greedy decode of a tiny model, KV sharded over `--dcp N` ranks, against the unsharded run.
 
-python -m hybridserve.parallel.demo --dcp 2                  # 2 local gloo processes
-    torchrun --standalone --nproc-per-node 2 -m hybridserve.parallel.demo   # torchrun ranks
+Local processes: `python -m hybridserve.parallel.demo --dcp 2`; one rank per process under
+torchrun: `torchrun --standalone --nproc-per-node 2 -m hybridserve.parallel.demo`.
 """
 
 from __future__ import annotations
