@@ -7,6 +7,8 @@ import torch
 
 from hybridserve.kvcache.dcp import dcp_local_seq_lens, dcp_rank_of_token
 from hybridserve.parallel import DcpGroup, local_seq_lens
+from hybridserve.parallel.models import TINY_MODELS, TinyDecoder
+from hybridserve.parallel.runner import PagedGenerator
 from hybridserve.parallel.sharding import (
     global_positions,
     local_positions,
@@ -84,3 +86,19 @@ def test_slot_mapping_rejects_a_block_size_the_interleave_does_not_divide():
 def test_dcp_group_rejects_a_rank_outside_the_group():
     with pytest.raises(ValueError, match=r"dcp\.rank"):
         DcpGroup(rank=2, world_size=2)
+
+
+def test_a_shared_prefix_must_cover_whole_sharded_blocks():
+    dcp = DcpGroup(rank=1, world_size=2)
+    gen = PagedGenerator(
+        TinyDecoder(TINY_MODELS["gqa"], seed=0),
+        dcp,
+        block_size=4,
+        num_blocks=8,
+        max_tokens_per_seq=24,
+    )
+    gen.add("a", list(range(20)), prefix_of=None, prefix_tokens=0)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        gen.add("b", list(range(20)), prefix_of="a", prefix_tokens=4)
+    gen.add("c", list(range(20)), prefix_of="a", prefix_tokens=16)
+    assert gen.sequences["c"].block_ids[:2] == gen.sequences["a"].block_ids[:2]
