@@ -75,7 +75,8 @@ def sweep(
     settings: list[tuple[tuple[str, float], ...]] = [()]
     attempts = 0
     while len(settings) < trials + 1 and attempts < 100 * (trials + 1):
-        candidate = draw_controls(rng, quantum)
+        # A draw with every control 0 is the all-off setting already in the list.
+        candidate = tuple((k, v) for k, v in draw_controls(rng, quantum) if v)
         attempts += 1
         if candidate not in settings:
             settings.append(candidate)
