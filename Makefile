@@ -20,7 +20,7 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	touch $@ $(STAMP_RUN)
 
 run: $(STAMP_RUN)
-	$(BIN)/hybridserve cache-replay
+	$(BIN)/hybridserve bench
 
 test: $(STAMP_TEST) lint typecheck contracts pytest
 
