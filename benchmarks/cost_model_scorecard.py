@@ -193,17 +193,35 @@ NOT_EXPRESSIBLE = {
 
 
 @dataclass
+class StepClass:
+    """A sample of one class of a run's steps (every `stride`-th) and how many there were."""
+
+    stride: int
+    kept: list[StepShape] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, shape: StepShape) -> None:
+        if self.count % self.stride == 0:
+            self.kept.append(shape)
+        self.count += 1
+
+    def weighted(self, keep: int, scale: float = 1.0) -> list[tuple[StepShape, float]]:
+        """At most `keep` evenly spaced steps (centred in their strata), weighted so that they
+        stand for all `count` steps, times `scale`."""
+        if not self.kept:
+            return []
+        n = len(self.kept)
+        picks = [self.kept[int((i + 0.5) * n / min(keep, n))] for i in range(min(keep, n))]
+        return [(shape, self.count * scale / len(picks)) for shape in picks]
+
+
+@dataclass
 class RowRun:
     summary: dict[str, float]
-    steps: list[StepShape] = field(default_factory=list)  # every STRIDE-th step
-    num_steps: int = 0
-    decode_steps: list[StepShape] = field(default_factory=list)
-    num_decode_steps: int = 0
+    prefill: StepClass = field(default_factory=lambda: StepClass(stride=1))  # steps with prefill
+    decode_only: StepClass = field(default_factory=lambda: StepClass(stride=8))
+    with_decode: StepClass = field(default_factory=lambda: StepClass(stride=4))  # any decode
     seconds: float = 0.0
-
-
-STRIDE = 8
-_KEEP = 96  # steps kept per row for the fit
 
 
 def sim_config(row: Row, efficiency: Efficiency) -> SimConfig:
@@ -252,13 +270,10 @@ def run_row(row: Row, efficiency: Efficiency) -> RowRun:
 
     def on_step(step: Any) -> None:
         shape = shape_from_plan(step.scheduled.plan)
-        if result.num_steps % STRIDE == 0:
-            result.steps.append(shape)
-        result.num_steps += 1
-        if step.scheduled.num_decode_tokens:
-            if result.num_decode_steps % STRIDE == 0:
-                result.decode_steps.append(shape)
-            result.num_decode_steps += 1
+        scheduled = step.scheduled
+        (result.prefill if scheduled.num_prefill_tokens else result.decode_only).add(shape)
+        if scheduled.num_decode_tokens:
+            result.with_decode.add(shape)
 
     start = time.perf_counter()
     sim = make_simulation(config, engine, on_step)
@@ -277,8 +292,11 @@ def measured_values(row: Row, data: dict[str, dict[str, Any]]) -> dict[str, floa
     return values
 
 
-def fit_samples(row: Row, run: RowRun, measured: dict[str, float]) -> list[Sample]:
-    """The row as fit samples: measured seconds for a weighted set of modelled steps."""
+def fit_samples(
+    row: Row, run: RowRun, measured: dict[str, float], *, keep: int = 8
+) -> list[Sample]:
+    """The row as fit samples: measured seconds for a weighted set of modelled steps (at most
+    `keep` per class of step: with prefill, decode only)."""
     setup = CostSetup(
         gpu=get_gpu(row.gpu),
         model=load_model_profile(CONFIGS / row.model),
@@ -290,21 +308,20 @@ def fit_samples(row: Row, run: RowRun, measured: dict[str, float]) -> list[Sampl
     for name, key, factor, use in row.metrics:
         if not use or name not in measured:
             continue
-        if key == "output_tokens_per_s":
-            steps, total = run.steps, run.num_steps
+        if key == "output_tokens_per_s":  # all the run's steps
+            steps = run.prefill.weighted(keep) + run.decode_only.weighted(keep)
             tokens = run.summary["output_tokens_per_s"] * run.summary["simulated_s"]
             seconds = tokens / measured[name]
-        elif key == "ttft_mean_ms":
-            steps, total = run.steps, run.num_steps / run.summary["requests_completed"]
+        elif key == "ttft_mean_ms":  # one request's prefill steps
+            steps = run.prefill.weighted(keep, 1 / run.summary["requests_completed"])
             seconds = measured[name] / 1000
-        else:  # a per-token latency: the mean decode step
-            steps, total, seconds = run.decode_steps, 1.0, measured[name] / 1000 / factor
-        kept = steps[:: max(1, len(steps) // _KEEP)]
-        weight = total / len(kept)
+        else:  # a per-token latency: the mean step that decodes
+            steps = run.with_decode.weighted(keep, 1 / max(run.with_decode.count, 1))
+            seconds = measured[name] / 1000 / factor
         samples.append(
             Sample(
                 setup=setup,
-                steps=tuple((s, weight) for s in kept),
+                steps=tuple(steps),
                 measured_s=seconds,
                 label=f"{row.id}:{name}",
             )

@@ -3,10 +3,10 @@ writes benchmarks/fitted_efficiency.json.
 
 Procedure (docs/cost_model.md, "Fitting"):
 1. Run every expressible row of the scorecard with the default constants and keep, per row, a
-   sample of its steps (every 8th step, thinned to at most 12 evenly spaced ones, each weighted
-   by the steps it stands for). A throughput row becomes "these steps took output tokens /
-   published tokens per second"; a batch-1 TTFT row "the prefill step took the TTFT"; an online
-   TPOT row "the mean decode step took the TPOT".
+   sample of its steps: up to 8 evenly spaced steps with prefill work and 8 decode-only steps,
+   each weighted by the number of steps of its class it stands for. A throughput row becomes
+   "these steps took output tokens / published tokens per second"; a batch-1 TTFT row "the
+   prefill step took the TTFT"; an online TPOT row "the mean decode step took the TPOT".
 2. Minimise the mean absolute log error of predicted over measured seconds with Nelder-Mead
    (hybridserve.sim.fit) over five constants: gemm, attention and hbm fractions, the link
    fraction and the per-step overhead. The other constant (collective latency) keeps its
@@ -33,27 +33,10 @@ from hybridserve.sim.cost_model import Efficiency
 from hybridserve.sim.fit import FitResult, Sample, fit_efficiency
 
 PARAMS = ("gemm", "attention", "hbm", "link", "step_overhead_s")
-_KEEP = 12
-
-
-def thin(sample: Sample) -> Sample:
-    """At most _KEEP evenly spaced steps, reweighted to stand for the same total."""
-    steps = sample.steps
-    if len(steps) <= _KEEP:
-        return sample
-    total = sum(weight for _, weight in steps)
-    kept = steps[:: -(-len(steps) // _KEEP)]
-    weight = total / len(kept)
-    return Sample(
-        setup=sample.setup,
-        steps=tuple((shape, weight) for shape, _ in kept),
-        measured_s=sample.measured_s,
-        label=sample.label,
-    )
 
 
 def fit(samples: list[Sample]) -> FitResult:
-    return fit_efficiency(samples, params=PARAMS, max_evaluations=300, tolerance=1e-6)
+    return fit_efficiency(samples, params=PARAMS, max_evaluations=200, tolerance=1e-6)
 
 
 def rounded(efficiency: Efficiency) -> Efficiency:
@@ -69,7 +52,7 @@ def rounded(efficiency: Efficiency) -> Efficiency:
 def main() -> None:
     start = Efficiency()
     before, samples = scorecard(ROWS, start)
-    samples = [thin(s) for s in samples]
+    proxy_start = {s.label: round(s.predicted_s(start) / s.measured_s - 1, 4) for s in samples}
     full = fit(samples)
     fitted = rounded(full.efficiency)
     after, _ = scorecard(ROWS, fitted)
@@ -85,6 +68,10 @@ def main() -> None:
         "fitted": asdict(fitted),
         "fit_objective_mean_abs_log_error": round(full.objective, 4),
         "fit_evaluations": full.evaluations,
+        "sampled_steps_error_at_start": proxy_start,
+        "sampled_steps_error_fitted": {
+            s.label: round(e, 4) for s, e in zip(samples, full.relative_errors, strict=True)
+        },
         "per_regime_before": before["per_regime"],
         "per_regime_after": after["per_regime"],
         "worst_after": after["worst"],
