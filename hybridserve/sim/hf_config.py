@@ -352,9 +352,10 @@ def _nemotron_h(cfg: _Fields, name: str, source: str) -> ModelProfile:
     pattern = str(cfg.get("hybrid_override_pattern") or "")
     if not pattern:
         raise ConfigError("config.hybrid_override_pattern", None, "give the layer pattern")
-    attention = _attention(cfg, head_dim_key="attention_head_dim")
-    if cfg.opt_num("head_dim"):
-        attention = _attention(cfg)
+    # Nemotron-H names the head size attention_head_dim; Nemotron 3 configs use head_dim.
+    attention = _attention(
+        cfg, head_dim_key="head_dim" if cfg.get("head_dim") else "attention_head_dim"
+    )
     mamba = _mamba2(cfg, "nemotron")
     moe = None
     if "E" in pattern:
@@ -391,7 +392,8 @@ def _bamba_or_granite(cfg: _Fields, name: str, source: str) -> ModelProfile:
     attention = _attention(cfg)
     mamba = _mamba2(cfg, "bamba")
     experts = cfg.num("num_local_experts", 0)
-    inter_key = "shared_intermediate_size" if cfg.get("shared_intermediate_size") else None
+    # Granite without experts runs its shared MLP alone; Bamba's MLP is intermediate_size.
+    dense_key = "shared_intermediate_size" if cfg.get("shared_intermediate_size") else None
     moe = None
     if experts:
         moe = MoeDims(
@@ -409,7 +411,7 @@ def _bamba_or_granite(cfg: _Fields, name: str, source: str) -> ModelProfile:
         num_moe_layers=layers if moe else 0,
         attention=attention,
         recurrent=mamba,
-        intermediate_size=0 if moe else cfg.num(inter_key or "intermediate_size"),
+        intermediate_size=0 if moe else cfg.num(dense_key or "intermediate_size"),
         moe=moe,
     )
 

@@ -195,3 +195,30 @@ def test_config_file_in_benchmarks_is_valid_json() -> None:
     for path in CONFIGS.glob("*/config.json"):
         assert isinstance(json.loads(path.read_text()), dict)
         assert (path.parent / "SOURCE.md").exists()
+
+
+def test_nemotron_pattern_with_moe_layers_counts_each_kind() -> None:
+    config = {
+        "model_type": "nemotron_h",
+        "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEM*E",
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "mamba_num_heads": 64,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712,
+        "vocab_size": 131072,
+    }
+    profile = profile_from_hf_config(config)
+    counts = (profile.num_recurrent_layers, profile.num_full_layers, profile.num_moe_layers)
+    assert counts == (5, 2, 5)
+    assert profile.num_dense_mlp_layers == 0 and not profile.mlp_gated
+    assert profile.attention is not None and profile.attention.head_dim == 128
+    assert profile.moe is not None and profile.moe.shared_intermediate_size == 3712
