@@ -10,7 +10,7 @@ and non-negative latencies (fitted as logs), so the result is always a valid `Ef
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
@@ -87,23 +87,28 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _encode(efficiency: Efficiency, params: Sequence[str]) -> list[float]:
+def _encode(
+    efficiency: Efficiency, params: Sequence[str], upper: Mapping[str, float]
+) -> list[float]:
     point = []
     for name in params:
         value = float(getattr(efficiency, name))
         if name in FRACTIONS:
-            value = min(value, 1 - 1e-6)
-            point.append(math.log(value / (1 - value)))
+            share = min(value / upper.get(name, 1.0), 1 - 1e-6)
+            point.append(math.log(share / (1 - share)))
         else:
             point.append(math.log(max(value, 1e-9)))
     return point
 
 
-def _decode(base: Efficiency, params: Sequence[str], point: Sequence[float]) -> Efficiency:
+def _decode(
+    base: Efficiency, params: Sequence[str], point: Sequence[float], upper: Mapping[str, float]
+) -> Efficiency:
     values: dict[str, float] = {}
     for name, x in zip(params, point, strict=True):
         if name in FRACTIONS:
-            values[name] = 1 / (1 + math.exp(-max(min(x, 30.0), -30.0)))
+            share = 1 / (1 + math.exp(-max(min(x, 30.0), -30.0)))
+            values[name] = upper.get(name, 1.0) * share
         else:
             values[name] = math.exp(max(min(x, 5.0), -30.0))
     return replace(base, **values)
@@ -122,12 +127,14 @@ def fit_efficiency(
     *,
     params: Sequence[str] = DEFAULT_PARAMS,
     start: Efficiency | None = None,  # None: Efficiency()
+    upper: Mapping[str, float] | None = None,  # upper bounds of fractions (default 1)
     max_evaluations: int = 400,
     tolerance: float = 1e-7,
 ) -> FitResult:
-    """The constants in `params` that minimise `objective`, the others kept from `start`.
+    """The constants in `params` that minimise `objective`, the others kept from `start`;
+    each fraction stays below its `upper` bound (e.g. the top of its published range).
 
-    Raises ConfigError for an unknown parameter name or no samples.
+    Raises ConfigError for an unknown parameter name, a bound outside (0, 1] or no samples.
     """
     if not samples:
         raise ConfigError("samples", [], "give at least one measured sample")
@@ -135,15 +142,21 @@ def fit_efficiency(
         if name not in FRACTIONS + LATENCIES:
             raise ConfigError("params", name, f"use names from {FRACTIONS + LATENCIES}")
 
+    bounds = dict(upper or {})
+    for name, bound in bounds.items():
+        if name not in FRACTIONS or not 0 < bound <= 1:
+            raise ConfigError(f"upper.{name}", bound, f"bound one of {FRACTIONS} within (0, 1]")
     base = Efficiency() if start is None else start
+    if any(getattr(base, name) >= bound for name, bound in bounds.items()):
+        base = replace(base, **{n: min(getattr(base, n), 0.9 * b) for n, b in bounds.items()})
 
     def loss(point: Sequence[float]) -> float:
-        return objective(samples, _decode(base, params, point))
+        return objective(samples, _decode(base, params, point, bounds))
 
     best, evaluations = nelder_mead(
-        loss, _encode(base, params), max_evaluations=max_evaluations, tolerance=tolerance
+        loss, _encode(base, params, bounds), max_evaluations=max_evaluations, tolerance=tolerance
     )
-    fitted = _decode(base, params, best)
+    fitted = _decode(base, params, best, bounds)
     errors = tuple(s.predicted_s(fitted) / s.measured_s - 1 for s in samples)
     return FitResult(fitted, errors, objective(samples, fitted), evaluations)
 

@@ -68,3 +68,12 @@ def test_nelder_mead_finds_the_minimum_of_a_quadratic() -> None:
     assert best[0] == pytest.approx(1.5, abs=1e-3)
     assert best[1] == pytest.approx(-0.5, abs=1e-3)
     assert evaluations < 400
+
+
+def test_bounded_fit_keeps_fractions_below_their_upper_bounds() -> None:
+    samples = _samples(TRUE)
+    result = fit_efficiency(samples, upper={"hbm": 0.6, "gemm": 0.5}, max_evaluations=400)
+    assert result.efficiency.hbm <= 0.6 and result.efficiency.gemm <= 0.5
+    assert result.efficiency.hbm == pytest.approx(0.6, rel=0.05)  # the truth (0.72) is above
+    with pytest.raises(ConfigError, match=r"upper\.hbm"):
+        fit_efficiency(samples, upper={"hbm": 1.5})
