@@ -74,6 +74,14 @@ def _file_options(config_file: Path | None) -> dict[str, Any]:
     return {"controls": loaded.scheduler, "retention": loaded.retention}
 
 
+def _model_options(model_config: Path | None, kv_dtype: str) -> dict[str, Any]:
+    """SimConfig fields of --model-config and --kv-dtype (the parsed model beats --model)."""
+    options: dict[str, Any] = {"kv_dtype": kv_dtype}
+    if model_config is not None:
+        options["model_config"] = str(model_config)
+    return options
+
+
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
     """report.json plus the PNG plots (skipped, with a note, when matplotlib is absent)."""
     from hybridserve.cli.plots import plots_available, write_plots
@@ -107,6 +115,14 @@ ConfigOption = Annotated[
         "--config", help="TOML file: [scheduler] fields and [cache] retention over the preset."
     ),
 ]
+ModelConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--model-config",
+        help="A Hugging Face config.json (or its folder): simulate that model instead of --model.",
+    ),
+]
+KvDtypeOption = Annotated[str, typer.Option(help="KV cache / recurrent state dtype: bf16, fp8.")]
 CpuOption = Annotated[
     bool,
     typer.Option(help="Add the measured schedule()+update() CPU time to every step (not seeded)."),
@@ -127,12 +143,19 @@ def simulate_cmd(
     warmup: WarmupOption = 300.0,
     spec: Annotated[str, typer.Option(help="Speculative method.")] = "mtp",
     workload: Annotated[
-        str, typer.Option(help="agents, mooncake:PATH, azure:PATH or poisson:rate=R,requests=N")
+        str,
+        typer.Option(
+            help="agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N, "
+            "fixed:input=I,output=O,concurrency=C[,requests=N] (closed loop) or "
+            "fixed:input=I,output=O,rate=R[,requests=N] (Poisson)"
+        ),
     ] = "agents",
     time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
     limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
     config_file: ConfigOption = None,
     include_scheduler_cpu: CpuOption = False,
+    model_config: ModelConfigOption = None,
+    kv_dtype: KvDtypeOption = "bf16",
     out: Annotated[
         Path | None, typer.Option(help="Also write report.json and plots to this folder.")
     ] = None,
@@ -156,6 +179,7 @@ def simulate_cmd(
             time_scale=time_scale,
             limit=limit,
             include_scheduler_cpu=include_scheduler_cpu,
+            **_model_options(model_config, kv_dtype),
             **_file_options(config_file),
         )
         run = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
@@ -167,7 +191,8 @@ def simulate_cmd(
     if as_json:
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
-    table = Table(title=f"simulate: {model} on {gpu} (tp={tp}, {dtype}), preset={preset}")
+    shown = model_config or model
+    table = Table(title=f"simulate: {shown} on {gpu} (tp={tp}, {dtype}), preset={preset}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in REPORT_KEYS:
@@ -186,6 +211,8 @@ def bench_cmd(
     warmup: WarmupOption = 300.0,
     seed: SeedOption = 0,
     config_file: ConfigOption = None,
+    model_config: ModelConfigOption = None,
+    kv_dtype: KvDtypeOption = "bf16",
     name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
     ablations: Annotated[
         bool, typer.Option(help="Also run controls-only and retention-only.")
@@ -209,6 +236,7 @@ def bench_cmd(
             duration_s=duration,
             warmup_s=warmup,
             seed=seed,
+            **_model_options(model_config, kv_dtype),
         )
         for preset in presets:
             # A --config file shapes the hybridserve side only: the baseline stays vLLM.
@@ -230,6 +258,8 @@ def bench_cmd(
             "gpu": gpu,
             "tp": tp,
             "dtype": dtype,
+            "kv_dtype": kv_dtype,
+            "model_config": None if model_config is None else str(model_config),
             "agents": agents,
             "duration_s": duration,
             "warmup_s": warmup,
@@ -274,7 +304,10 @@ def sweep_cmd(
     itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: GpuOption = "H200",
+    tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
+    model_config: ModelConfigOption = None,
+    kv_dtype: KvDtypeOption = "bf16",
     agents: AgentsOption = 20,
     duration: DurationOption = 900.0,
     warmup: WarmupOption = 150.0,
@@ -282,7 +315,7 @@ def sweep_cmd(
     as_json: JsonOption = False,
 ) -> None:
     """Search the scheduler controls for the best job goodput under a p99 ITL SLO."""
-    from hybridserve.sim.run import state_quantum
+    from hybridserve.sim.run import model_profile, state_quantum
     from hybridserve.sim.sweep import best, sweep
 
     if trials < 1 or workers < 1:
@@ -291,13 +324,15 @@ def sweep_cmd(
         config = _sim_config(
             model=model,
             gpu=gpu,
+            tp=tp,
             dtype=dtype,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
             seed=seed,
+            **_model_options(model_config, kv_dtype),
         )
-        quantum = state_quantum(model)
+        quantum = state_quantum(model_profile(config))
         results = sweep(
             config, trials=trials, quantum=quantum, workers=workers, seed=seed, ray_address=ray
         )

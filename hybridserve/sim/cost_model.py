@@ -101,14 +101,16 @@ class StepCost:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Efficiency:
-    """Fractions of datasheet peaks that kernels reach, and fixed latencies (see docs)."""
+    """Fractions of datasheet peaks that kernels reach, and fixed latencies. The defaults are
+    fitted on published serving measurements by benchmarks/fit_cost_model.py (docs/cost_model.md,
+    "Fitting"), each fraction bounded by the top of the range kernel benchmarks report."""
 
-    gemm: float = 0.7  # large GEMMs: fraction of dense tensor-core peak
-    attention: float = 0.5  # flash attention / chunked scans: fraction of bf16 peak
-    hbm: float = 0.8  # streaming reads: fraction of HBM bandwidth
-    link: float = 0.7  # NCCL ring bus bandwidth: fraction of per-direction link bandwidth
-    collective_latency_s: float = 10e-6  # fixed cost of one collective
-    step_overhead_s: float = 1e-3  # per step: launches, sampling, host-device sync
+    gemm: float = 0.491  # GEMMs (projections, MLPs, experts): fraction of dense peak of the dtype
+    attention: float = 0.703  # flash attention / chunked scans: fraction of bf16 peak
+    hbm: float = 0.894  # streaming reads: fraction of HBM bandwidth
+    link: float = 0.589  # NCCL ring bus bandwidth: fraction of per-direction link bandwidth
+    collective_latency_s: float = 10e-6  # fixed cost of one collective (not fitted)
+    step_overhead_s: float = 2.93e-3  # per step: launches, sampling, host-device sync
 
     def __post_init__(self) -> None:
         for name in ("gemm", "attention", "hbm", "link"):

@@ -23,11 +23,18 @@ from hybridserve.kvcache import CacheLayout, KVCacheManager, RetentionPolicy
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.scheduler import Scheduler, SchedulerOutput
 from hybridserve.scheduler.scheduler import RequestOutput
-from hybridserve.sim.cost_model import RooflineCostModel, kv_pool_blocks, shape_from_plan
+from hybridserve.sim.cost_model import (
+    Efficiency,
+    RooflineCostModel,
+    kv_pool_blocks,
+    shape_from_plan,
+)
 from hybridserve.sim.executor import SimulatedExecutor
+from hybridserve.sim.fixed_workload import fixed_simulation
 from hybridserve.sim.gpus import get_gpu
+from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.loop import AgentSimulation, OpenLoopSimulation, Simulation
-from hybridserve.sim.models import get_model
+from hybridserve.sim.models import ModelProfile, get_model
 from hybridserve.sim.traces import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.workload import AgentParams, AgentWorkload
 
@@ -84,6 +91,9 @@ class SimConfig:
     controls: tuple[tuple[str, Any], ...] = ()
     retention: str | None = None  # overrides the preset's retention policy
     include_scheduler_cpu: bool = False  # add measured schedule()+update() time to each step
+    model_config: str | None = None  # a Hugging Face config.json (or its folder); beats `model`
+    kv_dtype: str = "bf16"  # KV cache and recurrent state dtype
+    efficiency: Efficiency = field(default_factory=Efficiency)  # cost-model constants
 
     def __post_init__(self) -> None:
         if self.warmup_s < 0 or self.duration_s <= self.warmup_s:
@@ -92,10 +102,18 @@ class SimConfig:
             )
 
 
-def state_quantum(model: str) -> int:
+def state_quantum(model: str | ModelProfile) -> int:
     """The control quantum q of a model: its state block size, or 1 without state groups."""
-    groups = get_model(model).cache_groups()
+    profile = get_model(model) if isinstance(model, str) else model
+    groups = profile.cache_groups()
     return max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
+
+
+def model_profile(config: SimConfig) -> ModelProfile:
+    """The run's model: parsed from `model_config` when given, else the named profile."""
+    if config.model_config is not None:
+        return load_model_profile(Path(config.model_config))
+    return get_model(config.model)
 
 
 class TimedScheduler(Scheduler):
@@ -130,14 +148,23 @@ def build_engine(
 ) -> tuple[Engine, Scheduler]:
     """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
     `config.include_scheduler_cpu`."""
-    gpu, model = get_gpu(config.gpu), get_model(config.model)
-    cost = RooflineCostModel(gpu, model, tp=config.tp, dtype=config.dtype)
-    num_blocks = kv_pool_blocks(gpu, model, tp=config.tp, dtype=config.dtype)
+    gpu, model = get_gpu(config.gpu), model_profile(config)
+    cost = RooflineCostModel(
+        gpu,
+        model,
+        tp=config.tp,
+        dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
+        efficiency=config.efficiency,
+    )
+    num_blocks = kv_pool_blocks(
+        gpu, model, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype
+    )
     groups = model.kv_cache_groups()
     speculative = SpeculativeConfig.from_name(
         config.spec, config.num_speculative_tokens if config.spec != "none" else 0
     )
-    quantum = state_quantum(config.model)
+    quantum = state_quantum(model)
     chosen = preset(config.preset, quantum=quantum, max_model_len=config.agents.context_limit + 1)
     if config.controls:
         overrides: dict[str, Any] = dict(config.controls)
@@ -215,7 +242,10 @@ def run_simulation(
     sim = make_simulation(config, engine, on_step)
     holder.append(sim)
     recorder = sim.run(config.duration_s)
-    summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=config.duration_s)
+    end_s = config.duration_s
+    if config.workload.startswith("fixed:") and config.warmup_s < sim.now < end_s:
+        end_s = sim.now  # a benchmark's rates are over the time it had work, as its tools report
+    summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=end_s)
     summary["steps"] = float(sim.steps)
     summary["simulated_s"] = sim.now
     cache = scheduler.cache.metrics_snapshot()
@@ -254,6 +284,10 @@ def make_simulation(
         return AgentSimulation(
             engine, AgentWorkload(config.agents, seed=config.seed), on_step=on_step
         )
+    if kind == "fixed":
+        return fixed_simulation(
+            arg, engine, duration_s=config.duration_s, seed=config.seed, on_step=on_step
+        )
     scale, limit = config.time_scale, config.limit
     if kind == "mooncake" and arg:
         arrivals = list(mooncake_arrivals(Path(arg), time_scale=scale, limit=limit))
@@ -265,7 +299,8 @@ def make_simulation(
         raise ConfigError(
             "workload",
             config.workload,
-            "use agents, mooncake:PATH, azure:PATH or poisson:rate=R,requests=N,input=I,output=O",
+            "use agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N,input=I,output=O "
+            "or fixed:input=I,output=O,concurrency=C|rate=R[,requests=N]",
         )
     return OpenLoopSimulation(engine, arrivals, on_step=on_step)
 

@@ -298,4 +298,5 @@ def test_sweep_runs_trials_as_ray_tasks() -> None:
         ray.shutdown()
     local = sweep(base, trials=1, quantum=544, seed=3)
     assert [t.controls for t in remote] == [t.controls for t in local]
-    assert [t.metrics for t in remote] == [t.metrics for t in local]
+    # repr: a statistic with no sample is nan, and nan != nan
+    assert [repr(t.metrics) for t in remote] == [repr(t.metrics) for t in local]

@@ -1,0 +1,49 @@
+"""The GPU catalog agrees with ../shared/data/gpu-datasheets.json (checked when the file exists)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hybridserve.sim.gpus import GPUS
+
+DATASHEETS = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpu-datasheets.json"
+CATALOG_NAME = {"A100": "A100-80G", "H100": "H100-SXM", "H200": "H200", "B200": "B200"}
+CATALOG_NAME["MI300X"] = "MI300X"
+
+
+def _entries() -> list[dict[str, object]]:
+    if not DATASHEETS.exists():
+        pytest.skip(f"{DATASHEETS} is not present")
+    return list(json.loads(DATASHEETS.read_text()))
+
+
+def _link_per_direction_gb_s(text: str) -> float:
+    """The per-GPU link figure of the datasheet text, halved (it is a bidirectional total)."""
+    match = re.search(r"([\d.]+) (TB|GB)/s", text)
+    assert match is not None, text
+    value = float(match.group(1)) * (1000 if match.group(2) == "TB" else 1)
+    if "x 128 GB/s" in text:  # Infinity Fabric: 7 links x 128 GB/s aggregate
+        value = 896.0
+    return value / 2
+
+
+def test_catalog_matches_every_datasheet_entry() -> None:
+    entries = _entries()
+    assert len(entries) == len(GPUS)
+    for entry in entries:
+        name = CATALOG_NAME[str(entry["gpu"]).split("-")[0].split(" ")[0]]
+        gpu = GPUS[name]
+        assert gpu.bf16_flops == pytest.approx(float(entry["bf16_dense"]) * 1e12), name  # type: ignore[arg-type]
+        for key, value in (("fp8_dense", gpu.fp8_flops), ("fp4_dense", gpu.fp4_flops)):
+            sheet = entry[key]
+            assert (value is None) == (sheet is None), (name, key)
+            if value is not None:
+                assert value == pytest.approx(float(sheet) * 1e12), (name, key)  # type: ignore[arg-type]
+        assert gpu.hbm_bytes == pytest.approx(float(entry["hbm_gb"]) * 1e9), name  # type: ignore[arg-type]
+        assert gpu.hbm_bytes_per_s == pytest.approx(float(entry["hbm_tb_s"]) * 1e12), name  # type: ignore[arg-type]
+        link = _link_per_direction_gb_s(str(entry["link"]))
+        assert gpu.link_bytes_per_s == pytest.approx(link * 1e9), name
