@@ -4,8 +4,8 @@ the agents, and summarise. The two presets are what `hybridserve bench` compares
 * `baseline`: vLLM behaviour - every scheduler control off, Mamba states retained only at the
   replay boundary (`boundary`).
 * `hybridserve`: the controls the sweep in the README picked (best job goodput under a 100 ms
-  p99 ITL SLO, 20 agents, Qwen3-Next on H200): Cp = 2 quanta, Mp = 4, D = 4, W = 2 s,
-  T = 30 ms; plus `boundary+predecessor` retention.
+  p99 ITL SLO, 20 agents, Qwen3-Next on H200): Cp = 2 quanta, Mp = 1, D = 4 (no deadline, no
+  time target); plus `boundary+predecessor` retention.
 """
 
 from __future__ import annotations
@@ -61,10 +61,8 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
         scheduler = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_prefill_tokens_per_step=2 * quantum,
-            max_num_partial_prefills=4,
+            max_num_partial_prefills=1,
             decode_prefill_min_decode_steps=4,
-            decode_prefill_max_wait_ms=2_000.0,
-            target_mixed_step_ms=30.0,
         )
     retention = RetentionPolicy.parse("boundary+predecessor" if predecessor else "boundary")
     return Preset(scheduler=scheduler, retention=retention)
