@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -75,7 +76,7 @@ def run_in_pieces(ours: GatedDeltaNet, x: torch.Tensor, cuts: list[int]) -> torc
     outs = []
     bounds = [0, *cuts, x.shape[0]]
     with torch.no_grad():
-        for start, end in zip(bounds, bounds[1:], strict=False):
+        for start, end in itertools.pairwise(bounds):
             out, state, _ = ours.forward_sequence(x[start:end], state)
             outs.append(out)
     return torch.cat(outs)
