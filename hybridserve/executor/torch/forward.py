@@ -60,7 +60,7 @@ def build_attention_meta(
     query_valid = torch.zeros(num_chunks, max_q, dtype=torch.bool)
     key_slots = torch.zeros(num_chunks, max_k, dtype=torch.long)
     q_pos = torch.full((num_chunks, max_q), -1, dtype=torch.long)
-    k_pos = torch.full((num_chunks, max_k), -(1 << 40), dtype=torch.long)
+    k_pos = torch.full((num_chunks, max_k), -1, dtype=torch.long)
     for b, (span, lo) in enumerate(zip(spans, lows, strict=True)):
         end = span.start + span.num_tokens
         table = torch.tensor(span.table, dtype=torch.long)
@@ -75,7 +75,7 @@ def build_attention_meta(
         key_slots[b, : end - lo] = table[key_pos // block_size] * block_size + key_pos % block_size
         k_pos[b, : end - lo] = key_pos
     qp, kp = q_pos[:, :, None], k_pos[:, None, :]
-    mask = kp <= qp
+    mask = (kp <= qp) & (kp >= 0)
     if window is not None:
         mask &= kp > qp - window
     # A padded query row attends key 0 so that softmax stays finite; its output is dropped.

@@ -98,8 +98,9 @@ class TorchExecutor:
         )
         self._requests: dict[str, _RequestState] = {}
         self._sampling: dict[str, SamplingParams] = {}
+        # When set, the logits of every emitted token are kept (tests compare them).
         self.record_logits = False
-        self.last_logits: dict[str, torch.Tensor] = {}
+        self.recorded_logits: dict[str, list[torch.Tensor]] = {}
 
     # ----- set-up ---------------------------------------------------------------------------
 
@@ -180,8 +181,11 @@ class TorchExecutor:
                 default_seed=self.seed,
             )
             sampled[chunk.req_id] = emitted
+            # Accepted drafts now have K/V and state: they are known positions.
+            self._requests[chunk.req_id].known.extend(emitted[:-1])
             if self.record_logits:
-                self.last_logits[chunk.req_id] = chunk_logits[: len(emitted)].clone()
+                rows_kept = chunk_logits[: len(emitted)].clone()
+                self.recorded_logits.setdefault(chunk.req_id, []).extend(rows_kept)
             commit = commits.get(chunk.req_id)
             if commit is not None:
                 self._commit_states(chunk.req_id, commit, len(emitted) - 1)
@@ -322,4 +326,5 @@ class TorchExecutor:
         if self.speculative.method is not SpecMethod.NGRAM or self.num_lookahead == 0:
             return ()
         known = self._requests[chunk.req_id].known
-        return ngram_propose([*known, *emitted], num_tokens=self.num_lookahead)
+        proposal = ngram_propose([*known, emitted[-1]], num_tokens=self.num_lookahead)
+        return proposal if min(proposal, default=0) >= 0 else ()

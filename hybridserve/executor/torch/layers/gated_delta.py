@@ -139,10 +139,21 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next `linear_attn`: parameter names follow the checkpoint (`in_proj_qkvz`,
-    `in_proj_ba`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`)."""
+    """The `linear_attn` of Qwen3-Next and Qwen3.5; parameter names follow the checkpoints.
 
-    def __init__(self, config: dict[str, Any], layer_index: int, *, chunk_size: int = 64) -> None:
+    Qwen3-Next (`fused_projections=True`) projects with `in_proj_qkvz` and `in_proj_ba`, laid out
+    per key head group; Qwen3.5 with `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Both have `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight` and `out_proj`.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        layer_index: int,
+        *,
+        fused_projections: bool = True,
+        chunk_size: int = 64,
+    ) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
         self.layer_index = layer_index
@@ -163,8 +174,15 @@ class GatedDeltaNet(nn.Module):
         self.kernel = int(config["linear_conv_kernel_dim"])
         act = config.get("hidden_act", "silu")
         self.act = activation(act)
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.fused_projections = fused_projections
+        if fused_projections:
+            self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
         )
@@ -186,8 +204,12 @@ class GatedDeltaNet(nn.Module):
         }
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Split the grouped projections: mixed qkv `[T, conv_dim]`, z `[T, Hv, Dv]`, b, a."""
+        """Mixed qkv `[T, conv_dim]` (all q, then k, then v), z `[T, Hv, Dv]`, b and a `[T, Hv]`."""
         n = x.shape[0]
+        if not self.fused_projections:
+            z = self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        # Qwen3-Next groups the projections by key head: [q_g, k_g, v_g..., z_g...] per group g.
         ratio = self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
         ba = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * ratio)
