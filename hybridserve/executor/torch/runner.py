@@ -154,7 +154,8 @@ class TorchExecutor:
             slots = ctx.attention_meta[self._token_group].slot_mapping.cpu()
             self._slot_tokens[slots] = input_ids.cpu()
         hidden = self.model(input_ids, positions, ctx)
-        rows, owners = [], []
+        rows: list[int] = []
+        owners: list[ScheduledChunk] = []
         row = 0
         for chunk in chunks:
             if chunk.sample:
