@@ -1,0 +1,192 @@
+"""Qwen3-Next and Qwen3.5 under the TorchExecutor equal transformers on tiny random checkpoints.
+
+CPU float32: greedy tokens identical, logits within 1e-4; under chunked prefill of a mixed
+batch (chunks that split blocks and the delta rule's 64-token chunks), prefix-cache resume from a
+restored recurrent-state snapshot, preemption with recompute and n-gram speculation (rejected
+drafts roll the recurrent state back). A zeroed state at chunk boundaries must be caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridserve.executor.torch import forward as forward_module
+from tests.reference.helpers import (
+    HybridRun,
+    hybrid_generate,
+    make_checkpoint,
+    transformers_greedy,
+)
+
+VOCAB = 96
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+
+
+def _common() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": len(LAYER_TYPES),
+        "layer_types": LAYER_TYPES,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
+
+
+def _qwen3_next_config() -> Any:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **_common(),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        mlp_only_layers=[1],
+        architectures=["Qwen3NextForCausalLM"],
+    )
+
+
+def _qwen3_5_config() -> Any:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**_common(), architectures=["Qwen3_5ForCausalLM"])
+
+
+CONFIGS = {"qwen3_next": _qwen3_next_config, "qwen3_5": _qwen3_5_config}
+
+
+def _perturb(model: Any) -> None:
+    """Give the (1 + w) norms non-zero weights and the delta rule a slow decay, so that a wrong
+    norm offset or a lost state shows in the logits; larger embeddings make greedy outputs
+    repeat, so that n-gram drafts get accepted."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.rand(param.shape, generator=gen).mul(0.45).add(0.05).log())
+            elif "norm" in name or name.endswith("dt_bias"):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.2)
+        model.model.embed_tokens.weight.mul_(4.0)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = make_checkpoint(CONFIGS[request.param](), folder)
+    _perturb(hf_model)
+    hf_model.save_pretrained(str(folder))
+    return folder, hf_model
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=gen).tolist()
+
+
+def _assert_matches(hf_model: Any, prompts: Sequence[Sequence[int]], run: HybridRun) -> None:
+    for i, prompt in enumerate(prompts):
+        got = run.tokens[f"r{i}"]
+        want, _ = transformers_greedy(hf_model, prompt, len(got))
+        assert got == want, f"request r{i} (prompt of {len(prompt)} tokens) diverged"
+
+
+@contextlib.contextmanager
+def zero_state_at_chunk_starts() -> Iterator[None]:
+    """Break the recurrent-state carry: every chunk starts from a zero state."""
+    original = forward_module.ForwardContext.load_state
+
+    def broken(self: Any, layer_index: int, chunk: Any) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros_like(t) for name, t in original(self, layer_index, chunk).items()}
+
+    forward_module.ForwardContext.load_state = broken  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        forward_module.ForwardContext.load_state = original  # type: ignore[method-assign]
+
+
+def check_single_request(folder: Path, hf_model: Any) -> None:
+    prompt = _prompt(21, seed=1)
+    run = hybrid_generate(folder, [prompt], max_tokens=8, max_num_batched_tokens=9)
+    want, want_logits = transformers_greedy(hf_model, prompt, 8)
+    assert run.tokens["r0"] == want
+    got_logits = torch.stack(run.logits["r0"])
+    torch.testing.assert_close(got_logits, torch.stack(want_logits), atol=1e-4, rtol=0)
+
+
+def check_chunked_batch(folder: Path, hf_model: Any) -> None:
+    prompts = [_prompt(n, seed=n) for n in (5, 11, 30, 70)]
+    # A 13-token budget splits blocks (4) at every offset; the 70-token prompt crosses the
+    # delta rule's 64-token chunk inside a piece.
+    run = hybrid_generate(folder, prompts, max_tokens=6, max_num_batched_tokens=13)
+    _assert_matches(hf_model, prompts, run)
+
+
+def check_prefix_resume(folder: Path, hf_model: Any) -> None:
+    first = _prompt(30, seed=3)
+    prompts = [first, first + _prompt(9, seed=5)]
+    run = hybrid_generate(folder, prompts, max_tokens=6, sequential=True)
+    assert run.hit_tokens["r1"] >= 24, "the second request must resume from a state snapshot"
+    _assert_matches(hf_model, prompts, run)
+
+
+def check_preemption(folder: Path, hf_model: Any) -> None:
+    prompts = [_prompt(18, seed=10 + i) for i in range(4)]
+    run = hybrid_generate(folder, prompts, max_tokens=14, num_blocks=30)
+    assert run.num_preemptions > 0, "num_blocks is meant to force preemption"
+    _assert_matches(hf_model, prompts, run)
+
+
+def check_ngram_speculation(folder: Path, hf_model: Any) -> None:
+    motif = _prompt(6, seed=20)
+    prompts = [motif * 4 + _prompt(3, seed=21), _prompt(9, seed=22) * 2]
+    plain = hybrid_generate(folder, prompts, max_tokens=32)
+    spec = hybrid_generate(folder, prompts, max_tokens=32, spec_tokens=3)
+    # Both rejected drafts (state rolled back) and accepted ones (state committed) occur.
+    assert spec.num_accepted_drafts > 0
+    assert spec.num_drafted_steps * 3 > spec.num_accepted_drafts
+    assert spec.tokens == plain.tokens
+    _assert_matches(hf_model, prompts, spec)
+
+
+def test_single_request_tokens_and_logits_match_transformers(checkpoint: Any) -> None:
+    check_single_request(*checkpoint)
+
+
+def test_chunked_prefill_of_mixed_batch_matches_transformers(checkpoint: Any) -> None:
+    check_chunked_batch(*checkpoint)
+
+
+def test_prefix_cache_resume_from_state_snapshot_matches_transformers(checkpoint: Any) -> None:
+    check_prefix_resume(*checkpoint)
+
+
+def test_preemption_and_recompute_continue_identically(checkpoint: Any) -> None:
+    check_preemption(*checkpoint)
+
+
+def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
+    check_ngram_speculation(*checkpoint)
+
+
+@pytest.mark.parametrize("check", [check_single_request, check_chunked_batch, check_prefix_resume])
+def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> None:
+    with zero_state_at_chunk_starts(), pytest.raises(AssertionError):
+        check(*checkpoint)
