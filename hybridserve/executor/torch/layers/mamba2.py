@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     from hybridserve.executor.torch.forward import ForwardContext
 
 
+def json_float(value: Any) -> float:
+    """A float from config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Mamba2Dims:
     hidden_size: int
@@ -69,6 +76,8 @@ class Mamba2Dims:
                 "config.mamba_n_groups", num_groups, f"use a divisor of mamba_n_heads={num_heads}"
             )
         limit = config.get("time_step_limit") or (0.0, float("inf"))
+        if len(limit) != 2:
+            raise ConfigError("config.time_step_limit", limit, "give [min, max]")
         return cls(
             hidden_size=hidden,
             num_heads=num_heads,
@@ -79,7 +88,7 @@ class Mamba2Dims:
             chunk_size=int(config.get("mamba_chunk_size", 256)),
             conv_bias=bool(config.get("mamba_conv_bias", True)),
             proj_bias=bool(config.get("mamba_proj_bias", False)),
-            time_step_limit=(float(limit[0]), float(limit[1])),
+            time_step_limit=(json_float(limit[0]), json_float(limit[1])),
             act=str(config.get("hidden_act", "silu")),
             eps=float(config.get("rms_norm_eps", 1e-6)),
         )

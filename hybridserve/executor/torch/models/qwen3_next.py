@@ -51,11 +51,14 @@ def layer_types(config: dict[str, Any]) -> list[str]:
     return types
 
 
-def rotary_settings(config: dict[str, Any], head_dim: int) -> tuple[int, float, dict[str, Any]]:
+def rotary_settings(
+    config: dict[str, Any], head_dim: int, *, default_factor: float = 1.0
+) -> tuple[int, float, dict[str, Any]]:
     """(rotary dim, base, scaling) from `rope_parameters` or the older top-level keys."""
     params = config.get("rope_parameters") or {}
     base = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    factor = default_factor if factor is None else float(factor)
     scaling = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
     scaling.update(config.get("rope_scaling") or {})
     return int(head_dim * factor), base, scaling

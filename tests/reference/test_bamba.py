@@ -1,0 +1,97 @@
+"""Bamba (Mamba2 + attention) under the TorchExecutor equals transformers on a tiny checkpoint.
+
+The same checks as the Qwen3-Next reference tests: single request (tokens and logits within
+1e-4), chunked prefill of a mixed batch (pieces that split blocks and the 16-token scan chunks),
+prefix-cache resume from a state snapshot, preemption with recompute, n-gram speculation, and a
+zeroed state carry that the comparisons must catch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.reference.helpers import make_checkpoint
+from tests.reference.test_qwen3_next import (
+    VOCAB,
+    check_chunked_batch,
+    check_ngram_speculation,
+    check_preemption,
+    check_prefix_resume,
+    check_single_request,
+    zero_state_at_chunk_starts,
+)
+
+
+def _bamba_config() -> Any:
+    from transformers import BambaConfig
+
+    return BambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        architectures=["BambaForCausalLM"],
+    )
+
+
+def _perturb(model: Any) -> None:
+    """Non-trivial norms, skip and step biases, a slow state decay (a lost state shows), and
+    larger embeddings (greedy outputs repeat, so n-gram drafts get accepted)."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.rand(param.shape, generator=gen).mul(0.45).add(0.05).log())
+            elif "norm" in name or name.endswith(("dt_bias", ".D")):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.2)
+        model.model.embed_tokens.weight.mul_(4.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = tmp_path_factory.mktemp("bamba")
+    hf_model = make_checkpoint(_bamba_config(), folder)
+    _perturb(hf_model)
+    hf_model.save_pretrained(str(folder))
+    return folder, hf_model
+
+
+def test_single_request_tokens_and_logits_match_transformers(checkpoint: Any) -> None:
+    check_single_request(*checkpoint)
+
+
+def test_chunked_prefill_of_mixed_batch_matches_transformers(checkpoint: Any) -> None:
+    check_chunked_batch(*checkpoint)
+
+
+def test_prefix_cache_resume_from_state_snapshot_matches_transformers(checkpoint: Any) -> None:
+    check_prefix_resume(*checkpoint)
+
+
+def test_preemption_and_recompute_continue_identically(checkpoint: Any) -> None:
+    check_preemption(*checkpoint)
+
+
+def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
+    check_ngram_speculation(*checkpoint)
+
+
+@pytest.mark.parametrize("check", [check_single_request, check_chunked_batch, check_prefix_resume])
+def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> None:
+    with zero_state_at_chunk_starts(), pytest.raises(AssertionError):
+        check(*checkpoint)
