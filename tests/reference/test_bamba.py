@@ -21,6 +21,7 @@ from tests.reference.test_qwen3_next import (
     check_preemption,
     check_prefix_resume,
     check_single_request,
+    keep_rejected_draft_states,
     zero_state_at_chunk_starts,
 )
 
@@ -95,3 +96,8 @@ def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
 def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> None:
     with zero_state_at_chunk_starts(), pytest.raises(AssertionError):
         check(*checkpoint)
+
+
+def test_comparisons_catch_a_rollback_that_keeps_rejected_drafts(checkpoint: Any) -> None:
+    with keep_rejected_draft_states(), pytest.raises(AssertionError):
+        check_ngram_speculation(*checkpoint)

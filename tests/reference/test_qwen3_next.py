@@ -122,6 +122,25 @@ def zero_state_at_chunk_starts() -> Iterator[None]:
         forward_module.ForwardContext.load_state = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def keep_rejected_draft_states() -> Iterator[None]:
+    """Break the speculative rollback: every snapshot of a chunk ends up holding the chunk's
+    last state, so after a verification step the state includes the rejected drafts."""
+    original = forward_module.ForwardContext.save_state
+
+    def broken(
+        self: Any, layer_index: int, chunk: Any, num_tokens: int, state: dict[str, torch.Tensor]
+    ) -> None:
+        for count in chunk.snapshots:
+            original(self, layer_index, chunk, count, state)
+
+    forward_module.ForwardContext.save_state = broken  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        forward_module.ForwardContext.save_state = original  # type: ignore[method-assign]
+
+
 def check_single_request(folder: Path, hf_model: Any) -> None:
     prompt = _prompt(21, seed=1)
     run = hybrid_generate(folder, [prompt], max_tokens=8, max_num_batched_tokens=9)
@@ -190,3 +209,8 @@ def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
 def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> None:
     with zero_state_at_chunk_starts(), pytest.raises(AssertionError):
         check(*checkpoint)
+
+
+def test_comparisons_catch_a_rollback_that_keeps_rejected_drafts(checkpoint: Any) -> None:
+    with keep_rejected_draft_states(), pytest.raises(AssertionError):
+        check_ngram_speculation(*checkpoint)
