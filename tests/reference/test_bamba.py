@@ -1,4 +1,4 @@
-"""Bamba (Mamba2 + attention) under the TorchExecutor equals transformers on a tiny checkpoint.
+"""Mamba2 hybrids (Bamba; Granite 4 hybrid) under the TorchExecutor equal transformers.
 
 The same checks as the Qwen3-Next reference tests: single request (tokens and logits within
 1e-4), chunked prefill of a mixed batch (pieces that split blocks and the 16-token scan chunks),
@@ -50,6 +50,41 @@ def _bamba_config() -> Any:
     )
 
 
+def _granite_config(num_experts: int) -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        shared_intermediate_size=24,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        num_local_experts=num_experts,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        embedding_multiplier=2.0,
+        residual_multiplier=0.7,
+        attention_multiplier=0.3,
+        logits_scaling=2.0,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        architectures=["GraniteMoeHybridForCausalLM"],
+    )
+
+
+CONFIGS = {"bamba": _bamba_config, "granite_moe_hybrid": lambda: _granite_config(4)}
+
+
 def _perturb(model: Any) -> None:
     """Non-trivial norms, skip and step biases, a slow state decay (a lost state shows), and
     larger embeddings (greedy outputs repeat, so n-gram drafts get accepted)."""
@@ -63,13 +98,22 @@ def _perturb(model: Any) -> None:
         model.model.embed_tokens.weight.mul_(4.0)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("bamba")
-    hf_model = make_checkpoint(_bamba_config(), folder)
+def _saved(config: Any, folder: Any) -> Any:
+    hf_model = make_checkpoint(config, folder)
     _perturb(hf_model)
     hf_model.save_pretrained(str(folder))
     return folder, hf_model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _saved(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param))
+
+
+def test_granite_hybrid_without_experts_matches_transformers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    check_single_request(*_saved(_granite_config(0), tmp_path_factory.mktemp("granite_dense")))
 
 
 def test_single_request_tokens_and_logits_match_transformers(checkpoint: Any) -> None:
