@@ -95,7 +95,7 @@ def _perturb(model: Any) -> None:
                 param.copy_(torch.rand(param.shape, generator=gen).mul(0.45).add(0.05).log())
             elif "norm" in name or name.endswith(("dt_bias", ".D")):
                 param.add_(torch.randn(param.shape, generator=gen) * 0.2)
-        model.model.embed_tokens.weight.mul_(4.0)
+        model.get_input_embeddings().weight.mul_(4.0)
 
 
 def _saved(config: Any, folder: Any) -> Any:

@@ -69,6 +69,19 @@ def _qwen3_5_config() -> Any:
     return Qwen3_5TextConfig(**_common(), architectures=["Qwen3_5ForCausalLM"])
 
 
+def _qwen3_5_moe_config() -> Any:
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        **_common(),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        architectures=["Qwen3_5MoeForCausalLM"],
+    )
+
+
 CONFIGS = {"qwen3_next": _qwen3_next_config, "qwen3_5": _qwen3_5_config}
 
 
@@ -83,16 +96,19 @@ def _perturb(model: Any) -> None:
                 param.copy_(torch.rand(param.shape, generator=gen).mul(0.45).add(0.05).log())
             elif "norm" in name or name.endswith("dt_bias"):
                 param.add_(torch.randn(param.shape, generator=gen) * 0.2)
-        model.model.embed_tokens.weight.mul_(4.0)
+        model.get_input_embeddings().weight.mul_(4.0)
+
+
+def _saved(hf_model: Any, folder: Path) -> tuple[Path, Any]:
+    _perturb(hf_model)
+    hf_model.save_pretrained(str(folder))
+    return folder, hf_model
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder = tmp_path_factory.mktemp(request.param)
-    hf_model = make_checkpoint(CONFIGS[request.param](), folder)
-    _perturb(hf_model)
-    hf_model.save_pretrained(str(folder))
-    return folder, hf_model
+    return _saved(make_checkpoint(CONFIGS[request.param](), folder), folder)
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -214,3 +230,40 @@ def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> 
 def test_comparisons_catch_a_rollback_that_keeps_rejected_drafts(checkpoint: Any) -> None:
     with keep_rejected_draft_states(), pytest.raises(AssertionError):
         check_ngram_speculation(*checkpoint)
+
+
+def test_qwen3_5_moe_text_model_matches_transformers(tmp_path: Path) -> None:
+    check_single_request(*_saved(make_checkpoint(_qwen3_5_moe_config(), tmp_path), tmp_path))
+
+
+def test_qwen3_5_multimodal_checkpoint_serves_text_like_transformers(tmp_path: Path) -> None:
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "spatial_merge_size": 1,
+    }
+    config = Qwen3_5Config(
+        text_config=_common(),
+        vision_config=vision,
+        architectures=["Qwen3_5ForConditionalGeneration"],
+    )
+    torch.manual_seed(0)
+    hf_model = Qwen3_5ForConditionalGeneration(config).eval()
+    check_single_request(*_saved(hf_model, tmp_path))
+
+
+def test_stacked_expert_tensors_load_like_per_expert_ones(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder, hf_model = _saved(make_checkpoint(_qwen3_next_config(), tmp_path / "hf"), tmp_path)
+    stacked = {name: t.contiguous() for name, t in hf_model.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in stacked)
+    (tmp_path / "stacked").mkdir()
+    save_file(stacked, str(tmp_path / "stacked" / "model.safetensors"))
+    (tmp_path / "stacked" / "config.json").write_text((folder / "config.json").read_text())
+    check_single_request(tmp_path / "stacked", hf_model)

@@ -1,13 +1,15 @@
-"""Qwen3-Next and Qwen3.5 (text): gated delta net layers between gated full-attention layers.
+"""Qwen3-Next and Qwen3.5: gated delta net layers between gated full-attention layers.
 
 Full attention: q/k RMS norms with `1 + w`, rotary on the first `partial_rotary_factor` of the
 head dim, output multiplied by sigmoid of a gate projected with q. Linear attention: the gated
-delta net (`layers/gated_delta.py`). Qwen3-Next's MLPs are mixtures of experts with a gated
-shared expert; Qwen3.5's dense text model uses a gated MLP and unfused delta-net projections.
+delta net (`layers/gated_delta.py`). MLPs are mixtures of experts with a gated shared expert
+when the config has `num_experts` (Qwen3-Next, Qwen3.5-MoE), else gated MLPs (Qwen3.5 dense).
+Qwen3.5 has unfused delta-net projections; its multimodal checkpoints serve text only here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -150,7 +152,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, layer_index)
         self.mlp: nn.Module
-        if not qwen3_5 and uses_experts(config, layer_index):
+        if uses_experts(config, layer_index):
             self.mlp = SparseMoe(config)
         else:
             act = config.get("hidden_act", "silu")
@@ -179,6 +181,26 @@ class Qwen3NextModel(nn.Module):
             for i, kind in enumerate(layer_types(config))
         )
         self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)), offset=True)
+
+
+def split_fused_experts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert tensors from stacked ones (`experts.gate_up_proj` `[E, 2 * I, H]`,
+    `experts.down_proj` `[E, H, I]`, the layout transformers holds in memory)."""
+    for name, tensor in weights:
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            for expert in range(tensor.shape[0]):
+                yield f"{prefix}{expert}.gate_proj.weight", gate[expert]
+                yield f"{prefix}{expert}.up_proj.weight", up[expert]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for expert in range(tensor.shape[0]):
+                yield f"{prefix}{expert}.down_proj.weight", tensor[expert]
+        else:
+            yield name, tensor
 
 
 @register_model("Qwen3NextForCausalLM", model_types=("qwen3_next",))
@@ -232,10 +254,44 @@ class Qwen3NextForCausalLM(CausalLM):
             return None
         return name
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(split_fused_experts(weights))
 
-@register_model("Qwen3_5ForCausalLM", model_types=("qwen3_5_text",))
+
+@register_model(
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    model_types=("qwen3_5_text", "qwen3_5_moe_text"),
+)
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
-    """Qwen3.5 dense text model: dense MLPs, unfused delta-net projections. Text positions
-    only, for which the multimodal rotary sections reduce to plain rotary."""
+    """Qwen3.5 text model (dense or MoE): unfused delta-net projections. Text positions only,
+    for which the multimodal rotary sections reduce to plain rotary."""
 
     qwen3_5 = True
+
+
+@register_model(
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    model_types=("qwen3_5", "qwen3_5_moe"),
+)
+class Qwen3_5TextOfMultimodal(Qwen3_5ForCausalLM):
+    """The language model of a Qwen3.5 image-text checkpoint, for text prompts: reads
+    `text_config`, loads `model.language_model.*` and skips the vision tower (`model.visual.*`)."""
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
+        if "hidden_size" not in config:
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(
+                    "config.text_config", text, "a Qwen3.5 multimodal config.json has a text_config"
+                )
+            config = {**config, **text}
+        super().__init__(config, dtype)
+
+    def checkpoint_renames(self, name: str) -> str | None:
+        if name.startswith("model.visual."):
+            return None
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        return super().checkpoint_renames(name)
