@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch.models.bamba import BambaForCausalLM
+from hybridserve.executor.torch.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from tests.reference.helpers import make_checkpoint
 from tests.reference.test_qwen3_next import (
     VOCAB,
@@ -145,3 +148,35 @@ def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> 
 def test_comparisons_catch_a_rollback_that_keeps_rejected_drafts(checkpoint: Any) -> None:
     with keep_rejected_draft_states(), pytest.raises(AssertionError):
         check_ngram_speculation(*checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"mamba_d_head": 12}, "config.mamba_d_head"),
+        ({"mamba_n_groups": 3}, "config.mamba_n_groups"),
+        ({"attn_layer_indices": [1, 9]}, "config.attn_layer_indices"),
+        ({"time_step_limit": [0.0]}, "config.time_step_limit"),
+    ],
+)
+def test_unsupported_bamba_config_values_name_the_field(change: dict[str, Any], field: str) -> None:
+    config = _bamba_config().to_dict()
+    with pytest.raises(ConfigError) as error:
+        BambaForCausalLM({**config, **change})
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"layer_types": ["mamba", "conv", "mamba", "mamba"]}, "config.layer_types[1]"),
+        ({"position_embedding_type": "alibi"}, "config.position_embedding_type"),
+    ],
+)
+def test_unsupported_granite_config_values_name_the_field(
+    change: dict[str, Any], field: str
+) -> None:
+    config = _granite_config(0).to_dict()
+    with pytest.raises(ConfigError) as error:
+        GraniteMoeHybridForCausalLM({**config, **change})
+    assert error.value.field == field

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import forward as forward_module
+from hybridserve.executor.torch.models.qwen3_next import Qwen3NextForCausalLM
 from tests.reference.helpers import (
     HybridRun,
     hybrid_generate,
@@ -267,3 +269,22 @@ def test_stacked_expert_tensors_load_like_per_expert_ones(tmp_path: Path) -> Non
     save_file(stacked, str(tmp_path / "stacked" / "model.safetensors"))
     (tmp_path / "stacked" / "config.json").write_text((folder / "config.json").read_text())
     check_single_request(tmp_path / "stacked", hf_model)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (
+            {"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]},
+            "config.layer_types[1]",
+        ),
+        ({"linear_num_value_heads": 3}, "config.linear_num_value_heads"),
+        ({"num_experts": 4, "num_experts_per_tok": 5}, "config.num_experts_per_tok"),
+        ({"hidden_act": "swish7"}, "config.hidden_act"),
+    ],
+)
+def test_unsupported_config_values_name_the_field(change: dict[str, Any], field: str) -> None:
+    config = {**_common(), "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8}
+    with pytest.raises(ConfigError) as error:
+        Qwen3NextForCausalLM({**config, **change})
+    assert error.value.field == field
