@@ -1,7 +1,7 @@
 """Mamba2 hybrids (Bamba; Granite 4 hybrid) under the TorchExecutor equal transformers.
 
 The same checks as the Qwen3-Next reference tests: single request (tokens and logits within
-1e-4), chunked prefill of a mixed batch (pieces that split blocks and the 16-token scan chunks),
+1e-4, a prefill piece spanning several 16-token scan chunks), chunked prefill of a mixed batch,
 prefix-cache resume from a state snapshot, preemption with recompute, n-gram speculation, and a
 zeroed state carry that the comparisons must catch.
 """

@@ -1,9 +1,10 @@
 """Qwen3-Next and Qwen3.5 under the TorchExecutor equal transformers on tiny random checkpoints.
 
-CPU float32: greedy tokens identical, logits within 1e-4; under chunked prefill of a mixed
-batch (chunks that split blocks and the delta rule's 64-token chunks), prefix-cache resume from a
-restored recurrent-state snapshot, preemption with recompute and n-gram speculation (rejected
-drafts roll the recurrent state back). A zeroed state at chunk boundaries must be caught.
+CPU float32: greedy tokens identical, logits within 1e-4 (a prefill piece crossing the delta
+rule's 64-token chunk); under chunked prefill of a mixed batch (pieces that split blocks at every
+offset), prefix-cache resume from a restored recurrent-state snapshot, preemption with recompute
+and n-gram speculation (rejected drafts roll the recurrent state back). A zeroed state carry and
+a rollback that keeps rejected drafts must be caught.
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ def keep_rejected_draft_states() -> Iterator[None]:
 
 
 def check_single_request(folder: Path, hf_model: Any) -> None:
-    prompt = _prompt(21, seed=1)
-    run = hybrid_generate(folder, [prompt], max_tokens=8, max_num_batched_tokens=9)
+    # Prefill in pieces of 67 and 3 tokens: the first crosses the delta rule's 64-token chunk
+    # (and Mamba2's 16-token chunks) and ends inside a block; decoding continues the state.
+    prompt = _prompt(70, seed=1)
+    run = hybrid_generate(folder, [prompt], max_tokens=8, max_num_batched_tokens=67)
     want, want_logits = transformers_greedy(hf_model, prompt, 8)
     assert run.tokens["r0"] == want
     got_logits = torch.stack(run.logits["r0"])
@@ -170,8 +173,7 @@ def check_single_request(folder: Path, hf_model: Any) -> None:
 
 def check_chunked_batch(folder: Path, hf_model: Any) -> None:
     prompts = [_prompt(n, seed=n) for n in (5, 11, 30, 70)]
-    # A 13-token budget splits blocks (4) at every offset; the 70-token prompt crosses the
-    # delta rule's 64-token chunk inside a piece.
+    # A 13-token budget shared by four requests splits blocks (4) at every offset.
     run = hybrid_generate(folder, prompts, max_tokens=6, max_num_batched_tokens=13)
     _assert_matches(hf_model, prompts, run)
 
