@@ -172,8 +172,7 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = int(config["linear_conv_kernel_dim"])
-        act = config.get("hidden_act", "silu")
-        self.act = activation(act)
+        self.act = activation(config.get("hidden_act", "silu"))
         self.fused_projections = fused_projections
         if fused_projections:
             self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
