@@ -117,8 +117,12 @@ def hybrid_generate(
             executor.set_sampling(request.req_id, request.sampling)
             engine.add_request(request)
             run.tokens[request.req_id] = []
-        while engine.has_requests():
+        for _ in range(100_000):
+            if not engine.has_requests():
+                break
             step = engine.step()
+            if not step.scheduled.plan.chunks and not step.scheduled.finished_req_ids:
+                raise AssertionError("the engine scheduled nothing; raise num_blocks")
             run.num_preemptions += len(step.scheduled.preempted)
             for req_id, hit in (*step.scheduled.new_reqs, *step.scheduled.resumed):
                 run.hit_tokens.setdefault(req_id, hit)

@@ -57,7 +57,7 @@ def test_gemma3_gguf_long_chunked_prompt_matches_transformers() -> None:
     # ~1,100 tokens: past the 512-token sliding window, prefilled in 256-token chunks.
     prompt = [2, *torch.randint(1000, 200_000, (1099,), generator=gen).tolist()]
     run = hybrid_generate(
-        path, [prompt], max_tokens=4, block_size=16, max_num_batched_tokens=256, num_blocks=96
+        path, [prompt], max_tokens=4, block_size=16, max_num_batched_tokens=256, num_blocks=256
     )
     reference = _transformers_model(path)
     with torch.no_grad():
