@@ -1,9 +1,9 @@
 """The `hybridserve` command line."""
 
-from hybridserve.cli import cache_commands, sim_commands
+from hybridserve.cli import cache_commands, generate_commands, sim_commands
 from hybridserve.cli.app import app
 
-__all__ = ["app", "cache_commands", "main", "sim_commands"]
+__all__ = ["app", "cache_commands", "generate_commands", "main", "sim_commands"]
 
 
 def main() -> None:

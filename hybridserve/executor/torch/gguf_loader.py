@@ -9,8 +9,8 @@ removed so that the Gemma `x * (1 + w)` norm applies.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -122,7 +122,7 @@ def gguf_tokenizer(path: Path, file: GGUFFile | None = None) -> TextTokenizer:
 def _byte_level(tokens: list[str], merges: list[str] | None) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    pairs = [tuple(m.split(" ", 1)) for m in merges or ()]
+    pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges or ())]
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -144,7 +144,7 @@ def _sentencepiece(tokens: list[str], add_prefix: bool) -> Any:
     backend = Tokenizer(
         models.BPE(vocab, _merges_by_rank(vocab), unk_token=None, byte_fallback=True)
     )
-    steps = [normalizers.Replace(" ", "▁")]
+    steps: list[Any] = [normalizers.Replace(" ", "▁")]
     if add_prefix:
         steps.insert(0, normalizers.Prepend("▁"))
     backend.normalizer = normalizers.Sequence(steps)
