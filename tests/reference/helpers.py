@@ -79,14 +79,18 @@ def hybrid_generate(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 8,
     spec_tokens: int = 0,
+    spec_method: str = "ngram",
     sequential: bool = False,
     sampling: SamplingParams | None = None,
+    layout_options: dict[str, Any] | None = None,
 ) -> HybridRun:
     """Generate for every prompt; `sequential=True` runs them one after another (so later
     prompts can hit the cache of earlier ones)."""
     model = load_model(model_path)
     speculative = (
-        SpeculativeConfig.from_name("ngram", spec_tokens) if spec_tokens else SpeculativeConfig()
+        SpeculativeConfig.from_name(spec_method, spec_tokens)
+        if spec_tokens
+        else SpeculativeConfig()
     )
     executor = TorchExecutor(
         model,
@@ -102,7 +106,9 @@ def hybrid_generate(
         max_model_len=4096,
     )
     scheduler = Scheduler(
-        config, KVCacheManager(executor.cache_layout()), num_speculative_tokens=spec_tokens
+        config,
+        KVCacheManager(executor.cache_layout(**(layout_options or {}))),
+        num_speculative_tokens=spec_tokens,
     )
     engine = Engine(scheduler, executor)
     run = HybridRun(tokens={}, logits=executor.recorded_logits)

@@ -19,6 +19,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult
 from hybridserve.core.request import SamplingParams
 from hybridserve.executor.torch.cache import DeviceCache
+from hybridserve.executor.torch.draft_head import DraftHead, DraftHeadRunner
 from hybridserve.executor.torch.drafting import ngram_propose
 from hybridserve.executor.torch.forward import (
     ChunkSpan,
@@ -66,21 +67,25 @@ class TorchExecutor:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.speculative = speculative or SpeculativeConfig()
-        if self.speculative.method not in (SpecMethod.NONE, SpecMethod.NGRAM):
+        method = self.speculative.method
+        if method not in (SpecMethod.NONE, SpecMethod.NGRAM, SpecMethod.MTP, SpecMethod.EAGLE):
             raise ConfigError(
                 "speculative.method",
-                self.speculative.method.value,
-                "this executor drafts with ngram; use ngram or none",
+                method.value,
+                "this executor drafts with ngram or a draft head (mtp, eagle); use one of them",
             )
         self.num_lookahead = self.speculative.num_speculative_tokens
         self.block_size = block_size
         self.seed = seed
-        self.groups = derive_cache_groups(
-            model.layer_caches(), block_size=block_size, mamba_mode=mamba_mode
-        )
+        layers = model.layer_caches()
+        self.head = None
+        if method in (SpecMethod.MTP, SpecMethod.EAGLE):
+            self.head = DraftHead(model, len(layers), seed=seed).to(self.device).eval()
+            layers = [*layers, self.head.cache_spec()]
+        self.groups = derive_cache_groups(layers, block_size=block_size, mamba_mode=mamba_mode)
         has_state = any(isinstance(s, MambaSpec) for s in self.groups.specs)
         self.cache = DeviceCache(
-            model.layer_caches(),
+            layers,
             num_blocks=num_blocks,
             block_size=block_size,
             num_scratch_slots=max_num_seqs * (self.num_lookahead + 1) if has_state else 0,
@@ -97,6 +102,19 @@ class TorchExecutor:
             else None
         )
         self._requests: dict[str, _RequestState] = {}
+        self.drafter = (
+            DraftHeadRunner(
+                self.head,
+                model,
+                self.cache,
+                group_id=self.groups.layer_group[self.head.layer_index],
+                layer_group=self.groups.layer_group,
+                num_tokens=self.num_lookahead,
+                block_size=block_size,
+            )
+            if self.head is not None
+            else None
+        )
         self._sampling: dict[str, SamplingParams] = {}
         # When set, the logits of every emitted token are kept (tests compare them).
         self.record_logits = False
@@ -105,13 +123,15 @@ class TorchExecutor:
     # ----- set-up ---------------------------------------------------------------------------
 
     def cache_layout(self, **options: object) -> CacheLayout:
-        """The CacheLayout for this model's groups; pass it to the KVCacheManager."""
-        return CacheLayout(
-            groups=self.groups.specs,
-            num_blocks=self.num_blocks,
-            speculative=self.speculative,
-            **options,  # type: ignore[arg-type]
-        )
+        """The CacheLayout for this model's groups; pass it to the KVCacheManager. `options`
+        override CacheLayout fields (retention, alignment_tokens, ...)."""
+        fields: dict[str, object] = {
+            "groups": self.groups.specs,
+            "num_blocks": self.num_blocks,
+            "speculative": self.speculative,
+            **options,
+        }
+        return CacheLayout(**fields)  # type: ignore[arg-type]
 
     def set_sampling(self, req_id: str, params: SamplingParams) -> None:
         """Sampling parameters of a request (greedy when never set). Kept until it finishes."""
@@ -121,11 +141,12 @@ class TorchExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         began = time.perf_counter()
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            self._requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for req_id in plan.finished_req_ids:
-            self._requests.pop(req_id, None)
             self._sampling.pop(req_id, None)
-        for req_id in plan.preempted_req_ids:
-            self._requests.pop(req_id, None)
         for copy in plan.block_copies:
             self._copy_block(copy.group_id, copy.src_block_id, copy.dst_block_id, copy.num_tokens)
         if not plan.chunks:
@@ -166,6 +187,11 @@ class TorchExecutor:
         sampled: dict[str, tuple[int, ...]] = {}
         drafts: dict[str, tuple[int, ...]] = {}
         if not rows:
+            if self.drafter is not None:
+                tables = {
+                    c.req_id: self._requests[c.req_id].tables[self.drafter.group_id] for c in chunks
+                }
+                self.drafter.step(chunks, hidden, sampled, tables)
             return sampled, drafts
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
         offset = 0
@@ -193,6 +219,11 @@ class TorchExecutor:
             proposal = self._propose(chunk, emitted)
             if proposal:
                 drafts[chunk.req_id] = proposal
+        if self.drafter is not None:
+            tables = {
+                c.req_id: self._requests[c.req_id].tables[self.drafter.group_id] for c in chunks
+            }
+            drafts = self.drafter.step(chunks, hidden, sampled, tables)
         return sampled, drafts
 
     # ----- tables and metadata ------------------------------------------------------------------
@@ -208,6 +239,8 @@ class TorchExecutor:
             state = _RequestState([list(ids) for ids in chunk.block_ids])
             state.known = self._recover_tokens(state.tables, chunk.start)
             self._requests[chunk.req_id] = state
+            if self.drafter is not None:
+                self.drafter.check_resume(chunk, state.tables[self.drafter.group_id])
         else:
             for gid, new_ids in enumerate(chunk.block_ids):
                 spec = self.groups.specs[gid]
@@ -308,6 +341,8 @@ class TorchExecutor:
                 self.cache.copy_state(layer, src, dst)
             else:
                 self.cache.copy_tokens(layer, src, dst, num_tokens)
+        if self.drafter is not None and gid == self.drafter.group_id:
+            self.drafter.copy_block(src, dst, num_tokens)
         if gid == self._token_group and self._slot_tokens is not None:
             bs = self.block_size
             self._slot_tokens[dst * bs : dst * bs + num_tokens] = self._slot_tokens[
