@@ -207,7 +207,8 @@ class CausalLM(nn.Module):
         missing = sorted(set(params) - loaded - self.optional_parameters())
         if missing:
             raise ConfigError(
-                "checkpoint", f"<{len(missing)} missing tensors, first {missing[0]}>",
+                "checkpoint",
+                f"<{len(missing)} missing tensors, first {missing[0]}>",
                 "use a checkpoint saved for this architecture",
             )
         self.tie_weights_after_load()
