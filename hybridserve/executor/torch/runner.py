@@ -175,6 +175,17 @@ class TorchExecutor:
             slots = ctx.attention_meta[self._token_group].slot_mapping.cpu()
             self._slot_tokens[slots] = input_ids.cpu()
         hidden = self.model(input_ids, positions, ctx)
+        sampled, drafts = self._sample(chunks, hidden, commits)
+        if self.drafter is not None:
+            group = self.drafter.group_id
+            tables = {c.req_id: self._requests[c.req_id].tables[group] for c in chunks}
+            drafts = self.drafter.step(chunks, hidden, sampled, tables)
+        return sampled, drafts
+
+    def _sample(
+        self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, commits: dict[str, _Commit]
+    ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """Verify drafts and sample for every chunk that samples; n-gram drafts for the next."""
         rows: list[int] = []
         owners: list[ScheduledChunk] = []
         row = 0
@@ -187,18 +198,12 @@ class TorchExecutor:
         sampled: dict[str, tuple[int, ...]] = {}
         drafts: dict[str, tuple[int, ...]] = {}
         if not rows:
-            if self.drafter is not None:
-                tables = {
-                    c.req_id: self._requests[c.req_id].tables[self.drafter.group_id] for c in chunks
-                }
-                self.drafter.step(chunks, hidden, sampled, tables)
             return sampled, drafts
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
         offset = 0
         for chunk in owners:
-            num_rows = chunk.num_draft_tokens + 1
-            chunk_logits = logits[offset : offset + num_rows]
-            offset += num_rows
+            chunk_logits = logits[offset : offset + chunk.num_draft_tokens + 1]
+            offset += chunk.num_draft_tokens + 1
             verified = chunk.num_tokens - chunk.num_draft_tokens
             emitted = verify(
                 chunk_logits,
@@ -211,19 +216,14 @@ class TorchExecutor:
             # Accepted drafts now have K/V and state: they are known positions.
             self._requests[chunk.req_id].known.extend(emitted[:-1])
             if self.record_logits:
-                rows_kept = chunk_logits[: len(emitted)].clone()
-                self.recorded_logits.setdefault(chunk.req_id, []).extend(rows_kept)
+                kept = chunk_logits[: len(emitted)].clone()
+                self.recorded_logits.setdefault(chunk.req_id, []).extend(kept)
             commit = commits.get(chunk.req_id)
             if commit is not None:
                 self._commit_states(chunk.req_id, commit, len(emitted) - 1)
             proposal = self._propose(chunk, emitted)
             if proposal:
                 drafts[chunk.req_id] = proposal
-        if self.drafter is not None:
-            tables = {
-                c.req_id: self._requests[c.req_id].tables[self.drafter.group_id] for c in chunks
-            }
-            drafts = self.drafter.step(chunks, hidden, sampled, tables)
         return sampled, drafts
 
     # ----- tables and metadata ------------------------------------------------------------------
