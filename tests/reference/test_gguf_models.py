@@ -32,6 +32,7 @@ def _transformers_model(path: Path) -> Any:
     ).eval()
 
 
+@pytest.mark.timeout(900)
 def test_smollm2_gguf_greedy_matches_transformers() -> None:
     path = _fetched("smollm2")
     from hybridserve.executor.torch.tokenizer import load_tokenizer
@@ -50,6 +51,7 @@ def test_smollm2_gguf_greedy_matches_transformers() -> None:
     assert "Paris" in tokenizer.decode(run.tokens["r0"])
 
 
+@pytest.mark.timeout(900)
 def test_gemma3_gguf_long_chunked_prompt_matches_transformers() -> None:
     path = _fetched("gemma3-270m")
     print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()))
