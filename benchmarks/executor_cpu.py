@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -137,8 +138,10 @@ def main() -> None:
             for _ in range(args.requests)
         ]
         ours = run_hybridserve(path, prompts, args.new)
+        print(f"hybridserve: {ours['wall_s']:.1f} s", file=sys.stderr, flush=True)
         reference = transformers_model(path)
         sequential = run_transformers(reference, prompts, args.new, batched=False)
+        print(f"transformers sequential: {sequential['wall_s']:.1f} s", file=sys.stderr, flush=True)
         batched = run_transformers(reference, prompts, args.new, batched=True)
     result = {
         "model": name,
