@@ -128,12 +128,14 @@ class ForwardContext:
         qb = q[meta.query_rows].transpose(1, 2)  # [B, H, Q, D]
         kb = k_cache[meta.key_slots].transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
         vb = v_cache[meta.key_slots].transpose(1, 2).to(q.dtype)
-        if num_kv_heads != num_heads:
-            kb = kb.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            vb = vb.repeat_interleave(num_heads // num_kv_heads, dim=1)
         if softcap is None:
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, scale=scale)
+            out = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=meta.mask, scale=scale, enable_gqa=num_kv_heads != num_heads
+            )
         else:
+            if num_kv_heads != num_heads:
+                kb = kb.repeat_interleave(num_heads // num_kv_heads, dim=1)
+                vb = vb.repeat_interleave(num_heads // num_kv_heads, dim=1)
             scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
             scores = torch.tanh(scores / softcap) * softcap
             scores = scores.masked_fill(~meta.mask, float("-inf"))
