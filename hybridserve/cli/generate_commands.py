@@ -1,0 +1,174 @@
+"""`hybridserve generate`: offline batch generation through the Engine on the torch executor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hybridserve.cli.app import app, err, fail
+from hybridserve.cli.builtin_models import GEMMA_TERMS_NOTICE, gemma_terms_path, resolve_model
+from hybridserve.cli.torch_runtime import blocks_for, build_runtime, parse_spec
+from hybridserve.core.errors import HybridServeError
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.offline import run_to_completion
+
+
+def read_token_ids(path: Path) -> list[list[int]]:
+    """JSONL: one list of token ids per line (blank lines skipped)."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)
+        except json.JSONDecodeError:
+            raise fail(f"{path}:{number}: not JSON; write one list of token ids per line") from None
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and t >= 0 for t in ids)
+        ):
+            raise fail(f"{path}:{number}: expected a non-empty list of token ids >= 0")
+        prompts.append(ids)
+    return prompts
+
+
+def read_prompts(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+@app.command("generate")
+def generate(
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Checkpoint folder (config.json + safetensors), a .gguf file, or a built-in "
+            "alias: smollm2, gemma3-270m (fetch them with `make models`)."
+        ),
+    ],
+    prompts: Annotated[Path | None, typer.Option(help="Text prompts, one per line.")] = None,
+    token_ids: Annotated[
+        Path | None, typer.Option(help="JSONL prompts: one list of token ids per line.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt at most.")] = 64,
+    spec: Annotated[
+        str | None, typer.Option(help="Speculative decoding: ngram:K (K draft tokens).")
+    ] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (per request).")] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
+    ] = False,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    num_blocks: Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")] = 0,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per prompt: token_ids, text.")
+    ] = False,
+) -> None:
+    """Generate continuations for a file of prompts (greedy unless sampling flags are given)."""
+    if (prompts is None) == (token_ids is None):
+        raise fail("give exactly one of --prompts FILE or --token-ids FILE")
+    source = prompts or token_ids
+    assert source is not None
+    if not source.is_file():
+        raise fail(f"--{'prompts' if prompts else 'token-ids'}={source}: no such file")
+    try:
+        path = resolve_model(model)
+        if model == "gemma3-270m" or "gemma" in path.name.lower():
+            err.print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()), highlight=False)
+        # Validate the sampling flags before the (slow) model load.
+        SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
+        speculative = parse_spec(spec)
+        texts = read_prompts(source) if prompts else None
+        ids = read_token_ids(source) if token_ids else None
+        if not (texts or ids):
+            raise fail(f"{source}: no prompts in the file")
+        err.print(f"loading {path} ...", highlight=False)
+        lengths = [len(t) * 2 for t in texts] if texts else [len(i) for i in ids or ()]
+        runtime = build_runtime(
+            path,
+            num_blocks=num_blocks
+            or blocks_for(lengths, max_tokens=max_tokens, block_size=block_size, num_groups=2),
+            block_size=block_size,
+            device=device,
+            speculative=speculative,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        tokenizer = runtime.tokenizer
+        if texts is not None:
+            if tokenizer is None:
+                raise fail(f"{path} has no tokenizer; use --token-ids")
+            ids = [_encode(tokenizer, text, chat=not raw) for text in texts]
+        assert ids is not None
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=runtime.stop_token_ids,
+        )
+        requests = [
+            Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)
+            for i, p in enumerate(ids)
+        ]
+        outputs = _run(runtime, requests)
+    except HybridServeError as error:
+        raise fail(str(error)) from None
+    for i, request in enumerate(requests):
+        out = outputs[request.req_id]
+        text = tokenizer.decode(out) if tokenizer is not None else None
+        if as_json:
+            record: dict[str, object] = {"index": i, "token_ids": out}
+            if text is not None:
+                record["text"] = text
+            typer.echo(json.dumps(record))
+        else:
+            typer.echo(text if text is not None else " ".join(map(str, out)))
+
+
+def _encode(tokenizer: object, text: str, *, chat: bool) -> list[int]:
+    from hybridserve.executor.torch.tokenizer import TextTokenizer
+
+    assert isinstance(tokenizer, TextTokenizer)
+    if chat and tokenizer.chat_template:
+        rendered = tokenizer.chat_prompt(text)
+        bos = tokenizer.bos_token
+        return tokenizer.encode(rendered, add_special_tokens=not (bos and rendered.startswith(bos)))
+    return tokenizer.encode(text)
+
+
+def _run(runtime: object, requests: list[Request]) -> dict[str, list[int]]:
+    from hybridserve.cli.torch_runtime import TorchRuntime
+
+    assert isinstance(runtime, TorchRuntime)
+    with Progress(
+        TextColumn("generating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[tokens]} tokens"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("generate", total=len(requests), tokens=0)
+
+        def report(finished: int, total: int, generated: int) -> None:
+            progress.update(task, completed=finished, tokens=generated)
+
+        return run_to_completion(
+            runtime.engine,
+            requests,
+            on_add=lambda r: runtime.executor.set_sampling(r.req_id, r.sampling),
+            progress=report,
+        )

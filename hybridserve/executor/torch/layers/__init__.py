@@ -1,0 +1,1 @@
+"""Building blocks shared by the model implementations (norms, rotary embeddings, MLPs)."""

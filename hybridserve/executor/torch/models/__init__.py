@@ -1,0 +1,1 @@
+"""Model implementations. Each module registers its classes with `register_model`."""

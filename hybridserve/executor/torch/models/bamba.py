@@ -1,0 +1,166 @@
+"""Bamba: Mamba2 layers with a few full-attention layers (`attn_layer_indices`), gated MLPs.
+
+Attention layers apply rotary to the first half of the head dim (Bamba's fixed partial rotary
+factor when the config gives none).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+from hybridserve.executor.torch.layers.mlp import GatedMLP
+from hybridserve.executor.torch.layers.norm import RMSNorm
+from hybridserve.executor.torch.layers.rotary import Rotary
+from hybridserve.executor.torch.models.base import (
+    AttentionCache,
+    CausalLM,
+    LayerCache,
+    StateCache,
+    register_model,
+)
+from hybridserve.executor.torch.models.qwen3_next import rotary_settings
+
+if TYPE_CHECKING:
+    from hybridserve.executor.torch.forward import ForwardContext
+
+BAMBA_PARTIAL_ROTARY_FACTOR = 0.5
+
+
+def attention_layers(config: dict[str, Any]) -> set[int]:
+    num_layers = int(config["num_hidden_layers"])
+    indices = set(config.get("attn_layer_indices") or ())
+    outside = sorted(i for i in indices if not 0 <= i < num_layers)
+    if outside:
+        raise ConfigError(
+            "config.attn_layer_indices", outside, f"use layer indices in 0..{num_layers - 1}"
+        )
+    return indices
+
+
+class BambaAttention(nn.Module):
+    def __init__(self, config: dict[str, Any], layer_index: int) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        self.layer_index = layer_index
+        self.num_heads = int(config["num_attention_heads"])
+        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
+        self.head_dim = int(config.get("head_dim") or hidden // self.num_heads)
+        bias = bool(config.get("attention_bias", False))
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.rotary_dim, base, scaling = rotary_settings(
+            config, self.head_dim, default_factor=BAMBA_PARTIAL_ROTARY_FACTOR
+        )
+        self.rotary = Rotary(self.rotary_dim, base, scaling)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        n, rd = x.shape[0], self.rotary_dim
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q_rot, k_rot = self.rotary(positions, q[..., :rd], k[..., :rd])
+        q = torch.cat([q_rot, q[..., rd:]], dim=-1)
+        k = torch.cat([k_rot, k[..., rd:]], dim=-1)
+        out = ctx.attention(self.layer_index, q, k, v, scale=self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class BambaDecoderLayer(nn.Module):
+    def __init__(self, config: dict[str, Any], layer_index: int, *, attention: bool) -> None:
+        super().__init__()
+        hidden, eps = int(config["hidden_size"]), float(config.get("rms_norm_eps", 1e-6))
+        self.attention = attention
+        if attention:
+            self.self_attn = BambaAttention(config, layer_index)
+        else:
+            self.mamba = Mamba2Mixer(Mamba2Dims.from_bamba_config(config), layer_index)
+        self.feed_forward = GatedMLP(
+            hidden,
+            int(config["intermediate_size"]),
+            config.get("hidden_act", "silu"),
+            bias=bool(config.get("mlp_bias", False)),
+        )
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.pre_ff_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        mixed = self.self_attn(h, positions, ctx) if self.attention else self.mamba(h, ctx)
+        x = x + mixed
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class BambaModel(nn.Module):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        attn = attention_layers(config)
+        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
+        self.layers = nn.ModuleList(
+            BambaDecoderLayer(config, i, attention=i in attn)
+            for i in range(int(config["num_hidden_layers"]))
+        )
+        self.final_layernorm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+
+
+@register_model("BambaForCausalLM", model_types=("bamba",))
+class BambaForCausalLM(CausalLM):
+    """Checkpoint tensors as transformers names them (`model.layers.N.mamba.in_proj.weight`,
+    `model.layers.N.feed_forward.gate_proj.weight`, `model.final_layernorm.weight`, ...)."""
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, dtype)
+        self.model = BambaModel(config)
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def decoder_layers(self) -> list[BambaDecoderLayer]:
+        return [cast(BambaDecoderLayer, layer) for layer in self.model.layers]
+
+    def layer_caches(self) -> list[LayerCache]:
+        caches: list[LayerCache] = []
+        for layer in self.decoder_layers():
+            if layer.attention:
+                caches.append(
+                    AttentionCache(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+                )
+            else:
+                caches.append(StateCache(shapes=layer.mamba.state_shapes()))
+        return caches
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.model.embed_tokens.weight)
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, ctx)
+        return self.model.final_layernorm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def optional_parameters(self) -> set[str]:
+        return {"lm_head.weight"} if self.tied else set()
+
+    def checkpoint_renames(self, name: str) -> str | None:
+        if self.tied and name == "lm_head.weight":
+            return None
+        return name

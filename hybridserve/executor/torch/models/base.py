@@ -1,0 +1,270 @@
+"""The model interface: what an architecture implements to run under the TorchExecutor.
+
+How to add an architecture
+--------------------------
+1. Write `hybridserve/executor/torch/models/<name>.py` with a subclass of `CausalLM` and decorate
+   it with `@register_model("HfArchitectureName", model_types=("hf_model_type",))`. Every module
+   in this package is imported by `load_model_class`, so no list needs editing.
+2. In `__init__(self, config: dict[str, Any], dtype)` read the Hugging Face `config.json` dict
+   and build `torch.nn` modules whose parameter names equal the checkpoint tensor names
+   transformers uses (`model.layers.0.self_attn.q_proj.weight`, ...): `load_weights` then needs
+   no mapping. Override `load_weights` (or `checkpoint_renames`) only for genuine renames.
+3. Implement `layer_caches()`: one `LayerCache` per layer, in layer order:
+   * `AttentionCache(num_kv_heads, head_dim, window=None | W)` for full or sliding-window layers;
+   * `StateCache(shapes={"conv": (...), "ssm": (...)}, dtype=...)` for a recurrent layer
+     (Mamba2, gated delta net, short conv). Every tensor is one state of one request.
+   The executor groups layers of equal kind into cache groups (`derive_cache_groups`); the same
+   groups configure the real `KVCacheManager`, so cache hits and the tensors always agree.
+4. Implement `forward(input_ids, positions, ctx) -> hidden [num_tokens, hidden_size]` over the
+   flat batch (all chunks of the step concatenated, in plan order) and `compute_logits(hidden)`.
+   Inside a layer, the step's cache is reached only through `ctx: ForwardContext`:
+   * attention: `ctx.attention(layer_index, q, k, v, scale=..., softcap=None)` with
+     q `[T, num_heads, head_dim]`, k/v `[T, num_kv_heads, head_dim]` (after RoPE). It writes the
+     new K/V into the layer's paged cache (block tables from the plan) and attends each token to
+     its own request's earlier tokens (inside the window for a sliding layer). Returns
+     `[T, num_heads, head_dim]`.
+   * recurrent state: `for chunk in ctx.state_chunks(layer_index)` gives each request's row
+     slice of the flat batch, `chunk.initial` (a dict of state tensors, zeros for a fresh
+     request, else the exact snapshot the cache restored) and `chunk.snapshots`: the token
+     counts into the chunk after which the state must be saved. The layer processes the chunk in
+     segments split at those counts and calls `ctx.save_state(layer_index, chunk, n, state)` for
+     each. The executor decides where a snapshot goes: in the block the plan's table holds for
+     that position (align mode: the state of tokens [0, n) lives in block cdiv(n, block_size)-1
+     of the Mamba group's table), or in scratch slots for unverified draft tokens, committed once
+     the drafts are verified. A layer never touches block ids.
+5. Tests: `tests/reference/helpers.py` has the shared helpers: `make_checkpoint` (a tiny
+   random-init transformers model saved as a checkpoint folder), `transformers_greedy` (greedy
+   tokens and logits, recomputing with explicit position ids), `hybrid_generate` (the Engine over
+   this executor with block size, token budget / chunk size, number of blocks to force
+   preemption, sequential requests for prefix hits, n-gram or MTP speculation, sampling) and
+   `drop_earlier_kv` (breaks the K/V carry, for meta-tests). A new architecture's reference test
+   compares the two on CPU float32; `tests/reference/test_state_snapshots.py` shows a recurrent
+   layer against the state interface.
+
+What the executor does around a model: it mirrors block tables from the plan (whole table for a
+new request, appended or placed blocks otherwise; see `state_tables.py`), runs copy-on-write
+`block_copies`, samples (sampling settings come from `TorchExecutor.set_sampling`, as the plan
+carries none), verifies drafts, and proposes the next drafts (n-gram, or the draft head of
+`draft_head.py`, whose K/V is one more layer of the full-attention group).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.kvcache.spec import (
+    FullAttentionSpec,
+    GroupSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+if TYPE_CHECKING:
+    from hybridserve.executor.torch.forward import ForwardContext
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCache:
+    """A layer with paged K/V: full attention (`window=None`) or sliding window of `window`."""
+
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StateCache:
+    """A recurrent layer: one fixed-size state per request, snapshotted at block boundaries."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtype: torch.dtype = torch.float32
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+LayerCache = AttentionCache | StateCache
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroups:
+    """Cache groups derived from a model's layers; `layer_group[i]` is layer i's group id."""
+
+    specs: tuple[GroupSpec, ...]
+    layer_group: tuple[int, ...]
+
+    def layers_of(self, group_id: int) -> tuple[int, ...]:
+        return tuple(i for i, g in enumerate(self.layer_group) if g == group_id)
+
+
+def derive_cache_groups(
+    layers: Iterable[LayerCache],
+    *,
+    block_size: int,
+    mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+) -> CacheGroups:
+    """One group per distinct layer kind (full; sliding window W; state), in order of first
+    appearance. Every group uses `block_size` (state groups share the attention page)."""
+    keys: list[tuple[str, int]] = []
+    layer_group: list[int] = []
+    for layer in layers:
+        if isinstance(layer, AttentionCache):
+            key = ("full", 0) if layer.window is None else ("swa", layer.window)
+        else:
+            key = ("state", 0)
+        if key not in keys:
+            keys.append(key)
+        layer_group.append(keys.index(key))
+    specs: list[GroupSpec] = []
+    for kind, window in keys:
+        if kind == "full":
+            specs.append(FullAttentionSpec(block_size=block_size))
+        elif kind == "swa":
+            specs.append(SlidingWindowSpec(block_size=block_size, window=window))
+        else:
+            specs.append(MambaSpec(block_size=block_size, mode=mamba_mode))
+    return CacheGroups(tuple(specs), tuple(layer_group))
+
+
+class CausalLM(nn.Module):
+    """Base class of every model. Subclasses set the modules; see the module docstring."""
+
+    config: dict[str, Any]
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+
+    # ----- what a subclass implements ---------------------------------------------------------
+
+    def layer_caches(self) -> list[LayerCache]:
+        """One LayerCache per decoder layer, in layer order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement layer_caches()")
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden_size]` after the final norm."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward()")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[n, vocab_size]` for the rows of `hidden`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_logits()")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings as the first layer sees them (draft heads reuse them)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement embed()")
+
+    # ----- shared behaviour ---------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.config.get("eos_token_id")
+        if eos is None:
+            return ()
+        return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+
+    def checkpoint_renames(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to a parameter name; None skips the tensor."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into parameters by name. Raises ConfigError for a missing or
+        mis-shaped tensor, naming it. Tied embeddings may omit `lm_head.weight`."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for raw_name, tensor in weights:
+            name = self.checkpoint_renames(raw_name)
+            if name is None:
+                continue
+            param = params.get(name)
+            if param is None:
+                continue  # buffers such as rotary inverse frequencies, or unused heads
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ConfigError(
+                    f"checkpoint[{raw_name}]",
+                    tuple(tensor.shape),
+                    f"the model expects shape {tuple(param.shape)}; check config.json",
+                )
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(name)
+        missing = sorted(set(params) - loaded - self.optional_parameters())
+        if missing:
+            raise ConfigError(
+                "checkpoint",
+                f"<{len(missing)} missing tensors, first {missing[0]}>",
+                "use a checkpoint saved for this architecture",
+            )
+        self.tie_weights_after_load()
+
+    def optional_parameters(self) -> set[str]:
+        """Parameters a checkpoint may omit (tied output embeddings)."""
+        return set()
+
+    def tie_weights_after_load(self) -> None:
+        """Called after loading; tie the output embedding here if the config says so."""
+
+
+ModelClass = type[CausalLM]
+_BY_ARCHITECTURE: dict[str, ModelClass] = {}
+_BY_MODEL_TYPE: dict[str, ModelClass] = {}
+
+
+def register_model(
+    *architectures: str, model_types: tuple[str, ...] = ()
+) -> Callable[[ModelClass], ModelClass]:
+    """Class decorator: make `cls` the implementation of HF `architectures` / `model_types`."""
+
+    def wrap(cls: ModelClass) -> ModelClass:
+        for name in architectures:
+            _BY_ARCHITECTURE[name] = cls
+        for name in model_types:
+            _BY_MODEL_TYPE[name] = cls
+        return cls
+
+    return wrap
+
+
+def _import_all_models() -> None:
+    package = importlib.import_module("hybridserve.executor.torch.models")
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name != "base":
+            importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+def load_model_class(config: dict[str, Any]) -> ModelClass:
+    """The registered class for a config.json dict, by `architectures` then `model_type`."""
+    _import_all_models()
+    for name in config.get("architectures") or ():
+        if name in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[name]
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    raise ConfigError(
+        "config.architectures",
+        config.get("architectures") or model_type,
+        f"use a supported architecture: {sorted(_BY_ARCHITECTURE)} "
+        f"(model_type {sorted(_BY_MODEL_TYPE)})",
+    )
+
+
+def registered_architectures() -> Iterator[str]:
+    _import_all_models()
+    return iter(sorted(_BY_ARCHITECTURE))

@@ -1,0 +1,366 @@
+"""TorchExecutor: runs a StepPlan through a model on CPU or CUDA (the same code).
+
+It owns the tensors (paged K/V per attention layer, state slots per recurrent layer), mirrors
+each running request's block tables from the plan's diffs, honours copy-on-write block copies,
+drops the tables of finished and preempted requests, samples, verifies drafts and proposes the
+next step's drafts (n-gram lookup, or a draft head).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridserve.core.config import SpecMethod, SpeculativeConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult
+from hybridserve.core.request import SamplingParams
+from hybridserve.executor.torch.cache import DeviceCache
+from hybridserve.executor.torch.draft_head import DraftHead, DraftHeadRunner
+from hybridserve.executor.torch.drafting import ngram_propose
+from hybridserve.executor.torch.forward import (
+    ChunkSpan,
+    ForwardContext,
+    StateChunk,
+    build_attention_meta,
+)
+from hybridserve.executor.torch.models.base import CausalLM, derive_cache_groups
+from hybridserve.executor.torch.sampler import verify
+from hybridserve.executor.torch.state_tables import NULL_BLOCK, extend_table, state_snapshots
+from hybridserve.kvcache.layout import CacheLayout
+from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec, SlidingWindowSpec
+
+
+@dataclass(slots=True)
+class _RequestState:
+    tables: list[list[int]]
+    known: list[int] = field(default_factory=list)  # token id by position (-1 = unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    """Draft-token states in scratch slots, committed once the drafts are verified."""
+
+    group_id: int
+    verified_end: int  # position after the last verified token of the chunk
+    scratch: tuple[int, ...]  # scratch[j]: the state after verified_end + j tokens
+
+
+class TorchExecutor:
+    """Implements the Executor protocol over a `CausalLM`."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        speculative: SpeculativeConfig | None = None,
+        max_num_seqs: int = 256,
+        mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.speculative = speculative or SpeculativeConfig()
+        method = self.speculative.method
+        if method not in (SpecMethod.NONE, SpecMethod.NGRAM, SpecMethod.MTP, SpecMethod.EAGLE):
+            raise ConfigError(
+                "speculative.method",
+                method.value,
+                "this executor drafts with ngram or a draft head (mtp, eagle); use one of them",
+            )
+        self.num_lookahead = self.speculative.num_speculative_tokens
+        self.block_size = block_size
+        self.seed = seed
+        layers = model.layer_caches()
+        self.head = None
+        if method in (SpecMethod.MTP, SpecMethod.EAGLE):
+            self.head = DraftHead(model, len(layers), seed=seed).to(self.device).eval()
+            layers = [*layers, self.head.cache_spec()]
+        self.groups = derive_cache_groups(layers, block_size=block_size, mamba_mode=mamba_mode)
+        has_state = any(isinstance(s, MambaSpec) for s in self.groups.specs)
+        self.cache = DeviceCache(
+            layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_scratch_slots=max_num_seqs * (self.num_lookahead + 1) if has_state else 0,
+            dtype=model.dtype,
+            device=self.device,
+        )
+        self.num_blocks = num_blocks
+        self._token_group = next(
+            (g for g, s in enumerate(self.groups.specs) if s.kind is GroupKind.FULL), None
+        )
+        self._slot_tokens = (
+            torch.full((num_blocks * block_size,), -1, dtype=torch.long)
+            if self._token_group is not None
+            else None
+        )
+        self._requests: dict[str, _RequestState] = {}
+        self.drafter = (
+            DraftHeadRunner(
+                self.head,
+                model,
+                self.cache,
+                group_id=self.groups.layer_group[self.head.layer_index],
+                layer_group=self.groups.layer_group,
+                num_tokens=self.num_lookahead,
+                block_size=block_size,
+            )
+            if self.head is not None
+            else None
+        )
+        self._sampling: dict[str, SamplingParams] = {}
+        # When set, the logits of every emitted token are kept (tests compare them).
+        self.record_logits = False
+        self.recorded_logits: dict[str, list[torch.Tensor]] = {}
+
+    # ----- set-up ---------------------------------------------------------------------------
+
+    def cache_layout(self, **options: object) -> CacheLayout:
+        """The CacheLayout for this model's groups; pass it to the KVCacheManager. `options`
+        override CacheLayout fields (retention, alignment_tokens, ...)."""
+        fields: dict[str, object] = {
+            "groups": self.groups.specs,
+            "num_blocks": self.num_blocks,
+            "speculative": self.speculative,
+            **options,
+        }
+        return CacheLayout(**fields)  # type: ignore[arg-type]
+
+    def set_sampling(self, req_id: str, params: SamplingParams) -> None:
+        """Sampling parameters of a request (greedy when never set). Kept until it finishes."""
+        self._sampling[req_id] = params
+
+    # ----- the step -------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        began = time.perf_counter()
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            self._requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
+        for req_id in plan.finished_req_ids:
+            self._sampling.pop(req_id, None)
+        for copy in plan.block_copies:
+            self._copy_block(copy.group_id, copy.src_block_id, copy.dst_block_id, copy.num_tokens)
+        if not plan.chunks:
+            return StepResult(plan.step_id, {}, time.perf_counter() - began)
+        for chunk in plan.chunks:
+            self._update_tables(chunk)
+        with torch.inference_mode():
+            sampled, drafts = self._run(plan.chunks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(plan.step_id, sampled, time.perf_counter() - began, drafts)
+
+    def _run(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        ctx, commits = self._context(chunks)
+        input_ids = torch.tensor(
+            [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
+        )
+        positions = torch.tensor(
+            [p for c in chunks for p in range(c.start, c.start + c.num_tokens)],
+            dtype=torch.long,
+            device=self.device,
+        )
+        if self._slot_tokens is not None and self._token_group is not None:
+            slots = ctx.attention_meta[self._token_group].slot_mapping.cpu()
+            self._slot_tokens[slots] = input_ids.cpu()
+        hidden = self.model(input_ids, positions, ctx)
+        sampled, drafts = self._sample(chunks, hidden, commits)
+        if self.drafter is not None:
+            group = self.drafter.group_id
+            tables = {c.req_id: self._requests[c.req_id].tables[group] for c in chunks}
+            drafts = self.drafter.step(chunks, hidden, sampled, tables)
+        return sampled, drafts
+
+    def _sample(
+        self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, commits: dict[str, _Commit]
+    ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """Verify drafts and sample for every chunk that samples; n-gram drafts for the next."""
+        rows: list[int] = []
+        owners: list[ScheduledChunk] = []
+        row = 0
+        for chunk in chunks:
+            if chunk.sample:
+                first = row + chunk.num_tokens - chunk.num_draft_tokens - 1
+                rows.extend(range(first, row + chunk.num_tokens))
+                owners.append(chunk)
+            row += chunk.num_tokens
+        sampled: dict[str, tuple[int, ...]] = {}
+        drafts: dict[str, tuple[int, ...]] = {}
+        if not rows:
+            return sampled, drafts
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
+        offset = 0
+        for chunk in owners:
+            chunk_logits = logits[offset : offset + chunk.num_draft_tokens + 1]
+            offset += chunk.num_draft_tokens + 1
+            verified = chunk.num_tokens - chunk.num_draft_tokens
+            emitted = verify(
+                chunk_logits,
+                chunk.token_ids[verified:],
+                self._sampling.get(chunk.req_id),
+                first_position=chunk.start + verified,
+                default_seed=self.seed,
+            )
+            sampled[chunk.req_id] = emitted
+            # Accepted drafts now have K/V and state: they are known positions.
+            self._requests[chunk.req_id].known.extend(emitted[:-1])
+            if self.record_logits:
+                kept = chunk_logits[: len(emitted)].clone()
+                self.recorded_logits.setdefault(chunk.req_id, []).extend(kept)
+            commit = commits.get(chunk.req_id)
+            if commit is not None:
+                self._commit_states(chunk.req_id, commit, len(emitted) - 1)
+            proposal = self._propose(chunk, emitted)
+            if proposal:
+                drafts[chunk.req_id] = proposal
+        return sampled, drafts
+
+    # ----- tables and metadata ------------------------------------------------------------------
+
+    def _update_tables(self, chunk: ScheduledChunk) -> None:
+        state = self._requests.get(chunk.req_id)
+        if chunk.new_request or state is None:
+            if not chunk.new_request:
+                raise ValueError(
+                    f"request {chunk.req_id!r}: first chunk without new_request; the executor "
+                    "holds no block table for it"
+                )
+            state = _RequestState([list(ids) for ids in chunk.block_ids])
+            state.known = self._recover_tokens(state.tables, chunk.start)
+            self._requests[chunk.req_id] = state
+            if self.drafter is not None:
+                self.drafter.check_resume(chunk, state.tables[self.drafter.group_id])
+        else:
+            for gid, new_ids in enumerate(chunk.block_ids):
+                spec = self.groups.specs[gid]
+                extend_table(
+                    state.tables[gid],
+                    new_ids,
+                    align=isinstance(spec, MambaSpec) and spec.mode is MambaCacheMode.ALIGN,
+                    chunk_end=chunk.start + chunk.num_tokens,
+                    lookahead=self.num_lookahead,
+                    block_size=self.block_size,
+                    req_id=chunk.req_id,
+                )
+        del state.known[chunk.start :]
+        state.known.extend([-1] * (chunk.start - len(state.known)))
+        state.known.extend(chunk.token_ids[: chunk.num_tokens - chunk.num_draft_tokens])
+
+    def _context(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[ForwardContext, dict[str, _Commit]]:
+        attention = {}
+        states: dict[int, list[StateChunk]] = {}
+        commits: dict[str, _Commit] = {}
+        for gid, spec in enumerate(self.groups.specs):
+            spans, row = [], 0
+            for chunk in chunks:
+                table = self._requests[chunk.req_id].tables[gid]
+                spans.append(ChunkSpan(row, chunk.num_tokens, chunk.start, table))
+                row += chunk.num_tokens
+            if isinstance(spec, MambaSpec):
+                states[gid] = self._state_chunks(gid, chunks, spans, commits)
+            else:
+                window = spec.window if isinstance(spec, SlidingWindowSpec) else None
+                attention[gid] = build_attention_meta(
+                    spans, block_size=self.block_size, window=window, device=self.device
+                )
+        ctx = ForwardContext(
+            self.cache,
+            layer_group=self.groups.layer_group,
+            attention=attention,
+            states=states,
+            num_tokens=sum(c.num_tokens for c in chunks),
+        )
+        return ctx, commits
+
+    def _state_chunks(
+        self,
+        gid: int,
+        chunks: Sequence[ScheduledChunk],
+        spans: Sequence[ChunkSpan],
+        commits: dict[str, _Commit],
+    ) -> list[StateChunk]:
+        out = []
+        num_drafted = 0
+        for index, (chunk, span) in enumerate(zip(chunks, spans, strict=True)):
+            scratch: tuple[int, ...] = ()
+            if chunk.num_draft_tokens:
+                base = self.cache.scratch_base + num_drafted * (self.num_lookahead + 1)
+                scratch = tuple(range(base, base + chunk.num_draft_tokens + 1))
+                num_drafted += 1
+            read_slot, snapshots, slots = state_snapshots(
+                span.table,
+                start=chunk.start,
+                num_tokens=chunk.num_tokens,
+                num_draft_tokens=chunk.num_draft_tokens,
+                block_size=self.block_size,
+                scratch=scratch,
+                req_id=chunk.req_id,
+            )
+            if scratch:
+                verified_end = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+                commits[chunk.req_id] = _Commit(gid, verified_end, scratch)
+            rows = slice(span.row_start, span.row_start + span.num_tokens)
+            out.append(StateChunk(index, rows, read_slot, snapshots, slots))
+        return out
+
+    def _commit_states(self, req_id: str, commit: _Commit, num_accepted: int) -> None:
+        table = self._requests[req_id].tables[commit.group_id]
+        bs = self.block_size
+        for j in range(num_accepted + 1):
+            position = commit.verified_end + j
+            if j != num_accepted and position % bs:
+                continue
+            index = -(-position // bs) - 1
+            block = table[index] if index < len(table) else NULL_BLOCK
+            if block == NULL_BLOCK:
+                if j == num_accepted:
+                    raise ValueError(
+                        f"request {req_id!r}: no state block at table index {index} for the "
+                        f"state after {position} tokens"
+                    )
+                continue
+            for layer in self.groups.layers_of(commit.group_id):
+                self.cache.copy_state(layer, commit.scratch[j], block)
+
+    def _copy_block(self, gid: int, src: int, dst: int, num_tokens: int) -> None:
+        for layer in self.groups.layers_of(gid):
+            if self.cache.is_state_layer(layer):
+                self.cache.copy_state(layer, src, dst)
+            else:
+                self.cache.copy_tokens(layer, src, dst, num_tokens)
+        if self.drafter is not None and gid == self.drafter.group_id:
+            self.drafter.copy_block(src, dst, num_tokens)
+        if gid == self._token_group and self._slot_tokens is not None:
+            bs = self.block_size
+            self._slot_tokens[dst * bs : dst * bs + num_tokens] = self._slot_tokens[
+                src * bs : src * bs + num_tokens
+            ]
+
+    def _recover_tokens(self, tables: list[list[int]], start: int) -> list[int]:
+        """Token ids of a prefix hit, read back from the full-attention blocks (for n-gram)."""
+        if start == 0 or self._slot_tokens is None or self._token_group is None:
+            return []
+        table = torch.tensor(tables[self._token_group], dtype=torch.long)
+        positions = torch.arange(start)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return [int(t) for t in self._slot_tokens[slots].tolist()]
+
+    def _propose(self, chunk: ScheduledChunk, emitted: tuple[int, ...]) -> tuple[int, ...]:
+        if self.speculative.method is not SpecMethod.NGRAM or self.num_lookahead == 0:
+            return ()
+        known = self._requests[chunk.req_id].known
+        proposal = ngram_propose([*known, emitted[-1]], num_tokens=self.num_lookahead)
+        return proposal if min(proposal, default=0) >= 0 else ()

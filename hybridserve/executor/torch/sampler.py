@@ -1,0 +1,82 @@
+"""Sampling and draft verification: greedy, or temperature/top-k/top-p with per-request seeds.
+
+Random numbers are drawn from a generator seeded by (request seed, token position), so a
+request's output does not depend on its batch, on preemption, or on speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridserve.core.request import SamplingParams
+
+_GREEDY = SamplingParams()
+
+
+def _generator(params: SamplingParams, position: int, default_seed: int) -> torch.Generator:
+    seed = params.seed if params.seed is not None else default_seed
+    gen = torch.Generator()
+    gen.manual_seed((seed * 1_000_003 + position * 7_919) % (1 << 62))
+    return gen
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Softmax of `logits` [V] after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def verify(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams | None,
+    *,
+    first_position: int,
+    default_seed: int = 0,
+) -> tuple[int, ...]:
+    """Tokens emitted for one request: accepted drafts plus one sampled (bonus) token.
+
+    `logits` has `len(drafts) + 1` rows; row j predicts the token at `first_position + j`.
+    Greedy accepts a draft iff it is the argmax (so the output equals non-speculative greedy);
+    sampling accepts draft d with probability p(d) and on rejection samples from p without d
+    (speculative sampling with a one-hot draft distribution).
+    """
+    params = params or _GREEDY
+    if params.temperature == 0.0:
+        targets = torch.argmax(logits, dim=-1).tolist()
+        out = []
+        for j, target in enumerate(targets):
+            out.append(int(target))
+            if j == len(drafts) or target != drafts[j]:
+                break
+        return tuple(out)
+    emitted: list[int] = []
+    for j in range(len(drafts) + 1):
+        gen = _generator(params, first_position + j, default_seed)
+        probs = probabilities(logits[j], params)
+        if j < len(drafts):
+            draft = drafts[j]
+            if torch.rand((), generator=gen).item() < probs[draft].item():
+                emitted.append(draft)
+                continue
+            probs = probs.clone()
+            probs[draft] = 0.0
+            if probs.sum() <= 0:
+                emitted.append(draft)
+                continue
+            probs = probs / probs.sum()
+        emitted.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        break
+    return tuple(emitted)

@@ -1,0 +1,167 @@
+"""Text tokenizers for generation: `tokenizer.json` of a checkpoint folder, or one rebuilt with
+`tokenizers` from a GGUF's vocabulary (byte-level BPE with merges, or sentencepiece-style BPE
+whose merges are recovered from the vocabulary order)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch.gguf_file import GGUFFile
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclass
+class TextTokenizer:
+    backend: Any  # tokenizers.Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.backend.decode(token_ids, skip_special_tokens=True))
+
+    def chat_prompt(self, user_text: str) -> str:
+        """`user_text` as one user turn through the chat template, ready for the reply."""
+        if self.chat_template is None:
+            raise ConfigError("chat_template", None, "this model has no chat template; use raw")
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=[{"role": "user", "content": user_text}],
+            add_generation_prompt=True,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _raise(message: str) -> None:
+    raise ConfigError("chat_template", message, "the template rejected the conversation")
+
+
+def load_tokenizer(path: Path) -> TextTokenizer | None:
+    """The tokenizer of a checkpoint folder or GGUF file, or None when it has none."""
+    if path.is_file():
+        return gguf_tokenizer(path)
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return TextTokenizer(
+        Tokenizer.from_file(str(file)),
+        config.get("chat_template"),
+        _token_text(config.get("bos_token")),
+        _token_text(config.get("eos_token")),
+    )
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):
+        return str(token.get("content"))
+    return token if isinstance(token, str) else None
+
+
+def gguf_tokenizer(path: Path, file: GGUFFile | None = None) -> TextTokenizer:
+    fields = (file or GGUFFile(path)).fields
+
+    def value(key: str) -> Any:
+        return fields.get(key)
+
+    kind = value("tokenizer.ggml.model")
+    tokens: list[str] = value("tokenizer.ggml.tokens")
+    types: list[int] = value("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level(tokens, value("tokenizer.ggml.merges"))
+    elif kind == "llama":
+        backend = _sentencepiece(tokens, bool(value("tokenizer.ggml.add_space_prefix")))
+    else:
+        raise ConfigError("gguf tokenizer.ggml.model", kind, "use a gpt2 or llama tokenizer")
+    from tokenizers import AddedToken
+
+    specials = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == _CONTROL
+    ]
+    # Space-only pieces stay with the model (the sentencepiece vocabulary spells them "▁").
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == _USER_DEFINED and t.strip(" ")
+    ]
+    backend.add_special_tokens(specials)
+    backend.add_tokens(user)
+    bos_id, eos_id = value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")
+    bos = tokens[bos_id] if bos_id is not None else None
+    add_bos = value("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        add_bos = kind == "llama"
+    if add_bos and bos is not None:
+        from tokenizers.processors import TemplateProcessing
+
+        backend.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+        )
+    eos = tokens[eos_id] if eos_id is not None else None
+    return TextTokenizer(backend, value("tokenizer.chat_template"), bos, eos)
+
+
+def _byte_level(tokens: list[str], merges: list[str] | None) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges or ())]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(tokens: list[str], add_prefix: bool) -> Any:
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    # Tokens made only of spaces are stored with real spaces; the model sees "▁".
+    spelled = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    backend = Tokenizer(
+        models.BPE(vocab, _merges_by_rank(vocab), unk_token=None, byte_fallback=True)
+    )
+    steps: list[Any] = [normalizers.Replace(" ", "▁")]
+    if add_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
+def _merges_by_rank(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Merges implied by the vocabulary: each token that splits into two tokens, ranked by the
+    merged token's position (earlier = merged first), then by its parts' positions."""
+    ranked = []
+    for token, rank in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((rank, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]

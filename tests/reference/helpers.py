@@ -1,0 +1,164 @@
+"""Shared helpers of the reference tests: hybridserve versus transformers on the same weights.
+
+* `make_checkpoint(config, folder)`: a transformers model with seeded random weights, saved as
+  a checkpoint folder (config.json + safetensors); returns the transformers model.
+* `transformers_greedy(model, prompt, n)`: greedy tokens and per-token logits, recomputing the
+  whole sequence each step with explicit position ids (no transformers cache involved).
+* `hybrid_generate(path, prompts, ...)`: the hybridserve Engine over the TorchExecutor with a
+  chosen block size, token budget (chunked prefill), number of blocks (small forces
+  preemption), speculation and request order; returns tokens, logits and what the scheduler did.
+* `drop_earlier_kv()`: a context manager that breaks the K/V carry between steps (each chunk
+  attends only to its own tokens) so that a meta-test can prove the comparisons fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.engine import Engine
+from hybridserve.executor.torch import TorchExecutor, load_model
+from hybridserve.executor.torch import forward as forward_module
+from hybridserve.executor.torch import runner as runner_module
+from hybridserve.kvcache import KVCacheManager
+from hybridserve.scheduler import Scheduler
+
+
+def make_checkpoint(config: Any, folder: Path, *, seed: int = 0) -> Any:
+    """Build `AutoModelForCausalLM.from_config(config)` with seeded weights, save it to
+    `folder`, return it (eval mode, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval().float()
+    model.save_pretrained(str(folder))
+    return model
+
+
+def transformers_greedy(
+    model: Any, prompt: Sequence[int], num_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy continuation and the logits that chose each token."""
+    tokens = list(prompt)
+    logits_out = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            ids = torch.tensor([tokens])
+            positions = torch.arange(len(tokens))[None]
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, -1]
+            logits_out.append(logits.float())
+            tokens.append(int(torch.argmax(logits)))
+    return tokens[len(prompt) :], logits_out
+
+
+@dataclass
+class HybridRun:
+    tokens: dict[str, list[int]]
+    logits: dict[str, list[torch.Tensor]]
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens hit at admission
+    num_preemptions: int = 0
+    num_drafted_steps: int = 0
+    num_accepted_drafts: int = 0
+
+
+def hybrid_generate(
+    model_path: Path | str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int = 8,
+    block_size: int = 4,
+    num_blocks: int = 256,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    spec_tokens: int = 0,
+    spec_method: str = "ngram",
+    sequential: bool = False,
+    sampling: SamplingParams | None = None,
+    layout_options: dict[str, Any] | None = None,
+) -> HybridRun:
+    """Generate for every prompt; `sequential=True` runs them one after another (so later
+    prompts can hit the cache of earlier ones)."""
+    model = load_model(model_path)
+    speculative = (
+        SpeculativeConfig.from_name(spec_method, spec_tokens)
+        if spec_tokens
+        else SpeculativeConfig()
+    )
+    executor = TorchExecutor(
+        model,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        speculative=speculative,
+        max_num_seqs=max_num_seqs,
+    )
+    executor.record_logits = True
+    config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=4096,
+    )
+    scheduler = Scheduler(
+        config,
+        KVCacheManager(executor.cache_layout(**(layout_options or {}))),
+        num_speculative_tokens=spec_tokens,
+    )
+    engine = Engine(scheduler, executor)
+    run = HybridRun(tokens={}, logits=executor.recorded_logits)
+    params = sampling or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    requests = [
+        Request(req_id=f"r{i}", prompt_token_ids=tuple(p), sampling=params)
+        for i, p in enumerate(prompts)
+    ]
+    groups = [[r] for r in requests] if sequential else [requests]
+    for group in groups:
+        for request in group:
+            executor.set_sampling(request.req_id, request.sampling)
+            engine.add_request(request)
+            run.tokens[request.req_id] = []
+        for _ in range(100_000):
+            if not engine.has_requests():
+                break
+            step = engine.step()
+            if not step.scheduled.plan.chunks and not step.scheduled.finished_req_ids:
+                raise AssertionError("the engine scheduled nothing; raise num_blocks")
+            run.num_preemptions += len(step.scheduled.preempted)
+            for req_id, hit in (*step.scheduled.new_reqs, *step.scheduled.resumed):
+                run.hit_tokens.setdefault(req_id, hit)
+            for chunk in step.scheduled.plan.chunks:
+                if chunk.num_draft_tokens:
+                    run.num_drafted_steps += 1
+                    accepted = len(step.result.sampled_token_ids.get(chunk.req_id, ())) - 1
+                    run.num_accepted_drafts += max(accepted, 0)
+            for out in step.outputs:
+                run.tokens[out.req_id].extend(out.new_token_ids)
+    return run
+
+
+@contextlib.contextmanager
+def drop_earlier_kv() -> Iterator[None]:
+    """Break the K/V carry: every chunk attends only to the tokens it brings this step."""
+    original = forward_module.build_attention_meta
+
+    def broken(spans: Sequence[Any], **kwargs: Any) -> Any:
+        meta = original(spans, **kwargs)
+        mask = meta.mask.clone()
+        window = kwargs.get("window")
+        for b, span in enumerate(spans):
+            lo = 0 if window is None else max(0, span.start - window + 1)
+            mask[b, :, :, : span.start - lo] = False
+        mask[:, 0, :, 0] |= ~meta.query_valid
+        return dataclasses.replace(meta, mask=mask)
+
+    runner_module.build_attention_meta = broken  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        runner_module.build_attention_meta = original  # type: ignore[assignment]

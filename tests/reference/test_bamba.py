@@ -1,0 +1,182 @@
+"""Mamba2 hybrids (Bamba; Granite 4 hybrid) under the TorchExecutor equal transformers.
+
+The same checks as the Qwen3-Next reference tests: single request (tokens and logits within
+1e-4, a prefill piece spanning several 16-token scan chunks), chunked prefill of a mixed batch,
+prefix-cache resume from a state snapshot, preemption with recompute, n-gram speculation, and a
+zeroed state carry that the comparisons must catch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch.models.bamba import BambaForCausalLM
+from hybridserve.executor.torch.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from tests.reference.helpers import make_checkpoint
+from tests.reference.test_qwen3_next import (
+    VOCAB,
+    check_chunked_batch,
+    check_ngram_speculation,
+    check_preemption,
+    check_prefix_resume,
+    check_single_request,
+    keep_rejected_draft_states,
+    zero_state_at_chunk_starts,
+)
+
+
+def _bamba_config() -> Any:
+    from transformers import BambaConfig
+
+    return BambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        architectures=["BambaForCausalLM"],
+    )
+
+
+def _granite_config(num_experts: int) -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        shared_intermediate_size=24,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        num_local_experts=num_experts,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        embedding_multiplier=2.0,
+        residual_multiplier=0.7,
+        attention_multiplier=0.3,
+        logits_scaling=2.0,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        architectures=["GraniteMoeHybridForCausalLM"],
+    )
+
+
+CONFIGS = {"bamba": _bamba_config, "granite_moe_hybrid": lambda: _granite_config(4)}
+
+
+def _perturb(model: Any) -> None:
+    """Non-trivial norms, skip and step biases, a slow state decay (a lost state shows), and
+    larger embeddings (greedy outputs repeat, so n-gram drafts get accepted)."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.rand(param.shape, generator=gen).mul(0.45).add(0.05).log())
+            elif "norm" in name or name.endswith(("dt_bias", ".D")):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.2)
+        model.get_input_embeddings().weight.mul_(4.0)
+
+
+def _saved(config: Any, folder: Any) -> Any:
+    hf_model = make_checkpoint(config, folder)
+    _perturb(hf_model)
+    hf_model.save_pretrained(str(folder))
+    return folder, hf_model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _saved(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param))
+
+
+def test_granite_hybrid_without_experts_matches_transformers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    check_single_request(*_saved(_granite_config(0), tmp_path_factory.mktemp("granite_dense")))
+
+
+def test_single_request_tokens_and_logits_match_transformers(checkpoint: Any) -> None:
+    check_single_request(*checkpoint)
+
+
+def test_chunked_prefill_of_mixed_batch_matches_transformers(checkpoint: Any) -> None:
+    check_chunked_batch(*checkpoint)
+
+
+def test_prefix_cache_resume_from_state_snapshot_matches_transformers(checkpoint: Any) -> None:
+    check_prefix_resume(*checkpoint)
+
+
+def test_preemption_and_recompute_continue_identically(checkpoint: Any) -> None:
+    check_preemption(*checkpoint)
+
+
+def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
+    check_ngram_speculation(*checkpoint)
+
+
+@pytest.mark.parametrize("check", [check_single_request, check_chunked_batch, check_prefix_resume])
+def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> None:
+    with zero_state_at_chunk_starts(), pytest.raises(AssertionError):
+        check(*checkpoint)
+
+
+def test_comparisons_catch_a_rollback_that_keeps_rejected_drafts(checkpoint: Any) -> None:
+    with keep_rejected_draft_states(), pytest.raises(AssertionError):
+        check_ngram_speculation(*checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"mamba_d_head": 12}, "config.mamba_d_head"),
+        ({"mamba_n_groups": 3}, "config.mamba_n_groups"),
+        ({"attn_layer_indices": [1, 9]}, "config.attn_layer_indices"),
+        ({"time_step_limit": [0.0]}, "config.time_step_limit"),
+    ],
+)
+def test_unsupported_bamba_config_values_name_the_field(change: dict[str, Any], field: str) -> None:
+    config = _bamba_config().to_dict()
+    with pytest.raises(ConfigError) as error:
+        BambaForCausalLM({**config, **change})
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"layer_types": ["mamba", "conv", "mamba", "mamba"]}, "config.layer_types[1]"),
+        ({"position_embedding_type": "alibi"}, "config.position_embedding_type"),
+    ],
+)
+def test_unsupported_granite_config_values_name_the_field(
+    change: dict[str, Any], field: str
+) -> None:
+    config = _granite_config(0).to_dict()
+    with pytest.raises(ConfigError) as error:
+        GraniteMoeHybridForCausalLM({**config, **change})
+    assert error.value.field == field

@@ -1,0 +1,154 @@
+"""The gated delta net layer against transformers' Qwen3NextGatedDeltaNet (CPU, float32)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from hybridserve.executor.torch.layers.gated_delta import (
+    GatedDeltaNet,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+SEQ_LEN = 80  # longer than transformers' 64-token chunk
+
+
+def tiny_config() -> transformers.Qwen3NextConfig:
+    return transformers.Qwen3NextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        linear_conv_kernel_dim=4,
+        intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        initializer_range=0.1,
+    )
+
+
+@pytest.fixture(scope="module")
+def layers() -> tuple[torch.nn.Module, GatedDeltaNet]:
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    torch.manual_seed(0)
+    config = tiny_config()
+    reference = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name == "A_log":
+                # Slow decay so that the state carried across chunks matters to the output.
+                param.copy_(torch.empty_like(param).uniform_(0.05, 0.5).log())
+            else:
+                param.add_(torch.randn_like(param) * 0.1)
+    ours = GatedDeltaNet(config.to_dict(), layer_index=0).eval()
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def inputs(seed: int = 1, length: int = SEQ_LEN) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(length, 32, generator=generator)
+
+
+def reference_output(reference: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(x[None])[0]
+
+
+def run_in_pieces(ours: GatedDeltaNet, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    state = ours.zero_state()
+    outs = []
+    bounds = [0, *cuts, x.shape[0]]
+    with torch.no_grad():
+        for start, end in itertools.pairwise(bounds):
+            out, state, _ = ours.forward_sequence(x[start:end], state)
+            outs.append(out)
+    return torch.cat(outs)
+
+
+def test_whole_sequence_matches_transformers(layers: tuple[torch.nn.Module, GatedDeltaNet]) -> None:
+    reference, ours = layers
+    x = inputs()
+    with torch.no_grad():
+        out, _, _ = ours.forward_sequence(x, ours.zero_state())
+    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("cuts", [[37], [5, 70], [16, 33, 64]])
+def test_chunks_with_carried_state_match_whole_sequence(
+    layers: tuple[torch.nn.Module, GatedDeltaNet], cuts: list[int]
+) -> None:
+    reference, ours = layers
+    x = inputs()
+    out = run_in_pieces(ours, x, cuts)
+    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
+
+
+def test_token_by_token_decode_matches_whole_sequence(
+    layers: tuple[torch.nn.Module, GatedDeltaNet],
+) -> None:
+    reference, ours = layers
+    x = inputs(length=24)
+    out = run_in_pieces(ours, x, list(range(1, 24)))
+    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
+
+
+def test_resuming_from_a_snapshot_matches_whole_sequence(
+    layers: tuple[torch.nn.Module, GatedDeltaNet],
+) -> None:
+    reference, ours = layers
+    x = inputs()
+    expected = reference_output(reference, x)
+    with torch.no_grad():
+        _, _, saved = ours.forward_sequence(x[:50], ours.zero_state(), snapshots=(16, 32, 33))
+        for count, state in zip((16, 32, 33), saved, strict=True):
+            resumed, _, _ = ours.forward_sequence(x[count:], state)
+            torch.testing.assert_close(resumed, expected[count:], atol=TOLERANCE, rtol=0)
+
+
+def test_zeroed_state_at_a_chunk_boundary_is_detected(
+    layers: tuple[torch.nn.Module, GatedDeltaNet],
+) -> None:
+    reference, ours = layers
+    x = inputs()
+    with torch.no_grad():
+        head, _, _ = ours.forward_sequence(x[:40], ours.zero_state())
+        tail, _, _ = ours.forward_sequence(x[40:], ours.zero_state())
+    broken = torch.cat([head, tail])
+    error = (broken - reference_output(reference, x)).abs().max().item()
+    assert error > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
+def test_chunked_rule_equals_token_by_token_rule(chunk_size: int) -> None:
+    generator = torch.Generator().manual_seed(3)
+    length, heads, dk, dv = 29, 3, 5, 4
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    q = rand(length, heads, dk) / math.sqrt(dk)
+    k = torch.nn.functional.normalize(rand(length, heads, dk), dim=-1)
+    v, state = rand(length, heads, dv), rand(heads, dk, dv)
+    g = -torch.rand(length, heads, generator=generator)
+    beta = torch.rand(length, heads, generator=generator)
+    expected, expected_state = gated_delta_rule_recurrent(q, k, v, g, beta, state)
+    out, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)

@@ -1,0 +1,73 @@
+"""`hybridserve generate` on a tiny checkpoint: JSON output, speculation, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridserve.cli import app
+from tests.reference.helpers import make_checkpoint, transformers_greedy
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("cli-llama")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+        eos_token_id=None,
+        architectures=["LlamaForCausalLM"],
+    )
+    return folder, make_checkpoint(config, folder)
+
+
+def test_generate_token_ids_json_matches_transformers(
+    tiny_llama: tuple[Path, object], tmp_path: Path
+) -> None:
+    folder, reference = tiny_llama
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 10, 11, 12, 10]]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    for spec in ([], ["--spec", "ngram:3"]):
+        result = CliRunner().invoke(
+            app,
+            ["generate", "--model", str(folder), "--token-ids", str(source), "--max-tokens",
+             "6", "--json", *spec],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        for record, prompt in zip(records, prompts, strict=True):
+            want, _ = transformers_greedy(reference, prompt, 6)
+            assert record["token_ids"] == want
+
+
+def test_generate_names_a_missing_model_path(tmp_path: Path) -> None:
+    source = tmp_path / "p.jsonl"
+    source.write_text("[1, 2, 3]\n")
+    result = CliRunner().invoke(
+        app, ["generate", "--model", str(tmp_path / "nope"), "--token-ids", str(source)]
+    )
+    assert result.exit_code == 2
+    assert "--model" in result.output and "no such file or folder" in result.output
+
+
+def test_generate_rejects_malformed_token_ids(
+    tiny_llama: tuple[Path, object], tmp_path: Path
+) -> None:
+    source = tmp_path / "p.jsonl"
+    source.write_text('{"ids": [1]}\n')
+    result = CliRunner().invoke(
+        app, ["generate", "--model", str(tiny_llama[0]), "--token-ids", str(source)]
+    )
+    assert result.exit_code == 2
+    assert "p.jsonl:1" in result.output
