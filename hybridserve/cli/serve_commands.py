@@ -77,7 +77,8 @@ def _torch_backend(model: str, *, device: str, max_model_len: int | None) -> Ser
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
         raise fail(f"--model {model!r}: use {' or '.join(TORCH_MODEL_ALIASES)} or a local path")
     try:
-        module = importlib.import_module("hybridserve.executor.torch")
+        importlib.import_module("hybridserve.executor.torch")
+        module = importlib.import_module("hybridserve.cli.torch_serving")
     except ImportError as exc:
         raise fail(
             f"--executor torch needs the hybridserve.executor.torch package, which cannot be "
@@ -86,8 +87,11 @@ def _torch_backend(model: str, *, device: str, max_model_len: int | None) -> Ser
         ) from None
     factory = getattr(module, "serving_backend", None)
     if factory is None:
-        raise fail("hybridserve.executor.torch has no serving_backend(); it cannot be served")
-    backend: ServingBackend = factory(model, device=device, max_model_len=max_model_len)
+        raise fail("hybridserve.cli.torch_serving has no serving_backend(); it cannot be served")
+    try:
+        backend: ServingBackend = factory(model, device=device, max_model_len=max_model_len)
+    except HybridServeError as exc:
+        raise fail(str(exc)) from None
     return backend
 
 

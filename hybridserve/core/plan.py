@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from hybridserve.core.request import SamplingParams
+
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
@@ -32,6 +34,8 @@ class ScheduledChunk(NamedTuple):
     sample: bool  # True when the chunk reaches the end of the known tokens (decode or last chunk)
     num_draft_tokens: int = 0  # how many of token_ids (at the end) are unverified drafts
     new_request: bool = False  # first step of this request (or of a resumption after preemption)
+    # The request's sampling settings, sent with its first chunk (new_request) only.
+    sampling: SamplingParams | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -371,6 +371,7 @@ class Scheduler:
                         end - num_draft >= num_tokens,
                         num_draft,
                         True,
+                        request.sampling,
                     )
                 )
             else:

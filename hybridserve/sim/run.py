@@ -50,7 +50,9 @@ class Preset:
 def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
     """The named configuration; controls in multiples of the quantum (the state block).
 
-    `controls-only` and `retention-only` are the two ablations of `hybridserve`.
+    `controls-only` and `retention-only` are the two ablations of `hybridserve`. A model without
+    state groups has q = 1 (SPEC.md 5.2); its mixed-prefill cap is then 1,024 tokens, about
+    what two quanta are on the hybrid model the preset was swept on (1,088).
     """
     if name not in PRESETS:
         raise ConfigError("preset", name, f"use one of {PRESETS}")
@@ -60,7 +62,7 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
     if controls:
         scheduler = SchedulerConfig(
             max_model_len=max_model_len,
-            max_num_prefill_tokens_per_step=2 * quantum,
+            max_num_prefill_tokens_per_step=2 * quantum if quantum > 1 else 1_024,
             max_num_partial_prefills=1,
             decode_prefill_min_decode_steps=4,
         )

@@ -134,7 +134,8 @@ class TorchExecutor:
         return CacheLayout(**fields)  # type: ignore[arg-type]
 
     def set_sampling(self, req_id: str, params: SamplingParams) -> None:
-        """Sampling parameters of a request (greedy when never set). Kept until it finishes."""
+        """Sampling parameters of a request (greedy when never set). Kept until it finishes.
+        The scheduler's plan also carries them with a request's first chunk."""
         self._sampling[req_id] = params
 
     # ----- the step -------------------------------------------------------------------------
@@ -152,6 +153,8 @@ class TorchExecutor:
         if not plan.chunks:
             return StepResult(plan.step_id, {}, time.perf_counter() - began)
         for chunk in plan.chunks:
+            if chunk.sampling is not None:  # a request's first chunk carries its settings
+                self._sampling[chunk.req_id] = chunk.sampling
             self._update_tables(chunk)
         with torch.inference_mode():
             sampled, drafts = self._run(plan.chunks)

@@ -1,0 +1,170 @@
+"""The `--executor torch` serving backend: a real model (built-in GGUF alias or a local
+checkpoint) on the TorchExecutor, its tokenizer and chat template behind the server's Tokenizer.
+
+Imported only when `hybridserve serve --executor torch` runs; it imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybridserve.core.config import SpeculativeConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import StepResult
+from hybridserve.executor.api import Executor
+from hybridserve.kvcache import CacheLayout, GroupSpec
+
+if TYPE_CHECKING:
+    from hybridserve.executor.torch.runner import TorchExecutor
+    from hybridserve.executor.torch.tokenizer import TextTokenizer
+
+DEFAULT_MAX_MODEL_LEN = 8_192
+# Stop tokens chat models end a turn with, besides the model's own EOS ids.
+_TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
+
+
+class TextDecoder:
+    """Incremental detokenisation: the text of all ids so far, minus what was already sent.
+    Text ending in an incomplete UTF-8 sequence (U+FFFD) is held back until it completes."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._sent = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._sent = text[self._sent :], len(text)
+        return new
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._ids)
+        new, self._sent = text[self._sent :], len(text)
+        return new
+
+
+class TorchTokenizer:
+    """The server's Tokenizer protocol over a checkpoint's (or GGUF's) tokenizer."""
+
+    def __init__(self, text: TextTokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self._text = text
+        self._eos = eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._text.backend.get_vocab_size())
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return self._text.encode(text)
+
+    def apply_chat_template(self, messages: Sequence[Any]) -> list[int]:
+        if self._text.chat_template is None:
+            raise ConfigError(
+                "messages", "chat", "this model has no chat template; use /v1/completions"
+            )
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        template = env.from_string(self._text.chat_template)
+        rendered = template.render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            bos_token=self._text.bos_token or "",
+            eos_token=self._text.eos_token or "",
+        )
+        # The template writes the special tokens itself.
+        return self._text.encode(rendered, add_special_tokens=False)
+
+    def new_decoder(self) -> TextDecoder:
+        return TextDecoder(self._text)
+
+
+class TorchServingBackend:
+    """A loaded model; `make_executor` builds its TorchExecutor over the server's layout."""
+
+    def __init__(
+        self, model: str, *, device: str = "auto", max_model_len: int | None = None
+    ) -> None:
+        import torch
+
+        from hybridserve.cli.builtin_models import resolve_model
+        from hybridserve.executor.torch.gguf_file import GGUFFile
+        from hybridserve.executor.torch.gguf_loader import load_gguf_model
+        from hybridserve.executor.torch.loader import load_model
+        from hybridserve.executor.torch.runner import TorchExecutor
+        from hybridserve.executor.torch.tokenizer import gguf_tokenizer, load_tokenizer
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device", device, "CUDA is not available here; use cpu or auto")
+        path = resolve_model(model)
+        if path.is_file() and path.suffix == ".gguf":
+            file = GGUFFile(path)
+            loaded = load_gguf_model(path, file=file)
+            text = gguf_tokenizer(path, file)
+        else:
+            loaded = load_model(path)
+            text = load_tokenizer(path)  # type: ignore[assignment]
+        if text is None:
+            raise ConfigError("--model", model, "serving text needs a tokenizer.json beside it")
+        stops = set(loaded.eos_token_ids())
+        for name in _TURN_ENDS:
+            token_id = text.backend.token_to_id(name)
+            if token_id is not None:
+                stops.add(int(token_id))
+        self._name = model if model in ("smollm2", "gemma3-270m") else Path(model).name
+        self._tokenizer = TorchTokenizer(text, tuple(sorted(stops)))
+        self._max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
+        # Room for four requests at the longest context (--num-blocks caps it); the cache
+        # layout (groups, block size) comes from the model itself.
+        self._num_blocks = max(256, 4 * -(-self._max_model_len // 16))
+        self._executor = TorchExecutor(loaded, num_blocks=self._num_blocks, device=device)
+
+    @property
+    def model_name(self) -> str:
+        return self._name
+
+    @property
+    def tokenizer(self) -> TorchTokenizer:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return SpeculativeConfig()
+
+    def cache_groups(self) -> tuple[GroupSpec, ...]:
+        return self._executor.groups.specs
+
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    def make_executor(self, layout: CacheLayout) -> Executor:
+        if layout.num_blocks > self._num_blocks:
+            raise ConfigError(
+                "num_blocks", layout.num_blocks, f"the executor holds {self._num_blocks}"
+            )
+        executor: TorchExecutor = self._executor
+        return executor
+
+    def pace_s(self, result: StepResult) -> float:
+        return 0.0  # real steps take real time
+
+
+def serving_backend(
+    model: str, *, device: str = "auto", max_model_len: int | None = None
+) -> TorchServingBackend:
+    return TorchServingBackend(model, device=device, max_model_len=max_model_len)
