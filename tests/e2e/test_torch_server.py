@@ -20,7 +20,26 @@ from hybridserve.cli.serve_commands import build_app  # noqa: E402
 from hybridserve.server.app import ServerSettings  # noqa: E402
 from tests.e2e.conftest import LiveServer, serve_in_thread  # noqa: E402
 
-WORDS = "the a cat dog sat on mat ran to park and then slept ate fish bird sang tree".split()
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "mat",
+    "ran",
+    "to",
+    "park",
+    "and",
+    "then",
+    "slept",
+    "ate",
+    "fish",
+    "bird",
+    "sang",
+    "tree",
+]
 SPECIALS = ["<unk>", "<s>", "</s>", "<user>", "<assistant>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}"
