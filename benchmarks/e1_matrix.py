@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from concurrent.futures import ProcessPoolExecutor
 
 from hybridserve.sim.run import SimConfig, simulate, with_preset
@@ -34,12 +35,18 @@ KEYS = (
 RATIO_KEYS = ("job_goodput_per_hour", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
 
 
-def run_one(job: tuple[int, int, str, float, float]) -> tuple[int, int, str, dict[str, float]]:
-    agents, seed, preset, duration, warmup = job
+Job = tuple[int, int, str, float, float, tuple[tuple[str, float], ...]]
+
+
+def run_one(job: Job) -> tuple[int, int, str, dict[str, float]]:
+    agents, seed, preset, duration, warmup, controls = job
     base = SimConfig(
         agents=AgentParams(num_agents=agents), seed=seed, duration_s=duration, warmup_s=warmup
     )
-    summary = simulate(with_preset(base, preset))
+    config = with_preset(base, preset)
+    if controls and preset in ("hybridserve", "controls-only"):
+        config = replace(config, controls=controls)
+    summary = simulate(config)
     kept = {k: round(summary[k], 4) for k in KEYS}
     kept.update({k: round(v, 4) for k, v in summary.items() if k.startswith("group")})
     return agents, seed, preset, kept
@@ -57,9 +64,16 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=1_800.0)
     parser.add_argument("--warmup", type=float, default=300.0)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--controls",
+        default="{}",
+        help="JSON scheduler overrides for the presets with controls, e.g. '{\"max_num_partial_"
+        "prefills\": 2}'",
+    )
     args = parser.parse_args()
+    controls = tuple(sorted(json.loads(args.controls).items()))
     jobs = [
-        (a, s, p, args.duration, args.warmup)
+        (a, s, p, args.duration, args.warmup, controls)
         for a in args.agents
         for s in args.seeds
         for p in args.presets
@@ -71,6 +85,9 @@ def main() -> None:
             print(f"{done}/{len(jobs)} agents={agents} seed={seed} {preset}", file=sys.stderr)
     runs = []
     for (agents, seed), by_preset in sorted(results.items()):
+        if "baseline" not in by_preset:
+            runs.append({"agents": agents, "seed": seed, "metrics": by_preset, "ratios": {}})
+            continue
         base = by_preset["baseline"]
         ratios = {
             preset: {k: round(m[k] / base[k], 4) if base[k] else None for k in RATIO_KEYS}
@@ -80,7 +97,9 @@ def main() -> None:
         runs.append({"agents": agents, "seed": seed, "metrics": by_preset, "ratios": ratios})
     means: dict[str, dict[str, dict[str, float]]] = {}
     for agents in args.agents:
-        rows = [r for r in runs if r["agents"] == agents]
+        rows = [r for r in runs if r["agents"] == agents and r["ratios"]]
+        if not rows:
+            continue
         means[str(agents)] = {
             preset: {
                 k: round(statistics.mean(r["ratios"][preset][k] or 0.0 for r in rows), 4)
@@ -89,7 +108,7 @@ def main() -> None:
             for preset in args.presets
             if preset != "baseline"
         }
-    print(json.dumps({"runs": runs, "mean_ratios": means}))
+    print(json.dumps({"controls": dict(controls), "runs": runs, "mean_ratios": means}))
 
 
 if __name__ == "__main__":
