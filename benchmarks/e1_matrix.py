@@ -15,8 +15,8 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import replace
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 from hybridserve.sim.run import SimConfig, simulate, with_preset
 from hybridserve.sim.workload import AgentParams
