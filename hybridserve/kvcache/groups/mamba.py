@@ -61,6 +61,8 @@ class MambaManager(GroupManager):
         return max(cdiv(num_computed_tokens, self.block_size) - 1, 0) * self.block_size
 
     def settled(self, req_id: str, num_slots: int, num_to_cache: int, computed: int) -> bool:
+        # The per-request, per-step fast path (called for every group): integer arithmetic
+        # inline, no generator.
         table = self.tables.get(req_id)
         bs = self.block_size
         if (
@@ -72,12 +74,16 @@ class MambaManager(GroupManager):
         if not self.align:
             return True
         live = self.live.get(req_id)
-        if not live or live[0] < max(computed - 1, 0) // bs:
+        if not live or live[0] < (computed - 1 if computed > 1 else 0) // bs:
             return False  # a stale state is to be released
         # Every state and scratch block of the chunk must be live already (the chunk end lies
         # between num_to_cache and num_slots).
-        first = cdiv(max(num_to_cache, computed, 1), bs) - 1
-        return all(i in live for i in range(first, cdiv(num_slots, bs)))
+        start = num_to_cache if num_to_cache > computed else computed
+        first = -(-(start if start > 1 else 1) // bs) - 1
+        for i in range(first, -(-num_slots // bs)):  # noqa: SIM110 (a generator costs more)
+            if i not in live:
+                return False
+        return True
 
     def num_blocks_needed(
         self, req_id: str, slots: SlotRequest, hit: Sequence[Block], cow_src: Block | None
