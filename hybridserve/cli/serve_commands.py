@@ -234,8 +234,9 @@ def build_app(
 ) -> Any:
     """The FastAPI app over `backend` with the resolved scheduler settings."""
     from hybridserve.kvcache import RetentionPolicy
+    from hybridserve.kvcache.spec import state_quantum
     from hybridserve.server.app import ServerState, create_app
-    from hybridserve.server.backend import build_engine, state_quantum
+    from hybridserve.server.backend import build_engine
 
     overrides = dict(overrides or {})
     if overrides.get("max_model_len") is None:

@@ -155,3 +155,8 @@ GroupSpec = FullAttentionSpec | SlidingWindowSpec | DraftSpec | ChunkedLocalSpec
 def _check_block_size(field: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(field, value, "use a positive number of tokens per block")
+
+
+def state_quantum(groups: tuple[GroupSpec, ...]) -> int:
+    """The control quantum q (SPEC.md 5.2): the largest state-group block size, 1 without one."""
+    return max((g.block_size for g in groups if g.kind is GroupKind.MAMBA), default=1)

@@ -20,7 +20,7 @@ from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.plan import StepResult
 from hybridserve.engine import Engine
 from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout, GroupKind, GroupSpec, KVCacheManager, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, GroupSpec, KVCacheManager, RetentionPolicy
 from hybridserve.scheduler import Scheduler
 from hybridserve.server.tokenizer import Tokenizer
 
@@ -58,11 +58,6 @@ class ServingBackend(Protocol):
         """Wall seconds a step should take at least: the simulated duration scaled by the
         sim speed for the simulator, 0 for an executor whose steps take real time."""
         ...
-
-
-def state_quantum(groups: tuple[GroupSpec, ...]) -> int:
-    """The control quantum: the largest state-group block size, or 1 without one."""
-    return max((g.block_size for g in groups if g.kind is GroupKind.MAMBA), default=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.kvcache import CacheLayout, KVCacheManager, RetentionPolicy
+from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.scheduler import Scheduler, SchedulerOutput
 from hybridserve.scheduler.scheduler import RequestOutput
@@ -107,8 +108,7 @@ class SimConfig:
 def state_quantum(model: str | ModelProfile) -> int:
     """The control quantum q of a model: its state block size, or 1 without state groups."""
     profile = get_model(model) if isinstance(model, str) else model
-    groups = profile.cache_groups()
-    return max((g.block_size for g in groups if g.kind.value == "mamba"), default=1)
+    return quantum_of_groups(profile.cache_groups())
 
 
 def model_profile(config: SimConfig) -> ModelProfile:
