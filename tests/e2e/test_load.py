@@ -15,8 +15,14 @@ from tests.e2e.conftest import MODEL, LiveServer, start_server
 
 NUM_CLIENTS = 200
 MAX_TOKENS = 40
-# Clients that hang up ask for far more than they read, so only an abort can end them early.
-HANG_UP_MAX_TOKENS = 4000
+MAX_MODEL_LEN = 8192
+# Clients that hang up ask for nearly all the room the model has, far more than they read.
+# At SIM_SPEED a lone request takes about 16 s of wall time to produce 8,000 tokens, while the
+# server sees a hang-up within about half a second. At a much higher speed the engine outran
+# the event loop's delivery of 200 streams, hang-ups were seen seconds late and some of those
+# requests had finished by then.
+HANG_UP_MAX_TOKENS = 8000
+SIM_SPEED = 2.0
 ALLOWED_LABELS = {"model_name", "finished_reason", "group", "kind", "le"}
 
 
@@ -64,7 +70,7 @@ async def _run_clients(base_url: str) -> list[Outcome]:
 
 @pytest.fixture(scope="module")
 def loaded_server() -> Iterator[tuple[LiveServer, list[Outcome]]]:
-    server = start_server(sim_speed=200.0, max_model_len=8192)
+    server = start_server(sim_speed=SIM_SPEED, max_model_len=MAX_MODEL_LEN)
     outcomes = asyncio.run(_run_clients(server.base_url))
     server.wait_idle()
     yield server, outcomes
