@@ -1,7 +1,9 @@
 """DeviceCache: the tensors behind the cache groups (paged K/V and recurrent-state slots).
 
 Block ids are global (one pool for all groups, as in the KVCacheManager). An attention layer
-holds `[num_blocks * block_size, num_kv_heads, head_dim]` for K and for V; a state layer holds
+holds `[num_blocks * block_size, num_kv_heads, head_dim]` for K and for V; an MLA layer holds
+`[num_blocks * block_size, 1, latent_dim]` latent rows in place of K and its indexer keys
+`[..., 1, max(index_dim, 1)]` in place of V; a state layer holds
 one state per block id plus `num_scratch_slots` executor-owned slots (after the block ids) for
 the states of unverified draft tokens.
 """
@@ -12,7 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridserve.executor.torch.models.base import AttentionCache, LayerCache, StateCache
+from hybridserve.executor.torch.models.base import (
+    AttentionCache,
+    LatentCache,
+    LayerCache,
+    StateCache,
+)
 
 
 class DeviceCache:
@@ -38,6 +45,12 @@ class DeviceCache:
                 shape = (num_slots, layer.num_kv_heads, layer.head_dim)
                 k = torch.zeros(shape, dtype=dtype, device=device)
                 self._kv.append((k, torch.zeros_like(k)))
+                self._state.append(None)
+            elif isinstance(layer, LatentCache):
+                latent = torch.zeros((num_slots, 1, layer.latent_dim), dtype=dtype, device=device)
+                index_dim = max(layer.index_dim, 1)
+                index = torch.zeros((num_slots, 1, index_dim), dtype=dtype, device=device)
+                self._kv.append((latent, index))
                 self._state.append(None)
             else:
                 self._kv.append(None)

@@ -2,6 +2,14 @@
 
 Attention metadata is built once per cache group per step and shared by the group's layers.
 A batch is the plan's chunks concatenated; attention runs as one padded SDPA call per layer.
+
+Under decode context parallelism (a `DcpGroup` of N > 1 ranks) a full-attention or MLA group's
+KV is sharded by token: one block id covers `block_size * N` tokens, `block_size` of them on each
+rank. Such a group gets `AttentionRows` (every row's position and block table) instead of SDPA
+metadata, and its layers attend with `hybridserve.parallel`: write the owned rows, attend over
+the local shard, merge across the group by log-sum-exp. MLA groups always take that path (with
+N = 1 it is plain absorbed MLA). Sliding-window and recurrent groups are replicated on every
+rank and run as without DCP.
 """
 
 from __future__ import annotations
@@ -13,6 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.executor.torch.cache import DeviceCache
+from hybridserve.parallel.attention import gather_local_tokens, partial_attention, write_owned_slots
+from hybridserve.parallel.group import DcpGroup, all_gather_heads, merge_across_ranks
+from hybridserve.parallel.layer import AttentionRows, dcp_attention, local_keys
+from hybridserve.parallel.sparse import index_scores, select_top_k
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +101,30 @@ def build_attention_meta(
     )
 
 
+def build_attention_rows(
+    spans: Sequence[ChunkSpan], *, block_size: int, device: torch.device
+) -> AttentionRows:
+    """Every row's position and (zero-padded) block table, for a sharded or MLA group."""
+    width = max(len(s.table) for s in spans)
+    positions, tables = [], []
+    for span in spans:
+        positions.append(torch.arange(span.start, span.start + span.num_tokens))
+        table = torch.zeros(width, dtype=torch.long)
+        table[: len(span.table)] = torch.tensor(span.table, dtype=torch.long)
+        tables.append(table.expand(span.num_tokens, -1))
+    return AttentionRows(torch.cat(positions).to(device), torch.cat(tables).to(device), block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class LatentIndex:
+    """The sparse-MLA indexer's inputs for the step's rows (DeepSeek-V3.2 DSA)."""
+
+    q: torch.Tensor  # [T, index_heads, index_dim], rotated
+    weights: torch.Tensor  # [T, index_heads], head weights (scale included)
+    k: torch.Tensor  # [T, index_dim]: each new token's index key, to cache
+    top_k: int
+
+
 class ForwardContext:
     """Per step: attention metadata per group, state chunks per state group, and the cache."""
 
@@ -100,12 +136,16 @@ class ForwardContext:
         attention: dict[int, AttentionMeta],
         states: dict[int, list[StateChunk]],
         num_tokens: int,
+        rows: dict[int, AttentionRows] | None = None,
+        dcp: DcpGroup | None = None,
     ) -> None:
         self.cache = cache
         self.layer_group = layer_group
         self.attention_meta = attention
         self.states = states
         self.num_tokens = num_tokens
+        self.rows = rows or {}  # groups attended through hybridserve.parallel
+        self.dcp = dcp or DcpGroup()
         self.aux_hidden: dict[int, torch.Tensor] = {}
 
     def attention(
@@ -120,8 +160,27 @@ class ForwardContext:
     ) -> torch.Tensor:
         """Write k/v into the layer's paged cache, then attend. q `[T, H, D]`, k/v
         `[T, KVH, D]`; returns `[T, H, D]` (each token sees its request's earlier tokens)."""
-        meta = self.attention_meta[self.layer_group[layer_index]]
+        group = self.layer_group[layer_index]
         k_cache, v_cache = self.cache.kv(layer_index)
+        rows = self.rows.get(group)
+        if rows is not None:
+            if softcap is not None:
+                raise ValueError(
+                    f"layer {layer_index}: attention logit soft-capping is not supported under "
+                    "decode context parallelism; run this model with dcp=1"
+                )
+            bs = self.cache.block_size
+            return dcp_attention(
+                q,
+                k,
+                v,
+                k_cache=k_cache.view(-1, bs, *k_cache.shape[1:]),
+                v_cache=v_cache.view(-1, bs, *v_cache.shape[1:]),
+                rows=rows,
+                dcp=self.dcp,
+                scale=scale,
+            )
+        meta = self.attention_meta[group]
         k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
@@ -144,6 +203,57 @@ class ForwardContext:
         result = q.new_empty(q.shape)
         result[meta.query_rows[meta.query_valid]] = out[meta.query_valid]
         return result
+
+    def latent_attention(
+        self,
+        layer_index: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        *,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        scale: float,
+        index: LatentIndex | None = None,
+    ) -> torch.Tensor:
+        """MLA in the absorbed (MQA) form. `q_nope` `[T, H, nope]`, `q_pe` `[T, H, rope]`
+        (rotated), `latent` `[T, kv_lora + rope]` (normed `c_kv`, rotated `k_pe`), `w_uk`
+        `[H, nope, kv_lora]`, `w_uv` `[H, v, kv_lora]`. Caches each new token's latent row (and
+        index key), attends every row over its request's earlier tokens (the indexer's top-k of
+        them when `index` is given) and returns `[T, H, v]`, identical on every rank.
+
+        Under DCP the heads are split across the group as under tensor parallelism: each rank
+        absorbs its own heads' queries for **all** rows (prefill included), all-gathers them,
+        attends over its latent shard, reduce-scatters the merge back to its heads, applies
+        `w_uv` and all-gathers the heads. A row whose slot is negative (another rank owns its
+        token's KV) skips only the cache writes.
+        """
+        rows = self.rows[self.layer_group[layer_index]]
+        dcp = self.dcp
+        latent_cache, index_cache = self.cache.kv(layer_index)
+        bs = self.cache.block_size
+        latent_cache = latent_cache.view(-1, bs, *latent_cache.shape[1:])
+        index_cache = index_cache.view(-1, bs, *index_cache.shape[1:])
+        slots = rows.slots(dcp)
+        write_owned_slots(latent_cache, latent.unsqueeze(1), slots)
+        if index is not None:
+            write_owned_slots(index_cache, index.k.unsqueeze(1), slots)
+        heads = dcp.head_slice(q_nope.shape[1])
+        kv_lora = w_uk.shape[-1]
+        q_lat = torch.einsum("rhn,hnc->rhc", q_nope[:, heads], w_uk[heads])
+        q_all = all_gather_heads(torch.cat([q_lat, q_pe[:, heads]], dim=-1), dcp)
+        window = local_keys(rows, dcp)
+        num_keys = window.mask.shape[1]
+        keys = gather_local_tokens(latent_cache, rows.block_tables, num_keys).to(q_all.dtype)
+        mask = window.mask
+        if index is not None:
+            index_keys = gather_local_tokens(index_cache, rows.block_tables, num_keys)
+            scores = index_scores(index.q, index.weights, index_keys[:, :, 0].to(index.q.dtype))
+            mask = select_top_k(scores, mask, window.positions, k=index.top_k, dcp=dcp)
+        out_lat, lse = partial_attention(q_all, keys, keys[..., :kv_lora], mask, scale=scale)
+        mine, _ = merge_across_ranks(out_lat, lse, mask.sum(dim=1), dcp, scatter_heads=True)
+        out = torch.einsum("rhc,hvc->rhv", mine, w_uv[heads])
+        return all_gather_heads(out, dcp)
 
     def state_chunks(self, layer_index: int) -> list[StateChunk]:
         """The chunks a recurrent layer processes this step, in flat-batch order."""

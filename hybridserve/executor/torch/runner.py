@@ -26,12 +26,14 @@ from hybridserve.executor.torch.forward import (
     ForwardContext,
     StateChunk,
     build_attention_meta,
+    build_attention_rows,
 )
 from hybridserve.executor.torch.models.base import CausalLM, derive_cache_groups
 from hybridserve.executor.torch.sampler import verify
 from hybridserve.executor.torch.state_tables import NULL_BLOCK, extend_table, state_snapshots
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec, SlidingWindowSpec
+from hybridserve.parallel.group import DcpGroup
 
 
 @dataclass(slots=True)
@@ -63,8 +65,13 @@ class TorchExecutor:
         max_num_seqs: int = 256,
         mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
         seed: int = 0,
+        dcp: DcpGroup | None = None,
     ) -> None:
+        """`dcp`: this rank's decode-context-parallel group. Every rank builds the same model
+        and executes the same plans (see `executor.torch.dcp`); full-attention and MLA KV is
+        sharded by token, so one block id covers `block_size * dcp.world_size` tokens."""
         self.device = torch.device(device)
+        self.dcp = dcp or DcpGroup()
         self.model = model.to(self.device).eval()
         self.speculative = speculative or SpeculativeConfig()
         method = self.speculative.method
@@ -73,6 +80,12 @@ class TorchExecutor:
                 "speculative.method",
                 method.value,
                 "this executor drafts with ngram or a draft head (mtp, eagle); use one of them",
+            )
+        if self.dcp.world_size > 1 and method in (SpecMethod.MTP, SpecMethod.EAGLE):
+            raise ConfigError(
+                "speculative.method",
+                method.value,
+                f"a draft head does not run under dcp={self.dcp.world_size}; use ngram or none",
             )
         self.num_lookahead = self.speculative.num_speculative_tokens
         self.block_size = block_size
@@ -93,11 +106,24 @@ class TorchExecutor:
             device=self.device,
         )
         self.num_blocks = num_blocks
-        self._token_group = next(
-            (g for g, s in enumerate(self.groups.specs) if s.kind is GroupKind.FULL), None
+        # Groups attended through hybridserve.parallel: MLA always, full attention under DCP.
+        sharded = (GroupKind.FULL, GroupKind.MLA) if self.dcp.world_size > 1 else (GroupKind.MLA,)
+        self._row_groups = frozenset(
+            g for g, spec in enumerate(self.groups.specs) if spec.kind in sharded
         )
+        self._token_group = next(
+            (
+                g
+                for g, s in enumerate(self.groups.specs)
+                if s.kind in (GroupKind.FULL, GroupKind.MLA)
+            ),
+            None,
+        )
+        # Token ids by (block id, offset) of the full-attention group, for n-gram drafts after a
+        # prefix hit; a block id covers block_size * N tokens under DCP.
+        self._token_unit = block_size * self.dcp.world_size
         self._slot_tokens = (
-            torch.full((num_blocks * block_size,), -1, dtype=torch.long)
+            torch.full((num_blocks * self._token_unit,), -1, dtype=torch.long)
             if self._token_group is not None
             else None
         )
@@ -129,6 +155,7 @@ class TorchExecutor:
             "groups": self.groups.specs,
             "num_blocks": self.num_blocks,
             "speculative": self.speculative,
+            "dcp": self.dcp.world_size,
             **options,
         }
         return CacheLayout(**fields)  # type: ignore[arg-type]
@@ -175,8 +202,13 @@ class TorchExecutor:
             device=self.device,
         )
         if self._slot_tokens is not None and self._token_group is not None:
-            slots = ctx.attention_meta[self._token_group].slot_mapping.cpu()
-            self._slot_tokens[slots] = input_ids.cpu()
+            unit, group = self._token_unit, self._token_group
+            slots = [
+                self._requests[c.req_id].tables[group][p // unit] * unit + p % unit
+                for c in chunks
+                for p in range(c.start, c.start + c.num_tokens)
+            ]
+            self._slot_tokens[torch.tensor(slots, dtype=torch.long)] = input_ids.cpu()
         hidden = self.model(input_ids, positions, ctx)
         sampled, drafts = self._sample(chunks, hidden, commits)
         if self.drafter is not None:
@@ -264,6 +296,7 @@ class TorchExecutor:
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[ForwardContext, dict[str, _Commit]]:
         attention = {}
+        rows = {}
         states: dict[int, list[StateChunk]] = {}
         commits: dict[str, _Commit] = {}
         for gid, spec in enumerate(self.groups.specs):
@@ -274,6 +307,10 @@ class TorchExecutor:
                 row += chunk.num_tokens
             if isinstance(spec, MambaSpec):
                 states[gid] = self._state_chunks(gid, chunks, spans, commits)
+            elif gid in self._row_groups:
+                rows[gid] = build_attention_rows(
+                    spans, block_size=self.block_size, device=self.device
+                )
             else:
                 window = spec.window if isinstance(spec, SlidingWindowSpec) else None
                 attention[gid] = build_attention_meta(
@@ -285,6 +322,8 @@ class TorchExecutor:
             attention=attention,
             states=states,
             num_tokens=sum(c.num_tokens for c in chunks),
+            rows=rows,
+            dcp=self.dcp,
         )
         return ctx, commits
 
@@ -339,17 +378,20 @@ class TorchExecutor:
                 self.cache.copy_state(layer, commit.scratch[j], block)
 
     def _copy_block(self, gid: int, src: int, dst: int, num_tokens: int) -> None:
+        sharded = self.dcp.world_size > 1 and self.groups.specs[gid].dcp_sharded
         for layer in self.groups.layers_of(gid):
             if self.cache.is_state_layer(layer):
                 self.cache.copy_state(layer, src, dst)
+            elif sharded:  # this rank's share of the first num_tokens: copy all its slots
+                self.cache.copy_tokens(layer, src, dst, self.block_size)
             else:
                 self.cache.copy_tokens(layer, src, dst, num_tokens)
         if self.drafter is not None and gid == self.drafter.group_id:
             self.drafter.copy_block(src, dst, num_tokens)
         if gid == self._token_group and self._slot_tokens is not None:
-            bs = self.block_size
-            self._slot_tokens[dst * bs : dst * bs + num_tokens] = self._slot_tokens[
-                src * bs : src * bs + num_tokens
+            unit = self._token_unit
+            self._slot_tokens[dst * unit : dst * unit + num_tokens] = self._slot_tokens[
+                src * unit : src * unit + num_tokens
             ]
 
     def _recover_tokens(self, tables: list[list[int]], start: int) -> list[int]:
@@ -358,7 +400,8 @@ class TorchExecutor:
             return []
         table = torch.tensor(tables[self._token_group], dtype=torch.long)
         positions = torch.arange(start)
-        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        unit = self._token_unit
+        slots = table[positions // unit] * unit + positions % unit
         return [int(t) for t in self._slot_tokens[slots].tolist()]
 
     def _propose(self, chunk: ScheduledChunk, emitted: tuple[int, ...]) -> tuple[int, ...]:

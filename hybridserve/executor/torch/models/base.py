@@ -11,6 +11,7 @@ How to add an architecture
    no mapping. Override `load_weights` (or `checkpoint_renames`) only for genuine renames.
 3. Implement `layer_caches()`: one `LayerCache` per layer, in layer order:
    * `AttentionCache(num_kv_heads, head_dim, window=None | W)` for full or sliding-window layers;
+   * `LatentCache(latent_dim, index_dim)` for an MLA layer (sparse when `index_dim > 0`);
    * `StateCache(shapes={"conv": (...), "ssm": (...)}, dtype=...)` for a recurrent layer
      (Mamba2, gated delta net, short conv). Every tensor is one state of one request.
    The executor groups layers of equal kind into cache groups (`derive_cache_groups`); the same
@@ -22,7 +23,12 @@ How to add an architecture
      q `[T, num_heads, head_dim]`, k/v `[T, num_kv_heads, head_dim]` (after RoPE). It writes the
      new K/V into the layer's paged cache (block tables from the plan) and attends each token to
      its own request's earlier tokens (inside the window for a sliding layer). Returns
-     `[T, num_heads, head_dim]`.
+     `[T, num_heads, head_dim]`. Under decode context parallelism (`TorchExecutor(dcp=...)`)
+     the same call attends over this rank's shard of a full-attention layer and merges across
+     the group; the model does not change.
+   * MLA: `ctx.latent_attention(layer_index, q_nope, q_pe, latent, w_uk=, w_uv=, scale=,
+     index=None | LatentIndex(...))` caches each token's latent row, attends in the absorbed
+     (MQA) form and returns `[T, num_heads, v_head_dim]` before the output projection.
    * recurrent state: `for chunk in ctx.state_chunks(layer_index)` gives each request's row
      slice of the flat batch, `chunk.initial` (a dict of state tensors, zeros for a fresh
      request, else the exact snapshot the cache restored) and `chunk.snapshots`: the token
@@ -82,6 +88,15 @@ class AttentionCache:
 
 
 @dataclass(frozen=True, slots=True)
+class LatentCache:
+    """An MLA layer (DeepSeek-V2/V3): one latent row `[c_kv | k_pe]` of `latent_dim` per token,
+    and for the sparse variant (DeepSeek-V3.2 DSA) one indexer key of `index_dim` per token."""
+
+    latent_dim: int
+    index_dim: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StateCache:
     """A recurrent layer: one fixed-size state per request, snapshotted at block boundaries."""
 
@@ -90,7 +105,7 @@ class StateCache:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-LayerCache = AttentionCache | StateCache
+LayerCache = AttentionCache | LatentCache | StateCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +125,15 @@ def derive_cache_groups(
     block_size: int,
     mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
 ) -> CacheGroups:
-    """One group per distinct layer kind (full; sliding window W; state), in order of first
+    """One group per distinct layer kind (full; MLA; sliding window W; state), in order of first
     appearance. Every group uses `block_size` (state groups share the attention page)."""
     keys: list[tuple[str, int]] = []
     layer_group: list[int] = []
     for layer in layers:
         if isinstance(layer, AttentionCache):
             key = ("full", 0) if layer.window is None else ("swa", layer.window)
+        elif isinstance(layer, LatentCache):
+            key = ("mla", 0)
         else:
             key = ("state", 0)
         if key not in keys:
@@ -124,8 +141,8 @@ def derive_cache_groups(
         layer_group.append(keys.index(key))
     specs: list[GroupSpec] = []
     for kind, window in keys:
-        if kind == "full":
-            specs.append(FullAttentionSpec(block_size=block_size))
+        if kind in ("full", "mla"):
+            specs.append(FullAttentionSpec(block_size=block_size, mla=kind == "mla"))
         elif kind == "swa":
             specs.append(SlidingWindowSpec(block_size=block_size, window=window))
         else:
