@@ -72,10 +72,28 @@ def generate(
     as_json: Annotated[
         bool, typer.Option("--json", help="One JSON object per prompt: token_ids, text.")
     ] = False,
+    dcp: Annotated[
+        int,
+        typer.Option(
+            help="Decode context parallel ranks: full-attention KV sharded by token across N "
+            "processes (gloo on CPU, nccl on CUDA); rank 0 schedules. Under torchrun, every "
+            "process joins from the environment and WORLD_SIZE must equal N."
+        ),
+    ] = 1,
+    dcp_interleave: Annotated[
+        int, typer.Option(help="Consecutive tokens per rank in the DCP token round-robin.")
+    ] = 1,
+    dcp_timeout: Annotated[
+        float, typer.Option(help="Seconds a DCP run may take before its ranks are stopped.")
+    ] = 3600.0,
 ) -> None:
     """Generate continuations for a file of prompts (greedy unless sampling flags are given)."""
     if (prompts is None) == (token_ids is None):
         raise fail("give exactly one of --prompts FILE or --token-ids FILE")
+    if dcp < 1 or dcp_interleave < 1:
+        raise fail(f"--dcp={dcp}, --dcp-interleave={dcp_interleave}: use 1 or more")
+    if dcp > 1 and spec:
+        raise fail(f"--spec={spec} with --dcp={dcp}: speculative decoding does not run under DCP")
     source = prompts or token_ids
     assert source is not None
     if not source.is_file():
@@ -95,6 +113,30 @@ def generate(
             raise fail(f"{source}: no prompts in the file")
         err.print(f"loading {path} ...", highlight=False)
         lengths = [len(t) * 2 for t in texts] if texts else [len(i) for i in ids or ()]
+        if dcp > 1:
+            _generate_dcp(
+                path,
+                texts=texts,
+                ids=ids,
+                raw=raw,
+                as_json=as_json,
+                sampling=SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    seed=seed,
+                ),
+                num_blocks=num_blocks
+                or blocks_for(lengths, max_tokens=max_tokens, block_size=block_size, num_groups=2),
+                block_size=block_size,
+                device=device,
+                max_num_batched_tokens=max_num_batched_tokens,
+                dcp=dcp,
+                interleave=dcp_interleave,
+                timeout_s=dcp_timeout,
+            )
+            return
         runtime = build_runtime(
             path,
             num_blocks=num_blocks
@@ -125,9 +167,12 @@ def generate(
         outputs = _run(runtime, requests)
     except HybridServeError as error:
         raise fail(str(error)) from None
-    for i, request in enumerate(requests):
-        out = outputs[request.req_id]
-        text = tokenizer.decode(out) if tokenizer is not None else None
+    _print_outputs([outputs[r.req_id] for r in requests], tokenizer, as_json=as_json)
+
+
+def _print_outputs(outputs: list[list[int]], tokenizer: object | None, *, as_json: bool) -> None:
+    for i, out in enumerate(outputs):
+        text = tokenizer.decode(out) if tokenizer is not None else None  # type: ignore[attr-defined]
         if as_json:
             record: dict[str, object] = {"index": i, "token_ids": out}
             if text is not None:
@@ -135,6 +180,71 @@ def generate(
             typer.echo(json.dumps(record))
         else:
             typer.echo(text if text is not None else " ".join(map(str, out)))
+
+
+def _generate_dcp(
+    path: Path,
+    *,
+    texts: list[str] | None,
+    ids: list[list[int]] | None,
+    raw: bool,
+    as_json: bool,
+    sampling: SamplingParams,
+    num_blocks: int,
+    block_size: int,
+    device: str,
+    max_num_batched_tokens: int,
+    dcp: int,
+    interleave: int,
+    timeout_s: float,
+) -> None:
+    """Tokenize here, run the job on N ranks (spawned, or this process's torchrun rank), print
+    rank 0's outputs."""
+    from hybridserve.cli.torch_runtime import DcpJob, load_text_tokenizer, run_dcp_job
+    from hybridserve.parallel.launch import (
+        init_from_env,
+        leave_group,
+        run_ranks,
+        torchrun_env_present,
+    )
+
+    tokenizer = load_text_tokenizer(path)
+    if texts is not None:
+        if tokenizer is None:
+            raise fail(f"{path} has no tokenizer; use --token-ids")
+        ids = [_encode(tokenizer, text, chat=not raw) for text in texts]
+    assert ids is not None
+    requests = tuple(
+        Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)
+        for i, p in enumerate(ids)
+    )
+    job = DcpJob(
+        model_path=str(path),
+        waves=(requests,),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        device=device,
+        max_num_batched_tokens=max_num_batched_tokens,
+        load_tokenizer=True,
+    )
+    if torchrun_env_present():
+        group = init_from_env(interleave=interleave, timeout_s=timeout_s)
+        try:
+            if group.world_size != dcp:
+                raise fail(f"--dcp={dcp} but torchrun started WORLD_SIZE={group.world_size}")
+            outcome = run_dcp_job(group, job)
+        finally:
+            leave_group()
+        if outcome is None:
+            return  # ranks 1..N-1 print nothing
+    else:
+        err.print(f"starting {dcp} DCP ranks ...", highlight=False)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        results = run_ranks(
+            run_dcp_job, dcp, job, interleave=interleave, backend=backend, timeout_s=timeout_s
+        )
+        outcome = results[0]
+    _print_outputs([outcome.tokens[r.req_id] for r in requests], tokenizer, as_json=as_json)
 
 
 def _encode(tokenizer: object, text: str, *, chat: bool) -> list[int]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
+from hybridserve.core.request import Request
 from hybridserve.engine.engine import Engine
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.scheduler import Scheduler
@@ -15,6 +16,7 @@ from hybridserve.scheduler import Scheduler
 if TYPE_CHECKING:
     from hybridserve.executor.torch.runner import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
+    from hybridserve.parallel.group import DcpGroup
 
 
 @dataclass
@@ -23,6 +25,104 @@ class TorchRuntime:
     executor: TorchExecutor
     tokenizer: TextTokenizer | None
     stop_token_ids: tuple[int, ...]
+    driver: object | None = None  # DcpDriver on rank 0 of a DCP group
+
+    def close(self) -> None:
+        """Release the other ranks of a DCP group (a no-op without one)."""
+        if self.driver is not None:
+            from hybridserve.executor.torch.dcp import DcpDriver
+
+            assert isinstance(self.driver, DcpDriver)
+            self.driver.close()
+
+
+@dataclass(frozen=True)
+class DcpJob:
+    """Offline generation on a DCP group: what every rank needs to build the same runtime.
+
+    `waves` run one after another on the same engine, so a later wave can hit the prefix cache
+    of an earlier one."""
+
+    model_path: str
+    waves: tuple[tuple[Request, ...], ...]
+    num_blocks: int
+    block_size: int = 16
+    device: str = "cpu"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 32768
+    load_tokenizer: bool = False  # rank 0 adds the tokenizer's end-of-turn ids to the stops
+
+
+@dataclass
+class DcpOutcome:
+    """Rank 0's result: output tokens and the prefix-cache hit (tokens) of each request."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    num_steps: int = 0
+
+
+def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
+    """One rank of a DCP generation job (every rank of the group calls it; see
+    `hybridserve.parallel.run_ranks` and `init_from_env`). Rank 0 schedules and returns the
+    outcome; the other ranks execute rank 0's plans and return None."""
+    from hybridserve.executor.torch.dcp import follow_plans
+
+    runtime = build_runtime(
+        Path(job.model_path),
+        num_blocks=job.num_blocks,
+        block_size=job.block_size,
+        device=job.device if not job.device.startswith("cuda") else f"cuda:{_local_device()}",
+        max_num_seqs=job.max_num_seqs,
+        max_num_batched_tokens=job.max_num_batched_tokens,
+        max_model_len=job.max_model_len,
+        load_tokenizer=job.load_tokenizer and dcp.rank == 0,
+        dcp=dcp,
+    )
+    if dcp.rank != 0:
+        follow_plans(runtime.executor)
+        return None
+    outcome = DcpOutcome()
+    try:
+        for wave in job.waves:
+            _run_wave(runtime, wave, outcome)
+    finally:
+        runtime.close()
+    return outcome
+
+
+def _local_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _run_wave(runtime: TorchRuntime, wave: tuple[Request, ...], outcome: DcpOutcome) -> None:
+    engine = runtime.engine
+    for asked in wave:
+        sampling = asked.sampling
+        if not sampling.ignore_eos:
+            stops = tuple(sorted({*sampling.stop_token_ids, *runtime.stop_token_ids}))
+            sampling = replace(sampling, stop_token_ids=stops)
+        # A fresh Request: the job's own objects stay unscheduled (a job can run again).
+        request = Request(
+            req_id=asked.req_id,
+            prompt_token_ids=asked.prompt_token_ids,
+            sampling=sampling,
+            priority=asked.priority,
+            cache_salt=asked.cache_salt,
+        )
+        runtime.executor.set_sampling(request.req_id, request.sampling)
+        engine.add_request(request)
+        outcome.tokens[request.req_id] = []
+    while engine.has_requests():
+        step = engine.step()
+        outcome.num_steps += 1
+        for req_id, hit in (*step.scheduled.new_reqs, *step.scheduled.resumed):
+            outcome.hit_tokens.setdefault(req_id, hit)
+        for out in step.outputs:
+            outcome.tokens[out.req_id].extend(out.new_token_ids)
 
 
 def parse_spec(text: str | None) -> SpeculativeConfig:
@@ -52,8 +152,12 @@ def build_runtime(
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 32768,
     load_tokenizer: bool = True,
+    dcp: DcpGroup | None = None,
 ) -> TorchRuntime:
-    """Load the model (and its tokenizer) and wire scheduler, cache and executor together."""
+    """Load the model (and its tokenizer) and wire scheduler, cache and executor together.
+
+    With a `dcp` group of N > 1 ranks, the executor holds this rank's KV shard and, on rank 0,
+    the engine drives the group through a `DcpDriver` (call `runtime.close()` when done)."""
     import torch
 
     from hybridserve.executor.torch.gguf_file import GGUFFile
@@ -82,6 +186,7 @@ def build_runtime(
         device=device,
         speculative=speculative,
         max_num_seqs=max_num_seqs,
+        dcp=dcp,
     )
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -99,7 +204,24 @@ def build_runtime(
             token_id = tokenizer.backend.token_to_id(name)
             if token_id is not None:
                 stops.add(int(token_id))
-    return TorchRuntime(Engine(scheduler, executor), executor, tokenizer, tuple(sorted(stops)))
+    driver = None
+    if dcp is not None and dcp.world_size > 1 and dcp.rank == 0:
+        from hybridserve.executor.torch.dcp import DcpDriver
+
+        driver = DcpDriver(executor)
+    engine = Engine(scheduler, driver or executor)
+    return TorchRuntime(engine, executor, tokenizer, tuple(sorted(stops)), driver)
+
+
+def load_text_tokenizer(model_path: Path) -> TextTokenizer | None:
+    """The tokenizer of a checkpoint folder or GGUF file, without loading the weights."""
+    from hybridserve.executor.torch.gguf_file import GGUFFile
+    from hybridserve.executor.torch.tokenizer import gguf_tokenizer
+    from hybridserve.executor.torch.tokenizer import load_tokenizer as folder_tokenizer
+
+    if model_path.is_file() and model_path.suffix == ".gguf":
+        return gguf_tokenizer(model_path, GGUFFile(model_path))
+    return folder_tokenizer(model_path)
 
 
 def blocks_for(lengths: list[int], *, max_tokens: int, block_size: int, num_groups: int) -> int:

@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from hybridserve.parallel.group import DcpGroup
 
-__all__ = ["find_free_port", "init_from_env", "run_ranks", "torchrun_env_present"]
+__all__ = [
+    "find_free_port",
+    "init_from_env",
+    "leave_group",
+    "run_ranks",
+    "torchrun_env_present",
+]
 
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
@@ -64,6 +70,13 @@ def init_from_env(
     return DcpGroup(rank=rank, world_size=world_size, interleave=interleave)
 
 
+def leave_group() -> None:
+    """Tear down the default process group, if any: a rank must, before it exits (gloo's
+    threads otherwise abort the process at interpreter exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _encode(value: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
@@ -89,8 +102,7 @@ def _worker(
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
 
 
 def _next_answer(

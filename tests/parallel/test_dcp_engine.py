@@ -1,0 +1,163 @@
+"""`--dcp N` end to end: the Engine on rank 0 drives N TorchExecutor ranks over gloo on CPU.
+
+A tiny full-attention model gives the same greedy tokens at DCP 1, 2 and 4, including a request
+that resumes from a cached prefix whose length is a multiple of `block_size * N`, chunked
+prefill and a decode batch that mixes requests. DCP 1 also matches transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybridserve.cli.torch_runtime import DcpJob, DcpOutcome, run_dcp_job
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.parallel import DcpGroup
+from hybridserve.parallel.launch import find_free_port, run_ranks
+from tests.reference.helpers import make_checkpoint, transformers_greedy
+
+BLOCK_SIZE = 4
+SHARED = 37  # tokens request b shares with request a
+MAX_TOKENS = 6
+TIMEOUT_S = 180
+
+
+def _prompts() -> dict[str, tuple[int, ...]]:
+    rng = random.Random(7)
+    a = tuple(rng.randrange(3, 120) for _ in range(40))
+    return {
+        "a": a,
+        "b": a[:SHARED] + tuple(rng.randrange(3, 120) for _ in range(5)),
+        "c": tuple(rng.randrange(3, 120) for _ in range(11)),
+    }
+
+
+def _job(model_path: Path) -> DcpJob:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+
+    def request(name: str) -> Request:
+        return Request(req_id=name, prompt_token_ids=prompts[name], sampling=params)
+
+    # b and c arrive after a finished: b resumes from a's cached prefix while c prefills, and
+    # both then decode in one batch. A budget of 16 tokens splits every prefill into chunks.
+    return DcpJob(
+        model_path=str(model_path),
+        waves=((request("a"),), (request("b"), request("c"))),
+        num_blocks=64,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    make_checkpoint(config, folder, seed=3)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def outcomes(llama_path: Path) -> dict[int, DcpOutcome]:
+    job = _job(llama_path)
+    results: dict[int, DcpOutcome] = {}
+    single = run_dcp_job(DcpGroup(), job)
+    assert single is not None
+    results[1] = single
+    for width in (2, 4):
+        per_rank = run_ranks(run_dcp_job, width, job, timeout_s=TIMEOUT_S)
+        assert per_rank[1:] == [None] * (width - 1)  # only rank 0 schedules
+        results[width] = per_rank[0]
+    return results
+
+
+def test_dcp_1_matches_transformers_greedy(llama_path: Path, outcomes: dict[int, DcpOutcome]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_path)).eval()
+    for name, prompt in _prompts().items():
+        expected, _ = transformers_greedy(model, prompt, MAX_TOKENS)
+        assert outcomes[1].tokens[name] == expected, name
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_greedy_tokens_are_identical_at_every_dcp_width(
+    outcomes: dict[int, DcpOutcome], width: int
+) -> None:
+    assert outcomes[width].tokens == outcomes[1].tokens
+    assert all(len(t) == MAX_TOKENS for t in outcomes[width].tokens.values())
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_the_prefix_hit_is_a_whole_number_of_sharded_blocks(
+    outcomes: dict[int, DcpOutcome], width: int
+) -> None:
+    unit = BLOCK_SIZE * width  # one block id covers block_size tokens on each of N ranks
+    hit = outcomes[width].hit_tokens["b"]
+    assert hit == SHARED // unit * unit
+    assert hit > 0 and hit % unit == 0
+    assert outcomes[width].hit_tokens["c"] == 0
+
+
+def _cli_outputs(stdout: str) -> list[list[int]]:
+    return [json.loads(line)["token_ids"] for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "ids.jsonl"
+    path.write_text("".join(json.dumps(list(p)) + "\n" for p in _prompts().values()))
+    return path
+
+
+def test_generate_cli_gives_the_same_tokens_with_dcp_2(llama_path: Path, token_file: Path):
+    from typer.testing import CliRunner
+
+    from hybridserve.cli import app
+
+    args = ["generate", "--model", str(llama_path), "--token-ids", str(token_file)]
+    args += ["--max-tokens", "5", "--block-size", "4", "--json"]
+    runner = CliRunner()
+    single = runner.invoke(app, args)
+    assert single.exit_code == 0, single.output
+    sharded = runner.invoke(app, [*args, "--dcp", "2"])
+    assert sharded.exit_code == 0, sharded.output
+    assert _cli_outputs(sharded.stdout) == _cli_outputs(single.stdout)
+    assert len(_cli_outputs(single.stdout)) == 3
+
+
+def test_generate_cli_joins_a_torchrun_group(llama_path: Path, token_file: Path):
+    args = ["generate", "--model", str(llama_path), "--token-ids", str(token_file)]
+    args += ["--max-tokens", "5", "--block-size", "4", "--json"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launcher += ["--master-port", str(find_free_port()), "-m", "hybridserve.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*launcher, *args, "--dcp", "2"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    reference = _job(llama_path)  # the same prompts, greedy: compare with the DCP-1 engine
+    single = run_dcp_job(
+        DcpGroup(), replace(reference, waves=(reference.waves[0] + reference.waves[1],))
+    )
+    assert single is not None
+    expected = [single.tokens[name][:5] for name in ("a", "b", "c")]
+    assert _cli_outputs(done.stdout) == expected  # printed once, by rank 0
