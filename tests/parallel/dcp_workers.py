@@ -162,3 +162,14 @@ def fail_on_rank_one(dcp: DcpGroup) -> int:
         raise ValueError("rank 1 gives up")
     dist.all_reduce(torch.ones(1))
     return dcp.rank
+
+
+def run_engine_jobs(dcp: DcpGroup, jobs: dict[str, object]) -> dict[str, object]:
+    """Each named DcpJob on the same group, in turn (rank 0's outcomes; None elsewhere)."""
+    from hybridserve.cli.torch_runtime import DcpJob, run_dcp_job
+
+    outcomes = {}
+    for name, job in jobs.items():
+        assert isinstance(job, DcpJob)
+        outcomes[name] = run_dcp_job(dcp, job)
+    return outcomes

@@ -1,8 +1,9 @@
 """`--dcp N` end to end: the Engine on rank 0 drives N TorchExecutor ranks over gloo on CPU.
 
-A tiny full-attention model gives the same greedy tokens at DCP 1, 2 and 4, including a request
-that resumes from a cached prefix whose length is a multiple of `block_size * N`, chunked
-prefill and a decode batch that mixes requests. DCP 1 also matches transformers.
+Tiny models give the same greedy tokens at DCP 1, 2 and 4, including a request that resumes
+from a cached prefix whose length is a multiple of `block_size * N`, chunked prefill and a
+decode batch that mixes requests: a full-attention Llama (DCP 1 also matches transformers) and
+a hybrid Bamba (Mamba2 state replicated on every rank, attention sharded).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hybridserve.cli.torch_runtime import DcpJob, DcpOutcome, run_dcp_job
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.parallel import DcpGroup
 from hybridserve.parallel.launch import find_free_port, run_ranks
+from tests.parallel import dcp_workers as w
 from tests.reference.helpers import make_checkpoint, transformers_greedy
 
 BLOCK_SIZE = 4
@@ -76,17 +78,51 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outcomes(llama_path: Path) -> dict[int, DcpOutcome]:
-    job = _job(llama_path)
-    results: dict[int, DcpOutcome] = {}
-    single = run_dcp_job(DcpGroup(), job)
-    assert single is not None
-    results[1] = single
+def bamba_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BambaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-bamba")
+    config = BambaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        architectures=["BambaForCausalLM"],
+    )
+    make_checkpoint(config, folder, seed=5)
+    return folder
+
+
+MODELS = ("llama", "bamba")
+
+
+@pytest.fixture(scope="module")
+def all_outcomes(llama_path: Path, bamba_path: Path) -> dict[int, dict[str, DcpOutcome]]:
+    """outcomes[width][model], every model run on one group per width."""
+    jobs = {"llama": _job(llama_path), "bamba": _job(bamba_path)}
+    results = {1: w.run_engine_jobs(DcpGroup(), jobs)}
     for width in (2, 4):
-        per_rank = run_ranks(run_dcp_job, width, job, timeout_s=TIMEOUT_S)
-        assert per_rank[1:] == [None] * (width - 1)  # only rank 0 schedules
+        per_rank = run_ranks(w.run_engine_jobs, width, jobs, timeout_s=TIMEOUT_S)
+        assert all(set(r.values()) == {None} for r in per_rank[1:])  # only rank 0 schedules
         results[width] = per_rank[0]
-    return results
+    return results  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def outcomes(all_outcomes: dict[int, dict[str, DcpOutcome]]) -> dict[int, DcpOutcome]:
+    return {width: by_model["llama"] for width, by_model in all_outcomes.items()}
 
 
 def test_dcp_1_matches_transformers_greedy(llama_path: Path, outcomes: dict[int, DcpOutcome]):
@@ -98,23 +134,25 @@ def test_dcp_1_matches_transformers_greedy(llama_path: Path, outcomes: dict[int,
         assert outcomes[1].tokens[name] == expected, name
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("width", [2, 4])
 def test_greedy_tokens_are_identical_at_every_dcp_width(
-    outcomes: dict[int, DcpOutcome], width: int
+    all_outcomes: dict[int, dict[str, DcpOutcome]], width: int, model: str
 ) -> None:
-    assert outcomes[width].tokens == outcomes[1].tokens
-    assert all(len(t) == MAX_TOKENS for t in outcomes[width].tokens.values())
+    assert all_outcomes[width][model].tokens == all_outcomes[1][model].tokens
+    assert all(len(t) == MAX_TOKENS for t in all_outcomes[width][model].tokens.values())
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_the_prefix_hit_is_a_whole_number_of_sharded_blocks(
-    outcomes: dict[int, DcpOutcome], width: int
+    all_outcomes: dict[int, dict[str, DcpOutcome]], width: int, model: str
 ) -> None:
     unit = BLOCK_SIZE * width  # one block id covers block_size tokens on each of N ranks
-    hit = outcomes[width].hit_tokens["b"]
+    hit = all_outcomes[width][model].hit_tokens["b"]
     assert hit == SHARED // unit * unit
     assert hit > 0 and hit % unit == 0
-    assert outcomes[width].hit_tokens["c"] == 0
+    assert all_outcomes[width][model].hit_tokens["c"] == 0
 
 
 def _cli_outputs(stdout: str) -> list[list[int]]:
