@@ -2,8 +2,10 @@
 transformers on tiny random checkpoints.
 
 CPU float32: greedy tokens identical, logits within 1e-4; one request, chunked prefill of a mixed
-batch, prefix-cache resume and preemption. The V3.2 checkpoint keeps 8 keys per query out of
-prompts of 20-40 tokens, and a separate test proves that the sparsity changes the logits.
+batch, prefix-cache resume and preemption. Three checkpoints: V3 with q LoRA, interleaved RoPE
+and MoE after one dense layer; V3 with a plain `q_proj`, rotate-half RoPE and MoE everywhere;
+V3.2 with yarn RoPE, keeping 8 keys per query out of prompts of 20-40 tokens (a separate test
+proves that the sparsity changes the logits).
 """
 
 from __future__ import annotations
@@ -81,10 +83,13 @@ def _v3_plain_q_config() -> Any:
 
 
 def _v32_config(index_topk: int = INDEX_TOPK) -> Any:
+    """Yarn RoPE (both factors away from 1), which the indexer's rotation shares."""
     from transformers import DeepseekV32Config
 
+    # max_position_embeddings = factor * original_max_position_embeddings, as yarn expects.
     return DeepseekV32Config(
-        **_COMMON,
+        **{**_COMMON, "max_position_embeddings": 64},
+        rope_parameters=dict(YARN),
         num_hidden_layers=2,
         q_lora_rank=32,
         first_k_dense_replace=1,
@@ -94,6 +99,17 @@ def _v32_config(index_topk: int = INDEX_TOPK) -> Any:
         architectures=["DeepseekV32ForCausalLM"],
     )
 
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.7,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 
 CONFIGS = {"v3": _v3_config, "v3_plain_q": _v3_plain_q_config, "v32": _v32_config}
 
@@ -190,14 +206,8 @@ def test_v32_top_k_sparsity_changes_the_logits(tmp_path: Path) -> None:
     _assert_matches(hf_dense, [prompt], dense)
 
 
-def test_yarn_rope_is_refused_with_the_field_named() -> None:
+def test_unsupported_rope_type_is_refused_with_the_field_named() -> None:
     config = _v3_config().to_dict()
-    config["rope_parameters"] = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 40.0,
-        "original_max_position_embeddings": 4096,
-        "mscale_all_dim": 1.0,
-    }
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type"):
         DeepseekV3ForCausalLM(config)

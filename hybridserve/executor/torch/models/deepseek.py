@@ -6,13 +6,15 @@ dense for the first layers and the DeepSeek MoE (sigmoid router with group-limit
 experts and shared experts) after that. Parameter names are the checkpoint names, experts
 included (`mlp.experts.<e>.gate_proj.weight`, as transformers saves them).
 
-Only default RoPE is supported: a `rope_scaling` / `rope_parameters` of another type (the yarn
-of the released DeepSeek-V3 checkpoints) raises ConfigError rather than running with the wrong
-frequencies and softmax scale.
+RoPE is default or yarn (the released checkpoints' `rope_scaling`), computed as transformers
+does: yarn frequencies, cos/sin times the attention factor, and the softmax scale times
+`mscale(factor, mscale_all_dim) ** 2`. Other RoPE types raise ConfigError.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -23,7 +25,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.forward import LatentIndex
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.norm import RMSNorm
-from hybridserve.executor.torch.layers.rotary import Rotary
+from hybridserve.executor.torch.layers.rotary import Rotary, inverse_frequencies
 from hybridserve.executor.torch.models.base import CausalLM, LatentCache, LayerCache, register_model
 from hybridserve.executor.torch.models.llama import rope_settings
 
@@ -33,28 +35,77 @@ if TYPE_CHECKING:
 _LORA_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm and the indexer's k_norm use no config eps
 
 
-def _rope_base(config: dict[str, Any]) -> float:
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekRope:
+    """RoPE of the `qk_rope_head_dim` dims: inverse frequencies, the factor on cos/sin and the
+    factor on the softmax scale (both 1 without yarn)."""
+
+    inv_freq: torch.Tensor
+    attention_factor: float
+    softmax_factor: float
+
+    def rotary(self) -> Rotary:
+        """A rotate-half `Rotary` with these frequencies and cos/sin factor."""
+        rotary = Rotary(self.inv_freq.numel() * 2, 1.0)
+        rotary.inv_freq = self.inv_freq.clone()
+        rotary.attention_factor = self.attention_factor
+        return rotary
+
+
+def deepseek_rope(config: dict[str, Any]) -> DeepseekRope:
+    """Default RoPE, or yarn as transformers computes it (`_compute_yarn_parameters` for the
+    frequencies and cos/sin factor, `yarn_apply_mscale` for the softmax scale)."""
+    dim = int(config["qk_rope_head_dim"])
     base, scaling = rope_settings(config)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind != "default":
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return DeepseekRope(inverse_frequencies(dim, base, None), 1.0, 1.0)
+    if kind != "yarn":
         field = "config.rope_parameters" if config.get("rope_parameters") else "config.rope_scaling"
-        raise ConfigError(
-            f"{field}.rope_type",
-            kind,
-            "DeepSeek models support default RoPE only (yarn frequencies and its mscale softmax "
-            "scale are not implemented); remove the scaling to run at the original context",
-        )
-    return base
+        raise ConfigError(f"{field}.rope_type", kind, "DeepSeek models support default or yarn")
+    max_positions = int(config.get("max_position_embeddings", 4096))
+    original = int(scaling.get("original_max_position_embeddings") or max_positions)
+    factor = float(scaling.get("factor") or max_positions / original)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+    softmax_factor = _mscale(factor, float(mscale_all_dim)) ** 2 if mscale_all_dim else 1.0
+    return DeepseekRope(inv_freq, float(attention_factor), softmax_factor)
 
 
-def rotate_interleaved(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
-) -> torch.Tensor:
-    """RoPE on interleaved pairs `(x0, x1), (x2, x3), ...` of `x` `[T, heads, rope]`, returned
-    in the de-interleaved layout transformers produces (rotated evens, then rotated odds)."""
+def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """RoPE on interleaved pairs `(x0, x1), (x2, x3), ...` of `x` `[T, heads, rope]` with the
+    frequencies of `rotary`, returned in the de-interleaved layout transformers produces
+    (rotated evens, then rotated odds)."""
+    inv_freq = cast(torch.Tensor, rotary.inv_freq)
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]
-    cos = freqs.cos().to(x.dtype)[:, None, :]
-    sin = freqs.sin().to(x.dtype)[:, None, :]
+    cos = (freqs.cos() * rotary.attention_factor).to(x.dtype)[:, None, :]
+    sin = (freqs.sin() * rotary.attention_factor).to(x.dtype)[:, None, :]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -68,7 +119,7 @@ class DeepseekIndexer(nn.Module):
     first `qk_rope_head_dim` dims of q and k.
     """
 
-    def __init__(self, config: dict[str, Any], base: float) -> None:
+    def __init__(self, config: dict[str, Any], rope: DeepseekRope) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
         self.num_heads = int(config["index_n_heads"])
@@ -86,7 +137,7 @@ class DeepseekIndexer(nn.Module):
         self.wk = nn.Linear(hidden, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=_LORA_NORM_EPS)
         self.weights_proj = nn.Linear(hidden, self.num_heads, bias=False)
-        self.rotary = Rotary(self.rope_dim, base)
+        self.rotary = rope.rotary()
 
     def forward(
         self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor
@@ -133,21 +184,20 @@ class DeepseekAttention(nn.Module):
             self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
-        base = _rope_base(config)
+        rope = deepseek_rope(config)
         # transformers' V3.2 always rotates interleaved pairs; V3 follows `rope_interleave`.
         self.interleaved = sparse or bool(config.get("rope_interleave", True))
-        self.rotary = Rotary(self.rope_dim, base)
-        self.indexer = DeepseekIndexer(config, base) if sparse else None
-        self.scale = qk_dim**-0.5
+        self.rotary = rope.rotary()
+        self.indexer = DeepseekIndexer(config, rope) if sparse else None
+        self.scale = qk_dim**-0.5 * rope.softmax_factor
 
     def _rope(
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.interleaved:
-            inv_freq = cast(torch.Tensor, self.rotary.inv_freq)
             return (
-                rotate_interleaved(q_pe, positions, inv_freq),
-                rotate_interleaved(k_pe, positions, inv_freq),
+                rotate_interleaved(q_pe, positions, self.rotary),
+                rotate_interleaved(k_pe, positions, self.rotary),
             )
         return self.rotary(positions, q_pe, k_pe)
 
