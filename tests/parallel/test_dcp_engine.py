@@ -2,8 +2,10 @@
 
 Tiny models give the same greedy tokens at DCP 1, 2 and 4, including a request that resumes
 from a cached prefix whose length is a multiple of `block_size * N`, chunked prefill and a
-decode batch that mixes requests: a full-attention Llama (DCP 1 also matches transformers) and
-a hybrid Bamba (Mamba2 state replicated on every rank, attention sharded).
+decode batch that mixes requests: a full-attention Llama (DCP 1 also matches transformers), a
+hybrid Bamba (Mamba2 state replicated on every rank, attention sharded) and a sparse-MLA
+DeepSeek-V3.2 (latent KV and indexer keys sharded, query heads split and all-gathered for every
+row, the indexer's top-k chosen across ranks).
 """
 
 from __future__ import annotations
@@ -105,13 +107,31 @@ def bamba_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-MODELS = ("llama", "bamba")
+@pytest.fixture(scope="module")
+def sparse_mla_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3.2: MLA with the DSA indexer keeping the top 8 keys per query (prompts are up
+    to 42 tokens, so selection matters), MoE after the first layer, yarn RoPE."""
+    from tests.reference.test_deepseek import INDEX_TOPK, _build
+
+    assert INDEX_TOPK < SHARED
+    folder = tmp_path_factory.mktemp("tiny-deepseek-v32")
+    _build("v32", folder)
+    return folder
+
+
+MODELS = ("llama", "bamba", "sparse_mla")
 
 
 @pytest.fixture(scope="module")
-def all_outcomes(llama_path: Path, bamba_path: Path) -> dict[int, dict[str, DcpOutcome]]:
+def all_outcomes(
+    llama_path: Path, bamba_path: Path, sparse_mla_path: Path
+) -> dict[int, dict[str, DcpOutcome]]:
     """outcomes[width][model], every model run on one group per width."""
-    jobs = {"llama": _job(llama_path), "bamba": _job(bamba_path)}
+    jobs = {
+        "llama": _job(llama_path),
+        "bamba": _job(bamba_path),
+        "sparse_mla": _job(sparse_mla_path),
+    }
     results = {1: w.run_engine_jobs(DcpGroup(), jobs)}
     for width in (2, 4):
         per_rank = run_ranks(w.run_engine_jobs, width, jobs, timeout_s=TIMEOUT_S)
