@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request as HttpRequest
 
 from hybridserve.core.request import Request
-from hybridserve.server.async_engine import AsyncEngine
+from hybridserve.server.async_engine import AsyncEngine, Delivery
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.protocol import ApiError
 from hybridserve.server.tokenizer import Tokenizer
@@ -52,6 +52,19 @@ class StopMatcher:
         return out, False
 
 
+def _coalesce(first: Delivery, queue: asyncio.Queue[Delivery]) -> Delivery:
+    """`first` and every delivery already waiting behind it, as one. When the engine outpaces
+    the event loop (many streams, fast steps), each stream then costs one event per turn of the
+    loop instead of one per token, so the loop catches up and sees hang-ups promptly."""
+    if first.finished or queue.empty():
+        return first
+    token_ids, last = list(first.token_ids), first
+    while not last.finished and not queue.empty():
+        last = queue.get_nowait()
+        token_ids.extend(last.token_ids)
+    return replace(last, token_ids=tuple(token_ids))
+
+
 async def _abort_on_disconnect(http: HttpRequest, engine: AsyncEngine, req_id: str) -> None:
     while True:
         message = await http.receive()
@@ -81,7 +94,7 @@ async def generate(
     reason: str | None = None
     try:
         while reason is None:
-            delivery = await stream.queue.get()
+            delivery = _coalesce(await stream.queue.get(), stream.queue)
             if delivery.error is not None:
                 reason = "abort"
                 if delivery.status >= 500:

@@ -101,3 +101,19 @@ def test_serve_rejects_an_unknown_model_profile() -> None:
     result = CliRunner().invoke(app, ["serve", "--model-profile", "no-such-model"])
     assert result.exit_code == 2
     assert "no-such-model" in result.output
+
+
+def test_deliveries_waiting_behind_the_first_are_sent_as_one_up_to_the_last() -> None:
+    import asyncio
+
+    from hybridserve.server.async_engine import Delivery
+    from hybridserve.server.generation import _coalesce
+
+    queue: asyncio.Queue[Delivery] = asyncio.Queue()
+    for delivery in (Delivery((2,), False), Delivery((3, 4), True, "length"), Delivery((9,), True)):
+        queue.put_nowait(delivery)
+    merged = _coalesce(Delivery((1,), False), queue)
+    assert merged == Delivery((1, 2, 3, 4), True, "length")
+    assert queue.qsize() == 1  # nothing after the finishing delivery is taken
+    alone = Delivery((5,), False)
+    assert _coalesce(alone, asyncio.Queue()) is alone
