@@ -73,7 +73,9 @@ def scheduler_settings(
     return scheduler, retention or chosen.retention.kind.value
 
 
-def _torch_backend(model: str, *, device: str, max_model_len: int | None) -> ServingBackend:
+def _torch_backend(
+    model: str, *, device: str, max_model_len: int | None, dcp: int = 1, dcp_interleave: int = 1
+) -> ServingBackend:
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
         raise fail(f"--model {model!r}: use {' or '.join(TORCH_MODEL_ALIASES)} or a local path")
     try:
@@ -89,7 +91,13 @@ def _torch_backend(model: str, *, device: str, max_model_len: int | None) -> Ser
     if factory is None:
         raise fail("hybridserve.cli.torch_serving has no serving_backend(); it cannot be served")
     try:
-        backend: ServingBackend = factory(model, device=device, max_model_len=max_model_len)
+        backend: ServingBackend = factory(
+            model,
+            device=device,
+            max_model_len=max_model_len,
+            dcp=dcp,
+            dcp_interleave=dcp_interleave,
+        )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     return backend
@@ -162,6 +170,16 @@ def serve_cmd(
     shutdown_timeout: Annotated[
         float, typer.Option(help="Seconds in-flight requests get to finish on shutdown.")
     ] = 30.0,
+    dcp: Annotated[
+        int,
+        typer.Option(
+            help="Torch: decode context parallel ranks (local processes; this one is rank 0 "
+            "and schedules). Full-attention KV is sharded by token across them."
+        ),
+    ] = 1,
+    dcp_interleave: Annotated[
+        int, typer.Option(help="Torch: consecutive tokens per rank in the DCP round-robin.")
+    ] = 1,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
     import uvicorn
@@ -170,6 +188,8 @@ def serve_cmd(
 
     if executor not in ("sim", "torch"):
         raise fail(f"--executor {executor!r}: use sim or torch")
+    if dcp != 1 and executor != "torch":
+        raise fail(f"--dcp={dcp}: decode context parallel runs with --executor torch")
     overrides = {
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
@@ -188,7 +208,13 @@ def serve_cmd(
     )
     try:
         if executor == "torch":
-            backend = _torch_backend(model, device=device, max_model_len=max_model_len)
+            backend = _torch_backend(
+                model,
+                device=device,
+                max_model_len=max_model_len,
+                dcp=dcp,
+                dcp_interleave=dcp_interleave,
+            )
         else:
             from hybridserve.cli.sim_backend import DEFAULT_MAX_MODEL_LEN, SimServingBackend
 

@@ -94,6 +94,13 @@ class SimServingBackend:
     def num_blocks(self) -> int:
         return kv_pool_blocks(self._gpu, self._model, tp=self._tp, dtype=self._dtype)
 
+    @property
+    def dcp_width(self) -> int:
+        return 1
+
+    def close(self) -> None:
+        """Nothing to release: the simulated executor starts no processes."""
+
     def make_executor(self, layout: CacheLayout) -> Executor:
         cost = self._cost
 

@@ -17,7 +17,6 @@ from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
 
 if TYPE_CHECKING:
-    from hybridserve.executor.torch.runner import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8_192
@@ -92,8 +91,16 @@ class TorchServingBackend:
     """A loaded model; `make_executor` builds its TorchExecutor over the server's layout."""
 
     def __init__(
-        self, model: str, *, device: str = "auto", max_model_len: int | None = None
+        self,
+        model: str,
+        *,
+        device: str = "auto",
+        max_model_len: int | None = None,
+        dcp: int = 1,
+        dcp_interleave: int = 1,
     ) -> None:
+        """`dcp` > 1 starts ranks 1..N-1 as local processes (each loads the model) and makes
+        this process rank 0: its engine drives the group; call `close()` after serving."""
         import torch
 
         from hybridserve.cli.builtin_models import resolve_model
@@ -128,7 +135,26 @@ class TorchServingBackend:
         # Room for four requests at the longest context (--num-blocks caps it); the cache
         # layout (groups, block size) comes from the model itself.
         self._num_blocks = max(256, 4 * -(-self._max_model_len // 16))
-        self._executor = TorchExecutor(loaded, num_blocks=self._num_blocks, device=device)
+        if dcp < 1 or dcp_interleave < 1:
+            raise ConfigError("--dcp", (dcp, dcp_interleave), "use 1 or more (and interleave)")
+        self._ranks = None
+        self._driver = None
+        group = None
+        if dcp > 1:
+            from hybridserve.executor.torch.dcp import DcpDriver, LocalDcpRanks
+
+            self._ranks = LocalDcpRanks()
+            group = self._ranks.start(
+                str(path),
+                dcp,
+                executor_options={"num_blocks": self._num_blocks, "device": device},
+                interleave=dcp_interleave,
+            )
+        self._executor = TorchExecutor(
+            loaded, num_blocks=self._num_blocks, device=device, dcp=group
+        )
+        if group is not None:
+            self._driver = DcpDriver(self._executor)
 
     @property
     def model_name(self) -> str:
@@ -157,14 +183,32 @@ class TorchServingBackend:
             raise ConfigError(
                 "num_blocks", layout.num_blocks, f"the executor holds {self._num_blocks}"
             )
-        executor: TorchExecutor = self._executor
+        executor: Executor = self._driver if self._driver is not None else self._executor
         return executor
+
+    @property
+    def dcp_width(self) -> int:
+        return self._executor.dcp.world_size
 
     def pace_s(self, result: StepResult) -> float:
         return 0.0  # real steps take real time
 
+    def close(self) -> None:
+        """Release the DCP ranks, if any (call once the engine thread stopped)."""
+        if self._driver is not None:
+            self._driver.close()
+        if self._ranks is not None:
+            self._ranks.close()
+
 
 def serving_backend(
-    model: str, *, device: str = "auto", max_model_len: int | None = None
+    model: str,
+    *,
+    device: str = "auto",
+    max_model_len: int | None = None,
+    dcp: int = 1,
+    dcp_interleave: int = 1,
 ) -> TorchServingBackend:
-    return TorchServingBackend(model, device=device, max_model_len=max_model_len)
+    return TorchServingBackend(
+        model, device=device, max_model_len=max_model_len, dcp=dcp, dcp_interleave=dcp_interleave
+    )

@@ -26,7 +26,9 @@ from hybridserve.parallel.group import DcpGroup
 __all__ = [
     "find_free_port",
     "init_from_env",
+    "join_local_group",
     "leave_group",
+    "process_context",
     "run_ranks",
     "torchrun_env_present",
 ]
@@ -67,6 +69,29 @@ def init_from_env(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+    return DcpGroup(rank=rank, world_size=world_size, interleave=interleave)
+
+
+def join_local_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    *,
+    interleave: int = 1,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> DcpGroup:
+    """Join a group of `world_size` processes on this host that meet at 127.0.0.1:`port` (the
+    default process group; every rank calls it, and it returns once all have)."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank % max(torch.cuda.device_count(), 1))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return DcpGroup(rank=rank, world_size=world_size, interleave=interleave)
 
 
@@ -121,7 +146,7 @@ def _next_answer(
     return rank, payload
 
 
-def _context() -> mp.context.ForkServerContext | mp.context.SpawnContext:
+def process_context() -> mp.context.ForkServerContext | mp.context.SpawnContext:
     """Ranks fork from a forkserver that has imported torch once (and never touched CUDA), so a
     group starts without each rank paying for `import torch`; spawn where forkserver is absent."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -147,7 +172,7 @@ def run_ranks(
     """
     if world_size == 1:
         return [fn(DcpGroup(interleave=interleave), *args)]
-    ctx = _context()
+    ctx = process_context()
     results: mp.Queue[tuple[int, bool, bytes | str]] = ctx.Queue()
     options = {"interleave": interleave, "backend": backend, "timeout_s": timeout_s}
     port = find_free_port()

@@ -100,6 +100,7 @@ def create_app(state: ServerState) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(state.engine.stop)
+            await asyncio.to_thread(state.backend.close)
 
     app = FastAPI(title="hybridserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.hybridserve = state

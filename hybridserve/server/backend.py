@@ -4,10 +4,11 @@ A backend owns the model side (tokenizer, cache geometry, the executor); the ser
 scheduler configuration. Every type in the protocol lives below the server layer, so an
 executor package can implement it without importing the server.
 
-`hybridserve serve --executor torch` calls `hybridserve.executor.torch.serving_backend(model,
-*, device, max_model_len)`, where `model` is a built-in alias (`smollm2`, `gemma3-270m`) or a
-local checkpoint path, `device` is `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`,
-and `max_model_len` is None unless `--max-model-len` was given; it
+`hybridserve serve --executor torch` calls `hybridserve.cli.torch_serving.serving_backend(model,
+*, device, max_model_len, dcp, dcp_interleave)`, where `model` is a built-in alias (`smollm2`,
+`gemma3-270m`) or a local checkpoint path, `device` is `auto` (CUDA when available), `cpu`,
+`cuda` or `cuda:N`, `max_model_len` is None unless `--max-model-len` was given, and `dcp` > 1
+starts that many decode-context-parallel ranks; it
 returns an object satisfying ServingBackend, with a `Tokenizer` (server/tokenizer.py).
 """
 
@@ -54,6 +55,16 @@ class ServingBackend(Protocol):
         """The executor over this cache layout; called once, before serving starts."""
         ...
 
+    @property
+    def dcp_width(self) -> int:
+        """Decode-context-parallel ranks the full-attention KV is sharded over (1 = none): the
+        cache then looks up and allocates full attention in `block_size * N` token blocks."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend started (DCP ranks); called once the engine stopped."""
+        ...
+
     def pace_s(self, result: StepResult) -> float:
         """Wall seconds a step should take at least: the simulated duration scaled by the
         sim speed for the simulator, 0 for an executor whose steps take real time."""
@@ -81,6 +92,7 @@ def build_engine(
         num_blocks=blocks,
         speculative=backend.speculative,
         retention=retention,
+        dcp=backend.dcp_width,
     )
     cache = KVCacheManager(layout)
     scheduler = Scheduler(

@@ -10,12 +10,26 @@ on every rank (the merged attention is), and only rank 0's reach the scheduler.
 
 from __future__ import annotations
 
+import logging
+import multiprocessing as mp
+from typing import Any
+
+import torch
 import torch.distributed as dist
 
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.executor.torch.runner import TorchExecutor
+from hybridserve.parallel.group import DcpGroup
+from hybridserve.parallel.launch import (
+    find_free_port,
+    join_local_group,
+    leave_group,
+    process_context,
+)
 
-__all__ = ["DcpDriver", "follow_plans"]
+__all__ = ["DcpDriver", "LocalDcpRanks", "follow_plans"]
+
+logger = logging.getLogger(__name__)
 
 
 def _broadcast(plan: StepPlan | None, executor: TorchExecutor) -> StepPlan | None:
@@ -59,3 +73,98 @@ def follow_plans(executor: TorchExecutor) -> int:
         executor.execute(plan)
         steps += 1
     return steps
+
+
+def _follower_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    model_path: str,
+    executor_options: dict[str, Any],
+    interleave: int,
+    backend: str,
+    timeout_s: float,
+) -> None:
+    """A spawned rank 1..N-1: load the model, join the group, execute plans until closed."""
+    from hybridserve.executor.torch.loader import load_model
+
+    try:
+        dcp = join_local_group(
+            rank, world_size, port, interleave=interleave, backend=backend, timeout_s=timeout_s
+        )
+        options = dict(executor_options)
+        if backend == "nccl":
+            options["device"] = f"cuda:{torch.cuda.current_device()}"
+        executor = TorchExecutor(load_model(model_path), dcp=dcp, **options)
+        follow_plans(executor)
+    finally:
+        leave_group()
+
+
+class LocalDcpRanks:
+    """Ranks 1..N-1 of a DCP group as local processes, with this process as rank 0.
+
+    `start` spawns the followers (each loads the model itself and builds a TorchExecutor with
+    `executor_options`), joins the group as rank 0 and returns its DcpGroup; build rank 0's
+    executor with it and drive it through a DcpDriver. `close` releases the followers (after
+    the driver closed) and leaves the group. gloo on CPU, nccl on CUDA (rank r on cuda:r).
+    """
+
+    def __init__(self) -> None:
+        self._procs: list[mp.process.BaseProcess] = []
+        self.group: DcpGroup | None = None
+
+    def start(
+        self,
+        model_path: str,
+        world_size: int,
+        *,
+        executor_options: dict[str, Any],
+        interleave: int = 1,
+        timeout_s: float = 300.0,
+    ) -> DcpGroup:
+        device = str(executor_options.get("device", "cpu"))
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        ctx = process_context()
+        port = find_free_port()
+        for rank in range(1, world_size):
+            proc = ctx.Process(
+                target=_follower_main,
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    model_path,
+                    executor_options,
+                    interleave,
+                    backend,
+                    timeout_s,
+                ),
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+        try:
+            self.group = join_local_group(
+                0, world_size, port, interleave=interleave, backend=backend, timeout_s=timeout_s
+            )
+        except BaseException:
+            self.close()
+            raise
+        return self.group
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait for the followers to end (kill the stragglers) and leave the group."""
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                logger.warning("DCP rank process %s did not exit; killing it", proc.pid)
+                proc.kill()
+                proc.join()
+        self._procs.clear()
+        leave_group()
+        self.group = None
+
+    @property
+    def alive(self) -> int:
+        return sum(p.is_alive() for p in self._procs)
