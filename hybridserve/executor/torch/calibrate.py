@@ -4,11 +4,13 @@
 num_context_tokens) pair per request (hybridserve.sim.calibration maps StepShapes onto them).
 Every request gets its own block table from a bump allocator, one untimed step registers the
 requests (their first chunk, `new_request`), then the same chunks run again without
-`new_request` and are timed with `time.perf_counter` around `TorchExecutor.execute` (which
-synchronises CUDA). The K/V the chunks attend to is whatever the cache holds: the time of a step
-does not depend on the values. Shapes are measured in interleaved rounds (every shape once per
-round) and each shape's time is the median of its samples, so a burst of load from another
-process spoils one sample of many shapes rather than every sample of one.
+`new_request` and are timed around `TorchExecutor.execute` (which synchronises CUDA) with
+`time.perf_counter`, or, on a CPU with one torch thread, `time.thread_time`: the thread's CPU
+time, which the load of other processes on a shared machine does not inflate. The K/V the
+chunks attend to is written once up front (its values do not change a step's time). Shapes are
+measured in interleaved rounds (every shape once per round) and each shape's time is the median
+over rounds of the round's fastest step, so a burst of load from another process spoils one
+sample of many shapes rather than every sample of one.
 
 `measure_peaks` is the "datasheet" of a device that is not in the GPU catalog (a CPU): the best
 FLOP/s of a large fp32 and bf16 matmul and the bytes/s of a large tensor copy (read + write).
@@ -55,12 +57,28 @@ def executor_for(
 class StepTimer:
     """Runs StepPlans of a given shape (one `RequestTokens` per request) and times them."""
 
-    def __init__(self, executor: TorchExecutor, *, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        executor: TorchExecutor,
+        *,
+        vocab_size: int,
+        seed: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.executor = executor
+        self.clock = clock  # wall (perf_counter) or this thread's CPU time (thread_time)
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
         self.num_groups = len(executor.groups.specs)
         self._step_id = 0
+        # The context a timed chunk attends to is never written by a prefill here: write every
+        # K/V page once, so that reads hit memory as after a real prefill and not the
+        # untouched zero pages of a fresh allocation.
+        cache = executor.cache
+        for layer in range(len(executor.groups.layer_group)):
+            if not cache.is_state_layer(layer):
+                for tensor in cache.kv(layer):
+                    tensor.fill_(0.01)
 
     def _plan(self, chunks: Sequence[ScheduledChunk], finished: Sequence[str] = ()) -> StepPlan:
         self._step_id += 1
@@ -91,17 +109,20 @@ class StepTimer:
             )
         return chunks
 
-    def time(self, shape: Sequence[RequestTokens], *, repeats: int) -> list[float]:
-        """`repeats` timed steps of `shape`, after one untimed step that registers it."""
+    def time(self, shape: Sequence[RequestTokens], *, repeats: int, warmup: int = 1) -> list[float]:
+        """`repeats` timed steps of `shape`, after one untimed step that registers its requests
+        and `warmup` untimed steps like the timed ones (the allocator and caches settle)."""
         first = self._chunks(shape)
         self.executor.execute(self._plan(first))
         again = [c._replace(new_request=False, block_ids=((),) * self.num_groups) for c in first]
+        for _ in range(warmup):
+            self.executor.execute(self._plan(again))
         samples = []
         for _ in range(repeats):
             plan = self._plan(again)
-            began = time.perf_counter()
+            began = self.clock()
             self.executor.execute(plan)
-            samples.append(time.perf_counter() - began)
+            samples.append(self.clock() - began)
         self.executor.execute(self._plan((), finished=[c.req_id for c in first]))
         return samples
 
@@ -114,13 +135,15 @@ def measure_steps(
     repeats: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[float]:
-    """The median seconds of every shape over `rounds` interleaved passes of `repeats` timed
-    steps each; `progress(done, total)` after each shape of each pass."""
+    """Seconds per shape: over `rounds` interleaved passes, the median of each pass's fastest
+    of `repeats` timed steps. Load from other processes only adds time: the fastest of a few
+    back-to-back steps drops short interruptions, the median over passes a loaded pass.
+    `progress(done, total)` after each shape of each pass."""
     samples: list[list[float]] = [[] for _ in shapes]
     total = len(shapes) * rounds
     for round_index in range(rounds):
         for index, shape in enumerate(shapes):
-            samples[index].extend(timer.time(shape, repeats=repeats))
+            samples[index].append(min(timer.time(shape, repeats=repeats)))
             if progress is not None:
                 progress(round_index * len(shapes) + index + 1, total)
     return [statistics.median(s) for s in samples]
@@ -136,21 +159,25 @@ class DevicePeaks:
     memory_bytes: float  # device memory (a CPU: physical RAM)
 
 
-def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _best_seconds(
+    fn: Callable[[], object], device: torch.device, repeats: int, clock: Callable[[], float]
+) -> float:
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        began = time.perf_counter()
+        began = clock()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - began)
+        best = min(best, clock() - began)
     return best
 
 
-def measure_peaks(device: str | torch.device, *, repeats: int = 5) -> DevicePeaks:
+def measure_peaks(
+    device: str | torch.device, *, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> DevicePeaks:
     """Matmul FLOP/s (fp32 and bf16) and copy bytes/s of `device`, best of `repeats` each."""
     dev = torch.device(device)
     n = 8192 if dev.type == "cuda" else 1024
@@ -158,11 +185,11 @@ def measure_peaks(device: str | torch.device, *, repeats: int = 5) -> DevicePeak
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(n, n, device=dev).to(dtype)
         b = torch.randn(n, n, device=dev).to(dtype)
-        flops[dtype] = 2 * n**3 / _best_seconds(partial(torch.matmul, a, b), dev, repeats)
+        flops[dtype] = 2 * n**3 / _best_seconds(partial(torch.matmul, a, b), dev, repeats, clock)
     elements = (1 << 30 if dev.type == "cuda" else 1 << 26) // 4  # 1 GiB / 256 MiB of fp32
     src = torch.ones(elements, device=dev)
     dst = torch.empty_like(src)
-    copy_s = _best_seconds(lambda: dst.copy_(src), dev, repeats)
+    copy_s = _best_seconds(lambda: dst.copy_(src), dev, repeats, clock)
     if dev.type == "cuda":
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
     else:
