@@ -80,10 +80,10 @@ class Grid:
 
 
 QUICK_GRID = Grid(
-    prefill_tokens=(32, 128),
+    prefill_tokens=(32, 128, 256),
     prefill_context_tokens=(0, 256),
-    decode_batches=(1, 8),
-    decode_context_tokens=(64, 512),
+    decode_batches=(1, 4, 8),
+    decode_context_tokens=(64, 256),
     rounds=2,
     repeats=2,
 )

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="the calibration tests need torch (pip install .[test])")
+torch = pytest.importorskip(
+    "torch", reason="the calibration tests need torch (pip install .[test])"
+)
 pytest.importorskip("safetensors", reason="the calibration tests need safetensors")
 
 torch.set_num_threads(1)
