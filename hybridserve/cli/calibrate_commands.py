@@ -15,7 +15,7 @@ from hybridserve.cli.app import app, err, fail
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
-    from hybridserve.sim.calibration import CalibrationProfile, Grid
+    from hybridserve.sim.calibration import CalibrationProfile, ErrorSummary, Grid
 
 
 def _check_device(device: str) -> None:
@@ -198,9 +198,8 @@ def _summary_tables(profile: CalibrationProfile) -> tuple[Table, Table]:
     return summary, samples
 
 
-def _errors(summary: object) -> str:
-    median, worst, count = (getattr(summary, k) for k in ("median", "max", "num_samples"))
-    return f"median {median:.1%}, max {worst:.1%} ({count} steps)"
+def _errors(summary: ErrorSummary) -> str:
+    return f"median {summary.median:.1%}, max {summary.max:.1%} ({summary.num_samples} steps)"
 
 
 @app.command("calibrate")
