@@ -32,6 +32,7 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
 from hybridserve.executor.torch.runner import TorchExecutor
+from hybridserve.kvcache.spec import MambaSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,6 +66,13 @@ class StepTimer:
         seed: int,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if any(isinstance(spec, MambaSpec) for spec in executor.groups.specs):
+            raise ConfigError(
+                "model",
+                "recurrent-state layers",
+                "calibration times attention-only models (Llama, Mistral, Gemma 3); "
+                "measure one of those",
+            )
         self.executor = executor
         self.clock = clock  # wall (perf_counter) or this thread's CPU time (thread_time)
         self.vocab_size = vocab_size
