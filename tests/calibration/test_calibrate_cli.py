@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.sim.calibration import CalibrationProfile
-from hybridserve.sim.cost_model import StepShape
+from hybridserve.sim.cost_model import Efficiency, StepShape
 from hybridserve.sim.fit import CostSetup
+from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 
 SIM = ["simulate", "--spec", "none", "--duration", "60", "--warmup", "0", "--workload",
@@ -59,8 +61,10 @@ def test_simulate_prices_steps_with_the_calibration(
     decode = StepShape.decode(batch=2, context_tokens=136)
     expected_ms = setup.cost_model(profile.efficiency).step_cost(decode).total_s * 1e3
     assert tpot_ms == pytest.approx(expected_ms, rel=0.02)
-    default = CliRunner().invoke(app, sim)
-    assert json.loads(default.stdout)["tpot_mean_ms"] != pytest.approx(tpot_ms, rel=0.02)
+    # Without the profile the run would price the step on the default H200.
+    h200 = replace(setup, gpu=get_gpu("H200"), dtype="fp8", kv_dtype="bf16")
+    h200_ms = h200.cost_model(Efficiency()).step_cost(decode).total_s * 1e3
+    assert h200_ms != pytest.approx(expected_ms, rel=0.2)
 
 
 @pytest.mark.parametrize(

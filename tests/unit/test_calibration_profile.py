@@ -25,6 +25,7 @@ from hybridserve.sim.calibration import (
 )
 from hybridserve.sim.cost_model import Efficiency, StepShape
 from hybridserve.sim.fit import CostSetup
+from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.hf_config import profile_from_hf_config
 
 CPU = measured_gpu_spec(
@@ -164,7 +165,10 @@ def test_simulate_uses_the_profiles_device_and_constants(
     decode = StepShape.decode(batch=4, context_tokens=272)
     expected = SETUP.cost_model(profile.efficiency).step_cost(decode).total_s * 1e3
     assert calibrated == pytest.approx(expected, rel=0.02)
-    assert abs(_tpot_ms(model_config) - expected) > 0.2 * expected
+    h200 = CostSetup(gpu=get_gpu("H200"), model=SETUP.model, dtype="fp8", kv_dtype="bf16")
+    assert abs(h200.cost_model(Efficiency()).step_cost(decode).total_s * 1e3 - expected) > (
+        0.2 * expected
+    )  # what the run would show without the profile
     slower = _profile(efficiency=replace(TRUE, step_overhead_s=TRUE.step_overhead_s + 0.05))
     slower.save(path)
     # 50 ms more per step, paid by every decode step: the TPOT moves by exactly that.
