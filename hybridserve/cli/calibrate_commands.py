@@ -15,7 +15,8 @@ from hybridserve.cli.app import app, err, fail
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
-    from hybridserve.sim.calibration import CalibrationProfile, ErrorSummary, Grid
+    from hybridserve.sim.calibration import CalibrationProfile, ErrorSummary
+    from hybridserve.sim.calibration_fit import Grid
 
 
 def _check_device(device: str) -> None:
@@ -81,8 +82,8 @@ def run_calibration(
         measure_steps,
     )
     from hybridserve.executor.torch.loader import load_model
-    from hybridserve.sim.calibration import (
-        CalibrationProfile,
+    from hybridserve.sim.calibration import CalibrationProfile
+    from hybridserve.sim.calibration_fit import (
         fit_measurements,
         measured_gpu_spec,
         request_tokens,
@@ -234,7 +235,7 @@ def calibrate_cmd(
 ) -> None:
     """Measure step times on a device, fit the cost model's constants, write a profile for
     `hybridserve simulate --calibration FILE`."""
-    from hybridserve.sim.calibration import QUICK_GRID, Grid
+    from hybridserve.sim.calibration_fit import QUICK_GRID, Grid
 
     columns = (
         TextColumn("{task.description}"),

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from hybridserve.cli.calibrate_commands import run_calibration
-from hybridserve.sim.calibration import CalibrationProfile, Grid
+from hybridserve.sim.calibration import CalibrationProfile
+from hybridserve.sim.calibration_fit import Grid
 
 # Prefill chunks with and without cached context, decode batches at three contexts: 15 shapes,
 # a third of them held out of the fit (seeded). Five interleaved rounds of two timed steps.

@@ -15,10 +15,9 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.calibration import (
-    CalibrationProfile,
+from hybridserve.sim.calibration import CalibrationProfile, describe
+from hybridserve.sim.calibration_fit import (
     Grid,
-    describe,
     fit_measurements,
     holdout_split,
     measured_gpu_spec,
@@ -193,6 +192,6 @@ def test_simulate_rejects_a_conflicting_gpu_and_a_missing_profile(
 
 
 def test_calibration_module_leaves_torch_out() -> None:
-    code = "import sys, hybridserve.sim.calibration; print('torch' in sys.modules)"
+    code = "import sys, hybridserve.sim.calibration_fit; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

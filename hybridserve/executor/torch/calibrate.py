@@ -1,7 +1,7 @@
 """Measure the torch executor's step times over a grid of batch shapes, and the device's peaks.
 
 `measure_steps` builds StepPlans directly (no scheduler). A shape is one (num_new_tokens,
-num_context_tokens) pair per request (hybridserve.sim.calibration maps StepShapes onto them).
+num_context_tokens) pair per request (hybridserve.sim.calibration_fit maps StepShapes onto them).
 Every request gets its own block table from a bump allocator, one untimed step registers the
 requests (their first chunk, `new_request`), then the same chunks run again without
 `new_request` and are timed around `TorchExecutor.execute` (which synchronises CUDA) with
