@@ -2,6 +2,7 @@
 
 from hybridserve.cli import (
     cache_commands,
+    calibrate_commands,
     generate_commands,
     parallel_commands,
     serve_commands,
@@ -12,6 +13,7 @@ from hybridserve.cli.app import app
 __all__ = [
     "app",
     "cache_commands",
+    "calibrate_commands",
     "generate_commands",
     "main",
     "parallel_commands",

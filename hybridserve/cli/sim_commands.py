@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hybridserve.cli.app import app, err, fail
-from hybridserve.core.errors import HybridServeError
+from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
     from hybridserve.sim.run import SimConfig, SimRun
@@ -74,12 +74,36 @@ def _file_options(config_file: Path | None) -> dict[str, Any]:
     return {"controls": loaded.scheduler, "retention": loaded.retention}
 
 
-def _model_options(model_config: Path | None, kv_dtype: str) -> dict[str, Any]:
-    """SimConfig fields of --model-config and --kv-dtype (the parsed model beats --model)."""
-    options: dict[str, Any] = {"kv_dtype": kv_dtype}
-    if model_config is not None:
-        options["model_config"] = str(model_config)
-    return options
+def _model_options(model_config: Path | None) -> dict[str, Any]:
+    """SimConfig fields of --model-config (the parsed model beats --model)."""
+    return {} if model_config is None else {"model_config": str(model_config)}
+
+
+def _device_options(
+    gpu: str | None, dtype: str | None, kv_dtype: str | None, calibration: Path | None
+) -> dict[str, Any]:
+    """SimConfig fields of --gpu, --dtype, --kv-dtype and --calibration. A calibration profile
+    sets the device (its GpuSpec), the Efficiency constants and, unless given, the dtypes it
+    was measured in; a --gpu naming another device is an error."""
+    if calibration is None:
+        return {"gpu": gpu or "H200", "dtype": dtype or "fp8", "kv_dtype": kv_dtype or "bf16"}
+    from hybridserve.sim.calibration import CalibrationProfile
+
+    profile = CalibrationProfile.load(calibration)
+    if gpu is not None and gpu != profile.device:
+        raise ConfigError(
+            "--gpu",
+            gpu,
+            f"--calibration {calibration} was measured on {profile.device}; drop --gpu "
+            "(the profile sets the device)",
+        )
+    return {
+        "gpu": profile.device,
+        "gpu_spec": profile.gpu,
+        "efficiency": profile.efficiency,
+        "dtype": dtype or profile.dtype,
+        "kv_dtype": kv_dtype or profile.kv_dtype,
+    }
 
 
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
@@ -103,6 +127,16 @@ def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
 SimOption = Annotated[str, typer.Option(help="Model profile.")]
 GpuOption = Annotated[str, typer.Option(help="GPU: A100-80G, H100-SXM, H200, B200, MI300X.")]
 DtypeOption = Annotated[str, typer.Option(help="Weight dtype: bf16, fp8, fp4.")]
+SimGpuOption = Annotated[
+    str | None,
+    typer.Option(
+        help="GPU: A100-80G, H100-SXM, H200, B200, MI300X [default: H200, or the calibration's]."
+    ),
+]
+SimDtypeOption = Annotated[
+    str | None,
+    typer.Option(help="Weight dtype: bf16, fp8, fp4, fp32 [default: fp8, or the calibration's]."),
+]
 TpOption = Annotated[int, typer.Option(help="Tensor-parallel width.")]
 AgentsOption = Annotated[int, typer.Option(help="Agents running jobs back to back.")]
 DurationOption = Annotated[float, typer.Option(help="Simulated seconds (per run).")]
@@ -122,7 +156,20 @@ ModelConfigOption = Annotated[
         help="A Hugging Face config.json (or its folder): simulate that model instead of --model.",
     ),
 ]
-KvDtypeOption = Annotated[str, typer.Option(help="KV cache / recurrent state dtype: bf16, fp8.")]
+KvDtypeOption = Annotated[
+    str | None,
+    typer.Option(
+        help="KV cache / recurrent state dtype: bf16, fp8 [default: bf16, or the calibration's]."
+    ),
+]
+CalibrationOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibration",
+        help="A profile from `hybridserve calibrate`: its device and fitted cost-model "
+        "constants (conflicts with a different --gpu).",
+    ),
+]
 CpuOption = Annotated[
     bool,
     typer.Option(help="Add the measured schedule()+update() CPU time to every step (not seeded)."),
@@ -132,9 +179,9 @@ CpuOption = Annotated[
 @app.command("simulate")
 def simulate_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
-    gpu: GpuOption = "H200",
+    gpu: SimGpuOption = None,
     tp: TpOption = 1,
-    dtype: DtypeOption = "fp8",
+    dtype: SimDtypeOption = None,
     preset: Annotated[
         str, typer.Option(help="baseline, hybridserve, controls-only or retention-only.")
     ] = "hybridserve",
@@ -155,7 +202,8 @@ def simulate_cmd(
     config_file: ConfigOption = None,
     include_scheduler_cpu: CpuOption = False,
     model_config: ModelConfigOption = None,
-    kv_dtype: KvDtypeOption = "bf16",
+    kv_dtype: KvDtypeOption = None,
+    calibration: CalibrationOption = None,
     out: Annotated[
         Path | None, typer.Option(help="Also write report.json and plots to this folder.")
     ] = None,
@@ -166,9 +214,7 @@ def simulate_cmd(
     try:
         config = _sim_config(
             model=model,
-            gpu=gpu,
             tp=tp,
-            dtype=dtype,
             preset=preset,
             num_agents=agents,
             duration_s=duration,
@@ -179,7 +225,8 @@ def simulate_cmd(
             time_scale=time_scale,
             limit=limit,
             include_scheduler_cpu=include_scheduler_cpu,
-            **_model_options(model_config, kv_dtype),
+            **_model_options(model_config),
+            **_device_options(gpu, dtype, kv_dtype, calibration),
             **_file_options(config_file),
         )
         run = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
@@ -192,7 +239,8 @@ def simulate_cmd(
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
     shown = model_config or model
-    table = Table(title=f"simulate: {shown} on {gpu} (tp={tp}, {dtype}), preset={preset}")
+    where = f"{config.gpu} (tp={tp}, {config.dtype})"
+    table = Table(title=f"simulate: {shown} on {where}, preset={preset}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in REPORT_KEYS:
@@ -203,16 +251,17 @@ def simulate_cmd(
 @app.command("bench")
 def bench_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
-    gpu: GpuOption = "H200",
+    gpu: SimGpuOption = None,
     tp: TpOption = 1,
-    dtype: DtypeOption = "fp8",
+    dtype: SimDtypeOption = None,
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
     warmup: WarmupOption = 300.0,
     seed: SeedOption = 0,
     config_file: ConfigOption = None,
     model_config: ModelConfigOption = None,
-    kv_dtype: KvDtypeOption = "bf16",
+    kv_dtype: KvDtypeOption = None,
+    calibration: CalibrationOption = None,
     name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
     ablations: Annotated[
         bool, typer.Option(help="Also run controls-only and retention-only.")
@@ -229,14 +278,13 @@ def bench_cmd(
     try:
         config = _sim_config(
             model=model,
-            gpu=gpu,
             tp=tp,
-            dtype=dtype,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
             seed=seed,
-            **_model_options(model_config, kv_dtype),
+            **_model_options(model_config),
+            **_device_options(gpu, dtype, kv_dtype, calibration),
         )
         for preset in presets:
             # A --config file shapes the hybridserve side only: the baseline stays vLLM.
@@ -255,11 +303,12 @@ def bench_cmd(
         **{preset: _metrics_json(results[preset]) for preset in presets[2:]},
         "setup": {
             "model": model,
-            "gpu": gpu,
+            "gpu": config.gpu,
             "tp": tp,
-            "dtype": dtype,
-            "kv_dtype": kv_dtype,
+            "dtype": config.dtype,
+            "kv_dtype": config.kv_dtype,
             "model_config": None if model_config is None else str(model_config),
+            "calibration": None if calibration is None else str(calibration),
             "agents": agents,
             "duration_s": duration,
             "warmup_s": warmup,
@@ -271,7 +320,8 @@ def bench_cmd(
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
-    table = Table(title=f"E1: {agents} agents, {model} on simulated {gpu} (tp={tp}, {dtype})")
+    where = f"{config.gpu} (tp={tp}, {config.dtype})"
+    table = Table(title=f"E1: {agents} agents, {model} on simulated {where}")
     for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio", *presets[2:]):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for key in REPORT_KEYS:
@@ -303,11 +353,11 @@ def sweep_cmd(
     ] = None,
     itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
     model: SimOption = "qwen3-next-80b-a3b",
-    gpu: GpuOption = "H200",
+    gpu: SimGpuOption = None,
     tp: TpOption = 1,
-    dtype: DtypeOption = "fp8",
+    dtype: SimDtypeOption = None,
     model_config: ModelConfigOption = None,
-    kv_dtype: KvDtypeOption = "bf16",
+    kv_dtype: KvDtypeOption = None,
     agents: AgentsOption = 20,
     duration: DurationOption = 900.0,
     warmup: WarmupOption = 150.0,
@@ -323,14 +373,13 @@ def sweep_cmd(
     try:
         config = _sim_config(
             model=model,
-            gpu=gpu,
             tp=tp,
-            dtype=dtype,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
             seed=seed,
-            **_model_options(model_config, kv_dtype),
+            **_model_options(model_config),
+            **_device_options(gpu, dtype, kv_dtype, None),
         )
         quantum = state_quantum(model_profile(config))
         results = sweep(

@@ -163,7 +163,9 @@ class RooflineCostModel:
         self.kv_dtype = kv_dtype
         self.eff = efficiency
         self._gemm_flops = gpu.peak_flops(dtype) * efficiency.gemm
-        self._attn_flops = gpu.bf16_flops * efficiency.attention
+        # Attention math runs in bf16, or in fp32 when the whole model does (a CPU).
+        attn_dtype = "fp32" if dtype == "fp32" else "bf16"
+        self._attn_flops = gpu.peak_flops(attn_dtype) * efficiency.attention
         self._hbm = gpu.hbm_bytes_per_s * efficiency.hbm
 
     def step_cost(self, batch: StepShape) -> StepCost:

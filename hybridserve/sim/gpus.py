@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from hybridserve.core.errors import ConfigError
 
 # Bytes per element of each supported dtype (weights, KV cache, activations).
-DTYPE_BYTES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5}
+# fp32 is what a model runs in on a CPU (`hybridserve calibrate --device cpu`).
+DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,16 +22,23 @@ class GpuSpec:
     hbm_bytes: float  # HBM capacity, datasheet GB taken as 1e9 bytes
     hbm_bytes_per_s: float  # HBM bandwidth
     link_bytes_per_s: float  # GPU-to-GPU bandwidth per direction (half the bidirectional total)
+    # Dense FP32 FLOP/s; None where not given (the catalog: serving GEMMs run in bf16 or below).
+    # A calibrated device (a CPU) records its measured fp32 matmul rate here.
+    fp32_flops: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for GEMMs whose inputs are `dtype`. Raises ConfigError if none."""
         if dtype in ("bf16", "fp16"):
             return self.bf16_flops
-        table = {"fp8": self.fp8_flops, "fp4": self.fp4_flops}
+        table = {"fp8": self.fp8_flops, "fp4": self.fp4_flops, "fp32": self.fp32_flops}
         if dtype not in table:
             raise ConfigError("dtype", dtype, f"use one of {sorted(DTYPE_BYTES)}")
         peak = table[dtype]
         if peak is None:
+            if dtype == "fp32":
+                raise ConfigError(
+                    "dtype", dtype, f"{self.name} has no fp32 peak in its spec; use bf16"
+                )
             raise ConfigError("dtype", dtype, f"{self.name} has no {dtype} tensor cores; use bf16")
         return peak
 

@@ -33,7 +33,7 @@ from hybridserve.sim.cost_model import (
 )
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.fixed_workload import fixed_simulation
-from hybridserve.sim.gpus import get_gpu
+from hybridserve.sim.gpus import GpuSpec, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.loop import AgentSimulation, OpenLoopSimulation, Simulation
 from hybridserve.sim.models import ModelProfile, get_model
@@ -97,12 +97,25 @@ class SimConfig:
     model_config: str | None = None  # a Hugging Face config.json (or its folder); beats `model`
     kv_dtype: str = "bf16"  # KV cache and recurrent state dtype
     efficiency: Efficiency = field(default_factory=Efficiency)  # cost-model constants
+    # A device outside the catalog (a calibration profile's measured peaks); beats `gpu`.
+    gpu_spec: GpuSpec | None = None
 
     def __post_init__(self) -> None:
         if self.warmup_s < 0 or self.duration_s <= self.warmup_s:
             raise ConfigError(
                 "duration_s", self.duration_s, f"it must exceed warmup_s={self.warmup_s}"
             )
+
+
+def gpu_of(config: SimConfig) -> GpuSpec:
+    """The run's device: `gpu_spec` when given, else the catalog entry `gpu`. Raises
+    ConfigError for tp > 1 on a device whose interconnect was not measured (link 0)."""
+    gpu = config.gpu_spec if config.gpu_spec is not None else get_gpu(config.gpu)
+    if config.tp > 1 and gpu.link_bytes_per_s <= 0:
+        raise ConfigError(
+            "tp", config.tp, f"{gpu.name} has no measured interconnect; simulate it with tp=1"
+        )
+    return gpu
 
 
 def state_quantum(model: str | ModelProfile) -> int:
@@ -150,7 +163,7 @@ def build_engine(
 ) -> tuple[Engine, Scheduler]:
     """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
     `config.include_scheduler_cpu`."""
-    gpu, model = get_gpu(config.gpu), model_profile(config)
+    gpu, model = gpu_of(config), model_profile(config)
     cost = RooflineCostModel(
         gpu,
         model,

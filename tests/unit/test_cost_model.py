@@ -276,3 +276,21 @@ def test_cost_model_import_leaves_torch_and_numpy_out() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_fp32_model_uses_the_fp32_peak_for_gemms_and_attention() -> None:
+    cpu = dataclasses.replace(H100, name="cpu", fp32_flops=H100.bf16_flops / 8)
+    model = get_model("llama-3.1-8b")
+    prefill = StepShape.prefill(4096, context_tokens=8192)
+    bf16 = RooflineCostModel(cpu, model, dtype="bf16").step_cost(prefill)
+    fp32 = RooflineCostModel(cpu, model, dtype="fp32", kv_dtype="fp32").step_cost(prefill)
+    # Compute-bound terms scale with the peak: 8x slower at an eighth of it (the LM head of the
+    # one sampled token is memory-bound, hence the tolerance).
+    assert fp32.linear_s == pytest.approx(8 * bf16.linear_s, rel=0.01)
+    assert fp32.attention_prefill_s == pytest.approx(8 * bf16.attention_prefill_s, rel=1e-9)
+    decode = StepShape.decode(batch=1, context_tokens=1000)
+    weights_bf16 = RooflineCostModel(cpu, model, dtype="bf16").step_cost(decode).linear_s
+    weights_fp32 = RooflineCostModel(cpu, model, dtype="fp32").step_cost(decode).linear_s
+    assert weights_fp32 == pytest.approx(2 * weights_bf16, rel=1e-9)  # 4-byte weight reads
+    with pytest.raises(ConfigError, match="no fp32 peak"):
+        RooflineCostModel(H100, model, dtype="fp32")

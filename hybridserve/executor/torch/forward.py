@@ -125,6 +125,12 @@ class LatentIndex:
     top_k: int
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`cache[slots]` for a [B, K] slot tensor: index_select copies whole rows, about 4x faster
+    than advanced indexing on CPU (the gather dominates long-context decode there)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 class ForwardContext:
     """Per step: attention metadata per group, state chunks per state group, and the cache."""
 
@@ -185,8 +191,8 @@ class ForwardContext:
         v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         qb = q[meta.query_rows].transpose(1, 2)  # [B, H, Q, D]
-        kb = k_cache[meta.key_slots].transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
-        vb = v_cache[meta.key_slots].transpose(1, 2).to(q.dtype)
+        kb = _gather(k_cache, meta.key_slots).transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
+        vb = _gather(v_cache, meta.key_slots).transpose(1, 2).to(q.dtype)
         if softcap is None:
             out = F.scaled_dot_product_attention(
                 qb, kb, vb, attn_mask=meta.mask, scale=scale, enable_gqa=num_kv_heads != num_heads

@@ -1,0 +1,210 @@
+"""Measure the torch executor's step times over a grid of batch shapes, and the device's peaks.
+
+`measure_steps` builds StepPlans directly (no scheduler). A shape is one (num_new_tokens,
+num_context_tokens) pair per request (hybridserve.sim.calibration_fit maps StepShapes onto them).
+Every request gets its own block table from a bump allocator, one untimed step registers the
+requests (their first chunk, `new_request`), then the same chunks run again without
+`new_request` and are timed around `TorchExecutor.execute` (which synchronises CUDA) with
+`time.perf_counter`, or, on a CPU with one torch thread, `time.thread_time`: the thread's CPU
+time, which the load of other processes on a shared machine does not inflate. The K/V the
+chunks attend to is written once up front (its values do not change a step's time). Shapes are
+measured in interleaved rounds (every shape once per round) and each shape's time is the median
+over rounds of the round's fastest step, so a burst of load from another process spoils one
+sample of many shapes rather than every sample of one.
+
+`measure_peaks` is the "datasheet" of a device that is not in the GPU catalog (a CPU): the best
+FLOP/s of a large fp32 and bf16 matmul and the bytes/s of a large tensor copy (read + write).
+The fitted efficiencies are then fractions of these measured peaks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import ScheduledChunk, StepPlan
+from hybridserve.executor.torch.runner import TorchExecutor
+from hybridserve.kvcache.spec import MambaSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# One request of a step: (num_new_tokens, num_context_tokens). The simulator's StepShape maps
+# onto a sequence of these (the executor layer does not import the simulator).
+RequestTokens = tuple[int, int]
+
+
+def executor_for(
+    model: torch.nn.Module, *, max_tokens: int, max_requests: int, device: str, block_size: int = 16
+) -> TorchExecutor:
+    """A TorchExecutor with blocks for `max_tokens` tokens spread over `max_requests` requests."""
+    num_blocks = -(-max_tokens // block_size) + max_requests + 1
+    return TorchExecutor(
+        model,  # type: ignore[arg-type]
+        num_blocks=num_blocks,
+        block_size=block_size,
+        device=device,
+        max_num_seqs=max_requests,
+    )
+
+
+class StepTimer:
+    """Runs StepPlans of a given shape (one `RequestTokens` per request) and times them."""
+
+    def __init__(
+        self,
+        executor: TorchExecutor,
+        *,
+        vocab_size: int,
+        seed: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if any(isinstance(spec, MambaSpec) for spec in executor.groups.specs):
+            raise ConfigError(
+                "model",
+                "recurrent-state layers",
+                "calibration times attention-only models (Llama, Mistral, Gemma 3); "
+                "measure one of those",
+            )
+        self.executor = executor
+        self.clock = clock  # wall (perf_counter) or this thread's CPU time (thread_time)
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.num_groups = len(executor.groups.specs)
+        self._step_id = 0
+        # The context a timed chunk attends to is never written by a prefill here: write every
+        # K/V page once, so that reads hit memory as after a real prefill and not the
+        # untouched zero pages of a fresh allocation.
+        cache = executor.cache
+        for layer in range(len(executor.groups.layer_group)):
+            if not cache.is_state_layer(layer):
+                for tensor in cache.kv(layer):
+                    tensor.fill_(0.01)
+
+    def _plan(self, chunks: Sequence[ScheduledChunk], finished: Sequence[str] = ()) -> StepPlan:
+        self._step_id += 1
+        return StepPlan(self._step_id, tuple(chunks), finished_req_ids=tuple(finished))
+
+    def _chunks(self, shape: Sequence[RequestTokens]) -> list[ScheduledChunk]:
+        bs = self.executor.block_size
+        next_block = 1  # block 0 is the null block of state tables
+        chunks = []
+        for index, (num_new, num_context) in enumerate(shape):
+            num_blocks = -(-(num_context + num_new) // bs)
+            table = tuple(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+            tokens = tuple(self.rng.randrange(self.vocab_size) for _ in range(num_new))
+            chunks.append(
+                ScheduledChunk(
+                    req_id=f"calib-{index}",
+                    start=num_context,
+                    token_ids=tokens,
+                    block_ids=(table,) * self.num_groups,
+                    sample=True,
+                    new_request=True,
+                )
+            )
+        if next_block > self.executor.num_blocks:
+            raise ConfigError(
+                "shape", f"{len(shape)} requests", "build the executor with more blocks"
+            )
+        return chunks
+
+    def time(self, shape: Sequence[RequestTokens], *, repeats: int, warmup: int = 1) -> list[float]:
+        """`repeats` timed steps of `shape`, after one untimed step that registers its requests
+        and `warmup` untimed steps like the timed ones (the allocator and caches settle)."""
+        first = self._chunks(shape)
+        self.executor.execute(self._plan(first))
+        again = [c._replace(new_request=False, block_ids=((),) * self.num_groups) for c in first]
+        for _ in range(warmup):
+            self.executor.execute(self._plan(again))
+        samples = []
+        for _ in range(repeats):
+            plan = self._plan(again)
+            began = self.clock()
+            self.executor.execute(plan)
+            samples.append(self.clock() - began)
+        self.executor.execute(self._plan((), finished=[c.req_id for c in first]))
+        return samples
+
+
+def measure_steps(
+    timer: StepTimer,
+    shapes: Sequence[Sequence[RequestTokens]],
+    *,
+    rounds: int,
+    repeats: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[float]:
+    """Seconds per shape: over `rounds` interleaved passes, the median of each pass's fastest
+    of `repeats` timed steps. Load from other processes only adds time: the fastest of a few
+    back-to-back steps drops short interruptions, the median over passes a loaded pass.
+    `progress(done, total)` after each shape of each pass."""
+    samples: list[list[float]] = [[] for _ in shapes]
+    total = len(shapes) * rounds
+    for round_index in range(rounds):
+        for index, shape in enumerate(shapes):
+            samples[index].append(min(timer.time(shape, repeats=repeats)))
+            if progress is not None:
+                progress(round_index * len(shapes) + index + 1, total)
+    return [statistics.median(s) for s in samples]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DevicePeaks:
+    """Best rates of short microbenchmarks on one device."""
+
+    fp32_flops: float
+    bf16_flops: float
+    copy_bytes_per_s: float  # bytes read + written per second by a large tensor copy
+    memory_bytes: float  # device memory (a CPU: physical RAM)
+
+
+def _best_seconds(
+    fn: Callable[[], object], device: torch.device, repeats: int, clock: Callable[[], float]
+) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = clock()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, clock() - began)
+    return best
+
+
+def measure_peaks(
+    device: str | torch.device, *, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> DevicePeaks:
+    """Matmul FLOP/s (fp32 and bf16) and copy bytes/s of `device`, best of `repeats` each."""
+    dev = torch.device(device)
+    n = 8192 if dev.type == "cuda" else 1024
+    flops: dict[torch.dtype, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(n, n, device=dev).to(dtype)
+        b = torch.randn(n, n, device=dev).to(dtype)
+        flops[dtype] = 2 * n**3 / _best_seconds(partial(torch.matmul, a, b), dev, repeats, clock)
+    elements = (1 << 30 if dev.type == "cuda" else 1 << 26) // 4  # 1 GiB / 256 MiB of fp32
+    src = torch.ones(elements, device=dev)
+    dst = torch.empty_like(src)
+    copy_s = _best_seconds(lambda: dst.copy_(src), dev, repeats, clock)
+    if dev.type == "cuda":
+        memory = float(torch.cuda.get_device_properties(dev).total_memory)
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return DevicePeaks(
+        fp32_flops=flops[torch.float32],
+        bf16_flops=flops[torch.bfloat16],
+        copy_bytes_per_s=2 * elements * 4 / copy_s,
+        memory_bytes=memory,
+    )
