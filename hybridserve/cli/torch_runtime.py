@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -61,6 +62,7 @@ class DcpOutcome:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     hit_tokens: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
+    generate_s: float = 0.0  # wall seconds from the first step to the last (no model load)
 
 
 def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
@@ -84,11 +86,13 @@ def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
         follow_plans(runtime.executor)
         return None
     outcome = DcpOutcome()
+    start = time.perf_counter()
     try:
         for wave in job.waves:
             _run_wave(runtime, wave, outcome)
     finally:
         runtime.close()
+    outcome.generate_s = time.perf_counter() - start
     return outcome
 
 

@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.executor.torch.cache import DeviceCache
-from hybridserve.parallel.attention import gather_local_tokens, partial_attention, write_owned_slots
+from hybridserve.parallel.attention import write_owned_slots
 from hybridserve.parallel.group import DcpGroup, all_gather_heads, merge_across_ranks
-from hybridserve.parallel.layer import AttentionRows, dcp_attention, local_keys
-from hybridserve.parallel.sparse import index_scores, select_top_k
+from hybridserve.parallel.layer import AttentionRows
+from hybridserve.parallel.sharding import global_positions
+from hybridserve.parallel.sparse import select_top_k
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,18 +102,114 @@ def build_attention_meta(
     )
 
 
-def build_attention_rows(
-    spans: Sequence[ChunkSpan], *, block_size: int, device: torch.device
-) -> AttentionRows:
-    """Every row's position and (zero-padded) block table, for a sharded or MLA group."""
+@dataclass(frozen=True, slots=True)
+class ShardMeta:
+    """One sharded (or MLA) group's step on this rank: where each row's K/V goes (if this rank
+    owns it) and, per chunk, the local keys it attends to. Chunks are padded to `Q` queries and
+    `K` local keys, as for SDPA; local key `j` of every sequence sits at the same position
+    (`key_positions[j]`), in block `table[j // block_size]` at offset `j % block_size`."""
+
+    slots: torch.Tensor  # [T]: this rank's flat cache slot of each row's token; -1 elsewhere
+    query_rows: torch.Tensor  # [B, Q]: row of the flat batch for each padded query
+    query_valid: torch.Tensor  # [B, Q] bool
+    key_slots: torch.Tensor  # [B, K]: flat local slot of each chunk's local key
+    key_positions: torch.Tensor  # [K]: sequence position of local key j
+    mask: torch.Tensor  # [B, Q, K] bool: causal and within the chunk's local keys
+    counts: torch.Tensor  # [T]: local keys each row attends to (rows in batch order)
+
+
+def build_shard_meta(
+    spans: Sequence[ChunkSpan], *, block_size: int, dcp: DcpGroup, device: torch.device
+) -> ShardMeta:
+    """The ShardMeta of one group's chunks on this rank of `dcp` (N = 1 for plain MLA)."""
+    num_chunks = len(spans)
+    max_q = max(s.num_tokens for s in spans)
+    ends = torch.tensor([s.start + s.num_tokens for s in spans], dtype=torch.long)
+    num_local = dcp.num_local_tokens(ends)
+    max_k = int(num_local.max())
+    index = torch.arange(max_k)
+    key_positions = global_positions(
+        index, rank=dcp.rank, world_size=dcp.world_size, interleave=dcp.interleave
+    )
     width = max(len(s.table) for s in spans)
     positions, tables = [], []
-    for span in spans:
-        positions.append(torch.arange(span.start, span.start + span.num_tokens))
-        table = torch.zeros(width, dtype=torch.long)
-        table[: len(span.table)] = torch.tensor(span.table, dtype=torch.long)
-        tables.append(table.expand(span.num_tokens, -1))
-    return AttentionRows(torch.cat(positions).to(device), torch.cat(tables).to(device), block_size)
+    query_rows = torch.zeros(num_chunks, max_q, dtype=torch.long)
+    query_valid = torch.zeros(num_chunks, max_q, dtype=torch.bool)
+    q_pos = torch.full((num_chunks, max_q), -1, dtype=torch.long)
+    key_slots = torch.zeros(num_chunks, max_k, dtype=torch.long)
+    for b, span in enumerate(spans):
+        table = torch.tensor(span.table, dtype=torch.long)
+        new_pos = torch.arange(span.start, span.start + span.num_tokens)
+        positions.append(new_pos)
+        padded = torch.zeros(width, dtype=torch.long)
+        padded[: len(table)] = table
+        tables.append(padded.expand(span.num_tokens, -1))
+        query_rows[b, : span.num_tokens] = torch.arange(
+            span.row_start, span.row_start + span.num_tokens
+        )
+        query_valid[b, : span.num_tokens] = True
+        q_pos[b, : span.num_tokens] = new_pos
+        local = index[: int(num_local[b])]
+        key_slots[b, : local.numel()] = table[local // block_size] * block_size + local % block_size
+    mask = (key_positions[None, None, :] <= q_pos[:, :, None]) & (
+        index[None, None, :] < num_local[:, None, None]
+    )
+    mask &= query_valid[:, :, None]
+    rows = AttentionRows(torch.cat(positions), torch.cat(tables), block_size)
+    return ShardMeta(
+        slots=rows.slots(dcp).to(device),
+        query_rows=query_rows.to(device),
+        query_valid=query_valid.to(device),
+        key_slots=key_slots.to(device),
+        key_positions=key_positions.to(device),
+        mask=mask.to(device),
+        counts=mask[query_valid].sum(dim=-1).to(device),
+    )
+
+
+# PyTorch's CPU flash-attention kernel also returns the log-sum-exp the DCP merge needs; it
+# wants one head size for q, k and v and a float mask. Elsewhere the plain computation runs.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of padded chunks over their local keys, with the log-sum-exp: `q` `[B, Q, H,
+    D]`, `k` `[B, K, KVH, D]`, `v` `[B, K, KVH, Dv]`, `mask` `[B, Q, K]`. Returns `out` `[B, Q,
+    H, Dv]` and `lse` `[B, Q, H]`. A query without a key may come back as anything (0 or NaN);
+    its key count is 0, and the merge masks it."""
+    b, nq, heads, _ = q.shape
+    kv_heads = k.shape[2]
+    if k.shape[1] == 0:
+        return q.new_zeros(b, nq, heads, v.shape[-1]), q.new_full((b, nq, heads), float("-inf"))
+    group = heads // kv_heads
+    flash = _FLASH_WITH_LSE
+    fused = (
+        flash is not None
+        and q.device.type == "cpu"
+        and q.dtype in _FLASH_DTYPES
+        and q.shape[-1] == v.shape[-1]
+    )
+    if fused and flash is not None:
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, K, D]
+        if group > 1:
+            kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~mask, float("-inf"))
+        out, lse = flash(
+            q.transpose(1, 2), kh, vh, 0.0, False, attn_mask=bias[:, None], scale=scale
+        )
+        return out.transpose(1, 2), lse.transpose(1, 2).to(q.dtype)
+    qg = q.view(b, nq, kv_heads, group, q.shape[-1])
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
+    scores.masked_fill_(~mask[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, G, Q]
+    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - shift.unsqueeze(-1))
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(b, nq, heads, v.shape[-1])
+    return out, lse.permute(0, 3, 1, 2).reshape(b, nq, heads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +239,7 @@ class ForwardContext:
         attention: dict[int, AttentionMeta],
         states: dict[int, list[StateChunk]],
         num_tokens: int,
-        rows: dict[int, AttentionRows] | None = None,
+        shards: dict[int, ShardMeta] | None = None,
         dcp: DcpGroup | None = None,
     ) -> None:
         self.cache = cache
@@ -150,7 +247,7 @@ class ForwardContext:
         self.attention_meta = attention
         self.states = states
         self.num_tokens = num_tokens
-        self.rows = rows or {}  # groups attended through hybridserve.parallel
+        self.shards = shards or {}  # sharded full-attention groups and MLA groups
         self.dcp = dcp or DcpGroup()
         self.aux_hidden: dict[int, torch.Tensor] = {}
 
@@ -168,24 +265,21 @@ class ForwardContext:
         `[T, KVH, D]`; returns `[T, H, D]` (each token sees its request's earlier tokens)."""
         group = self.layer_group[layer_index]
         k_cache, v_cache = self.cache.kv(layer_index)
-        rows = self.rows.get(group)
-        if rows is not None:
+        shard = self.shards.get(group)
+        if shard is not None:
             if softcap is not None:
                 raise ValueError(
                     f"layer {layer_index}: attention logit soft-capping is not supported under "
                     "decode context parallelism; run this model with dcp=1"
                 )
-            bs = self.cache.block_size
-            return dcp_attention(
-                q,
-                k,
-                v,
-                k_cache=k_cache.view(-1, bs, *k_cache.shape[1:]),
-                v_cache=v_cache.view(-1, bs, *v_cache.shape[1:]),
-                rows=rows,
-                dcp=self.dcp,
-                scale=scale,
-            )
+            write_owned_slots(k_cache[:, None], k, shard.slots)
+            write_owned_slots(v_cache[:, None], v, shard.slots)
+            kb = _gather(k_cache, shard.key_slots).to(q.dtype)  # [B, K, KVH, D]
+            vb = _gather(v_cache, shard.key_slots).to(q.dtype)
+            out, lse = _partial_attention(q[shard.query_rows], kb, vb, shard.mask, scale=scale)
+            valid = shard.query_valid
+            merged, _ = merge_across_ranks(out[valid], lse[valid], shard.counts, self.dcp)
+            return merged
         meta = self.attention_meta[group]
         k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
@@ -234,32 +328,35 @@ class ForwardContext:
         `w_uv` and all-gathers the heads. A row whose slot is negative (another rank owns its
         token's KV) skips only the cache writes.
         """
-        rows = self.rows[self.layer_group[layer_index]]
+        shard = self.shards[self.layer_group[layer_index]]
         dcp = self.dcp
         latent_cache, index_cache = self.cache.kv(layer_index)
-        bs = self.cache.block_size
-        latent_cache = latent_cache.view(-1, bs, *latent_cache.shape[1:])
-        index_cache = index_cache.view(-1, bs, *index_cache.shape[1:])
-        slots = rows.slots(dcp)
-        write_owned_slots(latent_cache, latent.unsqueeze(1), slots)
+        write_owned_slots(latent_cache[:, None], latent.unsqueeze(1), shard.slots)
         if index is not None:
-            write_owned_slots(index_cache, index.k.unsqueeze(1), slots)
+            write_owned_slots(index_cache[:, None], index.k.unsqueeze(1), shard.slots)
         heads = dcp.head_slice(q_nope.shape[1])
         kv_lora = w_uk.shape[-1]
         q_lat = torch.einsum("rhn,hnc->rhc", q_nope[:, heads], w_uk[heads])
         q_all = all_gather_heads(torch.cat([q_lat, q_pe[:, heads]], dim=-1), dcp)
-        window = local_keys(rows, dcp)
-        num_keys = window.mask.shape[1]
-        keys = gather_local_tokens(latent_cache, rows.block_tables, num_keys).to(q_all.dtype)
-        mask = window.mask
+        keys = _gather(latent_cache, shard.key_slots).to(q_all.dtype)  # [B, K, 1, latent]
+        mask, valid = shard.mask, shard.query_valid
         if index is not None:
-            index_keys = gather_local_tokens(index_cache, rows.block_tables, num_keys)
-            scores = index_scores(index.q, index.weights, index_keys[:, :, 0].to(index.q.dtype))
-            mask = select_top_k(scores, mask, window.positions, k=index.top_k, dcp=dcp)
-        out_lat, lse = partial_attention(q_all, keys, keys[..., :kv_lora], mask, scale=scale)
-        mine, _ = merge_across_ranks(out_lat, lse, mask.sum(dim=1), dcp, scatter_heads=True)
-        out = torch.einsum("rhc,hvc->rhv", mine, w_uv[heads])
-        return all_gather_heads(out, dcp)
+            index_keys = _gather(index_cache, shard.key_slots)[:, :, 0].to(index.q.dtype)
+            logits = torch.einsum("bqhd,bkd->bqhk", index.q[shard.query_rows], index_keys)
+            logits = torch.relu(logits * index.q.shape[-1] ** -0.5)
+            scores = torch.einsum("bqhk,bqh->bqk", logits, index.weights[shard.query_rows])
+            chosen = select_top_k(
+                scores[valid], mask[valid], shard.key_positions, k=index.top_k, dcp=dcp
+            )
+            mask = torch.zeros_like(mask)
+            mask[valid] = chosen
+        # The value is the latent's c_kv part: attend with the whole latent and keep that part.
+        out, lse = _partial_attention(q_all[shard.query_rows], keys, keys, mask, scale=scale)
+        out = out[..., :kv_lora]
+        counts = mask[valid].sum(dim=-1)
+        mine, _ = merge_across_ranks(out[valid], lse[valid], counts, dcp, scatter_heads=True)
+        out_heads = torch.einsum("rhc,hvc->rhv", mine, w_uv[heads])
+        return all_gather_heads(out_heads, dcp)
 
     def state_chunks(self, layer_index: int) -> list[StateChunk]:
         """The chunks a recurrent layer processes this step, in flat-batch order."""

@@ -26,7 +26,7 @@ from hybridserve.executor.torch.forward import (
     ForwardContext,
     StateChunk,
     build_attention_meta,
-    build_attention_rows,
+    build_shard_meta,
 )
 from hybridserve.executor.torch.models.base import CausalLM, derive_cache_groups
 from hybridserve.executor.torch.sampler import verify
@@ -296,7 +296,7 @@ class TorchExecutor:
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[ForwardContext, dict[str, _Commit]]:
         attention = {}
-        rows = {}
+        shards = {}
         states: dict[int, list[StateChunk]] = {}
         commits: dict[str, _Commit] = {}
         for gid, spec in enumerate(self.groups.specs):
@@ -308,8 +308,8 @@ class TorchExecutor:
             if isinstance(spec, MambaSpec):
                 states[gid] = self._state_chunks(gid, chunks, spans, commits)
             elif gid in self._row_groups:
-                rows[gid] = build_attention_rows(
-                    spans, block_size=self.block_size, device=self.device
+                shards[gid] = build_shard_meta(
+                    spans, block_size=self.block_size, dcp=self.dcp, device=self.device
                 )
             else:
                 window = spec.window if isinstance(spec, SlidingWindowSpec) else None
@@ -322,7 +322,7 @@ class TorchExecutor:
             attention=attention,
             states=states,
             num_tokens=sum(c.num_tokens for c in chunks),
-            rows=rows,
+            shards=shards,
             dcp=self.dcp,
         )
         return ctx, commits

@@ -1,0 +1,79 @@
+"""The torch executor's sharded attention pieces: per-chunk local keys on a rank, and partial
+attention with its log-sum-exp (the fused CPU kernel and the plain computation agree)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve.executor.torch import forward
+from hybridserve.executor.torch.forward import ChunkSpan, _partial_attention, build_shard_meta
+from hybridserve.parallel import DcpGroup
+
+
+def _reference(q, k, v, mask, scale):  # type: ignore[no-untyped-def]
+    """Per (chunk, query, head): softmax over the unmasked keys, in float64."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bqhk", q, k).double() * scale
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bqhk,bkhd->bqhd", torch.softmax(scores, dim=-1), v.double())
+    return out, lse
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_cpu_kernel", "plain"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_partial_attention_matches_softmax_and_its_log_sum_exp(
+    fused: bool, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not fused:
+        monkeypatch.setattr(forward, "_FLASH_WITH_LSE", None)
+    gen = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(3, 5, 4, 8, generator=gen)
+    k = torch.randn(3, 7, kv_heads, 8, generator=gen)
+    v = torch.randn(3, 7, kv_heads, 8, generator=gen)
+    mask = torch.rand(3, 5, 7, generator=gen) > 0.4
+    mask[:, :, 0] = True
+    mask[1, 2] = False  # a query with no key on this rank
+    out, lse = _partial_attention(q, k, v, mask, scale=0.3)
+    ref_out, ref_lse = _reference(q, k, v, mask, 0.3)
+    has_keys = mask.any(dim=-1)
+    torch.testing.assert_close(out[has_keys].double(), ref_out[has_keys], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[has_keys].double(), ref_lse[has_keys], atol=1e-5, rtol=1e-5)
+
+
+def test_partial_attention_without_local_keys_is_empty_not_an_error() -> None:
+    q = torch.randn(2, 3, 4, 8)
+    out, lse = _partial_attention(
+        q,
+        torch.empty(2, 0, 2, 8),
+        torch.empty(2, 0, 2, 8),
+        torch.zeros(2, 3, 0, dtype=torch.bool),
+        scale=1.0,
+    )
+    assert out.shape == (2, 3, 4, 8) and not out.any()
+    assert torch.isneginf(lse).all()
+
+
+def test_shard_meta_gives_each_rank_its_own_tokens_of_every_chunk() -> None:
+    block_size, world = 2, 2
+    # Two chunks: positions 4..6 of a sequence (table [7, 3]) and a fresh 1-token prompt.
+    spans = [ChunkSpan(0, 3, 4, [7, 3]), ChunkSpan(3, 1, 0, [5])]
+    seen: dict[int, set[int]] = {}
+    for rank in range(world):
+        dcp = DcpGroup(rank=rank, world_size=world)
+        meta = build_shard_meta(spans, block_size=block_size, dcp=dcp, device=torch.device("cpu"))
+        # Token t lives on rank t % 2: rank 0 writes rows for positions 4 and 6 and position 0.
+        owned_rows = (meta.slots >= 0).nonzero().flatten().tolist()
+        assert owned_rows == ([0, 2, 3] if rank == 0 else [1])
+        # Chunk 0's queries (positions 4, 5, 6) see this rank's positions up to their own.
+        keys = meta.key_positions.tolist()
+        for q, position in enumerate((4, 5, 6)):
+            visible = {keys[j] for j in range(len(keys)) if meta.mask[0, q, j]}
+            assert visible == {p for p in range(position + 1) if p % world == rank}
+            seen.setdefault(position, set()).update(visible)
+        # Local key j of a sequence sits in block table[j // 2] at offset j % 2.
+        assert meta.key_slots[0, :4].tolist() == [14, 15, 6, 7][: meta.mask.shape[2]]
+        assert meta.counts.tolist() == meta.mask[meta.query_valid].sum(-1).tolist()
+    assert seen[6] == set(range(7))  # together the ranks cover the whole prefix
