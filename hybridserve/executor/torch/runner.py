@@ -108,7 +108,7 @@ class TorchExecutor:
         self.num_blocks = num_blocks
         # Groups attended through hybridserve.parallel: MLA always, full attention under DCP.
         sharded = (GroupKind.FULL, GroupKind.MLA) if self.dcp.world_size > 1 else (GroupKind.MLA,)
-        self._row_groups = frozenset(
+        self._sharded_groups = frozenset(
             g for g, spec in enumerate(self.groups.specs) if spec.kind in sharded
         )
         self._token_group = next(
@@ -307,7 +307,7 @@ class TorchExecutor:
                 row += chunk.num_tokens
             if isinstance(spec, MambaSpec):
                 states[gid] = self._state_chunks(gid, chunks, spans, commits)
-            elif gid in self._row_groups:
+            elif gid in self._sharded_groups:
                 shards[gid] = build_shard_meta(
                     spans, block_size=self.block_size, dcp=self.dcp, device=self.device
                 )
