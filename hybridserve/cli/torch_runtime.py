@@ -69,19 +69,24 @@ def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
     """One rank of a DCP generation job (every rank of the group calls it; see
     `hybridserve.parallel.run_ranks` and `init_from_env`). Rank 0 schedules and returns the
     outcome; the other ranks execute rank 0's plans and return None."""
-    from hybridserve.executor.torch.dcp import follow_plans
+    from hybridserve.executor.torch.dcp import confirm_ready, follow_plans
 
-    runtime = build_runtime(
-        Path(job.model_path),
-        num_blocks=job.num_blocks,
-        block_size=job.block_size,
-        device=job.device if not job.device.startswith("cuda") else f"cuda:{_local_device()}",
-        max_num_seqs=job.max_num_seqs,
-        max_num_batched_tokens=job.max_num_batched_tokens,
-        max_model_len=job.max_model_len,
-        load_tokenizer=job.load_tokenizer and dcp.rank == 0,
-        dcp=dcp,
-    )
+    try:
+        runtime = build_runtime(
+            Path(job.model_path),
+            num_blocks=job.num_blocks,
+            block_size=job.block_size,
+            device=job.device if not job.device.startswith("cuda") else f"cuda:{_local_device()}",
+            max_num_seqs=job.max_num_seqs,
+            max_num_batched_tokens=job.max_num_batched_tokens,
+            max_model_len=job.max_model_len,
+            load_tokenizer=job.load_tokenizer and dcp.rank == 0,
+            dcp=dcp,
+        )
+    except Exception as exc:
+        confirm_ready(dcp, f"{type(exc).__name__}: {exc}")
+        raise
+    confirm_ready(dcp, None)
     if dcp.rank != 0:
         follow_plans(runtime.executor)
         return None

@@ -17,6 +17,7 @@ from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
 
 if TYPE_CHECKING:
+    from hybridserve.executor.torch.runner import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8_192
@@ -150,11 +151,30 @@ class TorchServingBackend:
                 executor_options={"num_blocks": self._num_blocks, "device": device},
                 interleave=dcp_interleave,
             )
-        self._executor = TorchExecutor(
-            loaded, num_blocks=self._num_blocks, device=device, dcp=group
-        )
-        if group is not None:
+        if group is None:
+            self._executor = TorchExecutor(loaded, num_blocks=self._num_blocks, device=device)
+        else:
+            self._executor = self._rank_zero_executor(loaded, device, group)
             self._driver = DcpDriver(self._executor)
+
+    def _rank_zero_executor(self, loaded: Any, device: str, group: Any) -> TorchExecutor:
+        """Rank 0's executor; every rank then confirms it started, or all of them stop."""
+        from hybridserve.executor.torch.dcp import confirm_ready
+        from hybridserve.executor.torch.runner import TorchExecutor
+
+        assert self._ranks is not None
+        executor, failure = None, None
+        try:
+            executor = TorchExecutor(loaded, num_blocks=self._num_blocks, device=device, dcp=group)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        try:
+            confirm_ready(group, failure)
+        except RuntimeError as exc:
+            self._ranks.close()
+            raise ConfigError("--dcp", group.world_size, f"start every rank ({exc})") from None
+        assert executor is not None
+        return executor
 
     @property
     def model_name(self) -> str:

@@ -173,3 +173,15 @@ def run_engine_jobs(dcp: DcpGroup, jobs: dict[str, object]) -> dict[str, object]
         assert isinstance(job, DcpJob)
         outcomes[name] = run_dcp_job(dcp, job)
     return outcomes
+
+
+def report_ready(dcp: DcpGroup, failing_rank: int) -> str:
+    """Every rank confirms its start; `failing_rank` reports a failure. Returns what was raised."""
+    from hybridserve.executor.torch.dcp import confirm_ready
+
+    failure = "could not load the model" if dcp.rank == failing_rank else None
+    try:
+        confirm_ready(dcp, failure)
+    except RuntimeError as exc:
+        return str(exc)
+    return "started"

@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -219,3 +220,25 @@ def test_generate_cli_joins_a_torchrun_group(llama_path: Path, token_file: Path)
     assert single is not None
     expected = [single.tokens[name][:5] for name in ("a", "b", "c")]
     assert _cli_outputs(done.stdout) == expected  # printed once, by rank 0
+
+
+def test_a_rank_that_cannot_start_stops_every_rank_with_its_reason() -> None:
+    started = time.monotonic()
+    reports = run_ranks(w.report_ready, 2, 1, timeout_s=TIMEOUT_S)
+    assert reports == ["DCP ranks could not start: rank 1: could not load the model"] * 2
+    assert time.monotonic() - started < 60  # answered at once, not at the group's timeout
+    assert run_ranks(w.report_ready, 2, -1, timeout_s=TIMEOUT_S) == ["started", "started"]
+
+
+def test_a_bad_model_path_fails_the_dcp_job_with_a_clear_error(tmp_path: Path) -> None:
+    job = DcpJob(model_path=str(tmp_path / "missing"), waves=(), num_blocks=8)
+    with pytest.raises(RuntimeError, match="does not exist"):
+        run_ranks(run_dcp_job, 2, job, timeout_s=TIMEOUT_S)
+
+
+def test_an_interleave_of_two_tokens_gives_the_same_tokens(
+    llama_path: Path, outcomes: dict[int, DcpOutcome]
+) -> None:
+    per_rank = run_ranks(run_dcp_job, 2, _job(llama_path), interleave=2, timeout_s=TIMEOUT_S)
+    assert per_rank[0].tokens == outcomes[1].tokens
+    assert per_rank[0].hit_tokens["b"] == 32

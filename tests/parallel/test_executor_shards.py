@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridserve.executor.torch import forward
 from hybridserve.executor.torch.forward import ChunkSpan, _partial_attention, build_shard_meta
@@ -77,3 +79,74 @@ def test_shard_meta_gives_each_rank_its_own_tokens_of_every_chunk() -> None:
         assert meta.key_slots[0, :4].tolist() == [14, 15, 6, 7][: meta.mask.shape[2]]
         assert meta.counts.tolist() == meta.mask[meta.query_valid].sum(-1).tolist()
     assert seen[6] == set(range(7))  # together the ranks cover the whole prefix
+
+
+@st.composite
+def _sharded_steps(draw: st.DrawFn) -> tuple[list[ChunkSpan], int, int, int]:
+    world = draw(st.integers(1, 4))
+    interleave = draw(st.integers(1, 3))
+    block_size = interleave * draw(st.integers(1, 3))  # the executor requires I | block_size
+    spans, row = [], 0
+    for _ in range(draw(st.integers(1, 4))):
+        start = draw(st.integers(0, 40))
+        num = draw(st.integers(1, 12))
+        blocks = -(-(start + num) // (block_size * world))
+        table = draw(st.lists(st.integers(0, 500), min_size=blocks, max_size=blocks, unique=True))
+        spans.append(ChunkSpan(row, num, start, table))
+        row += num
+    return spans, world, interleave, block_size
+
+
+@settings(max_examples=60, deadline=None)
+@given(_sharded_steps())
+def test_ranks_partition_every_rows_causal_keys_and_own_each_row_once(
+    step: tuple[list[ChunkSpan], int, int, int],
+) -> None:
+    spans, world, interleave, block_size = step
+    num_rows = sum(s.num_tokens for s in spans)
+    owners = torch.zeros(num_rows, dtype=torch.long)
+    visible: list[list[int]] = [[] for _ in range(num_rows)]
+    for rank in range(world):
+        dcp = DcpGroup(rank=rank, world_size=world, interleave=interleave)
+        meta = build_shard_meta(spans, block_size=block_size, dcp=dcp, device=torch.device("cpu"))
+        owners += meta.slots >= 0
+        for b, span in enumerate(spans):
+            for q in range(span.num_tokens):
+                keys = meta.key_positions[meta.mask[b, q]].tolist()
+                visible[span.row_start + q].extend(keys)
+                slot = int(meta.slots[span.row_start + q])
+                if slot >= 0:  # written where a later read of that position looks
+                    j = meta.key_positions.tolist().index(span.start + q)
+                    assert slot == int(meta.key_slots[b, j])
+                local = meta.mask[b, q].nonzero().flatten()
+                # local key j of the sequence: block table[j // bs], offset j % bs
+                table = torch.tensor(span.table)
+                expected = table[local // block_size] * block_size + local % block_size
+                assert meta.key_slots[b, local].tolist() == expected.tolist()
+        assert meta.counts.tolist() == [
+            int(meta.mask[b, q].sum()) for b, s in enumerate(spans) for q in range(s.num_tokens)
+        ]
+    assert owners.tolist() == [1] * num_rows  # each new token's K/V is written by one rank
+    for span in spans:
+        for q in range(span.num_tokens):
+            keys = visible[span.row_start + q]
+            assert sorted(keys) == list(range(span.start + q + 1))  # no key twice, none missing
+
+
+def test_the_executor_refuses_an_interleave_that_does_not_divide_the_block() -> None:
+    from hybridserve.core.errors import ConfigError
+    from hybridserve.executor.torch import TorchExecutor
+    from hybridserve.executor.torch.loader import build_model
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+    }
+    dcp = DcpGroup(rank=0, world_size=2, interleave=3)
+    with pytest.raises(ConfigError, match="interleave"):
+        TorchExecutor(build_model(config), num_blocks=8, block_size=4, dcp=dcp)

@@ -27,9 +27,24 @@ from hybridserve.parallel.launch import (
     process_context,
 )
 
-__all__ = ["DcpDriver", "LocalDcpRanks", "follow_plans"]
+__all__ = ["DcpDriver", "LocalDcpRanks", "confirm_ready", "follow_plans"]
 
 logger = logging.getLogger(__name__)
+
+
+def confirm_ready(dcp: DcpGroup, failure: str | None) -> None:
+    """Every rank says whether it built its executor (`failure` None) or why not; raises on
+    every rank when any failed, naming it. Without this, a rank that failed alone would leave
+    the others waiting in their first collective until the group's timeout."""
+    if dcp.world_size == 1:
+        if failure is not None:
+            raise RuntimeError(failure)
+        return
+    reports: list[str | None] = [None] * dcp.world_size
+    dist.all_gather_object(reports, failure, group=dcp.process_group)
+    failed = [f"rank {rank}: {message}" for rank, message in enumerate(reports) if message]
+    if failed:
+        raise RuntimeError("DCP ranks could not start: " + "; ".join(failed))
 
 
 def _broadcast(plan: StepPlan | None, executor: TorchExecutor) -> StepPlan | None:
@@ -95,7 +110,12 @@ def _follower_main(
         options = dict(executor_options)
         if backend == "nccl":
             options["device"] = f"cuda:{torch.cuda.current_device()}"
-        executor = TorchExecutor(load_model(model_path), dcp=dcp, **options)
+        try:
+            executor = TorchExecutor(load_model(model_path), dcp=dcp, **options)
+        except Exception as exc:
+            confirm_ready(dcp, f"{type(exc).__name__}: {exc}")
+            raise
+        confirm_ready(dcp, None)
         follow_plans(executor)
     finally:
         leave_group()

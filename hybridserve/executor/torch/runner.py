@@ -81,6 +81,12 @@ class TorchExecutor:
                 method.value,
                 "this executor drafts with ngram or a draft head (mtp, eagle); use one of them",
             )
+        if self.dcp.world_size > 1 and block_size % self.dcp.interleave:
+            raise ConfigError(
+                "dcp.interleave",
+                self.dcp.interleave,
+                f"use a divisor of block_size={block_size}: a block holds whole interleave runs",
+            )
         if self.dcp.world_size > 1 and method in (SpecMethod.MTP, SpecMethod.EAGLE):
             raise ConfigError(
                 "speculative.method",
