@@ -226,6 +226,7 @@ def _generate_dcp(
         device=device,
         max_num_batched_tokens=max_num_batched_tokens,
         load_tokenizer=True,
+        show_progress=True,
     )
     if torchrun_env_present():
         group = init_from_env(interleave=interleave, timeout_s=timeout_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +54,7 @@ class DcpJob:
     max_num_seqs: int = 64
     max_model_len: int = 32768
     load_tokenizer: bool = False  # rank 0 adds the tokenizer's end-of-turn ids to the stops
+    show_progress: bool = False  # rank 0 draws a progress bar on stderr
 
 
 @dataclass
@@ -62,6 +64,7 @@ class DcpOutcome:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     hit_tokens: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
+    num_finished: int = 0
     generate_s: float = 0.0  # wall seconds from the first step to the last (no model load)
 
 
@@ -93,12 +96,38 @@ def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
     outcome = DcpOutcome()
     start = time.perf_counter()
     try:
-        for wave in job.waves:
-            _run_wave(runtime, wave, outcome)
+        if job.show_progress:
+            _run_with_progress(runtime, job, outcome)
+        else:
+            for wave in job.waves:
+                _run_wave(runtime, wave, outcome)
     finally:
         runtime.close()
     outcome.generate_s = time.perf_counter() - start
     return outcome
+
+
+def _run_with_progress(runtime: TorchRuntime, job: DcpJob, outcome: DcpOutcome) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = sum(len(wave) for wave in job.waves)
+    columns = (
+        TextColumn(f"generating on {runtime.executor.dcp.world_size} DCP ranks"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[tokens]} tokens"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("generate", total=total, tokens=0)
+        for wave in job.waves:
+            _run_wave(
+                runtime,
+                wave,
+                outcome,
+                report=lambda done, tokens: progress.update(task, completed=done, tokens=tokens),
+            )
 
 
 def _local_device() -> int:
@@ -107,7 +136,13 @@ def _local_device() -> int:
     return torch.cuda.current_device()
 
 
-def _run_wave(runtime: TorchRuntime, wave: tuple[Request, ...], outcome: DcpOutcome) -> None:
+def _run_wave(
+    runtime: TorchRuntime,
+    wave: tuple[Request, ...],
+    outcome: DcpOutcome,
+    *,
+    report: Callable[[int, int], None] | None = None,  # (finished requests, tokens so far)
+) -> None:
     engine = runtime.engine
     for asked in wave:
         sampling = asked.sampling
@@ -132,6 +167,9 @@ def _run_wave(runtime: TorchRuntime, wave: tuple[Request, ...], outcome: DcpOutc
             outcome.hit_tokens.setdefault(req_id, hit)
         for out in step.outputs:
             outcome.tokens[out.req_id].extend(out.new_token_ids)
+            outcome.num_finished += out.finished
+        if report is not None and step.outputs:
+            report(outcome.num_finished, sum(len(t) for t in outcome.tokens.values()))
 
 
 def parse_spec(text: str | None) -> SpeculativeConfig:
