@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridserve.cli.app import app, err, fail
 from hybridserve.cli.builtin_models import GEMMA_TERMS_NOTICE, gemma_terms_path, resolve_model
-from hybridserve.cli.torch_runtime import blocks_for, build_runtime, parse_spec
+from hybridserve.cli.torch_runtime import (
+    blocks_for,
+    build_runtime,
+    generation_progress,
+    parse_spec,
+)
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
+
+if TYPE_CHECKING:
+    from hybridserve.executor.torch.tokenizer import TextTokenizer
 
 
 def read_token_ids(path: Path) -> list[list[int]]:
@@ -103,7 +111,7 @@ def generate(
         if model == "gemma3-270m" or "gemma" in path.name.lower():
             err.print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()), highlight=False)
         # Validate the sampling flags before the (slow) model load.
-        SamplingParams(
+        sampling = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
         )
         speculative = parse_spec(spec)
@@ -113,6 +121,9 @@ def generate(
             raise fail(f"{source}: no prompts in the file")
         err.print(f"loading {path} ...", highlight=False)
         lengths = [len(t) * 2 for t in texts] if texts else [len(i) for i in ids or ()]
+        blocks = num_blocks or blocks_for(
+            lengths, max_tokens=max_tokens, block_size=block_size, num_groups=2
+        )
         if dcp > 1:
             _generate_dcp(
                 path,
@@ -120,15 +131,8 @@ def generate(
                 ids=ids,
                 raw=raw,
                 as_json=as_json,
-                sampling=SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k,
-                    seed=seed,
-                ),
-                num_blocks=num_blocks
-                or blocks_for(lengths, max_tokens=max_tokens, block_size=block_size, num_groups=2),
+                sampling=sampling,
+                num_blocks=blocks,
                 block_size=block_size,
                 device=device,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -139,8 +143,7 @@ def generate(
             return
         runtime = build_runtime(
             path,
-            num_blocks=num_blocks
-            or blocks_for(lengths, max_tokens=max_tokens, block_size=block_size, num_groups=2),
+            num_blocks=blocks,
             block_size=block_size,
             device=device,
             speculative=speculative,
@@ -152,14 +155,7 @@ def generate(
                 raise fail(f"{path} has no tokenizer; use --token-ids")
             ids = [_encode(tokenizer, text, chat=not raw) for text in texts]
         assert ids is not None
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop_token_ids=runtime.stop_token_ids,
-        )
+        sampling = replace(sampling, stop_token_ids=runtime.stop_token_ids)
         requests = [
             Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)
             for i, p in enumerate(ids)
@@ -170,9 +166,11 @@ def generate(
     _print_outputs([outputs[r.req_id] for r in requests], tokenizer, as_json=as_json)
 
 
-def _print_outputs(outputs: list[list[int]], tokenizer: object | None, *, as_json: bool) -> None:
+def _print_outputs(
+    outputs: list[list[int]], tokenizer: TextTokenizer | None, *, as_json: bool
+) -> None:
     for i, out in enumerate(outputs):
-        text = tokenizer.decode(out) if tokenizer is not None else None  # type: ignore[attr-defined]
+        text = tokenizer.decode(out) if tokenizer is not None else None
         if as_json:
             record: dict[str, object] = {"index": i, "token_ids": out}
             if text is not None:
@@ -263,15 +261,7 @@ def _run(runtime: object, requests: list[Request]) -> dict[str, list[int]]:
     from hybridserve.cli.torch_runtime import TorchRuntime
 
     assert isinstance(runtime, TorchRuntime)
-    with Progress(
-        TextColumn("generating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[tokens]} tokens"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as progress:
+    with generation_progress("generating") as progress:
         task = progress.add_task("generate", total=len(requests), tokens=0)
 
         def report(finished: int, total: int, generated: int) -> None:

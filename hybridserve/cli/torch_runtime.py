@@ -16,6 +16,9 @@ from hybridserve.kvcache import KVCacheManager
 from hybridserve.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from hybridserve.executor.torch.dcp import DcpDriver
     from hybridserve.executor.torch.runner import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
     from hybridserve.parallel.group import DcpGroup
@@ -27,14 +30,11 @@ class TorchRuntime:
     executor: TorchExecutor
     tokenizer: TextTokenizer | None
     stop_token_ids: tuple[int, ...]
-    driver: object | None = None  # DcpDriver on rank 0 of a DCP group
+    driver: DcpDriver | None = None  # on rank 0 of a DCP group
 
     def close(self) -> None:
         """Release the other ranks of a DCP group (a no-op without one)."""
         if self.driver is not None:
-            from hybridserve.executor.torch.dcp import DcpDriver
-
-            assert isinstance(self.driver, DcpDriver)
             self.driver.close()
 
 
@@ -107,19 +107,26 @@ def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
     return outcome
 
 
-def _run_with_progress(runtime: TorchRuntime, job: DcpJob, outcome: DcpOutcome) -> None:
+def generation_progress(label: str) -> Progress:
+    """The progress bar of offline generation on stderr: requests done, tokens, time."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as RichProgress
 
-    total = sum(len(wave) for wave in job.waves)
     columns = (
-        TextColumn(f"generating on {runtime.executor.dcp.world_size} DCP ranks"),
+        TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[tokens]} tokens"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+    return RichProgress(*columns, console=Console(stderr=True), transient=True)
+
+
+def _run_with_progress(runtime: TorchRuntime, job: DcpJob, outcome: DcpOutcome) -> None:
+    total = sum(len(wave) for wave in job.waves)
+    label = f"generating on {runtime.executor.dcp.world_size} DCP ranks"
+    with generation_progress(label) as progress:
         task = progress.add_task("generate", total=total, tokens=0)
         for wave in job.waves:
             _run_wave(

@@ -36,11 +36,11 @@ TIMEOUT_S = 180
 
 def _prompts() -> dict[str, tuple[int, ...]]:
     rng = random.Random(7)
-    a = tuple(rng.randrange(3, 120) for _ in range(40))
+    a = tuple(rng.randrange(3, 90) for _ in range(40))
     return {
         "a": a,
-        "b": a[:SHARED] + tuple(rng.randrange(3, 120) for _ in range(5)),
-        "c": tuple(rng.randrange(3, 120) for _ in range(11)),
+        "b": a[:SHARED] + tuple(rng.randrange(3, 90) for _ in range(5)),
+        "c": tuple(rng.randrange(3, 90) for _ in range(11)),
     }
 
 
@@ -82,29 +82,11 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def bamba_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import BambaConfig
+    from tests.reference.test_bamba import VOCAB, _bamba_config
 
+    assert max(max(p) for p in _prompts().values()) < VOCAB
     folder = tmp_path_factory.mktemp("tiny-bamba")
-    config = BambaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        attn_layer_indices=[1],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=16,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        architectures=["BambaForCausalLM"],
-    )
-    make_checkpoint(config, folder, seed=5)
+    make_checkpoint(_bamba_config(), folder, seed=5)
     return folder
 
 

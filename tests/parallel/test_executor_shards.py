@@ -1,5 +1,6 @@
 """The torch executor's sharded attention pieces: per-chunk local keys on a rank, and partial
-attention with its log-sum-exp (the fused CPU kernel and the plain computation agree)."""
+attention by chunk with its log-sum-exp (the fused CPU kernel and the plain computation agree,
+and a query with no key is out 0, LSE -inf on both)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridserve.executor.torch import forward
-from hybridserve.executor.torch.forward import ChunkSpan, _partial_attention, build_shard_meta
+from hybridserve.executor.torch.forward import ChunkSpan, build_shard_meta
 from hybridserve.parallel import DcpGroup
+from hybridserve.parallel import attention as attention_module
+from hybridserve.parallel.attention import partial_attention_chunks
 
 
 def _reference(q, k, v, mask, scale):  # type: ignore[no-untyped-def]
@@ -30,7 +32,7 @@ def test_partial_attention_matches_softmax_and_its_log_sum_exp(
     fused: bool, kv_heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not fused:
-        monkeypatch.setattr(forward, "_FLASH_WITH_LSE", None)
+        monkeypatch.setattr(attention_module, "_FLASH_WITH_LSE", None)
     gen = torch.Generator().manual_seed(kv_heads)
     q = torch.randn(3, 5, 4, 8, generator=gen)
     k = torch.randn(3, 7, kv_heads, 8, generator=gen)
@@ -38,16 +40,17 @@ def test_partial_attention_matches_softmax_and_its_log_sum_exp(
     mask = torch.rand(3, 5, 7, generator=gen) > 0.4
     mask[:, :, 0] = True
     mask[1, 2] = False  # a query with no key on this rank
-    out, lse = _partial_attention(q, k, v, mask, scale=0.3)
+    out, lse = partial_attention_chunks(q, k, v, mask, scale=0.3)
     ref_out, ref_lse = _reference(q, k, v, mask, 0.3)
     has_keys = mask.any(dim=-1)
     torch.testing.assert_close(out[has_keys].double(), ref_out[has_keys], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[has_keys].double(), ref_lse[has_keys], atol=1e-5, rtol=1e-5)
+    assert not out[~has_keys].any() and torch.isneginf(lse[~has_keys]).all()
 
 
 def test_partial_attention_without_local_keys_is_empty_not_an_error() -> None:
     q = torch.randn(2, 3, 4, 8)
-    out, lse = _partial_attention(
+    out, lse = partial_attention_chunks(
         q,
         torch.empty(2, 0, 2, 8),
         torch.empty(2, 0, 2, 8),

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.executor.torch.cache import DeviceCache
-from hybridserve.parallel.attention import write_owned_slots
+from hybridserve.parallel.attention import partial_attention_chunks, write_owned_slots
 from hybridserve.parallel.group import DcpGroup, all_gather_heads, merge_across_ranks
 from hybridserve.parallel.layer import AttentionRows
 from hybridserve.parallel.sharding import global_positions
@@ -167,51 +167,6 @@ def build_shard_meta(
     )
 
 
-# PyTorch's CPU flash-attention kernel also returns the log-sum-exp the DCP merge needs; it
-# wants one head size for q, k and v and a float mask. Elsewhere the plain computation runs.
-_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-
-
-def _partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of padded chunks over their local keys, with the log-sum-exp: `q` `[B, Q, H,
-    D]`, `k` `[B, K, KVH, D]`, `v` `[B, K, KVH, Dv]`, `mask` `[B, Q, K]`. Returns `out` `[B, Q,
-    H, Dv]` and `lse` `[B, Q, H]`. A query without a key may come back as anything (0 or NaN);
-    its key count is 0, and the merge masks it."""
-    b, nq, heads, _ = q.shape
-    kv_heads = k.shape[2]
-    if k.shape[1] == 0:
-        return q.new_zeros(b, nq, heads, v.shape[-1]), q.new_full((b, nq, heads), float("-inf"))
-    group = heads // kv_heads
-    flash = _FLASH_WITH_LSE
-    fused = (
-        flash is not None
-        and q.device.type == "cpu"
-        and q.dtype in _FLASH_DTYPES
-        and q.shape[-1] == v.shape[-1]
-    )
-    if fused and flash is not None:
-        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, K, D]
-        if group > 1:
-            kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-        bias.masked_fill_(~mask, float("-inf"))
-        out, lse = flash(
-            q.transpose(1, 2), kh, vh, 0.0, False, attn_mask=bias[:, None], scale=scale
-        )
-        return out.transpose(1, 2), lse.transpose(1, 2).to(q.dtype)
-    qg = q.view(b, nq, kv_heads, group, q.shape[-1])
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
-    scores.masked_fill_(~mask[:, None, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, G, Q]
-    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - shift.unsqueeze(-1))
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(b, nq, heads, v.shape[-1])
-    return out, lse.permute(0, 3, 1, 2).reshape(b, nq, heads)
-
-
 @dataclass(frozen=True, slots=True)
 class LatentIndex:
     """The sparse-MLA indexer's inputs for the step's rows (DeepSeek-V3.2 DSA)."""
@@ -276,7 +231,9 @@ class ForwardContext:
             write_owned_slots(v_cache[:, None], v, shard.slots)
             kb = _gather(k_cache, shard.key_slots).to(q.dtype)  # [B, K, KVH, D]
             vb = _gather(v_cache, shard.key_slots).to(q.dtype)
-            out, lse = _partial_attention(q[shard.query_rows], kb, vb, shard.mask, scale=scale)
+            out, lse = partial_attention_chunks(
+                q[shard.query_rows], kb, vb, shard.mask, scale=scale
+            )
             valid = shard.query_valid
             merged, _ = merge_across_ranks(out[valid], lse[valid], shard.counts, self.dcp)
             return merged
@@ -351,7 +308,7 @@ class ForwardContext:
             mask = torch.zeros_like(mask)
             mask[valid] = chosen
         # The value is the latent's c_kv part: attend with the whole latent and keep that part.
-        out, lse = _partial_attention(q_all[shard.query_rows], keys, keys, mask, scale=scale)
+        out, lse = partial_attention_chunks(q_all[shard.query_rows], keys, keys, mask, scale=scale)
         out = out[..., :kv_lora]
         counts = mask[valid].sum(dim=-1)
         mine, _ = merge_across_ranks(out[valid], lse[valid], counts, dcp, scatter_heads=True)

@@ -209,12 +209,12 @@ class TorchExecutor:
         )
         if self._slot_tokens is not None and self._token_group is not None:
             unit, group = self._token_unit, self._token_group
-            slots = [
-                self._requests[c.req_id].tables[group][p // unit] * unit + p % unit
-                for c in chunks
-                for p in range(c.start, c.start + c.num_tokens)
-            ]
-            self._slot_tokens[torch.tensor(slots, dtype=torch.long)] = input_ids.cpu()
+            slots = []
+            for chunk in chunks:
+                table = torch.tensor(self._requests[chunk.req_id].tables[group])
+                pos = torch.arange(chunk.start, chunk.start + chunk.num_tokens)
+                slots.append(table[pos // unit] * unit + pos % unit)
+            self._slot_tokens[torch.cat(slots)] = input_ids.cpu()
         hidden = self.model(input_ids, positions, ctx)
         sampled, drafts = self._sample(chunks, hidden, commits)
         if self.drafter is not None:
