@@ -21,18 +21,30 @@ class SpecMethod(StrEnum):
     DRAFT_MODEL = "draft_model"
 
 
-# EAGLE-style heads read the target's hidden states at the last prefix positions, which the KV
-# cache does not hold, so a prefix hit must recompute the last alignment unit (SPEC.md 3.2).
-# DFlash/DSpark/n-gram/draft models leave target KV exact and must not lose it (SPEC.md 3.6).
-_DROPS_TARGET_TAIL = frozenset({SpecMethod.EAGLE, SpecMethod.EAGLE3, SpecMethod.MTP})
+# EAGLE-style heads (EAGLE, EAGLE3, MTP) read the target's hidden state at position p together
+# with the token at p + 1, so the drafter's KV at p depends on a token past p. vLLM 0.33 handles
+# it with lookahead block hashes (a block's hash also covers the next L tokens, so a hit implies
+# that the drafter's inputs matched) and drops nothing; older vLLM (and `lookahead_block_hashes=
+# False` here) dropped the last matched block instead (SPEC.md 3.2). DFlash/DSpark/n-gram/draft
+# models leave target KV exact and need neither (SPEC.md 3.6).
+_HIDDEN_STATE_DRAFTERS = frozenset({SpecMethod.EAGLE, SpecMethod.EAGLE3, SpecMethod.MTP})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SpeculativeConfig:
-    """A speculative decoding method described by its capabilities."""
+    """A speculative decoding method described by its capabilities.
+
+    * `lookahead_block_hashes` (vLLM 0.33's default, its `disable_lookahead_block_hashes=False`):
+      for EAGLE-style methods each block hash also covers the next `hash_lookahead_tokens`
+      tokens and no block is dropped at lookup. False selects the legacy one-block drop.
+    * `multi_module_mtp`: an MTP drafter with one module per draft token; its prefill looks
+      `num_speculative_tokens` tokens ahead (the hash lookahead), one otherwise.
+    """
 
     method: SpecMethod = SpecMethod.NONE
     num_speculative_tokens: int = 0
+    lookahead_block_hashes: bool = True
+    multi_module_mtp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, SpecMethod):
@@ -41,7 +53,11 @@ class SpeculativeConfig:
                 self.method,
                 f"use one of {[m.value for m in SpecMethod]}",
             )
-        if self.num_speculative_tokens < 0:
+        if (
+            isinstance(self.num_speculative_tokens, bool)
+            or not isinstance(self.num_speculative_tokens, int)
+            or self.num_speculative_tokens < 0
+        ):
             raise ConfigError(
                 "speculative.num_speculative_tokens",
                 self.num_speculative_tokens,
@@ -53,24 +69,80 @@ class SpeculativeConfig:
                 self.num_speculative_tokens,
                 "set a speculative method, or set num_speculative_tokens=0",
             )
+        for name in ("lookahead_block_hashes", "multi_module_mtp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"speculative.{name}", getattr(self, name), "use true or false")
+        if self.multi_module_mtp and self.method is not SpecMethod.MTP:
+            raise ConfigError(
+                "speculative.multi_module_mtp", True, "only the mtp method has MTP modules"
+            )
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        """EAGLE/EAGLE3/MTP: the drafter reads target hidden states (vLLM's `use_eagle`)."""
+        return self.method in _HIDDEN_STATE_DRAFTERS
 
     @property
     def drops_target_tail(self) -> bool:
-        """True when a prefix hit must recompute the last alignment unit of target groups."""
-        return self.method in _DROPS_TARGET_TAIL
+        """True when a prefix hit must recompute the last block of the EAGLE groups: the
+        legacy path (vLLM's `use_eagle_block_drop`), never with lookahead block hashes."""
+        return self.uses_hidden_states and not self.lookahead_block_hashes
+
+    @property
+    def hash_lookahead_tokens(self) -> int:
+        """L: tokens past a block that its hash also covers (vLLM's
+        `num_hash_lookahead_tokens`): the drafter's prefill lookahead, 0 without one."""
+        if not self.uses_hidden_states or not self.lookahead_block_hashes:
+            return 0
+        return max(self.num_speculative_tokens, 1) if self.multi_module_mtp else 1
+
+    @property
+    def name(self) -> str:
+        """The method's name, with `-legacy` for the one-block-drop form."""
+        if self.uses_hidden_states and not self.lookahead_block_hashes:
+            return f"{self.method.value}-legacy"
+        return str(self.method.value)
 
     @classmethod
-    def from_name(cls, name: str, num_speculative_tokens: int | None = None) -> SpeculativeConfig:
-        """Build from a method name; a speculative method defaults to 1 draft token."""
+    def from_name(
+        cls,
+        name: str,
+        num_speculative_tokens: int | None = None,
+        *,
+        lookahead_block_hashes: bool = True,
+    ) -> SpeculativeConfig:
+        """Build from a method name; a speculative method defaults to 1 draft token.
+
+        `eagle-legacy` / `eagle3-legacy` / `mtp-legacy` name the legacy one-block drop.
+        """
+        text = name.lower()
+        if text.endswith("-legacy"):
+            text, lookahead_block_hashes = text[: -len("-legacy")], False
         try:
-            method = SpecMethod(name.lower())
+            method = SpecMethod(text)
         except ValueError:
             raise ConfigError(
-                "speculative.method", name, f"use one of {[m.value for m in SpecMethod]}"
+                "speculative.method", name, f"use one of {list(SPEC_NAMES)}"
             ) from None
+        if method not in _HIDDEN_STATE_DRAFTERS:
+            if not lookahead_block_hashes and name.lower().endswith("-legacy"):
+                raise ConfigError(
+                    "speculative.method", name, "only eagle, eagle3 and mtp have a legacy form"
+                )
+            lookahead_block_hashes = True
         if num_speculative_tokens is None:
             num_speculative_tokens = 0 if method is SpecMethod.NONE else 1
-        return cls(method=method, num_speculative_tokens=num_speculative_tokens)
+        return cls(
+            method=method,
+            num_speculative_tokens=num_speculative_tokens,
+            lookahead_block_hashes=lookahead_block_hashes,
+        )
+
+
+SPEC_NAMES = (
+    *(m.value for m in SpecMethod),
+    *(f"{m.value}-legacy" for m in SpecMethod if m in _HIDDEN_STATE_DRAFTERS),
+)
 
 
 class SchedulingPolicy(StrEnum):
@@ -101,6 +173,20 @@ class SchedulerConfig:
     target_mixed_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, SchedulingPolicy):
+            # A policy given by name is coerced once here; anything else is an error, never
+            # a silent fall-back to fcfs.
+            try:
+                object.__setattr__(self, "policy", SchedulingPolicy(str(self.policy).lower()))
+            except ValueError:
+                raise ConfigError(
+                    "scheduler.policy",
+                    self.policy,
+                    f"use one of {[p.value for p in SchedulingPolicy]}",
+                ) from None
+        for flag in ("enable_chunked_prefill", "reserve_full_isl"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"scheduler.{flag}", getattr(self, flag), "use true or false")
         _require_positive("scheduler.max_num_seqs", self.max_num_seqs)
         _require_positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _require_positive("scheduler.max_model_len", self.max_model_len)

@@ -6,9 +6,12 @@ evaluates all groups at the same candidate, so the result does not depend on gro
 the first pass (at the cap) gives each group's offered hit with no second evaluation. The
 candidate strictly decreases, so the loop terminates.
 
-A tail-dropping group (EAGLE/MTP target attention) is asked with one A of margin,
-`min(cand + A, cap)`, and drops one A from what it finds, so it lands back on `cand` when it
+A tail-dropping group (an EAGLE group on the legacy path) is asked with one A of margin,
+`min(cand + A, reach)`, and drops one A from what it finds, so it lands back on `cand` when it
 can: its drop is applied once per candidate and the EAGLE spiral cannot happen (SPEC.md 3.3).
+`reach` is the hashed length of the request in a hybrid layout (vLLM's hybrid coordinator asks
+with `min(candidate + eagle_margin, len(block_hashes) * hash_block_size)`) and the cap in a
+single-group one (vLLM's unitary coordinator).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ def reconcile(
     *,
     alignment: int,
     cap: int,
+    reach: int | None = None,
 ) -> Reconciliation:
     cand = max(cap, 0) // alignment * alignment
+    top = cap if reach is None else max(reach, cap)
     accepted: list[int | None] = [None] * len(lookups)
     offered: tuple[int, ...] | None = None
     limiting: int | None = None
@@ -46,7 +51,7 @@ def reconcile(
             if accepted[g] == cand:
                 answers.append(cand)
                 continue
-            limit = min(cand + alignment, cap) if drops[g] else cand
+            limit = min(cand + alignment, top) if drops[g] else cand
             answers.append(min(lookup.serve(limit, drops[g]), cand))
         if offered is None:
             offered = tuple(answers)

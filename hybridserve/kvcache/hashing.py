@@ -3,6 +3,9 @@
 hash_i = D(hash_{i-1} or ROOT, tokens of block i, extra keys of block i). A match on hash i
 therefore implies the whole prefix [0, (i+1)*H) matches. Only full blocks are hashed.
 `cache_salt` is an extra key of block 0 only; the chain carries it to every later block.
+
+With lookahead L > 0 (vLLM 0.33's lookahead block hashes under EAGLE/MTP) the hash of block i
+also covers the L tokens after it, and it exists only once those tokens do.
 """
 
 from __future__ import annotations
@@ -69,10 +72,20 @@ def encode_extra_keys(extra_keys: Sequence[ExtraKey]) -> bytes:
 class BlockHasher:
     """Computes a request's chained hashes incrementally, H tokens per block."""
 
-    def __init__(self, block_size: int, algo: str = "sha256", seed: bytes = b"hybridserve") -> None:
+    def __init__(
+        self,
+        block_size: int,
+        algo: str = "sha256",
+        seed: bytes = b"hybridserve",
+        *,
+        lookahead: int = 0,
+    ) -> None:
         if block_size < 1:
             raise ConfigError("hash_block_size", block_size, "use a positive block size")
+        if lookahead < 0:
+            raise ConfigError("hash_lookahead_tokens", lookahead, "use 0 or more tokens")
         self.block_size = block_size
+        self.lookahead = lookahead
         self._digest = get_digest(algo)
         # A fixed root keeps hashes reproducible across processes (vLLM's NONE_HASH is random
         # unless PYTHONHASHSEED is set).
@@ -103,8 +116,8 @@ class BlockHasher:
 
         `extra_keys` (a LoRA name, say) go on every block; `cache_salt` on block 0 only.
         """
-        size = self.block_size
-        num_full = len(token_ids) // size
+        size, lookahead = self.block_size, self.lookahead
+        num_full = (len(token_ids) - lookahead) // size
         start = len(hashes)
         if start >= num_full:
             return hashes
@@ -117,6 +130,9 @@ class BlockHasher:
         for index in range(start, num_full):
             offset = (index - start) * width
             data = parent + raw[offset : offset + width]
+            if lookahead:
+                end = (index + 1) * size
+                data += b"L" + encode_tokens(token_ids[end : end + lookahead])
             if index == 0 and cache_salt is not None:
                 data += encode_extra_keys((*extra_keys, "salt", cache_salt))
             elif common:
@@ -124,6 +140,10 @@ class BlockHasher:
             parent = digest(data)
             hashes.append(parent)
         return hashes
+
+    def num_hashable(self, num_tokens: int) -> int:
+        """How many block hashes a sequence of `num_tokens` tokens has."""
+        return max(num_tokens - self.lookahead, 0) // self.block_size
 
     def hash_tokens(
         self, token_ids: Sequence[int], *, cache_salt: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -22,6 +23,13 @@ class CacheLayout:
     * P: the scheduler page, lcm of every group's lookup unit U_g.
     * `dcp` (N): decode-context-parallel width; only full attention / MLA is sharded, so its
       unit is block_size * N and every other group's unit is its block size.
+    * `eagle_groups`: the groups holding the EAGLE/MTP draft layers, which lose their last
+      matched block on the legacy path (vLLM's `is_eagle_group`); None = every attention group.
+    * `partial_hash_hits`: fine-grained hits (vLLM's `enable_partial_hash_hits` with a Mamba
+      align block coarser than H): a prompt's last H boundary inside a state block is also a
+      servable state and a registered partial attention block.
+    * `max_in_flight_tokens`: tokens of the batches in flight; sizes the sliding-window
+      admission cap (vLLM's `max_admission_blocks_per_request`); 0 = no cap.
     """
 
     groups: tuple[GroupSpec, ...]
@@ -32,6 +40,9 @@ class CacheLayout:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     hash_algo: str = "sha256"
+    eagle_groups: tuple[int, ...] | None = None
+    partial_hash_hits: bool = False
+    max_in_flight_tokens: int = 0
     units: tuple[int, ...] = field(init=False)
     page_tokens: int = field(init=False)
 
@@ -44,6 +55,14 @@ class CacheLayout:
             )
         if self.dcp < 1:
             raise ConfigError("dcp", self.dcp, "use a DCP width of 1 or more")
+        if self.eagle_groups is not None and any(
+            not 0 <= g < len(self.groups) for g in self.eagle_groups
+        ):
+            raise ConfigError(
+                "eagle_groups", self.eagle_groups, f"use group ids below {len(self.groups)}"
+            )
+        if self.max_in_flight_tokens < 0:
+            raise ConfigError("max_in_flight_tokens", self.max_in_flight_tokens, "use 0 or more")
         if self.hash_algo not in HASH_ALGOS:
             raise ConfigError("hash_algo", self.hash_algo, f"use one of {HASH_ALGOS}")
         units = tuple(g.block_size * (self.dcp if g.dcp_sharded else 1) for g in self.groups)
@@ -97,9 +116,11 @@ class CacheLayout:
         return self.groups[group_id].kind
 
     def drops_tail(self, group_id: int) -> bool:
-        """Target attention groups lose one A of their hit under EAGLE/EAGLE3/MTP."""
+        """EAGLE groups lose their last matched block on the legacy EAGLE/MTP path."""
         if not self.speculative.drops_target_tail:
             return False
+        if self.eagle_groups is not None:
+            return group_id in self.eagle_groups
         return self.groups[group_id].kind in (GroupKind.FULL, GroupKind.MLA, GroupKind.SWA)
 
     @property
@@ -116,13 +137,4 @@ class CacheLayout:
         )
 
     def with_num_blocks(self, num_blocks: int) -> CacheLayout:
-        return CacheLayout(
-            groups=self.groups,
-            num_blocks=num_blocks,
-            hash_block_size=self.hash_block_size,
-            alignment_tokens=self.alignment_tokens,
-            dcp=self.dcp,
-            speculative=self.speculative,
-            retention=self.retention,
-            hash_algo=self.hash_algo,
-        )
+        return dataclasses.replace(self, num_blocks=num_blocks)

@@ -73,12 +73,23 @@ class KVCacheManager:
         self.pool = BlockPool(
             layout.num_blocks, uncached_to_head=uncached_to_head, growable=unbounded
         )
-        self.hasher = BlockHasher(layout.hash_block_size, layout.hash_algo)
+        self.hasher = BlockHasher(
+            layout.hash_block_size,
+            layout.hash_algo,
+            lookahead=layout.speculative.hash_lookahead_tokens,
+        )
         h, a = layout.hash_block_size, layout.alignment_tokens
         self.groups: list[GroupManager] = [
             make_manager(
                 spec,
-                GroupContext(gid, unit, unit // h, a, layout.drops_tail(gid)),
+                GroupContext(
+                    gid,
+                    unit,
+                    unit // h,
+                    a,
+                    layout.drops_tail(gid),
+                    layout.speculative.drops_target_tail,
+                ),
                 self.pool,
             )
             for gid, (spec, unit) in enumerate(zip(layout.groups, layout.units, strict=True))
@@ -87,6 +98,7 @@ class KVCacheManager:
         self._full_groups = [
             g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
         ]
+        self._hybrid = layout.num_groups > 1
         self._requests: dict[str, _RequestState] = {}
         self._no_change = Allocation(((),) * len(self.groups), ())
         # Positions a state or window group can resume at lie on lcm(A, its block size).
@@ -119,10 +131,17 @@ class KVCacheManager:
         layout, cap = self.layout, num_tokens - 1
         if not self.enable_caching or cap < layout.alignment_tokens:
             return self._empty_hit(num_tokens, resumed)
+        # A hybrid layout lets an EAGLE group look past the cap, up to the hashed length.
+        reach = len(block_hashes) * layout.hash_block_size if self._hybrid else cap
         lookups = [
-            g.lookup(derived_hashes(block_hashes, g.ctx.hash_ratio), cap) for g in self.groups
+            g.lookup(
+                derived_hashes(block_hashes, g.ctx.hash_ratio), reach if g.ctx.drops_tail else cap
+            )
+            for g in self.groups
         ]
-        rec = reconcile(lookups, self._drops, alignment=layout.alignment_tokens, cap=cap)
+        rec = reconcile(
+            lookups, self._drops, alignment=layout.alignment_tokens, cap=cap, reach=reach
+        )
         group_blocks, cows = [], []
         for lookup in lookups:
             blocks, cow = lookup.blocks(rec.num_tokens)
@@ -132,10 +151,12 @@ class KVCacheManager:
             not (isinstance(g, MambaManager) and blocks and g.is_fresh(blocks[-1]))
             for g, blocks in zip(self.groups, group_blocks, strict=True)
         )
+        # The shared-prefix junction: the longest full-attention hit after the EAGLE drop, when
+        # it exceeds the reconciled hit (vLLM's shared_prefix_boundary).
         junction = 0
         if self._full_groups:
-            matched = min(getattr(lookups[g], "matched", 0) for g in self._full_groups)
-            junction = matched if matched > rec.num_tokens else 0
+            longest = max(rec.offered[g] for g in self._full_groups)
+            junction = longest if longest > rec.num_tokens else 0
         sample = None
         if self.enable_metrics:
             sample = AdmissionSample(

@@ -83,12 +83,15 @@ class RetentionPolicy:
         its predecessor). The `boundary` policy, vLLM's, keeps floor(B/A)*A alone.
         """
         base = boundary // alignment * alignment
+        drop = alignment if drops_target_tail else 0
         if self.kind is RetentionKind.BOUNDARY:
-            # The boundary itself, and where a full-attention lookup coarser than A lands on it.
-            kept = {base, *(boundary // unit * unit for unit in sharded_units)}
+            # vLLM's replay_boundaries: the boundary itself, and where a full-attention lookup
+            # coarser than A lands on it; under the legacy EAGLE drop, where the dropped lookup
+            # of a request sharing B or B + 1 tokens lands.
+            ends = (boundary, boundary + 1) if drop else (boundary,)
+            kept = {n // unit * unit - drop for unit in (alignment, *sharded_units) for n in ends}
             only = tuple(sorted(p for p in kept if p > 0))
             return Landing(state=only, window=only)
-        drop = alignment if drops_target_tail else 0
         window = {
             n // unit * unit - drop
             for unit in (alignment, *sharded_units)

@@ -134,9 +134,21 @@ class MambaSpec:
     # writes the state at its last block boundary into a checkpoint block, so the chunk need
     # not stop there (vLLM's num_prefill_checkpoint_blocks=1).
     prefill_checkpoint: bool = False
+    # Align mode with speculative decoding: blocks right after the running state block that hold
+    # the draft tokens' states (vLLM's MambaSpec.num_speculative_blocks). 0 = the lookahead
+    # slots decide, one scratch block per block they reach.
+    num_speculative_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_block_size("mamba.block_size", self.block_size)
+        if (
+            isinstance(self.num_speculative_blocks, bool)
+            or not isinstance(self.num_speculative_blocks, int)
+            or self.num_speculative_blocks < 0
+        ):
+            raise ConfigError(
+                "mamba.num_speculative_blocks", self.num_speculative_blocks, "use 0 or more"
+            )
         if not isinstance(self.mode, MambaCacheMode):
             raise ConfigError("mamba.mode", self.mode, "use 'all' or 'align'")
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine import Engine
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import KVCacheManager
-from hybridserve.recordings.trace import Recording, cache_layout, scheduler_config
+from hybridserve.recordings.trace import (
+    RecordedRequest,
+    Recording,
+    cache_layout,
+    scheduler_config,
+)
 from hybridserve.scheduler import Scheduler
 
 COMPARED = (
@@ -38,11 +44,61 @@ class ReplayReport:
         }
 
 
+class RecordedSampler:
+    """The recorder's fake model runner with its fake rejection sampler (FORMAT.md 7.4).
+
+    A sampling chunk with d drafts, r of them real (placeholders are -1), emits a + 1 tokens,
+    a = min(k, r); every scheduled request is then offered K drafts for the next step, which
+    the scheduler keeps only for a request that is running and not in a partial prefill.
+    """
+
+    def __init__(
+        self, requests: dict[str, RecordedRequest], sampler: dict[str, int], num_drafts: int
+    ) -> None:
+        self.requests = requests
+        self.sampler = sampler
+        self.num_drafts = num_drafts
+        self._num_outputs: dict[str, int] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for req_id in plan.finished_req_ids:
+            self._num_outputs.pop(req_id, None)
+        sampled: dict[str, tuple[int, ...]] = {}
+        drafts: dict[str, tuple[int, ...]] = {}
+        for chunk in plan.chunks:
+            recorded = self.requests[chunk.req_id]
+            t = self._num_outputs.get(chunk.req_id, 0)
+            if chunk.sample:
+                drafted = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+                real = sum(1 for token in drafted if token >= 0)
+                accepted = min(recorded.accepted_drafts(plan.step_id, self.sampler), real)
+                sampled[chunk.req_id] = tuple(
+                    recorded.output_token(t + j) for j in range(accepted + 1)
+                )
+                t += accepted + 1
+                self._num_outputs[chunk.req_id] = t
+            drafts[chunk.req_id] = tuple(
+                recorded.output_token(t + j) for j in range(self.num_drafts)
+            )
+        return StepResult(plan.step_id, sampled, 0.0, drafts)
+
+
 def replay_recording(recording: Recording, *, check_invariants: bool = False) -> ReplayReport:
-    cache = KVCacheManager(cache_layout(recording.header))
-    scheduler = Scheduler(scheduler_config(recording.header), cache)
+    layout = cache_layout(recording.header)
+    cache = KVCacheManager(layout, enable_caching=recording.header["engine"].get(
+        "enable_prefix_caching", True))
+    num_drafts = layout.speculative.num_speculative_tokens
+    scheduler = Scheduler(
+        scheduler_config(recording.header), cache, num_speculative_tokens=num_drafts
+    )
     by_id = {r.req_id: r for r in recording.requests}
-    engine = Engine(scheduler, FakeExecutor(lambda req_id, t: by_id[req_id].output_token(t)))
+    sampler = recording.spec_sampler
+    executor: FakeExecutor | RecordedSampler
+    if sampler is not None and num_drafts > 0:
+        executor = RecordedSampler(by_id, sampler, num_drafts)
+    else:
+        executor = FakeExecutor(lambda req_id, t: by_id[req_id].output_token(t))
+    engine = Engine(scheduler, executor)
     pending = sorted(recording.requests, key=lambda r: (r.arrival_step, r.index))
     cursor = step = identical = 0
     first: dict[str, Any] | None = None

@@ -1,7 +1,9 @@
 """Read a `vllm-sched-trace/1` recording and rebuild its scenario exactly.
 
-The prompts come from the header's closed-form generator; each is checked against the
-recorded sha256, so a replay proves it rebuilt the exact token sequences.
+The prompts come from the header's closed-form generator (with the prompt map of siblings and
+identical resends, FORMAT.md 7.3); each is checked against the recorded sha256, so a replay
+proves it rebuilt the exact token sequences. Extension files (FORMAT.md 7) also carry the
+speculative config, the fake rejection sampler and sliding-window groups.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
+from hybridserve.core.config import SchedulerConfig, SchedulingPolicy, SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
-from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode
+from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode, SlidingWindowSpec
 
 FORMAT = "vllm-sched-trace/1"
 
@@ -41,6 +43,12 @@ class RecordedRequest:
     def output_token(self, t: int) -> int:
         return self.sampler_base + (self.sampler_offset + t) % self.sampler_mod
 
+    def accepted_drafts(self, step: int, sampler: dict[str, int]) -> int:
+        """The fake rejection sampler's k for this request in `step` (FORMAT.md 7.4)."""
+        return (self.index * sampler["i_mul"] + step * sampler["s_mul"] + sampler["off"]) % sampler[
+            "mod"
+        ]
+
     def to_request(self) -> Request:
         """The request as the recorder passed it to vLLM (ignore_eos, greedy)."""
         return Request(
@@ -62,6 +70,12 @@ class Recording:
     @property
     def scenario(self) -> str:
         return str(self.header.get("scenario", self.path.stem))
+
+    @property
+    def spec_sampler(self) -> dict[str, int] | None:
+        """The fake rejection sampler of a speculative recording, None without speculation."""
+        sampler = self.header["workload"].get("spec_sampler")
+        return dict(sampler) if sampler else None
 
 
 def load_recording(path: Path) -> Recording:
@@ -87,11 +101,22 @@ def load_recording(path: Path) -> Recording:
     return Recording(path, header, requests, steps)
 
 
-def generate_prompt(i: int, p: dict[str, int]) -> list[int]:
-    """The recorder's closed-form prompt generator (FORMAT.md, workload.formulas)."""
-    a, k = i % p["n_agents"], i // p["n_agents"]
+def prompt_indices(i: int, prompt_map: dict[str, Any] | None) -> tuple[int, int]:
+    """(ctx_idx, sfx_idx): the generator indices of request i's shared part and suffix."""
+    if not prompt_map:
+        return i, i
+    m = i % prompt_map["period"]
+    return i - prompt_map["ctx_back"][m], i - prompt_map["sfx_back"][m]
+
+
+def generate_prompt(i: int, p: dict[str, int], prompt_map: dict[str, Any] | None = None) -> list[int]:
+    """The recorder's closed-form prompt generator (FORMAT.md, workload.formulas), with the
+    shared part from ctx_idx and the suffix from sfx_idx under a prompt map (FORMAT.md 7.3)."""
+    ctx, sfx = prompt_indices(i, prompt_map)
+    a, k = ctx % p["n_agents"], ctx // p["n_agents"]
     shared_len = p["base_min"] + (a * p["base_mul"]) % p["base_mod"] + k * p["growth"]
-    suffix_len = p["suffix_min"] + (i * p["suffix_len_mul"]) % p["suffix_len_mod"]
+    suffix_len = p["suffix_min"] + (sfx * p["suffix_len_mul"]) % p["suffix_len_mod"]
+    i = sfx
     prompt = [p["agent_tag_base"] + a]
     a_term = a * p["agent_a_mul"]
     prompt += [
@@ -111,7 +136,7 @@ def _build_request(
     path: Path, row: dict[str, Any], params: dict[str, int], header: dict[str, Any]
 ) -> RecordedRequest:
     index = row["idx"]
-    prompt = generate_prompt(index, params)
+    prompt = generate_prompt(index, params, header["workload"].get("prompt_map"))
     digest = hashlib.sha256(",".join(map(str, prompt)).encode("ascii")).hexdigest()
     if digest != row["prompt_sha256"] or len(prompt) != row["prompt_len"]:
         raise RecordingError(
@@ -130,6 +155,23 @@ def _build_request(
         sampler_base=sampler["base"],
         sampler_offset=sampler["offset"],
         sampler_mod=sampler["mod"],
+    )
+
+
+def speculative_config(header: dict[str, Any]) -> SpeculativeConfig:
+    """The recorded vLLM SpeculativeConfig as ours (FORMAT.md 7.1)."""
+    spec = header["engine"].get("speculative")
+    if not spec:
+        return SpeculativeConfig()
+    try:
+        method = SpecMethod(spec["method"])
+    except ValueError:
+        raise RecordingError(f"unsupported speculative method {spec['method']!r}") from None
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=spec["num_speculative_tokens"],
+        lookahead_block_hashes=not spec.get("disable_lookahead_block_hashes", False),
+        multi_module_mtp=bool(spec.get("use_multi_module_mtp", False)),
     )
 
 
@@ -152,11 +194,22 @@ def cache_layout(header: dict[str, Any]) -> CacheLayout:
     for group in cache["groups"]:
         if group["kind"] == "FullAttentionSpec":
             groups.append(FullAttentionSpec(block_size=group["block_size"]))
+        elif group["kind"] == "SlidingWindowSpec":
+            if group.get("extra_retained_tokens"):
+                raise RecordingError("sliding-window groups with extra_retained_tokens")
+            groups.append(
+                SlidingWindowSpec(block_size=group["block_size"], window=group["sliding_window"])
+            )
         elif group["kind"] == "MambaSpec":
             mode = MambaCacheMode(group.get("mamba_cache_mode") or "align")
             checkpoint = (group.get("num_prefill_checkpoint_blocks") or 0) > 0
             groups.append(
-                MambaSpec(block_size=group["block_size"], mode=mode, prefill_checkpoint=checkpoint)
+                MambaSpec(
+                    block_size=group["block_size"],
+                    mode=mode,
+                    prefill_checkpoint=checkpoint,
+                    num_speculative_blocks=group.get("num_speculative_blocks") or 0,
+                )
             )
         else:
             raise RecordingError(f"unsupported cache group kind {group['kind']!r}")
@@ -167,10 +220,15 @@ def cache_layout(header: dict[str, Any]) -> CacheLayout:
         retention = RetentionPolicy.parse("boundary")
     else:
         retention = RetentionPolicy.parse(f"interval:{interval}")
+    flagged = tuple(g for g, group in enumerate(cache["groups"]) if group.get("is_eagle_group"))
     return CacheLayout(
         groups=tuple(groups),
         num_blocks=engine["num_blocks"],
         hash_block_size=engine["hash_block_size"],
         alignment_tokens=cache.get("cache_hit_alignment_tokens") or 0,
         retention=retention,
+        speculative=speculative_config(header),
+        eagle_groups=flagged or None,
+        partial_hash_hits=bool(cache.get("enable_partial_hash_hits")),
+        max_in_flight_tokens=engine.get("max_in_flight_tokens") or 0,
     )

@@ -32,8 +32,9 @@ class AlignSplitter:
         self.cache = cache
         self.block = align_block_size(cache)
         self.drops_tail = cache.layout.speculative.drops_target_tail
-        # The final chunk's checkpoint block holds the last boundary's state (not with EAGLE).
-        self.prefill_checkpoint = not self.drops_tail and any(
+        # The final chunk's checkpoint block holds the last boundary's state (one block lower
+        # under the legacy EAGLE drop).
+        self.prefill_checkpoint = any(
             isinstance(s, MambaSpec) and s.prefill_checkpoint for s in cache.layout.groups
         )
         threshold = config.long_prefill_token_threshold

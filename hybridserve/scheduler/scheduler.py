@@ -55,6 +55,7 @@ class Scheduler:
         self.step_id = 0
         self.token_budget = config.max_num_batched_tokens
         self.hash_block_size = cache.layout.hash_block_size
+        self.hash_lookahead = cache.hasher.lookahead
         self.splitter = AlignSplitter(config, cache)
         self.align_block = self.splitter.block
         # The quantum q: prefill grants are multiples of the state block (1 without one).
@@ -454,7 +455,9 @@ class Scheduler:
                 request.output_token_ids.append(sampled[0])
                 token_ids = request.token_ids
                 token_ids.append(sampled[0])
-                if len(token_ids) // self.hash_block_size > len(request.block_hashes):
+                if (len(token_ids) - self.hash_lookahead) // self.hash_block_size > len(
+                    request.block_hashes
+                ):
                     self.cache.hasher.extend(
                         request.block_hashes, token_ids, cache_salt=request.cache_salt
                     )
@@ -469,11 +472,21 @@ class Scheduler:
                 outputs.append(RequestOutput(request.req_id, new_tokens, False, None))
         if any_finished:
             self.running = [r for r in self.running if r.status is running_status]
-        for req_id, drafts in result.draft_token_ids.items():
-            request = requests.get(req_id)
-            if request is not None and request.status is running_status and drafts:
-                request.spec_token_ids[:] = drafts[: self.num_lookahead_tokens]
+        if result.draft_token_ids:
+            self._keep_drafts(output, result.draft_token_ids)
         return outputs
+
+    def _keep_drafts(self, output: SchedulerOutput, drafts: dict[str, tuple[int, ...]]) -> None:
+        """Store the drafts for the next step of requests that sampled this step and still run
+        (vLLM's `update_draft_token_ids`: a request in a partial prefill chunk drops them)."""
+        requests, limit = self.requests, self.num_lookahead_tokens
+        for chunk in output.plan.chunks:
+            proposed = drafts.get(chunk.req_id)
+            if not proposed or not chunk.sample:
+                continue
+            request = requests.get(chunk.req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.spec_token_ids[:] = proposed[:limit]
 
     def _append(self, request: Request, sampled: tuple[int, ...]) -> tuple[int, ...]:
         sampling = request.sampling
@@ -494,7 +507,7 @@ class Scheduler:
                     break
         request.append_output_tokens(kept)
         hashes, token_ids = request.block_hashes, request.token_ids
-        if len(token_ids) // self.hash_block_size > len(hashes):
+        if (len(token_ids) - self.hash_lookahead) // self.hash_block_size > len(hashes):
             self.cache.hasher.extend(hashes, token_ids, cache_salt=request.cache_salt)
         if status is not None:
             request.transition(status)

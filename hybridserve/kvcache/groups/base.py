@@ -34,6 +34,7 @@ class GroupContext:
     hash_ratio: int  # U_g / H: base hashes per block of this group
     alignment: int  # A
     drops_tail: bool  # loses one A of its hit under a tail-dropping speculative method
+    eagle_drop: bool = False  # some group drops its tail (vLLM's use_eagle_block_drop)
 
 
 class GroupLookup:

@@ -73,6 +73,8 @@ class MambaManager(GroupManager):
             return False
         if not self.align:
             return True
+        if self.spec.num_speculative_blocks:
+            return False  # the draft-state blocks follow the chunk end: take the full path
         live = self.live.get(req_id)
         if not live or live[0] < (computed - 1 if computed > 1 else 0) // bs:
             return False  # a stale state is to be released
@@ -97,29 +99,37 @@ class MambaManager(GroupManager):
         scratch states after it (lookahead), and a prefill checkpoint."""
         bs, null = self.block_size, self.pool.null_block
         state = cdiv(slots.chunk_end, bs) - 1
-        last = max(cdiv(slots.num_slots, bs) - 1, state)
+        if self.spec.num_speculative_blocks:
+            last = state + self.spec.num_speculative_blocks
+        else:
+            last = max(cdiv(slots.num_slots, bs) - 1, state)
         live = set(self.live.get(req_id, ()))
         live.update(i for i, b in enumerate(hit) if b is not null)
         indices = [i for i in range(max(state, 0), last + 1) if i not in live]
         if indices:
-            checkpoint = self._checkpoint_index(req_id, slots, len(hit))
-            if checkpoint is not None:
+            checkpoint = self._checkpoint_index(slots)
+            if checkpoint is not None and checkpoint not in live:
                 indices.insert(0, checkpoint)
         return indices
 
-    def _checkpoint_index(self, req_id: str, slots: SlotRequest, num_hit: int) -> int | None:
-        """Where the final prefill chunk writes the state at its last block boundary."""
+    def _checkpoint_index(self, slots: SlotRequest) -> int | None:
+        """Where the final prefill chunk writes the state at its last block boundary: None when
+        that boundary is where the chunk starts (its state exists). A draft-state block already
+        at that index is reused."""
+        index = self._checkpoint_position(slots)
+        if index is None or index < 0 or index <= slots.computed // self.block_size - 1:
+            return None
+        return index
+
+    def _checkpoint_position(self, slots: SlotRequest) -> int | None:
+        """The table index of the final chunk's prefill checkpoint, if it has one."""
         if not self.spec.prefill_checkpoint:
             return None
         bs, end = self.block_size, slots.chunk_end
         if end != slots.seq_tokens or end % bs == 0 or slots.computed % bs != 0:
             return None
-        index = cdiv(end, bs) - 2
-        live = self.live.get(req_id, ())
-        held = max(len(self.tables.get(req_id, ())), num_hit)
-        if index < 0 or (index < held and index in live):
-            return None
-        return index
+        # Under the legacy EAGLE drop a lookup lands one block lower (drop_eagle_checkpoint_block).
+        return cdiv(end, bs) - (3 if self.ctx.eagle_drop else 2)
 
     def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> None:
         super().add_hit(req_id, hit, cow_src)
@@ -134,13 +144,15 @@ class MambaManager(GroupManager):
         self.num_processed.setdefault(req_id, 0)
         live = self.live.setdefault(req_id, [])
         indices = self._new_indices(req_id, slots, ())
-        checkpoint = self._checkpoint_index(req_id, slots, 0) if indices else None
+        checkpoint = self._checkpoint_index(slots) if indices else None
         if checkpoint is not None:
             self.checkpoints[req_id] = checkpoint
         else:
             self.checkpoints.pop(req_id, None)
         if not indices:
             return []
+        if self.spec.num_speculative_blocks:
+            self._release_stale_scratch(req_id, slots, indices)
         table.extend([self.pool.null_block] * (max(indices) + 1 - len(table)))
         blocks = self.pool.allocate(len(indices))
         for index, block in zip(indices, blocks, strict=True):
@@ -148,6 +160,25 @@ class MambaManager(GroupManager):
             live.append(index)
         live.sort()
         return blocks
+
+    def _release_stale_scratch(self, req_id: str, slots: SlotRequest, new: list[int]) -> None:
+        """Draft-state blocks of an earlier step that the state moved past: neither the state
+        the chunk starts from, nor one this chunk writes, nor its checkpoint."""
+        bs, null = self.block_size, self.pool.null_block
+        source = cdiv(slots.computed, bs) - 1
+        state = cdiv(slots.chunk_end, bs) - 1
+        keep = {source, *range(state, state + self.spec.num_speculative_blocks + 1), *new}
+        checkpoint = self._checkpoint_position(slots)
+        if checkpoint is not None:
+            keep.add(checkpoint)
+        table, live = self.tables[req_id], self.live[req_id]
+        stale = [i for i in live if i > source and i not in keep and table[i] is not null]
+        if stale:
+            freed = [table[i] for i in stale]
+            for i in stale:
+                table[i] = null
+            self.pool.free(freed)
+            live[:] = [i for i in live if i not in stale]
 
     def remove_skipped(self, req_id: str, num_computed_tokens: int) -> None:
         """Release states no later step reads, as vLLM does: first the run of real blocks just
