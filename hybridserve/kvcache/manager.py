@@ -5,6 +5,7 @@ The scheduler-facing API. It takes ids, hashes and lengths, never a Request.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,6 +100,10 @@ class KVCacheManager:
             g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
         ]
         self._hybrid = layout.num_groups > 1
+        # Align-mode state groups with a prefill checkpoint place it by the retention mask.
+        self._checkpointing = any(
+            isinstance(s, MambaSpec) and s.prefill_checkpoint for s in layout.groups
+        )
         self._requests: dict[str, _RequestState] = {}
         self._no_change = Allocation(((),) * len(self.groups), ())
         # Positions a state or window group can resume at lie on lcm(A, its block size).
@@ -250,14 +255,23 @@ class KVCacheManager:
         total_computed = num_computed_tokens + hit_tokens
         hit_blocks = hit.group_blocks if hit is not None else ((),) * len(self.groups)
         cows = hit.cow_sources if hit is not None else (None,) * len(self.groups)
+        state = self._requests.get(req_id)
+        if state is not None:
+            keep: KeepMask | None = state.keep
+        elif self._checkpointing:
+            keep = self._keep_mask(self._boundaries(num_prompt_tokens or num_tokens, hit))
+        else:
+            keep = None
         if full_sequence_must_fit:
-            whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens)
+            whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens, keep)
             if not self.pool.has_room(self._blocks_needed(req_id, whole, hit_blocks, cows)):
                 return None
         for group in self.groups:
             group.remove_skipped(req_id, total_computed)
         chunk_end = total_computed + num_new_tokens
-        slots = SlotRequest(chunk_end + num_lookahead_tokens, total_computed, chunk_end, num_tokens)
+        slots = SlotRequest(
+            chunk_end + num_lookahead_tokens, total_computed, chunk_end, num_tokens, keep
+        )
         if not self.pool.has_room(self._blocks_needed(req_id, slots, hit_blocks, cows)):
             return None
         copies = []
@@ -277,6 +291,8 @@ class KVCacheManager:
                     )
         elif req_id not in self._requests:
             self._begin_request(req_id, self._empty_hit(num_tokens, False), num_prompt_tokens)
+        if keep is None and self._checkpointing:
+            slots = dataclasses.replace(slots, keep=self._requests[req_id].keep)
         new_ids = tuple(tuple(b.block_id for b in g.allocate(req_id, slots)) for g in self.groups)
         if self.enable_caching:
             self._register(req_id, block_hashes, total_computed, num_new_tokens, num_tokens)
@@ -309,7 +325,12 @@ class KVCacheManager:
         policy = layout.retention
         state: set[int] = set()
         window: set[int] = set()
-        for boundary in boundaries:
+        for index, boundary in enumerate(boundaries):
+            if index > 0 and policy.kind is RetentionKind.BOUNDARY:
+                # vLLM keeps a shared-prefix junction as found (it is already past the drop).
+                state.add(boundary)
+                window.add(boundary)
+                continue
             landing = policy.landing_positions(
                 boundary,
                 alignment=layout.alignment_tokens,

@@ -25,7 +25,7 @@ class AlignSplitter:
     Non-final chunks end on the state block grid. A chunk stops at the sequence's last block
     boundary (one block earlier under a tail-dropping method) unless it starts on the grid and
     a prefill checkpoint block will hold that state, and it stops at a shared-prefix junction.
-    Retention policies other than `boundary` add their own checkpoint positions as stops.
+    Predecessor retention (not vLLM's) adds its own checkpoint positions as stops.
     """
 
     def __init__(self, config: SchedulerConfig, cache: KVCacheManager) -> None:
@@ -40,7 +40,9 @@ class AlignSplitter:
         threshold = config.long_prefill_token_threshold
         budget = config.max_num_batched_tokens
         self.max_prefill_chunk = min(budget, threshold) if threshold > 0 else budget
-        self.vllm_stops_only = cache.layout.retention.kind is RetentionKind.BOUNDARY
+        # vLLM's split never reads the retention policy (dense and interval retention included);
+        # only our predecessor retention adds the stops that materialise its extra states.
+        self.vllm_stops_only = cache.layout.retention.kind is not RetentionKind.BOUNDARY_PREDECESSOR
 
     def split(self, request: Request, num_new: int, *, hit: int, junction: int) -> int:
         start = request.num_computed_tokens + hit

@@ -23,6 +23,9 @@ from hybridserve.scheduler.step import StepState
 from hybridserve.scheduler.step_model import StepTimeModel
 
 
+PLACEHOLDER_DRAFT = -1  # a padding draft row: never a real token, never accepted
+
+
 class RequestOutput(NamedTuple):
     """What one step produced for one request."""
 
@@ -190,7 +193,10 @@ class Scheduler:
             scheduled[request.req_id] = num_new
             allocations[request.req_id] = allocation
             step.budget -= num_new
+            if computed < request.num_tokens - 1:
+                step.running_prefill = True
             index += 1
+        step.num_running_scheduled = len(scheduled)
 
     def _allocate_or_preempt(
         self, step: StepState, request: Request, num_new: int, index: int
@@ -254,6 +260,19 @@ class Scheduler:
                 )
                 if num_new <= 0:
                     break
+            if (
+                self.num_lookahead_tokens
+                and num_new == 1
+                and request.num_tokens - hit.num_tokens == 1
+                and not step.running_prefill
+                and (step.num_running_scheduled or hit.num_tokens > 0)
+            ):
+                # vLLM pads a one-token admission (a full hit, a resumed request) to the
+                # 1 + K rows of a decode with K placeholder drafts, or stops admitting.
+                if step.budget < 1 + self.num_lookahead_tokens:
+                    break
+                request.spec_token_ids[:] = [PLACEHOLDER_DRAFT] * self.num_lookahead_tokens
+                num_new = 1 + self.num_lookahead_tokens
             completes = hit.num_tokens + num_new >= request.num_tokens
             if self.controls.max_partials and not self.controls.admits(
                 partials_after=self._partials_after(step), completes=completes
@@ -278,7 +297,7 @@ class Scheduler:
             num_new_tokens=num_new,
             num_lookahead_tokens=self.num_lookahead_tokens,
             hit=hit,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=request.num_tokens,  # a resumed request replays its outputs too
             full_sequence_must_fit=self.config.reserve_full_isl,
         )
         if allocation is None:
@@ -357,6 +376,8 @@ class Scheduler:
             else:
                 num_draft = end - num_tokens
                 tokens = (*token_ids[start:], *request.spec_token_ids[:num_draft])
+            if request.spec_token_ids:
+                request.spec_token_ids.clear()  # every scheduled request uses up its drafts
             prompt_end = request.num_prompt_tokens
             if start < (prompt_end if prompt_end > num_tokens - 1 else num_tokens - 1):
                 num_prefill += num_new

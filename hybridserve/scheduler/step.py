@@ -15,9 +15,11 @@ class StepState:
         "budget",
         "new_partials",
         "new_reqs",
+        "num_running_scheduled",
         "plan",
         "preempted",
         "resumed",
+        "running_prefill",
         "scheduled",
         "threshold",
         "waiter_tokens",
@@ -35,6 +37,8 @@ class StepState:
         self.new_reqs: list[tuple[str, int]] = []
         self.resumed: list[tuple[str, int]] = []
         self.preempted: list[str] = []
+        self.running_prefill = False  # a running request's prefill chunk was scheduled
+        self.num_running_scheduled = 0
 
     def record(
         self, req_id: str, num_new: int, allocation: Allocation, *, new_request: bool = False

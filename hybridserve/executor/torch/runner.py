@@ -199,9 +199,10 @@ class TorchExecutor:
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         ctx, commits = self._context(chunks)
+        # Placeholder drafts (-1) are fed as token 0; they never verify.
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
-        )
+        ).clamp_(min=0)
         positions = torch.tensor(
             [p for c in chunks for p in range(c.start, c.start + c.num_tokens)],
             dtype=torch.long,

@@ -23,6 +23,7 @@ class SlotRequest:
     computed: int  # tokens computed before this chunk (a new request's hit included)
     chunk_end: int  # computed + new tokens (lookahead excluded)
     seq_tokens: int  # the request's known tokens (prompt + output)
+    keep: KeepMask | None = None  # the request's retention mask (where checkpoints are kept)
 
 
 @dataclass(frozen=True, slots=True)

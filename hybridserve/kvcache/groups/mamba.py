@@ -122,14 +122,24 @@ class MambaManager(GroupManager):
         return index
 
     def _checkpoint_position(self, slots: SlotRequest) -> int | None:
-        """The table index of the final chunk's prefill checkpoint, if it has one."""
-        if not self.spec.prefill_checkpoint:
+        """The table index of a chunk's prefill checkpoint: the block ending at the last retained
+        position strictly inside a chunk that starts on the grid (vLLM's
+        num_prefill_checkpoint_blocks=1 with its reachable mask: any block end under dense
+        retention, a landing or interval position otherwise). Under `boundary`
+        retention that is the final chunk's replay boundary (one block lower under the EAGLE
+        drop)."""
+        keep = slots.keep
+        if not self.spec.prefill_checkpoint or keep is None:
             return None
-        bs, end = self.block_size, slots.chunk_end
-        if end != slots.seq_tokens or end % bs == 0 or slots.computed % bs != 0:
+        bs, start, a = self.block_size, slots.computed, self.ctx.alignment
+        if start % bs:
             return None
-        # Under the legacy EAGLE drop a lookup lands one block lower (drop_eagle_checkpoint_block).
-        return cdiv(end, bs) - (3 if self.ctx.eagle_drop else 2)
+        position = (slots.chunk_end - 1) // bs * bs
+        while position > start:
+            if position % a == 0 and keep.keeps_position(position):
+                return position // bs - 1
+            position -= bs
+        return None
 
     def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> None:
         super().add_hit(req_id, hit, cow_src)
@@ -218,8 +228,11 @@ class MambaManager(GroupManager):
         position = (index + 1) * self.block_size
         if position % self.ctx.alignment != 0:
             return False
-        if self.align and position != chunk_end and index != self.checkpoints.get(req_id):
-            return False
+        if self.align and position != chunk_end:
+            if index != self.checkpoints.get(req_id):
+                return False
+            # A checkpoint at a mere interval multiple is written but not registered.
+            return keep.dense or position in keep.state_positions
         return keep.keeps_position(position)
 
 
