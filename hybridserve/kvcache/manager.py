@@ -21,7 +21,7 @@ from hybridserve.kvcache.hashing import BlockHash, BlockHasher, derived_hashes
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.metrics import AdmissionSample, CacheMetrics
 from hybridserve.kvcache.retention import RetentionKind
-from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec
+from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec, SlidingWindowSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +90,7 @@ class KVCacheManager:
                     a,
                     layout.drops_tail(gid),
                     layout.speculative.drops_target_tail,
+                    _admission_cap(spec, layout.max_in_flight_tokens),
                 ),
                 self.pool,
             )
@@ -263,7 +264,7 @@ class KVCacheManager:
         else:
             keep = None
         if full_sequence_must_fit:
-            whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens, keep)
+            whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens, keep, True)
             if not self.pool.has_room(self._blocks_needed(req_id, whole, hit_blocks, cows)):
                 return None
         for group in self.groups:
@@ -368,9 +369,18 @@ class KVCacheManager:
         num_to_cache = min(total_computed + num_new_tokens, num_tokens)
         chunk_end = total_computed + num_new_tokens
         keep = self._requests[req_id].keep
+        page = self.layout.page_tokens
+        clamp = self._hybrid and not self.layout.partial_hash_hits
         for group in self.groups:
             hashes = derived_hashes(block_hashes, group.ctx.hash_ratio)
-            group.register(req_id, hashes, num_to_cache, chunk_end=chunk_end, keep=keep)
+            limit = num_to_cache
+            if clamp:
+                # vLLM's get_num_cacheable_tokens: whole scheduler blocks (lcm of the groups'
+                # blocks), one more block of an EAGLE group on the legacy path.
+                limit = num_to_cache // page * page
+                if group.ctx.drops_tail:
+                    limit = min(limit + group.block_size, num_to_cache)
+            group.register(req_id, hashes, limit, chunk_end=chunk_end, keep=keep)
 
     def free(self, req_id: str) -> None:
         """Release every block of a finished or preempted request (deepest first per group)."""
@@ -454,3 +464,11 @@ class KVCacheManager:
                 )
             if block.key is not None and block.group_id < 0:
                 raise CacheInvariantError(f"{block} is hashed without a group")
+
+
+def _admission_cap(spec: object, max_in_flight_tokens: int) -> int:
+    """vLLM's SlidingWindowSpec.max_admission_blocks_per_request: a sliding-window request
+    never holds more than its window plus the tokens in flight, so admission counts no more."""
+    if not isinstance(spec, SlidingWindowSpec) or max_in_flight_tokens <= 0:
+        return 0
+    return -(-(spec.window - 1 + max_in_flight_tokens) // spec.block_size) + 1

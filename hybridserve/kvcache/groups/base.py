@@ -24,6 +24,7 @@ class SlotRequest:
     chunk_end: int  # computed + new tokens (lookahead excluded)
     seq_tokens: int  # the request's known tokens (prompt + output)
     keep: KeepMask | None = None  # the request's retention mask (where checkpoints are kept)
+    admission: bool = False  # the full-sequence admission gate (recycling groups are capped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class GroupContext:
     alignment: int  # A
     drops_tail: bool  # loses one A of its hit under a tail-dropping speculative method
     eagle_drop: bool = False  # some group drops its tail (vLLM's use_eagle_block_drop)
+    # Sliding-window groups: the most blocks the admission gate counts for one request (vLLM's
+    # max_admission_blocks_per_request); 0 = no cap.
+    admission_cap: int = 0
 
 
 class GroupLookup:
@@ -106,7 +110,10 @@ class GroupManager:
         held = max(len(hit) + len(table), self.skipped_tokens_for_new(req_id, hit))
         if cow_src is not None:
             held += 1
-        new = max(cdiv(slots.num_slots, self.block_size) - held, 0)
+        required = cdiv(slots.num_slots, self.block_size)
+        if slots.admission and self.ctx.admission_cap:
+            required = min(required, self.ctx.admission_cap)
+        new = max(required - held, 0)
         return new + _num_evictable(hit, self.pool) + _cow_cost(cow_src)
 
     def skipped_tokens_for_new(self, req_id: str, hit: Sequence[Block]) -> int:
