@@ -382,6 +382,13 @@ class KVCacheManager:
                     limit = min(limit + group.block_size, num_to_cache)
             group.register(req_id, hashes, limit, chunk_end=chunk_end, keep=keep)
 
+    def cache_computed(
+        self, req_id: str, block_hashes: Sequence[BlockHash], num_computed: int, num_tokens: int
+    ) -> None:
+        """Register the full blocks of the first `num_computed` tokens (a finishing request)."""
+        if self.enable_caching and req_id in self._requests:
+            self._register(req_id, block_hashes, num_computed, 0, num_tokens)
+
     def free(self, req_id: str) -> None:
         """Release every block of a finished or preempted request (deepest first per group)."""
         for group in self.groups:

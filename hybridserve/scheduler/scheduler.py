@@ -532,6 +532,12 @@ class Scheduler:
             self.cache.hasher.extend(hashes, token_ids, cache_salt=request.cache_salt)
         if status is not None:
             request.transition(status)
+            if self.hash_lookahead:
+                # With lookahead block hashes vLLM registers the verified blocks of a finishing
+                # request before freeing them (their hashes lag one step behind the tokens).
+                self.cache.cache_computed(
+                    request.req_id, hashes, request.num_computed_tokens, len(token_ids)
+                )
             self.cache.free(request.req_id)
             del self.requests[request.req_id]
             self._finished_pending.append(request.req_id)
