@@ -43,7 +43,11 @@ def cache_replay(
     ] = 0,
     hash_block_size: Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")] = 0,
     spec: Annotated[
-        str, typer.Option(help="Speculative method: none|eagle|mtp|dflash|ngram.")
+        str,
+        typer.Option(
+            help="Speculative method: none|eagle|mtp|dflash|ngram (EAGLE/MTP with vLLM 0.33's "
+            "lookahead block hashes), or eagle-legacy|mtp-legacy (the one-block drop)."
+        ),
     ] = "eagle",
     retention: Annotated[
         str | None,

@@ -188,7 +188,12 @@ def simulate_cmd(
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
     warmup: WarmupOption = 300.0,
-    spec: Annotated[str, typer.Option(help="Speculative method.")] = "mtp",
+    spec: Annotated[
+        str,
+        typer.Option(
+            help="Speculative method (mtp-legacy / eagle-legacy: the pre-0.33 one-block drop)."
+        ),
+    ] = "mtp",
     workload: Annotated[
         str,
         typer.Option(

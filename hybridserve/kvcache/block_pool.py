@@ -222,6 +222,11 @@ class BlockPool:
             entry[block.block_id] = block
         return True
 
+    def unregister(self, block: Block) -> None:
+        """Drop `block`'s registration (a partial tail superseded by its full block)."""
+        if block.key is not None:
+            self._drop_key(block)
+
     # ----- internals --------------------------------------------------------------------------
 
     def _grow(self, num: int) -> None:
@@ -232,6 +237,11 @@ class BlockPool:
             self.free_queue.append(block)
 
     def _evict(self, block: Block) -> None:
+        self.num_evictions += 1
+        self.evictions_by_group[block.group_id] = self.evictions_by_group.get(block.group_id, 0) + 1
+        self._drop_key(block)
+
+    def _drop_key(self, block: Block) -> None:
         key = block.key
         assert key is not None
         entry = self._cached[key]
@@ -241,8 +251,6 @@ class BlockPool:
             del entry[block.block_id]
             if len(entry) == 1:
                 self._cached[key] = next(iter(entry.values()))
-        self.num_evictions += 1
-        self.evictions_by_group[block.group_id] = self.evictions_by_group.get(block.group_id, 0) + 1
         block.key = None
         block.group_id = -1
 

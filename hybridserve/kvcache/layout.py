@@ -74,6 +74,7 @@ class CacheLayout:
             object.__setattr__(self, "alignment_tokens", self.page_tokens)
         self._validate_geometry()
         self._validate_spec_support()
+        self._validate_retention()
 
     def _validate_geometry(self) -> None:
         h, a, p = self.hash_block_size, self.alignment_tokens, self.page_tokens
@@ -89,6 +90,25 @@ class CacheLayout:
                 "alignment_tokens",
                 a,
                 f"it must be a multiple of hash_block_size={h} that divides the page {p}",
+            )
+
+    def _validate_retention(self) -> None:
+        interval = self.retention.interval_tokens
+        if interval <= 0:
+            return
+        if not any(
+            g.kind in (GroupKind.MAMBA, GroupKind.SWA, GroupKind.DRAFT) for g in self.groups
+        ):
+            raise ConfigError(
+                "retention",
+                self.retention.name,
+                "a retention interval needs a sliding-window or state group; use boundary",
+            )
+        if interval % self.page_tokens != 0:
+            raise ConfigError(
+                "retention",
+                self.retention.name,
+                f"the interval must be a multiple of the scheduler block {self.page_tokens}",
             )
 
     def _validate_spec_support(self) -> None:

@@ -91,6 +91,7 @@ class KVCacheManager:
                     layout.drops_tail(gid),
                     layout.speculative.drops_target_tail,
                     _admission_cap(spec, layout.max_in_flight_tokens),
+                    layout.partial_hash_hits and a < unit,
                 ),
                 self.pool,
             )
@@ -141,7 +142,9 @@ class KVCacheManager:
         reach = len(block_hashes) * layout.hash_block_size if self._hybrid else cap
         lookups = [
             g.lookup(
-                derived_hashes(block_hashes, g.ctx.hash_ratio), reach if g.ctx.drops_tail else cap
+                derived_hashes(block_hashes, g.ctx.hash_ratio),
+                reach if g.ctx.drops_tail else cap,
+                base=block_hashes,
             )
             for g in self.groups
         ]
@@ -186,7 +189,8 @@ class KVCacheManager:
     def _empty_hit(self, num_tokens: int, resumed: bool) -> CacheHit:
         n = self.layout.num_groups
         sample = None
-        if self.enable_metrics:
+        # With prefix caching off nothing is queried, so nothing is recorded (as in vLLM).
+        if self.enable_metrics and self.enable_caching:
             sample = AdmissionSample(
                 num_tokens, self.cacheable_tokens(num_tokens), 0, (0,) * n, None, resumed
             )
@@ -380,7 +384,9 @@ class KVCacheManager:
                 limit = num_to_cache // page * page
                 if group.ctx.drops_tail:
                     limit = min(limit + group.block_size, num_to_cache)
-            group.register(req_id, hashes, limit, chunk_end=chunk_end, keep=keep)
+            group.register(
+                req_id, hashes, limit, chunk_end=chunk_end, keep=keep, base=block_hashes
+            )
 
     def cache_computed(
         self, req_id: str, block_hashes: Sequence[BlockHash], num_computed: int, num_tokens: int

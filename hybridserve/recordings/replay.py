@@ -85,8 +85,9 @@ class RecordedSampler:
 
 def replay_recording(recording: Recording, *, check_invariants: bool = False) -> ReplayReport:
     layout = cache_layout(recording.header)
-    cache = KVCacheManager(layout, enable_caching=recording.header["engine"].get(
-        "enable_prefix_caching", True))
+    cache = KVCacheManager(
+        layout, enable_caching=recording.header["engine"].get("enable_prefix_caching", True)
+    )
     num_drafts = layout.speculative.num_speculative_tokens
     scheduler = Scheduler(
         scheduler_config(recording.header), cache, num_speculative_tokens=num_drafts

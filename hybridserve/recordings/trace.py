@@ -109,7 +109,9 @@ def prompt_indices(i: int, prompt_map: dict[str, Any] | None) -> tuple[int, int]
     return i - prompt_map["ctx_back"][m], i - prompt_map["sfx_back"][m]
 
 
-def generate_prompt(i: int, p: dict[str, int], prompt_map: dict[str, Any] | None = None) -> list[int]:
+def generate_prompt(
+    i: int, p: dict[str, int], prompt_map: dict[str, Any] | None = None
+) -> list[int]:
     """The recorder's closed-form prompt generator (FORMAT.md, workload.formulas), with the
     shared part from ctx_idx and the suffix from sfx_idx under a prompt map (FORMAT.md 7.3)."""
     ctx, sfx = prompt_indices(i, prompt_map)

@@ -43,6 +43,10 @@ class AlignSplitter:
         # vLLM's split never reads the retention policy (dense and interval retention included);
         # only our predecessor retention adds the stops that materialise its extra states.
         self.vllm_stops_only = cache.layout.retention.kind is not RetentionKind.BOUNDARY_PREDECESSOR
+        # Fine-grained hits (vLLM's mamba_partial_cache_hit): the prompt's last hash boundary
+        # inside a state block must hold a state too.
+        self.hash_unit = cache.layout.hash_block_size
+        self.partial_tail = cache.layout.partial_hash_hits and self.hash_unit < self.block
 
     def split(self, request: Request, num_new: int, *, hit: int, junction: int) -> int:
         start = request.num_computed_tokens + hit
@@ -61,6 +65,13 @@ class AlignSplitter:
             if aligned_end > start or block <= self.max_prefill_chunk:
                 end = aligned_end
         stops = [last_cache]
+        if self.partial_tail:
+            # tail_boundary: a checkpoint holds it when the chunk starts on the grid and spans a
+            # block; otherwise the chunk ends there.
+            tail = (request.num_tokens - 1) // self.hash_unit * self.hash_unit
+            covered = self.prefill_checkpoint and start % block == 0 and end - start >= block
+            if not covered:
+                stops.append(tail)
         if start % block:
             stops.append((start // block + 1) * block)
         if start < junction < end:

@@ -44,7 +44,11 @@ class SimulatedExecutor:
             if not chunk.sample:
                 continue
             # Placeholder drafts (-1, padding of a one-token admission) are never accepted.
-            num_real = sum(1 for t in chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :] if t >= 0)
+            num_real = sum(
+                1
+                for t in chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+                if t >= 0
+            )
             accepted = 0
             while accepted < num_real and rng.random() < self.acceptance_rate:
                 accepted += 1

@@ -1,8 +1,10 @@
 """One simulated run of experiment E1: build the engine from a model, a GPU and a preset, run
 the agents, and summarise. The two presets are what `hybridserve bench` compares.
 
-* `baseline`: vLLM behaviour - every scheduler control off, Mamba states retained only at the
-  replay boundary (`boundary`).
+* `baseline`: vLLM 0.33 exactly - every scheduler control off, vLLM's `boundary` retention,
+  lookahead block hashes under EAGLE/MTP (no block dropped).
+* `legacy`: the pre-0.33 engine - as `baseline`, but EAGLE/MTP drop the last matched block of a
+  prefix hit instead of hashing a lookahead (`--spec mtp-legacy`).
 * `hybridserve`: the controls the README's selection picked (a sweep screened settings for job
   goodput under a 100 ms p99 ITL SLO, 20 agents, Qwen3-Next on H200; its SLO-meeting leaders
   were rerun on three seeds at full length): Cp = 16 quanta, Mp = 2, D = 4, T = 60 ms (no
@@ -40,13 +42,15 @@ from hybridserve.sim.models import ModelProfile, get_model
 from hybridserve.sim.traces import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.workload import AgentParams, AgentWorkload
 
-PRESETS = ("baseline", "hybridserve", "controls-only", "retention-only")
+PRESETS = ("baseline", "legacy", "hybridserve", "controls-only", "retention-only")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Preset:
     scheduler: SchedulerConfig
     retention: RetentionPolicy
+    # False: EAGLE/MTP use the legacy one-block drop instead of lookahead block hashes.
+    lookahead_block_hashes: bool = True
 
 
 def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
@@ -70,7 +74,7 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
             target_mixed_step_ms=60.0,
         )
     retention = RetentionPolicy.parse("boundary+predecessor" if predecessor else "boundary")
-    return Preset(scheduler=scheduler, retention=retention)
+    return Preset(scheduler=scheduler, retention=retention, lookahead_block_hashes=name != "legacy")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,21 +180,25 @@ def build_engine(
         gpu, model, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype
     )
     groups = model.kv_cache_groups()
-    speculative = SpeculativeConfig.from_name(
-        config.spec, config.num_speculative_tokens if config.spec != "none" else 0
-    )
     quantum = state_quantum(model)
     chosen = preset(config.preset, quantum=quantum, max_model_len=config.agents.context_limit + 1)
+    speculative = SpeculativeConfig.from_name(
+        config.spec,
+        config.num_speculative_tokens if config.spec != "none" else 0,
+        lookahead_block_hashes=chosen.lookahead_block_hashes,
+    )
     if config.controls:
         overrides: dict[str, Any] = dict(config.controls)
-        chosen = Preset(
-            scheduler=replace(chosen.scheduler, **overrides), retention=chosen.retention
-        )
+        chosen = replace(chosen, scheduler=replace(chosen.scheduler, **overrides))
     retention = chosen.retention
     if config.retention is not None:
         retention = RetentionPolicy.parse(config.retention)
     layout = CacheLayout(
-        groups=groups, num_blocks=num_blocks, speculative=speculative, retention=retention
+        groups=groups,
+        num_blocks=num_blocks,
+        speculative=speculative,
+        retention=retention,
+        max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,
     )
     manager = KVCacheManager(layout)
     spec_tokens = speculative.num_speculative_tokens

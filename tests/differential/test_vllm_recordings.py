@@ -13,22 +13,49 @@ from hybridserve.recordings.replay import replay_recording
 from hybridserve.recordings.trace import RecordingError, generate_prompt, load_recording
 from tests.conftest import DATA_DIR, require_data
 
-RECORDINGS = [
+IDENTICAL = [
     "burst_agents_fa16",
     "threshold_fa16",
     "poisson_agents_fa16_tight",
     "hybrid_align_544",
     "hybrid_align_544_tight",
     "priority_fa16",
+    # Extension recordings (FORMAT.md 7): speculation, sliding windows, retention modes.
+    "mtp2_fa16",
+    "mtp2_fa16_resend",
+    "hybrid_mtp_align_544",
+    "hybrid_eagle_legacy_align_544",
+    "swa_fa32_swa16",
+    "hybrid_align_dense",
+    "hybrid_align_interval",
 ]
+# Known divergences, each pinned at its first divergent step: a fix must remove the entry.
+DIVERGENT = {
+    # Legacy EAGLE under eviction pressure: one 16-token block more hit at step 596.
+    "eagle_legacy_fa16": 596,
+    # Fine-grained partial-tail hits (partial Mamba state and partial FA block) not modelled.
+    "hybrid_fine_hits": 3,
+    "hybrid_fine_hits_pmu16": 3,
+}
+RECORDINGS = [*IDENTICAL, *DIVERGENT]
+CHECKED = {"hybrid_align_544_tight", "mtp2_fa16", "swa_fa32_swa16", "hybrid_mtp_align_544"}
 
 
-@pytest.mark.parametrize("name", RECORDINGS)
+@pytest.mark.parametrize("name", IDENTICAL)
 def test_baseline_reproduces_every_recorded_vllm_step(name: str) -> None:
     recording = load_recording(require_data("vllm-recordings", f"{name}.jsonl"))
-    report = replay_recording(recording, check_invariants=name == "hybrid_align_544_tight")
+    report = replay_recording(recording, check_invariants=name in CHECKED)
     assert report.first_divergence is None, report.first_divergence
     assert report.identical_steps == report.steps == len(recording.steps)
+
+
+@pytest.mark.parametrize("name", sorted(DIVERGENT))
+def test_known_divergences_stay_where_they_are(name: str) -> None:
+    """The recordings not yet reproduced diverge exactly where they did: any change to the
+    baseline that moves them (better or worse) shows here."""
+    report = replay_recording(load_recording(require_data("vllm-recordings", f"{name}.jsonl")))
+    assert report.first_divergence is not None
+    assert report.first_divergence["step"] == DIVERGENT[name]
 
 
 def test_every_shipped_recording_is_covered() -> None:

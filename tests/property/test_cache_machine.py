@@ -162,15 +162,16 @@ def draw_layout(data: st.DataObject, family: str) -> CacheLayout:
         st.sampled_from([a for a in (4, 8) if a % hash_block == 0 and page % a == 0]),
         label="A",
     )
-    method = data.draw(st.sampled_from(("none", "eagle", "dflash")), label="method")
+    # EAGLE with vLLM 0.33's lookahead block hashes, and on the legacy one-block-drop path.
+    method = data.draw(st.sampled_from(("none", "eagle", "eagle-legacy", "dflash")), label="method")
     num_spec = 0 if method == "none" else data.draw(st.integers(1, 3), label="num_spec")
-    interval = data.draw(
-        st.sampled_from((alignment, 2 * alignment, 3 * alignment, 5)), label="interval"
-    )
-    retention = data.draw(
-        st.sampled_from(("dense", "boundary", "boundary+predecessor", f"interval:{interval}")),
-        label="retention",
-    )
+    # A retention interval is a multiple of the scheduler block, on layouts with a state or
+    # window group (CacheLayout rejects anything else).
+    interval = data.draw(st.sampled_from((page, 2 * page, 3 * page)), label="interval")
+    kinds = ["dense", "boundary", "boundary+predecessor"]
+    if any(not isinstance(g, FullAttentionSpec) for g in groups):
+        kinds.append(f"interval:{interval}")
+    retention = data.draw(st.sampled_from(kinds), label="retention")
     return CacheLayout(
         groups=tuple(groups),
         # Mostly small: eviction and allocation failure must happen within a short run.

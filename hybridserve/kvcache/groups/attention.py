@@ -39,7 +39,9 @@ class FullAttentionManager(GroupManager):
     def remove_skipped(self, req_id: str, num_computed_tokens: int) -> None:
         return None  # full attention needs every block
 
-    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+    def lookup(
+        self, hashes: Sequence[BlockHash], cap: int, *, base: Sequence[BlockHash] = ()
+    ) -> GroupLookup:
         found: list[Block] = []
         get, suffix = self.pool.get_cached, self.key_suffix
         for index in range(min(cap // self.block_size, len(hashes))):
@@ -47,30 +49,108 @@ class FullAttentionManager(GroupManager):
             if block is None:
                 break
             found.append(block)
-        return _FullLookup(found, self.block_size, self.ctx.alignment)
+        lookup = _FullLookup(found, self.block_size, self.ctx.alignment)
+        if self.ctx.partial_hits and base:
+            self._find_partial(lookup, base, cap)
+        return lookup
+
+    def _find_partial(self, lookup: _FullLookup, base: Sequence[BlockHash], cap: int) -> None:
+        """The longest partial tail registered inside the block after the full-block match."""
+        a, unit = self.ctx.alignment, self.block_size
+        h = unit // self.ctx.hash_ratio
+        position = min(cap, lookup.matched + unit - a) // a * a
+        while position > lookup.matched:
+            if position // h <= len(base):
+                block = self.pool.get_cached(base[position // h - 1] + self.key_suffix)
+                if block is not None:
+                    lookup.partial = (position, block)
+                    return
+            position -= a
+
+    def register(
+        self,
+        req_id: str,
+        hashes: Sequence[BlockHash],
+        num_tokens_to_cache: int,
+        *,
+        chunk_end: int,
+        keep: KeepMask,
+        base: Sequence[BlockHash] = (),
+    ) -> int:
+        table = self.tables.get(req_id)
+        if self.ctx.partial_hits and table:
+            # A partial tail superseded by its full block gives its registration up.
+            start = self.num_processed[req_id]
+            end = min(num_tokens_to_cache // self.block_size, len(table), len(hashes))
+            for index in range(start, end):
+                if table[index].key is not None:
+                    self.pool.unregister(table[index])
+        count = super().register(
+            req_id, hashes, num_tokens_to_cache, chunk_end=chunk_end, keep=keep, base=base
+        )
+        if self.ctx.partial_hits and table and base:
+            count += self._register_partial(table, num_tokens_to_cache, keep, base)
+        return count
+
+    def _register_partial(
+        self,
+        table: list[Block],
+        num_tokens_to_cache: int,
+        keep: KeepMask,
+        base: Sequence[BlockHash],
+    ) -> int:
+        """Register the block holding a partial tail (a landing inside a block) under the hash
+        at that position; the owner keeps appending to it, a reuser copies it."""
+        unit = self.block_size
+        h = unit // self.ctx.hash_ratio
+        count = 0
+        for position in keep.state_positions:
+            index = position // unit
+            if (
+                position % unit == 0
+                or position > num_tokens_to_cache
+                or index >= len(table)
+                or position // h > len(base)
+                or table[index].key is not None
+                or (index + 1) * unit <= num_tokens_to_cache
+            ):
+                continue
+            key = base[position // h - 1] + self.key_suffix
+            if self.pool.register(table[index], key, self.ctx.group_id):
+                count += 1
+        self.num_registered += count
+        return count
 
 
 class _FullLookup(GroupLookup):
     """The scan runs once; every later candidate is answered by truncation."""
 
-    __slots__ = ("alignment", "found", "matched", "unit")
+    __slots__ = ("alignment", "found", "matched", "partial", "unit")
 
     def __init__(self, found: list[Block], unit: int, alignment: int) -> None:
         self.found = found
         self.unit = unit
         self.alignment = alignment
         self.matched = len(found) * unit
+        self.partial: tuple[int, Block] | None = None  # a partial tail after the match
 
     def serve(self, limit: int, drop: bool) -> int:
-        length = min(limit, self.matched) // self.alignment * self.alignment
+        if self.partial is not None and limit >= self.partial[0]:
+            length = self.partial[0]
+        else:
+            length = min(limit, self.matched) // self.alignment * self.alignment
         if drop:
             length = max(length - self.alignment, 0)
         return length
 
     def blocks(self, length: int) -> tuple[list[Block], Block | None]:
         num_full = length // self.unit
-        cow = self.found[num_full] if length % self.unit else None
-        return self.found[:num_full], cow
+        if length % self.unit == 0:
+            return self.found[:num_full], None
+        if num_full < len(self.found):
+            return self.found[:num_full], self.found[num_full]
+        assert self.partial is not None and length <= self.partial[0]
+        return self.found[:num_full], self.partial[1]
 
 
 class SlidingWindowManager(GroupManager):
@@ -89,7 +169,9 @@ class SlidingWindowManager(GroupManager):
         self.kind = spec.kind
         self.lookback = spec.lookback_tokens
 
-    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+    def lookup(
+        self, hashes: Sequence[BlockHash], cap: int, *, base: Sequence[BlockHash] = ()
+    ) -> GroupLookup:
         return _WindowLookup(self, hashes)
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -159,7 +241,9 @@ class ChunkedLocalManager(GroupManager):
         self.kind = spec.kind
         self.chunk = spec.chunk
 
-    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
+    def lookup(
+        self, hashes: Sequence[BlockHash], cap: int, *, base: Sequence[BlockHash] = ()
+    ) -> GroupLookup:
         return _ChunkLookup(self, hashes)
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:

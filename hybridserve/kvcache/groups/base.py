@@ -40,6 +40,9 @@ class GroupContext:
     # Sliding-window groups: the most blocks the admission gate counts for one request (vLLM's
     # max_admission_blocks_per_request); 0 = no cap.
     admission_cap: int = 0
+    # Fine-grained hits (vLLM's enable_partial_hash_hits): states and attention blocks are also
+    # registered at the last A boundary inside a block (a partial tail).
+    partial_hits: bool = False
 
 
 class GroupLookup:
@@ -77,8 +80,11 @@ class GroupManager:
 
     # ----- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
-        """Prepare a lookup over `hashes` (at this group's unit) for lengths <= cap."""
+    def lookup(
+        self, hashes: Sequence[BlockHash], cap: int, *, base: Sequence[BlockHash] = ()
+    ) -> GroupLookup:
+        """Prepare a lookup over `hashes` (at this group's unit) for lengths <= cap; `base` are
+        the hashes at H (for partial-tail keys)."""
         raise NotImplementedError
 
     def _cached(self, hashes: Sequence[BlockHash], index: int) -> Block | None:
@@ -187,8 +193,10 @@ class GroupManager:
         *,
         chunk_end: int,
         keep: KeepMask,
+        base: Sequence[BlockHash] = (),
     ) -> int:
-        """Register newly full blocks up to `num_tokens_to_cache`; returns how many."""
+        """Register newly full blocks up to `num_tokens_to_cache`; returns how many. `base` are
+        the request's hashes at H (partial tails are keyed by them)."""
         table = self.tables.get(req_id)
         if table is None:
             return 0

@@ -37,9 +37,17 @@ class MambaManager(GroupManager):
         self.keys_this_step: set[bytes] = set()
         self.live: dict[str, list[int]] = {}  # align mode: indices of real blocks, ascending
         self.checkpoints: dict[str, int] = {}  # align mode: this step's prefill checkpoint index
+        # Fine-grained hits: a partial-tail checkpoint lives in a block off the table, held
+        # until the request's next allocation; a running-state block registered as a partial
+        # tail is copied before the request writes its next state into that index.
+        self.partial = self.align and ctx.partial_hits
+        self.partial_held: dict[str, tuple[Block, int]] = {}
+        self.partial_state: dict[str, int] = {}
 
-    def lookup(self, hashes: Sequence[BlockHash], cap: int) -> GroupLookup:
-        return _StateLookup(self, hashes)
+    def lookup(
+        self, hashes: Sequence[BlockHash], cap: int, *, base: Sequence[BlockHash] = ()
+    ) -> GroupLookup:
+        return _StateLookup(self, hashes, base if self.partial else ())
 
     def new_step(self) -> None:
         super().new_step()
@@ -73,7 +81,9 @@ class MambaManager(GroupManager):
             return False
         if not self.align:
             return True
-        if self.spec.num_speculative_blocks:
+        if self.spec.num_speculative_blocks or (
+            self.partial and (req_id in self.partial_held or req_id in self.partial_state)
+        ):
             return False  # the draft-state blocks follow the chunk end: take the full path
         live = self.live.get(req_id)
         if not live or live[0] < (computed - 1 if computed > 1 else 0) // bs:
@@ -92,7 +102,22 @@ class MambaManager(GroupManager):
     ) -> int:
         if not self.align:
             return super().num_blocks_needed(req_id, slots, hit, cow_src)
-        return len(self._new_indices(req_id, slots, hit)) + _num_evictable(hit, self.pool)
+        # A partial-hit source is only read by the copy that runs before the step: not held.
+        indices = self._new_indices(req_id, slots, hit)
+        return len(indices) + _num_evictable(hit, self.pool) + self._partial_cost(req_id, slots)
+
+    def _partial_cost(self, req_id: str, slots: SlotRequest) -> int:
+        """Blocks a partial tail takes: an off-table checkpoint, a copy of a registered state."""
+        if not self.partial:
+            return 0
+        cost = 0
+        target = self._checkpoint_target(slots)
+        if target is not None and target % self.block_size:
+            cost += 1
+        index = self.partial_state.get(req_id)
+        if index is not None and index == cdiv(slots.chunk_end, self.block_size) - 1:
+            cost += 1
+        return cost
 
     def _new_indices(self, req_id: str, slots: SlotRequest, hit: Sequence[Block]) -> list[int]:
         """Table indices that need a real block: the state at the chunk end, the draft-token
@@ -113,39 +138,60 @@ class MambaManager(GroupManager):
         return indices
 
     def _checkpoint_index(self, slots: SlotRequest) -> int | None:
-        """Where the final prefill chunk writes the state at its last block boundary: None when
-        that boundary is where the chunk starts (its state exists). A draft-state block already
+        """The table index of a chunk's block-grid prefill checkpoint: None when there is none,
+        or when it is where the chunk starts (that state exists). A draft-state block already
         at that index is reused."""
-        index = self._checkpoint_position(slots)
-        if index is None or index < 0 or index <= slots.computed // self.block_size - 1:
+        target = self._checkpoint_target(slots)
+        if target is None or target % self.block_size:
+            return None
+        index = target // self.block_size - 1
+        if index < 0 or index <= slots.computed // self.block_size - 1:
             return None
         return index
 
-    def _checkpoint_position(self, slots: SlotRequest) -> int | None:
-        """The table index of a chunk's prefill checkpoint: the block ending at the last retained
-        position strictly inside a chunk that starts on the grid (vLLM's
-        num_prefill_checkpoint_blocks=1 with its reachable mask: any block end under dense
-        retention, a landing or interval position otherwise). Under `boundary`
-        retention that is the final chunk's replay boundary (one block lower under the EAGLE
-        drop)."""
+    def _checkpoint_target(self, slots: SlotRequest) -> int | None:
+        """The position a chunk's prefill checkpoint holds (vLLM's num_prefill_checkpoint_blocks
+        = 1 with its reachable mask): the last retained position strictly inside a chunk that
+        starts on the grid and spans a block. Retained: any block end under dense retention, a
+        landing or interval position otherwise; with fine-grained hits also a landing at an A
+        boundary inside a block (a partial tail). Under `boundary` retention that is the final
+        chunk's replay boundary (one block lower under the EAGLE drop)."""
         keep = slots.keep
         if not self.spec.prefill_checkpoint or keep is None:
             return None
-        bs, start, a = self.block_size, slots.computed, self.ctx.alignment
-        if start % bs:
+        bs, start, end = self.block_size, slots.computed, slots.chunk_end
+        if start % bs or end - start < bs:
             return None
-        position = (slots.chunk_end - 1) // bs * bs
+        a = self.ctx.alignment
+        if self.partial:
+            position = (end - 1) // a * a
+            while position > start:
+                if position % bs == 0:
+                    if keep.keeps_position(position):
+                        return position
+                elif position in keep.state_positions:
+                    return position
+                position -= a
+            return None
+        position = (end - 1) // bs * bs
         while position > start:
             if position % a == 0 and keep.keeps_position(position):
-                return position // bs - 1
+                return position
             position -= bs
         return None
 
     def add_hit(self, req_id: str, hit: Sequence[Block], cow_src: Block | None) -> None:
-        super().add_hit(req_id, hit, cow_src)
+        # A partial-tail source is copied before the step runs; it is not held.
+        super().add_hit(req_id, hit, None)
         if self.align:
             null = self.pool.null_block
             self.live[req_id] = [i for i, b in enumerate(hit) if b is not null]
+
+    def add_copy_target(self, req_id: str) -> Block:
+        block = super().add_copy_target(req_id)
+        if self.align:
+            self.live.setdefault(req_id, []).append(len(self.tables[req_id]) - 1)
+        return block
 
     def allocate(self, req_id: str, slots: SlotRequest) -> list[Block]:
         if not self.align:
@@ -159,6 +205,8 @@ class MambaManager(GroupManager):
             self.checkpoints[req_id] = checkpoint
         else:
             self.checkpoints.pop(req_id, None)
+        if self.partial:
+            self._partial_allocate(req_id, slots)
         if not indices:
             return []
         if self.spec.num_speculative_blocks:
@@ -171,6 +219,25 @@ class MambaManager(GroupManager):
         live.sort()
         return blocks
 
+    def _partial_allocate(self, req_id: str, slots: SlotRequest) -> None:
+        """Copy a running state registered as a partial tail before it is overwritten, and take
+        the off-table block of a partial-tail checkpoint."""
+        bs = self.block_size
+        index = self.partial_state.pop(req_id, None)
+        table = self.tables[req_id]
+        if index is not None and index == cdiv(slots.chunk_end, bs) - 1 and index < len(table):
+            shared = table[index]
+            table[index] = self.pool.allocate(1)[0]
+            self.pool.free((shared,))
+        target = self._checkpoint_target(slots)
+        if target is not None and target % bs:
+            self.partial_held[req_id] = (self.pool.allocate(1)[0], target)
+
+    def _release_partial(self, req_id: str) -> None:
+        held = self.partial_held.pop(req_id, None)
+        if held is not None:
+            self.pool.free((held[0],))
+
     def _release_stale_scratch(self, req_id: str, slots: SlotRequest, new: list[int]) -> None:
         """Draft-state blocks of an earlier step that the state moved past: neither the state
         the chunk starts from, nor one this chunk writes, nor its checkpoint."""
@@ -178,7 +245,7 @@ class MambaManager(GroupManager):
         source = cdiv(slots.computed, bs) - 1
         state = cdiv(slots.chunk_end, bs) - 1
         keep = {source, *range(state, state + self.spec.num_speculative_blocks + 1), *new}
-        checkpoint = self._checkpoint_position(slots)
+        checkpoint = self._checkpoint_index(slots)
         if checkpoint is not None:
             keep.add(checkpoint)
         table, live = self.tables[req_id], self.live[req_id]
@@ -196,6 +263,8 @@ class MambaManager(GroupManager):
         if not self.align:
             super().remove_skipped(req_id, num_computed_tokens)
             return
+        if self.partial_held:
+            self._release_partial(req_id)
         live = self.live.get(req_id)
         if not live:
             return
@@ -220,7 +289,61 @@ class MambaManager(GroupManager):
     def free(self, req_id: str) -> None:
         self.live.pop(req_id, None)
         self.checkpoints.pop(req_id, None)
+        self.partial_state.pop(req_id, None)
+        held = self.partial_held.pop(req_id, None)
         super().free(req_id)
+        if held is not None:
+            self.pool.free((held[0],))
+
+    def register(
+        self,
+        req_id: str,
+        hashes: Sequence[BlockHash],
+        num_tokens_to_cache: int,
+        *,
+        chunk_end: int,
+        keep: KeepMask,
+        base: Sequence[BlockHash] = (),
+    ) -> int:
+        count = super().register(
+            req_id, hashes, num_tokens_to_cache, chunk_end=chunk_end, keep=keep, base=base
+        )
+        if self.partial and base:
+            count += self._register_partial(req_id, num_tokens_to_cache, chunk_end, keep, base)
+        return count
+
+    def _register_partial(
+        self,
+        req_id: str,
+        num_tokens_to_cache: int,
+        chunk_end: int,
+        keep: KeepMask,
+        base: Sequence[BlockHash],
+    ) -> int:
+        """Register a partial tail: the off-table checkpoint, or a chunk ending at one."""
+        bs, h = self.block_size, self.ctx.unit // self.ctx.hash_ratio
+        count = 0
+        held = self.partial_held.get(req_id)
+        candidates: list[tuple[Block, int, bool]] = []
+        if held is not None:
+            candidates.append((held[0], held[1], False))
+        table = self.tables.get(req_id)
+        if table and chunk_end % bs and chunk_end % self.ctx.alignment == 0:
+            if chunk_end in keep.state_positions:
+                index = cdiv(chunk_end, bs) - 1
+                if index < len(table) and table[index] is not self.pool.null_block:
+                    candidates.append((table[index], chunk_end, True))
+        for block, position, running in candidates:
+            if position > num_tokens_to_cache or position // h > len(base) or block.key:
+                continue
+            key = base[position // h - 1] + self.key_suffix
+            if self.pool.register(block, key, self.ctx.group_id):
+                self.keys_this_step.add(key)
+                count += 1
+                if running:
+                    self.partial_state[req_id] = cdiv(position, bs) - 1
+        self.num_registered += count
+        return count
 
     def _should_register(self, req_id: str, index: int, chunk_end: int, keep: KeepMask) -> bool:
         # In align mode a state exists only where this step's chunk ends, or at its last block
@@ -237,9 +360,12 @@ class MambaManager(GroupManager):
 
 
 class _StateLookup(GroupLookup):
-    def __init__(self, manager: MambaManager, hashes: Sequence[BlockHash]) -> None:
+    def __init__(
+        self, manager: MambaManager, hashes: Sequence[BlockHash], base: Sequence[BlockHash] = ()
+    ) -> None:
         self.manager = manager
         self.hashes = hashes
+        self.base = base
         self.unit = manager.block_size
         step = manager.ctx.alignment
         while step % self.unit:
@@ -248,6 +374,18 @@ class _StateLookup(GroupLookup):
         self._found: dict[int, Block] = {}
 
     def serve(self, limit: int, drop: bool) -> int:
+        if self.base:
+            # A partial tail is served only exactly at the candidate.
+            a = self.manager.ctx.alignment
+            h = self.unit // self.manager.ctx.hash_ratio
+            tail = limit // a * a
+            if tail % self.unit and 0 < tail // h <= len(self.base):
+                block = self.manager.pool.get_cached(
+                    self.base[tail // h - 1] + self.manager.key_suffix
+                )
+                if block is not None:
+                    self._found[tail] = block
+                    return tail
         position = min(limit, len(self.hashes) * self.unit) // self.step * self.step
         while position > 0:
             block = self.manager._cached(self.hashes, position // self.unit - 1)
@@ -261,4 +399,7 @@ class _StateLookup(GroupLookup):
         if length == 0:
             return [], None
         null = self.manager.pool.null_block
+        if length % self.unit:
+            # A partial tail: the request continues in a copy of that state's block.
+            return [null] * (cdiv(length, self.unit) - 1), self._found[length]
         return [null] * (length // self.unit - 1) + [self._found[length]], None

@@ -1,0 +1,243 @@
+"""vLLM 0.33's cache and scheduler rules under speculation and hybrid layouts, one test each,
+with the numbers measured on vLLM 0.33.0 itself (docs/vllm_baseline.md lists the rules)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from hybridserve.core.config import SchedulerConfig, SchedulingPolicy, SpeculativeConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine import Engine
+from hybridserve.executor.fake import FakeExecutor
+from hybridserve.kvcache import (
+    CacheLayout,
+    FullAttentionSpec,
+    KVCacheManager,
+    MambaSpec,
+    RetentionPolicy,
+    SlidingWindowSpec,
+)
+from hybridserve.kvcache.spec import GroupSpec
+from hybridserve.scheduler import Scheduler
+
+
+class DraftingExecutor(FakeExecutor):
+    """FakeExecutor that also proposes `num_drafts` draft tokens for every scheduled request."""
+
+    def __init__(self, num_drafts: int) -> None:
+        super().__init__(lambda req_id, t: 40_000 + t)
+        self.num_drafts = num_drafts
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = super().execute(plan)
+        drafts = {c.req_id: (7,) * self.num_drafts for c in plan.chunks}
+        return StepResult(result.step_id, result.sampled_token_ids, 0.0, drafts)
+
+
+def build(
+    groups: Sequence[GroupSpec],
+    *,
+    spec: str = "none",
+    drafts: int = 0,
+    retention: str = "boundary",
+    budget: int = 8192,
+    num_blocks: int = 2000,
+    max_in_flight_tokens: int = 0,
+    caching: bool = True,
+    executor: FakeExecutor | None = None,
+) -> tuple[Engine, KVCacheManager]:
+    layout = CacheLayout(
+        groups=tuple(groups),
+        num_blocks=num_blocks,
+        speculative=SpeculativeConfig.from_name(spec, drafts if spec != "none" else 0),
+        retention=RetentionPolicy.parse(retention),
+        max_in_flight_tokens=max_in_flight_tokens,
+    )
+    cache = KVCacheManager(layout, enable_caching=caching)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=65_536),
+        cache,
+        num_speculative_tokens=drafts,
+    )
+    return Engine(scheduler, executor or FakeExecutor(lambda req_id, t: 40_000 + t)), cache
+
+
+def run(
+    engine: Engine, req_id: str, tokens: Sequence[int], max_tokens: int = 1
+) -> tuple[int, list[int]]:
+    """Run one request to the end; returns its admission hit and its scheduled chunk sizes."""
+    engine.add_request(
+        Request(
+            req_id=req_id,
+            prompt_token_ids=tuple(tokens),
+            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+    )
+    hit, chunks = -1, []
+    for _ in range(10_000):
+        if not engine.has_requests():
+            break
+        done = engine.step()
+        for rid, num in done.scheduled.new_reqs:
+            if rid == req_id:
+                hit = num
+        chunks += [n for rid, n in done.scheduled.num_scheduled_tokens if rid == req_id]
+    return hit, chunks
+
+
+PROMPT = list(range(1_000, 5_000))
+
+
+def test_lookahead_block_hashes_hit_the_resend_without_a_drop() -> None:
+    # Rule 1: FA block 16, EAGLE, prime 48 tokens then resend: vLLM 0.33 hits 32.
+    engine, _ = build([FullAttentionSpec(block_size=16)], spec="eagle", drafts=1)
+    run(engine, "prime", PROMPT[:48])
+    assert run(engine, "resend", PROMPT[:48])[0] == 32
+
+
+def test_legacy_drop_loses_the_last_block_of_the_resend() -> None:
+    engine, _ = build([FullAttentionSpec(block_size=16)], spec="eagle-legacy", drafts=1)
+    run(engine, "prime", PROMPT[:48])
+    assert run(engine, "resend", PROMPT[:48])[0] == 16
+
+
+def test_a_block_hash_covers_its_lookahead_token() -> None:
+    engine, cache = build([FullAttentionSpec(block_size=16)], spec="mtp", drafts=2)
+    assert cache.hasher.lookahead == 1
+    assert len(cache.hasher.hash_tokens(PROMPT[:48])) == 2  # block 2 waits for token 48
+    run(engine, "prime", PROMPT[:48])
+    other = PROMPT[:32] + [9]  # same first two blocks, another token after them
+    assert run(engine, "other", other + PROMPT[33:48])[0] == 16
+
+
+def test_eagle_margin_reaches_past_the_cap_in_a_hybrid_coordinator() -> None:
+    # Rule 2: FA16 + SWA(16, window 32), block-aligned 64-token resend: vLLM 48.
+    groups = [FullAttentionSpec(block_size=16), SlidingWindowSpec(block_size=16, window=32)]
+    engine, _ = build(groups, spec="eagle-legacy", drafts=1)
+    run(engine, "prime", PROMPT[:64])
+    assert run(engine, "resend", PROMPT[:64])[0] == 48
+
+
+def test_legacy_retention_keeps_where_the_dropped_lookup_lands() -> None:
+    # Rules 2 and 3: FA32 + Mamba32, retention 0, a 128-token prompt: the resend hits 96.
+    groups = [FullAttentionSpec(block_size=32), MambaSpec(block_size=32)]
+    engine, _ = build(groups, spec="eagle-legacy", drafts=1)
+    run(engine, "prime", PROMPT[:128])
+    assert run(engine, "resend", PROMPT[:128])[0] == 96
+
+
+def test_the_shared_prefix_junction_is_the_match_after_the_drop() -> None:
+    # Rule 4: FA16 + Mamba16, 48 primed, a 50-token sibling sharing 40: vLLM's
+    # shared_prefix_boundary is 16 (the 32-token match less the dropped block), not 32.
+    groups = [FullAttentionSpec(block_size=16), MambaSpec(block_size=16)]
+    engine, cache = build(groups, spec="eagle-legacy", drafts=1)
+    run(engine, "prime", PROMPT[:48])
+    sibling = PROMPT[:40] + list(range(9_000, 9_010))
+    hit = cache.find_hit(cache.hasher.hash_tokens(sibling), len(sibling))
+    assert hit.junction == 16
+
+
+def test_registration_rounds_down_to_the_scheduler_block() -> None:
+    # Rule 6: FA32 + SWA16 (dense), 112 tokens: vLLM caches SWA blocks 0..5, not 0..6.
+    groups = [FullAttentionSpec(block_size=32), SlidingWindowSpec(block_size=16, window=64)]
+    engine, cache = build(groups, retention="dense")
+    run(engine, "prime", PROMPT[:112])
+    assert cache.registered_blocks() == [3, 6]
+
+
+def test_sliding_window_admission_counts_at_most_window_plus_in_flight() -> None:
+    # Rule 7: FA16 + SWA(16, window 64), a 78-block pool, a 768-token prompt is admitted.
+    groups = [FullAttentionSpec(block_size=16), SlidingWindowSpec(block_size=16, window=64)]
+    engine, _ = build(groups, budget=256, num_blocks=78, max_in_flight_tokens=256)
+    hit, chunks = run(engine, "long", PROMPT[:768])
+    assert hit == 0 and sum(chunks) == 768
+    uncapped, _ = build(groups, budget=256, num_blocks=78)
+    uncapped.add_request(
+        Request(
+            req_id="long",
+            prompt_token_ids=tuple(PROMPT[:768]),
+            sampling=SamplingParams(max_tokens=1),
+        )
+    )
+    assert uncapped.step().scheduled.num_scheduled_tokens == ()  # 96 blocks do not fit
+
+
+def test_mamba_split_ignores_dense_retention() -> None:
+    # Rule 9: FA400 + Mamba400 with a prefill checkpoint, dense retention: 2,002 tokens, one chunk.
+    groups = [FullAttentionSpec(block_size=400), MambaSpec(block_size=400, prefill_checkpoint=True)]
+    engine, _ = build(groups, retention="dense")
+    assert run(engine, "p", PROMPT[:2002])[1][0] == 2002
+
+
+def test_prefill_checkpoint_stays_on_under_the_legacy_drop() -> None:
+    # Rule 9: block 1600 with a checkpoint under EAGLE legacy: a 3,602-token prompt is one chunk.
+    groups = [
+        FullAttentionSpec(block_size=1600),
+        MambaSpec(block_size=1600, prefill_checkpoint=True),
+    ]
+    engine, _ = build(groups, spec="eagle-legacy", drafts=1, num_blocks=200)
+    assert run(engine, "p", PROMPT[:3602])[1][0] == 3602
+
+
+def test_drafts_of_a_request_still_prefilling_are_discarded() -> None:
+    # Rule 10: 80-token prompt, budget 50, 3 drafts reported after the first chunk: then 30.
+    engine, _ = build(
+        [FullAttentionSpec(block_size=16)],
+        spec="ngram",
+        drafts=3,
+        budget=50,
+        executor=DraftingExecutor(3),
+    )
+    assert run(engine, "p", PROMPT[:80], max_tokens=2)[1][:2] == [50, 30]
+
+
+def test_no_prefix_cache_stats_with_caching_off() -> None:
+    # Rule 11: vLLM records nothing when prefix caching is off.
+    engine, cache = build([FullAttentionSpec(block_size=16)], caching=False)
+    run(engine, "p", PROMPT[:64])
+    snapshot = cache.metrics_snapshot()
+    assert all(not value for key, value in snapshot.items() if "quer" in key), snapshot
+
+
+def test_a_retention_interval_off_the_scheduler_block_is_rejected() -> None:
+    # Rule 12.
+    groups = (FullAttentionSpec(block_size=32), MambaSpec(block_size=32))
+    with pytest.raises(ConfigError, match="multiple of the scheduler block 32"):
+        CacheLayout(groups=groups, num_blocks=64, retention=RetentionPolicy.parse("interval:48"))
+    with pytest.raises(ConfigError, match="sliding-window or state group"):
+        CacheLayout(
+            groups=(FullAttentionSpec(block_size=16),),
+            num_blocks=64,
+            retention=RetentionPolicy.parse("interval:64"),
+        )
+
+
+def test_scheduler_policy_given_by_name_is_coerced_never_dropped() -> None:
+    # Rule 12: a string "priority" used to build an FCFS scheduler silently.
+    assert SchedulerConfig(policy="priority").policy is SchedulingPolicy.PRIORITY  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="scheduler.policy"):
+        SchedulerConfig(policy="lifo")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="scheduler.enable_chunked_prefill"):
+        SchedulerConfig(enable_chunked_prefill="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="scheduler.reserve_full_isl"):
+        SchedulerConfig(reserve_full_isl=1)  # type: ignore[arg-type]
+
+
+def test_legacy_spec_names_select_the_block_drop() -> None:
+    assert SpeculativeConfig.from_name("mtp").drops_target_tail is False
+    assert SpeculativeConfig.from_name("mtp").hash_lookahead_tokens == 1
+    legacy = SpeculativeConfig.from_name("mtp-legacy", 2)
+    assert legacy.drops_target_tail and legacy.hash_lookahead_tokens == 0
+    assert legacy.name == "mtp-legacy"
+    multi = SpeculativeConfig(
+        method=SpeculativeConfig.from_name("mtp").method,
+        num_speculative_tokens=3,
+        multi_module_mtp=True,
+    )
+    assert multi.hash_lookahead_tokens == 3
+    with pytest.raises(ConfigError, match="legacy form"):
+        SpeculativeConfig.from_name("ngram-legacy")
