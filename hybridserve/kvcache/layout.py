@@ -115,7 +115,7 @@ class CacheLayout:
         for gid, spec in enumerate(self.groups):
             if not isinstance(spec, ChunkedLocalSpec):
                 continue
-            if self.speculative.drops_target_tail or self.dcp > 1:
+            if self.speculative.uses_hidden_states or self.dcp > 1:
                 raise ConfigError(
                     f"groups[{gid}]",
                     "chunked_local",

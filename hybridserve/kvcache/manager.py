@@ -102,6 +102,8 @@ class KVCacheManager:
             g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
         ]
         self._hybrid = layout.num_groups > 1
+        # vLLM's scheduler block: the lcm of the groups' own block sizes (before DCP sharding).
+        self._scheduler_block = math.lcm(*(g.block_size for g in layout.groups))
         # Align-mode state groups with a prefill checkpoint place it by the retention mask.
         self._checkpointing = any(
             isinstance(s, MambaSpec) and s.prefill_checkpoint for s in layout.groups
@@ -331,7 +333,7 @@ class KVCacheManager:
         state: set[int] = set()
         window: set[int] = set()
         for index, boundary in enumerate(boundaries):
-            if index > 0 and policy.kind is RetentionKind.BOUNDARY:
+            if index > 0 and policy.kind in (RetentionKind.BOUNDARY, RetentionKind.BOUNDARY_ONLY):
                 # vLLM keeps a shared-prefix junction as found (it is already past the drop).
                 state.add(boundary)
                 window.add(boundary)
@@ -373,7 +375,7 @@ class KVCacheManager:
         num_to_cache = min(total_computed + num_new_tokens, num_tokens)
         chunk_end = total_computed + num_new_tokens
         keep = self._requests[req_id].keep
-        page = self.layout.page_tokens
+        page = self._scheduler_block
         clamp = self._hybrid and not self.layout.partial_hash_hits
         for group in self.groups:
             hashes = derived_hashes(block_hashes, group.ctx.hash_ratio)

@@ -17,6 +17,7 @@ from hybridserve.core.errors import ConfigError
 class RetentionKind(StrEnum):
     DENSE = "dense"
     BOUNDARY = "boundary"
+    BOUNDARY_ONLY = "boundary-only"
     BOUNDARY_PREDECESSOR = "boundary+predecessor"
     INTERVAL = "interval"
 
@@ -40,7 +41,7 @@ class RetentionPolicy:
 
     @classmethod
     def parse(cls, text: str) -> RetentionPolicy:
-        """Parse `dense`, `boundary`, `boundary+predecessor` or `interval:N`."""
+        """Parse `dense`, `boundary`, `boundary-only`, `boundary+predecessor` or `interval:N`."""
         value = text.strip().lower()
         match = re.fullmatch(r"interval:(\d+)", value)
         if match:
@@ -48,12 +49,15 @@ class RetentionPolicy:
         for kind in (
             RetentionKind.DENSE,
             RetentionKind.BOUNDARY,
+            RetentionKind.BOUNDARY_ONLY,
             RetentionKind.BOUNDARY_PREDECESSOR,
         ):
             if value == kind.value:
                 return cls(kind)
         raise ConfigError(
-            "retention", text, "use dense, boundary, boundary+predecessor or interval:N"
+            "retention",
+            text,
+            "use dense, boundary, boundary-only, boundary+predecessor or interval:N",
         )
 
     @property
@@ -80,10 +84,18 @@ class RetentionPolicy:
         floor(n/U)*U tokens (U = A, or a DCP-sharded unit) and then drops one A under a
         tail-dropping method: those are the `window` positions that attention-window groups
         (SWA, draft) keep. State groups keep them plus floor(B/A)*A itself (the boundary and
-        its predecessor). The `boundary` policy, vLLM's, keeps floor(B/A)*A alone.
+        its predecessor). The `boundary` policy is vLLM 0.33's `replay_boundaries`: floor(B/A)*A,
+        or under the legacy EAGLE drop the dropped landings of B and B + 1. `boundary-only` is
+        the pre-0.33 rule: floor(B/A)*A alone, whatever the drop.
         """
         base = boundary // alignment * alignment
         drop = alignment if drops_target_tail else 0
+        if self.kind is RetentionKind.BOUNDARY_ONLY:
+            # Pre-0.33 vLLM: floor(B/A)*A (and its coarser full-attention landings) whatever
+            # the drop, so a dropped lookup finds no state (the collapsed common hit).
+            kept = {base, *(boundary // unit * unit for unit in sharded_units)}
+            only = tuple(sorted(p for p in kept if p > 0))
+            return Landing(state=only, window=only)
         if self.kind is RetentionKind.BOUNDARY:
             # vLLM's replay_boundaries: the boundary itself, and where a full-attention lookup
             # coarser than A lands on it; under the legacy EAGLE drop, where the dropped lookup

@@ -3,8 +3,9 @@ the agents, and summarise. The two presets are what `hybridserve bench` compares
 
 * `baseline`: vLLM 0.33 exactly - every scheduler control off, vLLM's `boundary` retention,
   lookahead block hashes under EAGLE/MTP (no block dropped).
-* `legacy`: the pre-0.33 engine - as `baseline`, but EAGLE/MTP drop the last matched block of a
-  prefix hit instead of hashing a lookahead (`--spec mtp-legacy`).
+* `legacy`: the pre-0.33 engine of the E1 story - every control off, EAGLE/MTP drop the last
+  matched block of a prefix hit instead of hashing a lookahead, and Mamba states are kept only at
+  floor((L-1)/A)*A (`boundary-only`), so a dropped lookup finds no state.
 * `hybridserve`: the controls the README's selection picked (a sweep screened settings for job
   goodput under a 100 ms p99 ITL SLO, 20 agents, Qwen3-Next on H200; its SLO-meeting leaders
   were rerun on three seeds at full length): Cp = 16 quanta, Mp = 2, D = 4, T = 60 ms (no
@@ -73,7 +74,12 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
             decode_prefill_min_decode_steps=4,
             target_mixed_step_ms=60.0,
         )
-    retention = RetentionPolicy.parse("boundary+predecessor" if predecessor else "boundary")
+    if predecessor:
+        retention = RetentionPolicy.parse("boundary+predecessor")
+    elif name == "legacy":
+        retention = RetentionPolicy.parse("boundary-only")
+    else:
+        retention = RetentionPolicy.parse("boundary")
     return Preset(scheduler=scheduler, retention=retention, lookahead_block_hashes=name != "legacy")
 
 

@@ -28,14 +28,13 @@ IDENTICAL = [
     "swa_fa32_swa16",
     "hybrid_align_dense",
     "hybrid_align_interval",
+    "hybrid_fine_hits",
+    "hybrid_fine_hits_pmu16",
 ]
 # Known divergences, each pinned at its first divergent step: a fix must remove the entry.
 DIVERGENT = {
     # Legacy EAGLE under eviction pressure: one 16-token block more hit at step 596.
     "eagle_legacy_fa16": 596,
-    # Fine-grained partial-tail hits (partial Mamba state and partial FA block) not modelled.
-    "hybrid_fine_hits": 3,
-    "hybrid_fine_hits_pmu16": 3,
 }
 RECORDINGS = [*IDENTICAL, *DIVERGENT]
 CHECKED = {"hybrid_align_544_tight", "mtp2_fa16", "swa_fa32_swa16", "hybrid_mtp_align_544"}

@@ -984,7 +984,7 @@ FINE_ALIGNMENT_CASES = {
     # EAGLE lands the full-attention lookup on 28 = 32 - A, where Mamba holds no state: 24.
     "mamba-block-8-A-4-eagle": (
         (FullAttentionSpec(block_size=8), MambaSpec(block_size=8)),
-        "eagle",
+        "eagle-legacy",
         33,
     ),
     # The draft window (block 8) can serve 16 but not 20 (its block 2 is not full): the
@@ -1043,7 +1043,7 @@ def test_align_mode_registers_no_state_at_a_block_end_no_chunk_ended_on() -> Non
     layout = CacheLayout(
         groups=(FullAttentionSpec(block_size=8), MambaSpec(block_size=8)),
         num_blocks=64,
-        speculative=SpeculativeConfig.from_name("eagle", 1),
+        speculative=SpeculativeConfig.from_name("eagle-legacy", 1),
         retention=RetentionPolicy.parse("boundary"),
     )
     manager = KVCacheManager(layout)
@@ -1090,7 +1090,7 @@ def _eagle_resend_with_lookahead(lookahead: int) -> None:
     layout = CacheLayout(
         groups=(FullAttentionSpec(block_size=8), MambaSpec(block_size=8)),
         num_blocks=64,
-        speculative=SpeculativeConfig.from_name("eagle", 1),
+        speculative=SpeculativeConfig.from_name("eagle-legacy", 1),
         retention=RetentionPolicy.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)

@@ -77,7 +77,7 @@ def test_resumed_requests_are_recorded_apart_from_the_hit_rate() -> None:
 
 
 def test_cacheable_tokens_separates_short_prompts_from_a_broken_cache() -> None:
-    manager = small_manager(spec="eagle")
+    manager = small_manager(spec="eagle-legacy")
     assert manager.cacheable_tokens(4) == 0  # shorter than one unit plus the drop
     assert manager.cacheable_tokens(13) == 8  # floor(12/4)*4 - 4
 

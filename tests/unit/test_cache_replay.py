@@ -145,12 +145,12 @@ def test_default_run_prints_both_retention_policies_side_by_side() -> None:
     assert "retention=boundary" in result.output and "predec" in result.output
 
 
-def test_predecessor_retention_recovers_hits_that_boundary_loses_under_eagle() -> None:
+def test_predecessor_retention_recovers_hits_that_boundary_loses_under_legacy_eagle() -> None:
     out = replay_json(
         "--model",
         "qwen3-next-80b-a3b",
         "--spec",
-        "eagle",
+        "eagle-legacy",
         "--limit",
         "600",
         "--retention",

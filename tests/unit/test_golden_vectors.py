@@ -17,7 +17,7 @@ A = 2304
 
 
 def lp14_manager(
-    *, dcp: int = 1, retention: str = "boundary+predecessor", spec: str = "eagle"
+    *, dcp: int = 1, retention: str = "boundary+predecessor", spec: str = "eagle-legacy"
 ) -> KVCacheManager:
     layout = CacheLayout(
         groups=(
@@ -54,8 +54,18 @@ def test_lp14_turn_reuses_predecessor_boundary_at_dcp1() -> None:
     assert len(turn_1) - hit.num_tokens == 15_340
 
 
-def test_lp14_turn_without_predecessor_retention_reuses_nothing() -> None:
+def test_lp14_turn_with_vllm_033_boundary_retention_reuses_the_dropped_landing() -> None:
+    # vLLM 0.33's replay_boundaries under the EAGLE drop keeps where the dropped lookup lands:
+    # SPEC.md's "0 without predecessor retention" is the pre-0.33 rule (boundary-only).
     manager = lp14_manager(retention="boundary")
+    warm, turn_1 = warm_and_turn()
+    prefill(manager, "warm", warm, chunk=A)
+    hit = manager.find_hit(manager.hasher.hash_tokens(turn_1), len(turn_1))
+    assert hit.num_tokens == 119_808
+
+
+def test_lp14_turn_without_predecessor_retention_reuses_nothing() -> None:
+    manager = lp14_manager(retention="boundary-only")
     warm, turn_1 = warm_and_turn()
     prefill(manager, "warm", warm, chunk=A)
     hit = manager.find_hit(manager.hasher.hash_tokens(turn_1), len(turn_1))
@@ -111,7 +121,7 @@ def test_backoff_uses_alignment_unit_when_mamba_block_is_smaller() -> None:
         num_blocks=256,
         hash_block_size=32,
         alignment_tokens=64,
-        speculative=SpeculativeConfig.from_name("eagle"),
+        speculative=SpeculativeConfig.from_name("eagle-legacy"),
         retention=RetentionPolicy.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)
@@ -126,7 +136,7 @@ def test_mamba_retention_with_lookahead_slots_reuses_predecessor() -> None:
     layout = CacheLayout(
         groups=(FullAttentionSpec(block_size=32), MambaSpec(block_size=32)),
         num_blocks=256,
-        speculative=SpeculativeConfig.from_name("eagle", 3),
+        speculative=SpeculativeConfig.from_name("eagle-legacy", 3),
         retention=RetentionPolicy.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)

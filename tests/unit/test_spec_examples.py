@@ -251,7 +251,7 @@ def test_identical_resend_is_capped_one_token_short(prompt: int, expected: int) 
 
 
 def test_full_attention_hit_stops_at_first_miss_and_eagle_drops_a_unit() -> None:
-    for spec, expected in (("none", 64), ("eagle", 48)):
+    for spec, expected in (("none", 64), ("eagle-legacy", 48)):
         manager = manager_for(FullAttentionSpec(block_size=16), spec=spec)
         tokens = list(range(100))
         cache_blocks(manager, tokens, {0, 1, 2, 3, 5}, gid=0)
@@ -269,7 +269,7 @@ def test_sliding_window_takes_rightmost_run_and_nulls_the_rest() -> None:
 
 
 def test_sliding_window_under_eagle_needs_one_more_block_and_falls_to_zero() -> None:
-    manager = manager_for(SlidingWindowSpec(block_size=16, window=32), spec="eagle")
+    manager = manager_for(SlidingWindowSpec(block_size=16, window=32), spec="eagle-legacy")
     tokens = list(range(100))
     cache_blocks(manager, tokens, {0, 3, 4}, gid=0)
     assert manager.find_hit(manager.hasher.hash_tokens(tokens), 100).num_tokens == 0
@@ -338,7 +338,7 @@ def test_fixed_point_lowers_to_the_length_every_group_serves() -> None:
 
 
 def test_eagle_three_group_hit_is_one_unit_below_not_a_spiral_to_zero() -> None:
-    manager, tokens = three_group_manager("eagle")
+    manager, tokens = three_group_manager("eagle-legacy")
     cache_blocks(manager, tokens, set(range(11)), gid=0)  # full attention matches 176
     cache_blocks(manager, tokens, set(range(11)), gid=1)
     cache_blocks(manager, tokens, set(range(11)), gid=2)
