@@ -181,11 +181,16 @@ class KVCacheManager:
         return CacheHit(rec.num_tokens, tuple(group_blocks), tuple(cows), ready, junction, sample)
 
     def cacheable_tokens(self, num_tokens: int) -> int:
-        """The structural maximum hit: floor(cap/A)*A, minus A under a tail-dropping method."""
+        """The structural maximum hit: floor(cap/A)*A; under the legacy drop, one A below what
+        an EAGLE group can read (the cap alone, or the hashed length in a hybrid layout)."""
         a = self.layout.alignment_tokens
         best = max(num_tokens - 1, 0) // a * a
         if self.layout.speculative.drops_target_tail:
-            best -= a
+            if self._hybrid:
+                hashed = self.hasher.num_hashable(num_tokens) * self.layout.hash_block_size
+                best = min(best, hashed // a * a - a)
+            else:
+                best -= a
         return max(best, 0)
 
     def _empty_hit(self, num_tokens: int, resumed: bool) -> CacheHit:
@@ -386,9 +391,7 @@ class KVCacheManager:
                 limit = num_to_cache // page * page
                 if group.ctx.drops_tail:
                     limit = min(limit + group.block_size, num_to_cache)
-            group.register(
-                req_id, hashes, limit, chunk_end=chunk_end, keep=keep, base=block_hashes
-            )
+            group.register(req_id, hashes, limit, chunk_end=chunk_end, keep=keep, base=block_hashes)
 
     def cache_computed(
         self, req_id: str, block_hashes: Sequence[BlockHash], num_computed: int, num_tokens: int
@@ -469,7 +472,7 @@ class KVCacheManager:
                 for block in table:
                     if block is not null:
                         expected[block.block_id] = expected.get(block.block_id, 0) + 1
-            for block in group.cow_holds:
+            for block in group.held_outside_tables():
                 expected[block.block_id] = expected.get(block.block_id, 0) + 1
         for block in self.pool.blocks[1:]:
             if block.ref_cnt != expected.get(block.block_id, 0):

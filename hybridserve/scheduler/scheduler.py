@@ -527,14 +527,18 @@ class Scheduler:
                     status = RequestStatus.FINISHED_LENGTH
                     break
         request.append_output_tokens(kept)
+        if len(kept) < len(sampled):
+            # Tokens past a stop are not kept: their positions were not verified either.
+            request.num_computed_tokens -= len(sampled) - len(kept)
         hashes, token_ids = request.block_hashes, request.token_ids
         if (len(token_ids) - self.hash_lookahead) // self.hash_block_size > len(hashes):
             self.cache.hasher.extend(hashes, token_ids, cache_salt=request.cache_salt)
         if status is not None:
             request.transition(status)
-            if self.hash_lookahead:
-                # With lookahead block hashes vLLM registers the verified blocks of a finishing
-                # request before freeing them (their hashes lag one step behind the tokens).
+            if self.num_lookahead_tokens:
+                # Under speculation vLLM registers the verified blocks of a finishing request
+                # before freeing them: accepted drafts complete blocks no schedule has seen
+                # (without drafts every such block was registered when it was scheduled).
                 self.cache.cache_computed(
                     request.req_id, hashes, request.num_computed_tokens, len(token_ids)
                 )

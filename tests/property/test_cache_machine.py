@@ -414,15 +414,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ----- lookup properties ----------------------------------------------------------------------
 
-    def _serves(self, gid: int, cached: Sequence[bool], length: int, cap: int) -> bool:
+    def _serves(self, gid: int, cached: Sequence[bool], length: int, cap: int, reach: int) -> bool:
         """Whether group `gid` can resume at `length`, by SPEC.md 2.1, 2.2, 2.4 and 3.2.
 
-        `cached[i]`: whether the pool holds the group's block i of the request."""
+        `cached[i]`: whether the pool holds the group's block i of the request. A dropping
+        group may read its margin up to `reach` (vLLM's hybrid coordinator: the hashed length)."""
         if length == 0:
             return True
         m = self.m
         spec, unit, a = m.layout.groups[gid], m.layout.units[gid], m.layout.alignment_tokens
         margin = a if m.layout.drops_tail(gid) else 0
+        if margin:
+            cap = reach
         if length % a or length + margin > cap:
             return False
         end = cdiv(length + margin, unit)  # blocks up to the end of the content needed
@@ -446,30 +449,38 @@ class CacheMachine(RuleBasedStateMachine):
         cached = [
             [m.pool.get_cached(cache_key(h, g)) is not None for h in per_group[g]] for g in range(n)
         ]
-        lookups = [g.lookup(h, cap) for g, h in zip(m.groups, per_group, strict=True)]
         drops = [m.layout.drops_tail(g) for g in range(n)]
-        rec = reconcile(lookups, drops, alignment=a, cap=cap)
+        reach = len(hashes) * m.layout.hash_block_size if n > 1 else cap
+        lookups = [
+            g.lookup(h, reach if drops[i] else cap, base=hashes)
+            for i, (g, h) in enumerate(zip(m.groups, per_group, strict=True))
+        ]
+        rec = reconcile(lookups, drops, alignment=a, cap=cap, reach=reach)
         length = rec.num_tokens
         assert length == hit.num_tokens
         assert hit.sample is None or hit.sample.group_offered_tokens == rec.offered
         # Group order does not matter: permuted lookups reconcile to the same length.
         for perm in itertools.permutations(range(n)):
             other = reconcile(
-                [lookups[i] for i in perm], [drops[i] for i in perm], alignment=a, cap=cap
+                [lookups[i] for i in perm],
+                [drops[i] for i in perm],
+                alignment=a,
+                cap=cap,
+                reach=reach,
             )
             assert other.num_tokens == length, (perm, other, rec)
             assert other.offered == tuple(rec.offered[i] for i in perm)
         # Every group serves the reconciled length, queried as the coordinator queries it ...
         for g, lookup in enumerate(lookups):
-            limit = min(length + a, cap) if drops[g] else length
+            limit = min(length + a, max(reach, cap)) if drops[g] else length
             assert lookup.serve(limit, drops[g]) >= length, (g, limit, length)
-            assert self._serves(g, cached[g], length, cap), (g, length)
+            assert self._serves(g, cached[g], length, cap, reach), (g, length)
         # ... and no longer aligned length up to the cap is served by every group. (Group 0 is
         # full attention in every layout here; it serves nothing past its run of cached blocks.)
         run = next((i for i, hit_i in enumerate(cached[0]) if not hit_i), len(cached[0]))
         longest = min(cap, run * m.layout.units[0])
         for longer in range(length + a, longest + 1, a):
-            assert not all(self._serves(g, cached[g], longer, cap) for g in range(n)), (
+            assert not all(self._serves(g, cached[g], longer, cap, reach) for g in range(n)), (
                 f"reconciled {length} but every group serves {longer}"
             )
         # Block lists: L // U entries (null padding only before a window or state), the right

@@ -228,6 +228,10 @@ class GroupManager:
             self.pool.free(self.cow_holds)
             self.cow_holds = []
 
+    def held_outside_tables(self) -> list[Block]:
+        """Blocks this group references outside the request tables (copy-on-write sources)."""
+        return list(self.cow_holds)
+
     def num_held_blocks(self, req_id: str) -> int:
         null = self.pool.null_block
         return sum(1 for b in self.tables.get(req_id, ()) if b is not null)

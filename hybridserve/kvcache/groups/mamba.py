@@ -233,6 +233,9 @@ class MambaManager(GroupManager):
         if target is not None and target % bs:
             self.partial_held[req_id] = (self.pool.allocate(1)[0], target)
 
+    def held_outside_tables(self) -> list[Block]:
+        return [*super().held_outside_tables(), *(block for block, _ in self.partial_held.values())]
+
     def _release_partial(self, req_id: str) -> None:
         held = self.partial_held.pop(req_id, None)
         if held is not None:
