@@ -22,7 +22,6 @@ from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue
 from hybridserve.scheduler.step import StepState
 from hybridserve.scheduler.step_model import StepTimeModel
 
-
 PLACEHOLDER_DRAFT = -1  # a padding draft row: never a real token, never accepted
 
 

@@ -219,11 +219,11 @@ def test_a_retention_interval_off_the_scheduler_block_is_rejected() -> None:
 def test_scheduler_policy_given_by_name_is_coerced_never_dropped() -> None:
     # Rule 12: a string "priority" used to build an FCFS scheduler silently.
     assert SchedulerConfig(policy="priority").policy is SchedulingPolicy.PRIORITY  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="scheduler.policy"):
+    with pytest.raises(ConfigError, match=r"scheduler\.policy"):
         SchedulerConfig(policy="lifo")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="scheduler.enable_chunked_prefill"):
+    with pytest.raises(ConfigError, match=r"scheduler\.enable_chunked_prefill"):
         SchedulerConfig(enable_chunked_prefill="yes")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="scheduler.reserve_full_isl"):
+    with pytest.raises(ConfigError, match=r"scheduler\.reserve_full_isl"):
         SchedulerConfig(reserve_full_isl=1)  # type: ignore[arg-type]
 
 

@@ -331,11 +331,15 @@ class MambaManager(GroupManager):
         if held is not None:
             candidates.append((held[0], held[1], False))
         table = self.tables.get(req_id)
-        if table and chunk_end % bs and chunk_end % self.ctx.alignment == 0:
-            if chunk_end in keep.state_positions:
-                index = cdiv(chunk_end, bs) - 1
-                if index < len(table) and table[index] is not self.pool.null_block:
-                    candidates.append((table[index], chunk_end, True))
+        if (
+            table
+            and chunk_end % bs
+            and chunk_end % self.ctx.alignment == 0
+            and chunk_end in keep.state_positions
+        ):
+            index = cdiv(chunk_end, bs) - 1
+            if index < len(table) and table[index] is not self.pool.null_block:
+                candidates.append((table[index], chunk_end, True))
         for block, position, running in candidates:
             if position > num_tokens_to_cache or position // h > len(base) or block.key:
                 continue
