@@ -11,13 +11,8 @@ from typing import Any
 
 import httpx
 
-from hybridserve.cli.serve_commands import build_app
-from hybridserve.cli.sim_backend import SimServingBackend
-from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout
 from hybridserve.server.app import ServerSettings
-from tests.e2e.conftest import MODEL, LiveServer, serve_in_thread, start_server
+from tests.e2e.conftest import MODEL, LiveServer, start_server
 
 
 def _body(max_tokens: int, *, stream: bool) -> dict[str, Any]:
@@ -152,35 +147,6 @@ def test_shutdown_finishes_short_requests_and_aborts_the_rest() -> None:
     assert "long" in results  # the stream ended instead of hanging
     assert not server.state.engine.running
     _assert_clean(server)
-
-
-class _BrokenExecutor:
-    def execute(self, plan: StepPlan) -> StepResult:
-        raise RuntimeError("device lost")
-
-
-class _BrokenBackend(SimServingBackend):
-    def make_executor(self, layout: CacheLayout) -> Executor:
-        return _BrokenExecutor()
-
-
-def test_failed_engine_ends_every_stream_with_a_server_error() -> None:
-    app = build_app(_BrokenBackend(), ServerSettings())
-    server = serve_in_thread(app)
-    try:
-        response = server.client.post(
-            server.base_url + "/v1/completions", json=_body(4, stream=False)
-        )
-        assert response.status_code == 500
-        assert "device lost" in response.json()["error"]["message"]
-        health = server.client.get(server.base_url + "/health")
-        assert health.status_code == 503
-        rejected = server.client.post(
-            server.base_url + "/v1/completions", json=_body(4, stream=False)
-        )
-        assert rejected.status_code == 503
-    finally:
-        server.stop()
 
 
 def test_requests_preempted_for_lack_of_blocks_still_deliver_every_token() -> None:
