@@ -33,6 +33,10 @@ class LiveServer:
     def api_url(self) -> str:
         return f"{self.base_url}/v1"
 
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
+
     def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
         """Every sample of /metrics by `name{labels}` (labels sorted), parsed by prometheus."""
         text = self.client.get(f"{self.base_url}/metrics", headers=headers).text
