@@ -497,7 +497,7 @@ def _encode(encode: Callable[[], list[int]], field: str) -> list[int]:
     except UnicodeEncodeError:
         raise ApiError(400, f"{field}: text is not valid Unicode", param=field) from None
     except HybridServeError as exc:  # e.g. a chat template that rejects the conversation
-        raise ApiError(400, f"{field}: {exc}", param=field) from None
+        raise ApiError(400, f"{field}: {getattr(exc, 'fix', exc)}", param=field) from None
     if not ids:
         raise ApiError(400, f"{field}: the prompt is empty", param=field)
     return ids
