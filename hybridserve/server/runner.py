@@ -33,7 +33,9 @@ class HybridServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
-            super().handle_exit(sig, frame)  # a second signal: uvicorn's forced exit
+            # A second signal: stop at once, and let the process end by that signal.
+            self.force_exit = True
+            super().handle_exit(sig, frame)
         else:
             # Not recorded as a captured signal: uvicorn would re-raise it once stopped, and
             # a graceful shutdown should end the process with 0.

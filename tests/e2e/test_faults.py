@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.executor.api import Executor
@@ -237,3 +238,35 @@ def _wait_until_up(base_url: str, timeout_s: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_an_engine_loop_bug_fails_every_request_and_stops_the_server_with_status_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = start_server(sim_speed=0.5)
+    url = server.base_url + "/v1/completions"
+    try:
+        scheduler = server.state.parts.scheduler
+        original = scheduler.schedule
+        calls = 0
+
+        def schedule(now: float = 0.0) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 30:
+                raise KeyError("corrupt scheduler state")
+            return original(now)
+
+        monkeypatch.setattr(scheduler, "schedule", schedule)
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 500}
+        response = server.client.post(url, json=body)
+        assert response.status_code == 500
+        assert "corrupt" not in response.text and "error id err-" in response.text
+        server.thread.join(timeout=20)
+        assert not server.thread.is_alive()
+        assert server.state.exit_code == 1
+        cache = server.state.parts.cache
+        cache.check_invariants()
+        assert cache.num_free_blocks == cache.layout.num_blocks - 1
+    finally:
+        server.stop()
