@@ -1,4 +1,4 @@
-"""One request's generation on the event loop: submit, detokenize, stop strings, metrics.
+"""One request's generation on the event loop: deliveries, detokenizing, stop strings, metrics.
 
 Stop strings are matched on the detokenized text; the text is cut before the match (as OpenAI
 does) and the request is aborted in the engine, which frees its blocks at once. While
