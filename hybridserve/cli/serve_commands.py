@@ -14,6 +14,7 @@ Scheduler settings resolve in three layers: the preset (as in `hybridserve simul
 from __future__ import annotations
 
 import importlib
+import os
 import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from hybridserve.server.backend import ServingBackend
 
 TORCH_MODEL_ALIASES = ("smollm2", "gemma3-270m")
+API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 
 
@@ -161,14 +163,29 @@ def serve_cmd(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
     api_key: Annotated[
-        str | None, typer.Option(help="Require 'Authorization: Bearer KEY' (not on /health).")
+        str | None,
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' (not on /health). Other local users can "
+            "read a command line: prefer --api-key-file or $HYBRIDSERVE_API_KEY."
+        ),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option(help="Read the API key from this file (one line).")
+    ] = None,
+    allow_origin: Annotated[
+        list[str] | None,
+        typer.Option(help="A browser origin allowed to call the API (CORS); repeatable."),
     ] = None,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 1 << 20,
     max_waiting: Annotated[
         int, typer.Option(help="Queued requests before answering 503 + Retry-After.")
     ] = 1024,
+    max_failed_steps: Annotated[
+        int,
+        typer.Option(help="Failed executor steps in a row before the server exits (status 1)."),
+    ] = 3,
     shutdown_timeout: Annotated[
-        float, typer.Option(help="Seconds in-flight requests get to finish on shutdown.")
+        float, typer.Option(help="Seconds running requests get to finish on shutdown.")
     ] = 30.0,
     dcp: Annotated[
         int,
@@ -182,9 +199,8 @@ def serve_cmd(
     ] = 1,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
-    import uvicorn
-
     from hybridserve.server.app import ServerSettings
+    from hybridserve.server.runner import serve
 
     if executor not in ("sim", "torch"):
         raise fail(f"--executor {executor!r}: use sim or torch")
@@ -203,8 +219,17 @@ def serve_cmd(
         "decode_prefill_max_wait_ms": decode_prefill_max_wait_ms,
         "target_mixed_step_ms": target_mixed_step_ms,
     }
+    if max_failed_steps < 1:
+        raise fail(f"--max-failed-steps={max_failed_steps}: use 1 or more")
+    if shutdown_timeout < 0:
+        raise fail(f"--shutdown-timeout={shutdown_timeout}: use 0 or more seconds")
     settings = ServerSettings(
-        api_key=api_key, max_request_bytes=max_request_bytes, max_waiting=max_waiting
+        api_key=resolve_api_key(api_key, api_key_file, os.environ.get(API_KEY_ENV)),
+        max_request_bytes=max_request_bytes,
+        max_waiting=max_waiting,
+        max_failed_steps=max_failed_steps,
+        shutdown_timeout_s=shutdown_timeout,
+        allow_origins=tuple(allow_origin or ()),
     )
     try:
         if executor == "torch":
@@ -239,13 +264,31 @@ def serve_cmd(
         )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
-    uvicorn.run(
-        server_app,
-        host=host,
-        port=port,
-        log_level="warning",
-        timeout_graceful_shutdown=int(shutdown_timeout),
-    )
+    code = serve(server_app, host=host, port=port)
+    if code:
+        raise typer.Exit(code)
+
+
+def resolve_api_key(flag: str | None, file: Path | None, env: str | None) -> str | None:
+    """The API key from --api-key, else --api-key-file, else $HYBRIDSERVE_API_KEY; None when
+    none is given. Giving both flags, or an empty key, is an error."""
+    if flag is not None and file is not None:
+        raise fail("--api-key and --api-key-file: give one of them")
+    if file is not None:
+        try:
+            key = file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise fail(f"--api-key-file {str(file)!r}: cannot read it ({exc})") from None
+        if not key:
+            raise fail(f"--api-key-file {str(file)!r} is empty; write the key on one line")
+        return key
+    given = flag if flag is not None else env
+    if given is None:
+        return None
+    if not given.strip():
+        source = "--api-key" if flag is not None else f"${API_KEY_ENV}"
+        raise fail(f"{source} is empty; give a key or leave it unset")
+    return given.strip()
 
 
 def build_app(

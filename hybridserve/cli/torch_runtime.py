@@ -169,6 +169,9 @@ def _run_wave(
         outcome.tokens[request.req_id] = []
     while engine.has_requests():
         step = engine.step()
+        if step.failed:
+            req_id, reason = step.failed[0]
+            raise RuntimeError(f"request {req_id!r} failed: {reason}")
         outcome.num_steps += 1
         for req_id, hit in (*step.scheduled.new_reqs, *step.scheduled.resumed):
             outcome.hit_tokens.setdefault(req_id, hit)

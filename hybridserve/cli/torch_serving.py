@@ -15,6 +15,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepResult
 from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
+from hybridserve.server.tokenizer import OffsetDecoder
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.runner import TorchExecutor
@@ -25,27 +26,8 @@ DEFAULT_MAX_MODEL_LEN = 8_192
 _TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
 
 
-class TextDecoder:
-    """Incremental detokenisation: the text of all ids so far, minus what was already sent.
-    Text ending in an incomplete UTF-8 sequence (U+FFFD) is held back until it completes."""
-
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._sent = 0
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._sent = text[self._sent :], len(text)
-        return new
-
-    def flush(self) -> str:
-        text = self._tokenizer.decode(self._ids)
-        new, self._sent = text[self._sent :], len(text)
-        return new
+def _template_refusal(message: str) -> None:
+    raise ConfigError("messages", "chat", f"the chat template rejects it: {message}")
 
 
 class TorchTokenizer:
@@ -64,6 +46,7 @@ class TorchTokenizer:
         return self._eos
 
     def encode(self, text: str) -> list[int]:
+        text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, as the protocol says
         return self._text.encode(text)
 
     def apply_chat_template(self, messages: Sequence[Any]) -> list[int]:
@@ -73,19 +56,25 @@ class TorchTokenizer:
             )
         import jinja2
 
+        for message in messages:
+            message.content.encode("utf-8")  # lone surrogates: UnicodeEncodeError
         env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _template_refusal
         template = env.from_string(self._text.chat_template)
-        rendered = template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
-            bos_token=self._text.bos_token or "",
-            eos_token=self._text.eos_token or "",
-        )
+        try:
+            rendered = template.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True,
+                bos_token=self._text.bos_token or "",
+                eos_token=self._text.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise ConfigError("messages", "chat", f"the chat template failed: {exc}") from None
         # The template writes the special tokens itself.
         return self._text.encode(rendered, add_special_tokens=False)
 
-    def new_decoder(self) -> TextDecoder:
-        return TextDecoder(self._text)
+    def new_decoder(self) -> OffsetDecoder:
+        return OffsetDecoder(self._text.decode)
 
 
 class TorchServingBackend:

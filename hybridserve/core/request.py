@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from hybridserve.core.errors import IllegalTransition, RequestError
@@ -41,6 +41,18 @@ _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
 }
 
 
+# Temperatures below this sample greedily, as vLLM's `_SAMPLING_EPS` does
+# (vllm/v1/sample/sampler.py): float32 logits divided by less overflow to inf and the softmax
+# turns to NaN. At the floor, logits up to 3e33 in magnitude stay finite.
+MIN_TEMPERATURE = 1e-5
+# The sampler compares top_p with float32 cumulative probabilities, where anything below
+# float32's smallest normal number rounds to 0 and would mask every token. The top token is
+# always kept and its probability is at least 1/vocab, far above this floor, so raising top_p
+# to it leaves the distribution unchanged.
+MIN_TOP_P = 2.0**-126
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are 64-bit signed integers (as vLLM's)
+
+
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -72,6 +84,18 @@ class SamplingParams:
             raise RequestError("top_k", self.top_k, "use 0 (off) or a positive integer")
         if any(t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids", self.stop_token_ids, "token ids are >= 0")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise RequestError("seed", self.seed, "use a 64-bit signed integer")
+
+    def numerically_safe(self) -> SamplingParams:
+        """These settings as a float32 sampler must apply them: greedy below MIN_TEMPERATURE,
+        top_p raised to MIN_TOP_P. Both give the same distribution as the exact arithmetic
+        (up to ties at a temperature near 0) without overflowing or masking every token."""
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            return replace(self, temperature=0.0)
+        if self.top_p < MIN_TOP_P:
+            return replace(self, top_p=MIN_TOP_P)
+        return self
 
 
 @dataclass(kw_only=True, slots=True, eq=False)

@@ -21,7 +21,8 @@ def run_to_completion(
     """Add `requests`, step until none is left, return each request's output token ids.
 
     `on_add` runs before each request is queued (an executor registers its sampling settings
-    there). Raises RuntimeError if `max_steps` pass without finishing.
+    there). Raises RuntimeError if `max_steps` pass without finishing or a request fails, and
+    StepFailed if the executor raises.
     """
     outputs: dict[str, list[int]] = {r.req_id: [] for r in requests}
     for request in requests:
@@ -33,6 +34,9 @@ def run_to_completion(
         if not engine.has_requests():
             return outputs
         step = engine.step()
+        if step.failed:
+            req_id, reason = step.failed[0]
+            raise RuntimeError(f"request {req_id!r} failed: {reason}")
         for out in step.outputs:
             outputs[out.req_id].extend(out.new_token_ids)
             generated += len(out.new_token_ids)

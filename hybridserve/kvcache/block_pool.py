@@ -200,6 +200,14 @@ class BlockPool:
         for block in with_hash:
             self.free_queue.append(block)
 
+    def uncache(self, block: Block) -> bool:
+        """Drop the hash of a free block (it stays free), as eviction would on its reuse.
+        Returns False, changing nothing, for a held or unhashed block."""
+        if block.ref_cnt != 0 or block.key is None:
+            return False
+        self._evict(block)
+        return True
+
     def register(self, block: Block, key: bytes, group_id: int) -> bool:
         """Record that `block` holds the content named by `key`. Returns False if it already did.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridserve.core.errors import CacheInvariantError
@@ -405,6 +405,13 @@ class KVCacheManager:
         for group in self.groups:
             group.free(req_id)
         self._requests.pop(req_id, None)
+
+    def uncache_free_blocks(self, block_ids: Iterable[int]) -> int:
+        """Take the free blocks among `block_ids` out of the prefix cache, so that no later
+        request hits their content: a step that failed may have left it partly written.
+        Blocks a request still holds are left alone. Returns how many were taken out."""
+        blocks = self.pool.blocks
+        return sum(self.pool.uncache(blocks[i]) for i in set(block_ids) if 0 < i < len(blocks))
 
     def new_step(self) -> None:
         """Call at the start of every schedule(): states registered before are now final."""

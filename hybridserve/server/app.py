@@ -2,7 +2,13 @@
 
 Every error is OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`. A request is
 checked completely (body size, UTF-8, JSON, fields, model, context room) before anything is
-queued, so a rejected request leaves no trace in the engine.
+queued, so a rejected request leaves no trace in the engine. An unexpected exception answers
+a generic 500 with an error id; its text goes to the log under that id, never to the client.
+
+Every path but /health needs the API key when one is set (the OpenAPI schema and unknown paths
+included), and POST bodies must be `Content-Type: application/json` (415), so a browser page
+on another origin cannot post to the server without a CORS preflight, which fails unless its
+origin was allowed with `allow_origins`.
 """
 
 from __future__ import annotations
@@ -10,23 +16,28 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridserve.core.errors import RequestError
+from hybridserve.core.errors import HybridServeError, RequestError
 from hybridserve.core.request import Request, SamplingParams
-from hybridserve.server.async_engine import AsyncEngine
+from hybridserve.server.async_engine import AsyncEngine, RequestStream, shutdown_error
 from hybridserve.server.backend import EngineParts, ServingBackend
 from hybridserve.server.generation import Piece, generate
 from hybridserve.server.metrics import Sample, ServerMetrics
@@ -34,10 +45,13 @@ from hybridserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    new_error_id,
     validation_error,
 )
 from hybridserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
 from hybridserve.server.tokenizer import ChatMessage
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +61,9 @@ class ServerSettings:
     max_waiting: int = 1024  # accepted-but-unadmitted requests before answering 503
     retry_after_s: int = 1
     debug_checks: bool = False  # check the cache's invariants after every step
+    max_failed_steps: int = 3  # failed executor steps in a row before the engine is dead
+    shutdown_timeout_s: float = 30.0  # running requests' time to finish once shutdown begins
+    allow_origins: tuple[str, ...] = ()  # browser origins allowed by CORS
 
 
 class ServerState:
@@ -63,11 +80,20 @@ class ServerState:
         self.max_model_len = parts.scheduler.config.max_model_len
         self.metrics = ServerMetrics(backend.model_name)
         self.engine = AsyncEngine(
-            parts, pace_s=backend.pace_s, metrics=self.metrics, debug_checks=settings.debug_checks
+            parts,
+            pace_s=backend.pace_s,
+            metrics=self.metrics,
+            debug_checks=settings.debug_checks,
+            max_failed_steps=settings.max_failed_steps,
+            retry_after_s=settings.retry_after_s,
         )
+        self.engine.on_dead = self._engine_died
         self.metrics.attach(self.engine_samples)
         self.ids = itertools.count()
         self.created = int(time.time())
+        self.draining = False  # shutdown began: new requests get 503
+        self.exit_code = 0  # what the process should exit with once the server stops
+        self.request_exit: Callable[[], None] | None = None  # set by the server that runs us
 
     def engine_samples(self) -> list[Sample]:
         """Scheduler and cache state for /metrics, read under the engine lock."""
@@ -91,6 +117,31 @@ class ServerState:
             out.append((name.removesuffix("_total"), labels, float(value), kind))
         return out
 
+    def _engine_died(self) -> None:
+        logger.error("%s", self.engine.failure)
+        self.exit_code = 1
+        if self.request_exit is not None:
+            self.request_exit()
+
+    async def drain(self, timeout_s: float, forced: Callable[[], bool] = lambda: False) -> None:
+        """Shut down the serving: refuse new requests (503), abort those not started, give the
+        running ones `timeout_s` to finish, then cut the rest (streams end with finish_reason
+        "abort" and [DONE], whole responses get a 503)."""
+        if self.draining:
+            return
+        self.draining = True
+        engine = self.engine
+        if not engine.running:
+            return
+        engine.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while engine.num_streams() and not forced() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if engine.num_streams():
+            logger.warning("shutdown: cutting %d requests short", engine.num_streams())
+            engine.cut()
+
 
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
@@ -102,20 +153,40 @@ def create_app(state: ServerState) -> FastAPI:
             await asyncio.to_thread(state.engine.stop)
             await asyncio.to_thread(state.backend.close)
 
-    app = FastAPI(title="hybridserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="hybridserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.hybridserve = state
     app.add_exception_handler(ApiError, _api_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
-    auth = Depends(_auth_check(state.settings.api_key))
+    settings = state.settings
+    app.add_middleware(
+        _Guard,
+        api_key=settings.api_key,
+        allow_origins=settings.allow_origins,
+    )
+    if settings.allow_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allow_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:
+            raise shutdown_error("the server is shutting down", settings.retry_after_s)
         if not state.engine.running:
             reason = state.engine.failure or "the engine loop is not running"
-            raise ApiError(503, reason, kind="server_error")
+            raise ApiError(503, reason, kind="server_error", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
+
+    @app.get("/v1/models")
     async def models() -> Response:
         card = {
             "id": state.model_name,
@@ -126,15 +197,15 @@ def create_app(state: ServerState) -> FastAPI:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/metrics", dependencies=[auth])
+    @app.get("/metrics")
     def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", dependencies=[auth])
+    @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:
-        body = _parse(CompletionRequest, await _read_json(http, state.settings.max_request_bytes))
+        body = _parse(CompletionRequest, await _read_json(http, settings.max_request_bytes))
         if isinstance(body.prompt, str):
-            text = body.prompt
+            text = _valid_unicode(body.prompt, "prompt")
             prompt_ids = _encode(lambda: state.tokenizer.encode(text), "prompt")
         else:
             prompt_ids = body.prompt
@@ -147,17 +218,18 @@ def create_app(state: ServerState) -> FastAPI:
             http,
             body=body,
             prompt_ids=prompt_ids,
-            max_tokens=body.max_tokens,
+            max_tokens=(body.max_tokens, "max_tokens"),
             prompt_field="prompt",
             fmt=fmt,
         )
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
+    @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Response:
-        body = _parse(
-            ChatCompletionRequest, await _read_json(http, state.settings.max_request_bytes)
-        )
-        messages = [ChatMessage(m.role, m.text()) for m in body.messages]
+        body = _parse(ChatCompletionRequest, await _read_json(http, settings.max_request_bytes))
+        messages = [
+            ChatMessage(m.role, _valid_unicode(m.text(), f"messages.{i}.content"))
+            for i, m in enumerate(body.messages)
+        ]
         prompt_ids = _encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
         fmt = ChatFormat(state.model_name, f"chatcmpl-{next(state.ids)}", state.created)
         return await _serve(
@@ -179,36 +251,59 @@ async def _serve(
     *,
     body: CompletionRequest | ChatCompletionRequest,
     prompt_ids: list[int],
-    max_tokens: int | None,
+    max_tokens: tuple[int | None, str],
     prompt_field: str,
     fmt: ResponseFormat,
 ) -> Response:
     request, stops = _make_request(
         state, body, prompt_ids=prompt_ids, max_tokens=max_tokens, prompt_field=prompt_field
     )
-    _admission_check(state)
+    stream = _admit(state, request)
     pieces = generate(
         engine=state.engine,
         metrics=state.metrics,
         tokenizer=state.tokenizer,
         request=request,
+        stream=stream,
         stops=stops,
         http=http,
     )
     num_prompt = len(prompt_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(fmt, pieces, num_prompt, include_usage), media_type="text/event-stream"
+        return _EngineStreamingResponse(
+            _sse(fmt, pieces, num_prompt, include_usage),
+            media_type="text/event-stream",
+            on_close=lambda: state.engine.abort(request.req_id),
         )
-    text: list[str] = []
-    last = Piece("", "abort", 0)
-    async for piece in pieces:
-        text.append(piece.text)
-        last = piece
+    try:
+        text: list[str] = []
+        last = Piece("", "abort", 0)
+        async for piece in pieces:
+            text.append(piece.text)
+            last = piece
+    finally:
+        state.engine.abort(request.req_id)  # a no-op unless the handler itself was cancelled
+    if last.error is not None:
+        raise last.error
     return JSONResponse(
         fmt.full("".join(text), last.finish_reason, num_prompt, last.num_output_tokens)
     )
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """A stream whose request is aborted however the response ends, even when it never began
+    (a client gone before the first byte), so no engine work outlives its client."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 async def _sse(
@@ -222,6 +317,8 @@ async def _sse(
             yield _event(fmt.chunk(piece.text, piece.finish_reason))
     except ApiError as exc:
         yield _event(exc.body())
+    except Exception:
+        yield _event(_internal_error("streaming a response").body())
     if include_usage:
         yield _event(fmt.usage_chunk(num_prompt, num_output))
     yield b"data: [DONE]\n\n"
@@ -236,7 +333,7 @@ def _make_request(
     body: CompletionRequest | ChatCompletionRequest,
     *,
     prompt_ids: list[int],
-    max_tokens: int | None,
+    max_tokens: tuple[int | None, str],
     prompt_field: str,
 ) -> tuple[Request, list[str]]:
     if body.model != state.model_name:
@@ -254,29 +351,36 @@ def _make_request(
             f"max_model_len={state.max_model_len}",
             param=prompt_field,
         )
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
+    limit, limit_field = max_tokens
+    if limit is None:
+        limit = room
+    elif limit > room:
         raise ApiError(
             400,
-            f"max_tokens={max_tokens} exceeds max_model_len={state.max_model_len} minus "
+            f"{limit_field}={limit} exceeds max_model_len={state.max_model_len} minus "
             f"{len(prompt_ids)} prompt tokens ({room})",
-            param="max_tokens",
+            param=limit_field,
         )
     stop_ids = list(body.stop_token_ids or [])
     if not body.ignore_eos:
         stop_ids += state.tokenizer.eos_token_ids
+    req_id = f"req-{next(state.ids)}"
+    seed = body.seed
+    if seed is None:
+        # A fresh seed per request: unseeded requests must not all draw the same numbers.
+        seed = secrets.randbits(63)
+        logger.debug("%s: unseeded, drew seed %d", req_id, seed)
     try:
         sampling = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=limit,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
-            seed=body.seed,
+            seed=seed,
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
         )
         request = Request(
-            req_id=f"req-{next(state.ids)}",
+            req_id=req_id,
             prompt_token_ids=tuple(prompt_ids),
             sampling=sampling,
             arrival_time=state.engine.now(),
@@ -285,15 +389,23 @@ def _make_request(
         )
     except RequestError as exc:
         param = prompt_field if exc.field == "prompt_token_ids" else exc.field
+        if param == "max_tokens":
+            param = limit_field
         raise ApiError(400, str(exc), param=param) from None
     if body.priority != 0 and state.parts.scheduler.config.policy.value == "fcfs":
         raise ApiError(400, "priority: the fcfs scheduler takes priority 0 only", param="priority")
     return request, body.stop_list()
 
 
-def _admission_check(state: ServerState) -> None:
+def _admit(state: ServerState, request: Request) -> RequestStream:
+    """The one admission check, streaming or not: refuse or queue, with no await between the
+    check and the queueing, so concurrent requests cannot all pass a nearly full check."""
+    retry_after = {"Retry-After": str(state.settings.retry_after_s)}
+    if state.draining:
+        raise shutdown_error("the server is shutting down", state.settings.retry_after_s)
     if not state.engine.running:
-        raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
+        reason = state.engine.failure or "the engine is not running"
+        raise ApiError(503, reason, kind="server_error", code="engine_dead", headers=retry_after)
     queued = state.engine.num_queued()
     if queued >= state.settings.max_waiting:
         raise ApiError(
@@ -301,8 +413,9 @@ def _admission_check(state: ServerState) -> None:
             f"the waiting queue is full ({queued} requests); retry later",
             kind="server_error",
             code="queue_full",
-            headers={"Retry-After": str(state.settings.retry_after_s)},
+            headers=retry_after,
         )
+    return state.engine.submit(request)
 
 
 async def _read_json(http: HttpRequest, limit: int) -> Any:
@@ -310,11 +423,16 @@ async def _read_json(http: HttpRequest, limit: int) -> Any:
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody reads the answer; say why in the log without a traceback.
+        logger.info("client disconnected after %d bytes of the request body", size)
+        raise ApiError(400, "the client disconnected", param="body", code="disconnected") from None
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
@@ -326,6 +444,14 @@ async def _read_json(http: HttpRequest, limit: int) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"body is not JSON: {exc}", param="body", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(
+            400, "body is nested too deeply to parse", param="body", code="invalid_json"
+        ) from None
+    except ValueError:  # an integer literal past Python's digit limit
+        raise ApiError(
+            400, "body has an integer with too many digits", param="body", code="invalid_json"
+        ) from None
     if not isinstance(value, dict):
         raise ApiError(400, "body must be a JSON object", param="body", code="invalid_json")
     return value
@@ -345,6 +471,24 @@ def _parse(model: type[_Body], value: Any) -> _Body:
         return model.model_validate(value)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    except RecursionError:
+        raise ApiError(
+            400, "body is nested too deeply to validate", param="body", code="invalid_json"
+        ) from None
+
+
+def _valid_unicode(text: str, field: str) -> str:
+    """`text`, or a 400 naming `field` if it holds a lone surrogate (JSON's "\\udfff"), which
+    no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            400,
+            f"{field}: text is not valid Unicode (a lone surrogate at character {exc.start})",
+            param=field,
+        ) from None
+    return text
 
 
 def _encode(encode: Callable[[], list[int]], field: str) -> list[int]:
@@ -352,31 +496,93 @@ def _encode(encode: Callable[[], list[int]], field: str) -> list[int]:
         ids = encode()
     except UnicodeEncodeError:
         raise ApiError(400, f"{field}: text is not valid Unicode", param=field) from None
+    except HybridServeError as exc:  # e.g. a chat template that rejects the conversation
+        raise ApiError(400, f"{field}: {getattr(exc, 'fix', exc)}", param=field) from None
     if not ids:
         raise ApiError(400, f"{field}: the prompt is empty", param=field)
     return ids
 
 
-def _auth_check(api_key: str | None) -> Callable[[HttpRequest], None]:
-    expected = f"Bearer {api_key}".encode() if api_key else b""
+def _bearer_token(headers: Headers) -> bytes:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
 
-    def check(http: HttpRequest) -> None:
-        if not api_key:
+
+def _internal_error(doing: str) -> ApiError:
+    """A generic 500 for an unexpected exception (being handled now), logged under an id."""
+    error_id = new_error_id()
+    logger.exception("internal error while %s (error id %s)", doing, error_id)
+    return ApiError(
+        500,
+        f"internal server error (error id {error_id})",
+        kind="server_error",
+        code="internal_error",
+    )
+
+
+class _Guard:
+    """Outermost checks: the API key on every path but /health, JSON bodies on POST (415),
+    and a generic OpenAI-shaped 500 for any exception a route lets out."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, allow_origins: Sequence[str]):
+        self.app = app
+        self.expected = api_key.encode() if api_key else b""
+        self.allow_origins = frozenset(allow_origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        given = http.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise ApiError(
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await _error_response(refusal)(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            error = _internal_error(f"serving {scope['method']} {scope['path']}")
+            if not started:
+                await _error_response(error)(scope, receive, send)
+
+    def _refusal(self, scope: Scope, headers: Headers) -> ApiError | None:
+        if (
+            self.expected
+            and scope["path"] != "/health"
+            and not secrets.compare_digest(_bearer_token(headers), self.expected)
+        ):
+            return ApiError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
                 kind="authentication_error",
                 code="invalid_api_key",
             )
+        if scope["method"] == "POST" and headers.get("origin") not in self.allow_origins:
+            media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+            if media_type != "application/json":
+                return ApiError(
+                    415,
+                    f"send the body as Content-Type: application/json, not {media_type!r}",
+                    param="Content-Type",
+                    code="unsupported_media_type",
+                )
+        return None
 
-    return check
+
+def _error_response(exc: ApiError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _api_error_response(_: HttpRequest, exc: ApiError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _error_response(exc)
 
 
 async def _http_error_response(_: HttpRequest, exc: HTTPException) -> Response:

@@ -8,6 +8,14 @@ passed to `Engine.step(now)` like any other clock.
 Pacing: a backend may ask that a step last at least `pace_s(result)` wall seconds (the
 simulator's modelled duration over `--sim-speed`). The next step waits until then; commands
 keep being applied while it waits, so an abort frees its blocks at once.
+
+Faults: a step the executor fails ends its requests with a 500 (the engine already aborted
+them and freed their blocks) and the engine carries on; after `max_failed_steps` failed steps
+in a row, or any other exception in the loop, the engine is dead: every request fails, every
+block is freed, and `on_dead` runs on the event loop (the server then exits non-zero).
+
+Shutdown: `drain()` aborts the requests that have not started (a 503); `cut()` ends the rest,
+streams with `finish_reason` "abort" and whole responses with a 503.
 """
 
 from __future__ import annotations
@@ -21,12 +29,17 @@ from dataclasses import dataclass, field
 
 from hybridserve.core.errors import RequestError
 from hybridserve.core.plan import StepResult
-from hybridserve.core.request import Request
-from hybridserve.engine import EngineStep
+from hybridserve.core.request import Request, RequestStatus
+from hybridserve.engine import EngineStep, StepFailed
 from hybridserve.server.backend import EngineParts
 from hybridserve.server.metrics import ServerMetrics
+from hybridserve.server.protocol import ApiError, new_error_id
 
 logger = logging.getLogger(__name__)
+
+# After a step that scheduled nothing while requests remain (none can run yet), wait this long
+# or for the next command before stepping again, instead of spinning.
+IDLE_STEP_WAIT_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +49,10 @@ class Delivery:
     token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None = None
-    error: str | None = None
-    status: int = 400  # the HTTP status of `error`
+    error: ApiError | None = None  # the request failed or was cut short
+    # With `error`: a stream still ends with `finish_reason` (its text so far stands) while a
+    # whole response answers `error`; without it a stream ends with an error event.
+    graceful: bool = False
 
 
 @dataclass(slots=True)
@@ -52,9 +67,20 @@ class LoopStats:
     dispatch, metrics)."""
 
     steps: int = 0
+    failed_steps: int = 0
     step_s: float = 0.0
     step_cpu_s: float = 0.0  # the engine thread's CPU time inside `Engine.step`
     busy_s: float = 0.0
+
+
+def shutdown_error(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(
+        503,
+        message,
+        kind="server_error",
+        code="shutdown",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 class AsyncEngine:
@@ -65,15 +91,21 @@ class AsyncEngine:
         pace_s: Callable[[StepResult], float],
         metrics: ServerMetrics,
         debug_checks: bool = False,
+        max_failed_steps: int = 3,
+        retry_after_s: int = 1,
     ) -> None:
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps={max_failed_steps}; use 1 or more")
         self.parts = parts
         self.metrics = metrics
         self.stats = LoopStats()
+        self.max_failed_steps = max_failed_steps
+        self.retry_after_s = retry_after_s
         self._pace_s = pace_s
         self._debug_checks = debug_checks
         self._start = time.monotonic()
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, Request | str]] = []
+        self._inbox: list[tuple[str, Request | str | None]] = []
         self._stopping = False
         # Guards the engine's state: held by the engine thread while it applies commands and
         # steps, and by metric scrapes while they read it.
@@ -81,9 +113,11 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._num_pending_adds = 0
         self._num_waiting = 0
+        self._failed_in_a_row = 0
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.failure: str | None = None  # why the engine thread ended, if it failed
+        self.failure: str | None = None  # why the engine died, if it did (no internals)
+        self.on_dead: Callable[[], None] | None = None  # runs on the event loop
 
     # ----- event-loop side --------------------------------------------------------------------
 
@@ -107,9 +141,17 @@ class AsyncEngine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    @property
+    def dead(self) -> bool:
+        return self.failure is not None
+
     def num_queued(self) -> int:
         """Requests accepted but not yet admitted: in the inbox or the scheduler's queue."""
         return self._num_pending_adds + self._num_waiting
+
+    def num_streams(self) -> int:
+        """Requests whose clients still wait for deliveries."""
+        return len(self._streams)
 
     def submit(self, request: Request) -> RequestStream:
         """Queue a validated request; its deliveries arrive on the returned stream."""
@@ -128,8 +170,21 @@ class AsyncEngine:
         if stream is None:
             return
         stream.queue.put_nowait(Delivery((), True, "abort"))
+        self._command("abort", req_id)
+
+    def drain(self) -> None:
+        """Shutdown, first part: abort every request that has not produced a token yet (their
+        clients get a 503); running requests go on."""
+        self._command("drain", None)
+
+    def cut(self) -> None:
+        """Shutdown, last part: end every request now (streams with finish_reason "abort",
+        whole responses with a 503) and free their blocks."""
+        self._command("cut", None)
+
+    def _command(self, kind: str, payload: Request | str | None) -> None:
         with self._cond:
-            self._inbox.append(("abort", req_id))
+            self._inbox.append((kind, payload))
             self._cond.notify()
 
     def _deliver(self, batch: list[tuple[str, Delivery]]) -> None:
@@ -141,25 +196,37 @@ class AsyncEngine:
             if delivery.finished:
                 del self._streams[req_id]
 
+    def _fail_all_streams(self) -> None:
+        error = ApiError(500, self.failure or "the engine stopped", kind="server_error")
+        delivery = Delivery((), True, "abort", error)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(delivery)
+        self._streams.clear()
+        if self.on_dead is not None:
+            self.on_dead()
+
     # ----- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             self._serve_steps()
-        except Exception as exc:
-            # A broken engine must not leave streams waiting forever: end every one of them.
-            self.failure = f"the engine failed: {type(exc).__name__}: {exc}"
-            logger.exception("engine loop failed")
-            with self._cond:
-                self._stopping = True
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all_streams)
+        except Exception:
+            error_id = new_error_id()
+            logger.exception("the engine loop failed (error id %s)", error_id)
+            self._die(f"the engine failed (error id {error_id})")
 
-    def _fail_all_streams(self) -> None:
-        delivery = Delivery((), True, "abort", self.failure, status=500)
-        for stream in self._streams.values():
-            stream.queue.put_nowait(delivery)
-        self._streams.clear()
+    def _die(self, reason: str) -> None:
+        """Mark the engine dead, free every request's blocks, and fail every stream."""
+        self.failure = f"{reason}; the server is exiting"
+        with self._cond:
+            self._stopping = True
+        try:
+            with self.lock:
+                self._abort_all([])
+        except Exception:
+            logger.exception("freeing the requests of a dead engine failed")
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all_streams)
 
     def _serve_steps(self) -> None:
         next_step_at = 0.0
@@ -175,19 +242,31 @@ class AsyncEngine:
                 stopping = self._stopping
             busy_from = time.monotonic()
             batch: list[tuple[str, Delivery]] = []
+            dead_reason = None
             with self.lock:
                 self._apply(commands, batch)
                 if stopping:
                     self._abort_all(batch)
                 elif engine.has_requests() and time.monotonic() >= next_step_at:
                     step_start, cpu_start = time.monotonic(), time.thread_time()
-                    step = engine.step(self.now())
-                    step_s = time.monotonic() - step_start
-                    step_cpu_s = time.thread_time() - cpu_start
-                    next_step_at = step_start + self._pace_s(step.result)
-                    self._after_step(step, step_s, step_cpu_s, batch)
+                    try:
+                        step = engine.step(self.now())
+                    except StepFailed as exc:
+                        dead_reason = self._after_failed_step(exc, batch)
+                        next_step_at = 0.0
+                    else:
+                        self._failed_in_a_row = 0
+                        step_s = time.monotonic() - step_start
+                        step_cpu_s = time.thread_time() - cpu_start
+                        next_step_at = step_start + self._pace_s(step.result)
+                        if step.scheduled.is_empty and engine.has_requests():
+                            next_step_at = max(next_step_at, step_start + IDLE_STEP_WAIT_S)
+                        self._after_step(step, step_s, step_cpu_s, batch)
             self._post(batch)
             self.stats.busy_s += time.monotonic() - busy_from
+            if dead_reason is not None:
+                self._die(dead_reason)
+                return
             if stopping:
                 return
             # Hand the GIL to the event loop between steps: back-to-back steps would otherwise
@@ -195,7 +274,7 @@ class AsyncEngine:
             time.sleep(0)
 
     def _apply(
-        self, commands: list[tuple[str, Request | str]], batch: list[tuple[str, Delivery]]
+        self, commands: list[tuple[str, Request | str | None]], batch: list[tuple[str, Delivery]]
     ) -> None:
         scheduler = self.parts.scheduler
         for kind, payload in commands:
@@ -204,16 +283,69 @@ class AsyncEngine:
                 try:
                     self.parts.engine.add_request(payload)
                 except RequestError as exc:
-                    batch.append((payload.req_id, Delivery((), True, "abort", str(exc))))
+                    param = "prompt" if exc.field == "prompt_token_ids" else exc.field
+                    error = ApiError(400, str(exc), param=param)
+                    batch.append((payload.req_id, Delivery((), True, "abort", error)))
             elif kind == "abort" and payload in scheduler.requests:
                 self.parts.engine.abort(payload)
+            elif kind == "drain":
+                self._abort_unstarted(batch)
+            elif kind == "cut":
+                error = shutdown_error(
+                    "the server shut down before this request finished", self.retry_after_s
+                )
+                self._abort_all(batch, Delivery((), True, "abort", error, graceful=True))
         self._num_waiting = scheduler.num_waiting
 
-    def _abort_all(self, batch: list[tuple[str, Delivery]]) -> None:
+    def _abort_unstarted(self, batch: list[tuple[str, Delivery]]) -> None:
+        error = shutdown_error(
+            "the server is shutting down; this request was not started", self.retry_after_s
+        )
+        delivery = Delivery((), True, "abort", error)
+        for request in list(self.parts.scheduler.requests.values()):
+            if request.status is not RequestStatus.RUNNING and not request.num_output_tokens:
+                self.parts.engine.abort(request.req_id)
+                batch.append((request.req_id, delivery))
+
+    def _abort_all(
+        self, batch: list[tuple[str, Delivery]], delivery: Delivery | None = None
+    ) -> None:
+        delivery = delivery or Delivery((), True, "abort")
         for req_id in list(self.parts.scheduler.requests):
             self.parts.engine.abort(req_id)
-            batch.append((req_id, Delivery((), True, "abort")))
+            batch.append((req_id, delivery))
         self._num_waiting = 0
+
+    def _after_failed_step(self, exc: StepFailed, batch: list[tuple[str, Delivery]]) -> str | None:
+        """Fail the step's requests; the reason the engine must die, if it must."""
+        self._failed_in_a_row += 1
+        self.stats.failed_steps += 1
+        self.metrics.on_failed_step()
+        error_id = new_error_id()
+        logger.error(
+            "step %d failed in the executor (error id %s, %d in a row); aborted %d requests",
+            exc.step_id,
+            error_id,
+            self._failed_in_a_row,
+            len(exc.req_ids),
+            exc_info=exc.__cause__,
+        )
+        error = ApiError(
+            500,
+            f"the executor failed on the step running this request (error id {error_id}); "
+            "the request was aborted",
+            kind="server_error",
+            code="executor_error",
+        )
+        for req_id in exc.req_ids:
+            batch.append((req_id, Delivery((), True, "abort", error)))
+        self._num_waiting = self.parts.scheduler.num_waiting
+        if self._failed_in_a_row >= self.max_failed_steps:
+            return (
+                f"the engine stopped after {self._failed_in_a_row} failed steps in a row "
+                f"(last error id {error_id})"
+            )
+        return None
 
     def _after_step(
         self, step: EngineStep, step_s: float, step_cpu_s: float, batch: list[tuple[str, Delivery]]
@@ -227,6 +359,16 @@ class AsyncEngine:
         for out in step.outputs:
             num_generated += len(out.new_token_ids)
             batch.append((out.req_id, Delivery(out.new_token_ids, out.finished, out.finish_reason)))
+        for req_id, reason in step.failed:
+            error_id = new_error_id()
+            logger.error("request %s failed (error id %s): %s", req_id, error_id, reason)
+            error = ApiError(
+                500,
+                f"{reason} for this request (error id {error_id}); the request was aborted",
+                kind="server_error",
+                code="executor_error",
+            )
+            batch.append((req_id, Delivery((), True, "abort", error)))
         new_arrivals = []
         num_prompt = 0
         for req_id, _ in scheduled.new_reqs:
@@ -244,7 +386,7 @@ class AsyncEngine:
             num_generation_tokens=num_generated,
             num_preemptions=len(scheduled.preempted),
         )
-        self._num_waiting = scheduled.num_waiting
+        self._num_waiting = self.parts.scheduler.num_waiting
         if self._debug_checks:
             self.parts.cache.check_invariants()
 

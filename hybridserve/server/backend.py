@@ -85,7 +85,8 @@ def build_engine(
     retention: RetentionPolicy,
     num_blocks: int | None = None,
 ) -> EngineParts:
-    """An engine over the backend's executor. `num_blocks` caps the backend's pool size."""
+    """An engine over the backend's executor. `num_blocks` caps the backend's pool size; a
+    token id the executor returns outside the tokenizer's vocabulary fails its request."""
     blocks = backend.num_blocks() if num_blocks is None else min(num_blocks, backend.num_blocks())
     layout = CacheLayout(
         groups=backend.cache_groups(),
@@ -100,4 +101,6 @@ def build_engine(
         cache,
         num_speculative_tokens=backend.speculative.num_speculative_tokens,
     )
-    return EngineParts(Engine(scheduler, backend.make_executor(layout)), scheduler, cache)
+    executor = backend.make_executor(layout)
+    engine = Engine(scheduler, executor, vocab_size=backend.tokenizer.vocab_size)
+    return EngineParts(engine, scheduler, cache)

@@ -1,4 +1,4 @@
-"""One request's generation on the event loop: submit, detokenize, stop strings, metrics.
+"""One request's generation on the event loop: deliveries, detokenizing, stop strings, metrics.
 
 Stop strings are matched on the detokenized text; the text is cut before the match (as OpenAI
 does) and the request is aborted in the engine, which frees its blocks at once. While
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from starlette.requests import Request as HttpRequest
 
 from hybridserve.core.request import Request
-from hybridserve.server.async_engine import AsyncEngine, Delivery
+from hybridserve.server.async_engine import AsyncEngine, Delivery, RequestStream
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.protocol import ApiError
 from hybridserve.server.tokenizer import Tokenizer
@@ -28,6 +28,9 @@ class Piece:
     text: str
     finish_reason: str | None
     num_output_tokens: int
+    # On a last piece the server cut short (shutdown): a stream ends with `finish_reason`,
+    # a whole response answers this error instead.
+    error: ApiError | None = None
 
 
 class StopMatcher:
@@ -79,13 +82,14 @@ async def generate(
     metrics: ServerMetrics,
     tokenizer: Tokenizer,
     request: Request,
+    stream: RequestStream,
     stops: Sequence[str],
     http: HttpRequest,
 ) -> AsyncIterator[Piece]:
-    """Submit `request` and yield its text as it is generated. The request is aborted in the
-    engine if the client disconnects or stops reading. A stop token counts as an output token
-    but adds no text."""
-    stream = engine.submit(request)
+    """Yield the text of `request` (already submitted, delivering on `stream`) as it is
+    generated. The request is aborted in the engine if the client disconnects or stops
+    reading. A stop token counts as an output token but adds no text. Raises ApiError when
+    the request fails."""
     watcher = asyncio.create_task(_abort_on_disconnect(http, engine, request.req_id))
     decoder, matcher = tokenizer.new_decoder(), StopMatcher(stops)
     stop_ids = frozenset(request.sampling.stop_token_ids)
@@ -95,11 +99,9 @@ async def generate(
     try:
         while reason is None:
             delivery = _coalesce(await stream.queue.get(), stream.queue)
-            if delivery.error is not None:
+            if delivery.error is not None and not delivery.graceful:
                 reason = "abort"
-                if delivery.status >= 500:
-                    raise ApiError(delivery.status, delivery.error, kind="server_error")
-                raise ApiError(delivery.status, delivery.error, param="prompt")
+                raise delivery.error
             now = engine.now()
             if delivery.token_ids:
                 num_tokens += len(delivery.token_ids)
@@ -115,13 +117,15 @@ async def generate(
             if delivery.finished:
                 text += decoder.flush()
             out, stopped = matcher.feed(text, final=delivery.finished)
+            cut_short = None
             if stopped:
                 reason = "stop"
                 engine.abort(request.req_id)
             elif delivery.finished:
                 reason = delivery.finish_reason or "stop"
+                cut_short = delivery.error
             if out or reason is not None:
-                yield Piece(out, reason, num_tokens)
+                yield Piece(out, reason, num_tokens, cut_short)
     finally:
         watcher.cancel()
         if reason is None:

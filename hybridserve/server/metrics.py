@@ -82,6 +82,12 @@ class ServerMetrics:
             f"{NS}:num_preemptions", "Preemptions by the scheduler.", labels, registry=reg
         )
         self.engine_steps = Counter(f"{NS}:engine_steps", "Engine steps.", labels, registry=reg)
+        self.engine_failed_steps = Counter(
+            f"{NS}:engine_failed_steps",
+            "Engine steps the executor failed (their requests were aborted).",
+            labels,
+            registry=reg,
+        )
         self.engine_step_seconds = Counter(
             f"{NS}:engine_step_seconds", "Wall seconds spent in Engine.step.", labels, registry=reg
         )
@@ -133,6 +139,7 @@ class ServerMetrics:
             self.generation_tokens,
             self.num_preemptions,
             self.engine_steps,
+            self.engine_failed_steps,
             self.engine_step_seconds,
             self.engine_step_cpu_seconds,
             self.executor_step_seconds,
@@ -174,6 +181,9 @@ class ServerMetrics:
         queue_time = self.queue_time.labels(m)
         for arrival in admitted_arrivals:
             queue_time.observe(max(now - arrival, 0.0))
+
+    def on_failed_step(self) -> None:
+        self.engine_failed_steps.labels(self.model_name).inc()
 
     def on_finished(self, *, reason: str, latency_s: float) -> None:
         """A request ended, for any reason, `latency_s` after it arrived."""

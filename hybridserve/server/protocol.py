@@ -2,16 +2,53 @@
 
 Unknown fields are rejected (`extra="forbid"`), so a parameter this server does not implement
 is a 400 naming it rather than silently ignored. vLLM's extensions `top_k`, `ignore_eos`,
-`stop_token_ids`, `cache_salt` and `priority` are accepted.
+`stop_token_ids`, `cache_salt` and `priority` are accepted. Types are strict (no "10" for 10,
+no 0 for false), except that integer fields take integral floats (`1.0`), as OpenAI and vLLM
+do.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from hybridserve.core.request import SEED_MAX, SEED_MIN
 
 MAX_STOP_SEQUENCES = 16
+
+
+def new_error_id() -> str:
+    """An id that ties an error a client sees to the server log line that explains it."""
+    return f"err-{secrets.token_hex(6)}"
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _off(value: bool) -> bool:
+    if value:
+        raise ValueError("is not supported; send false or leave it out")
+    return value
+
+
+# An integer, or a float with an integral value (1.0), as OpenAI and vLLM accept.
+Integer = Annotated[int, BeforeValidator(_integral)]
+# A feature this server does not implement: false or absent only (0 is not false).
+Off = Annotated[bool, AfterValidator(_off)]
 
 
 class ApiError(Exception):
@@ -57,17 +94,17 @@ class _SamplingFields(BaseModel):
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 = off
-    seed: int | None = None
+    top_k: Annotated[Integer, Field(ge=-1)] = 0  # vLLM: -1 or 0 = off
+    seed: Annotated[Integer, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[Integer, Field(ge=1)] = 1
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    priority: int = 0
+    priority: Integer = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -95,17 +132,26 @@ class _SamplingFields(BaseModel):
             raise ValueError("only n=1 is supported")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("set it only with stream: true")
+        return value
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
-    echo: Literal[False] = False
+    max_tokens: Annotated[Integer, Field(ge=1)] = 16
+    echo: Off = False
     logprobs: None = None
     suffix: None = None
-    best_of: Literal[1] | None = None
+    best_of: Annotated[Integer, Field(ge=1, le=1)] | None = None
 
 
 class TextPart(BaseModel):
@@ -128,13 +174,16 @@ class ChatMessageModel(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessageModel], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Literal[False] | None = None
+    max_tokens: Annotated[Integer, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = None
+    logprobs: Off | None = None
     tools: None = None
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the output limit, the field it came from): `max_completion_tokens` wins."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 def validation_error(exc: ValidationError) -> ApiError:

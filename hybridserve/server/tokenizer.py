@@ -13,7 +13,7 @@ its end-of-sequence ids.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,6 +75,46 @@ class ByteDecoder:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+class OffsetDecoder:
+    """Incremental detokenisation over a sliding window of token ids, for any `decode(ids)`.
+
+    The offset-window approach of vLLM's `detokenize_incrementally` and of `tokenizers`'
+    `DecodeStream`: each push decodes the ids since the last text it released plus the ids
+    of that release as context (so that decoders which join or strip at token boundaries see
+    the same neighbours as a whole decode), and releases what the new ids add. A push costs
+    the size of that window, not of the output so far: a stream of n tokens costs O(n). Text
+    ending in U+FFFD (an incomplete UTF-8 sequence) is held back until it completes; the
+    concatenated releases equal `decode(all ids)` for prefix-stable decoders (byte-level BPE,
+    sentencepiece with byte fallback, word-level joins).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: the ids of the last release, kept as context
+        self._read = 0  # ids up to here are released
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        ids, start, read = self._ids, self._prefix, self._read
+        if read == len(ids):
+            return ""
+        context = self._decode(ids[start:read]) if read > start else ""
+        text = self._decode(ids[start:])
+        if not final and (len(text) <= len(context) or text.endswith("\ufffd")):
+            return ""  # nothing new yet, or a character still incomplete
+        self._prefix, self._read = read, len(ids)
+        return text[len(context) :]
 
 
 class ByteTokenizer:

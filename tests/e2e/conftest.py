@@ -6,17 +6,17 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridserve.cli.serve_commands import build_app
 from hybridserve.cli.sim_backend import SimServingBackend
 from hybridserve.server.app import ServerSettings, ServerState
+from hybridserve.server.runner import HybridServer, server_config
 
 MODEL = "qwen3-next-80b-a3b"
 
@@ -25,13 +25,17 @@ MODEL = "qwen3-next-80b-a3b"
 class LiveServer:
     base_url: str
     state: ServerState
-    server: uvicorn.Server
+    server: HybridServer
     thread: threading.Thread
     client: httpx.Client  # one connection pool: a client per call costs ~50 ms of set-up
 
     @property
     def api_url(self) -> str:
         return f"{self.base_url}/v1"
+
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
 
     def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
         """Every sample of /metrics by `name{labels}` (labels sorted), parsed by prometheus."""
@@ -74,27 +78,24 @@ def start_server(
     settings: ServerSettings | None = None,
     sim_speed: float = 1000.0,
     max_model_len: int = 4096,
-    shutdown_timeout_s: int = 5,
+    shutdown_timeout_s: float = 5.0,
     num_blocks: int | None = None,
+    backend: SimServingBackend | None = None,
     **options: Any,
 ) -> LiveServer:
     """A sim server; `options` are SchedulerConfig fields."""
-    backend = SimServingBackend(sim_speed=sim_speed, max_model_len=max_model_len)
-    app = build_app(backend, settings or ServerSettings(), num_blocks=num_blocks, overrides=options)
-    return serve_in_thread(app, shutdown_timeout_s=shutdown_timeout_s)
+    backend = backend or SimServingBackend(sim_speed=sim_speed, max_model_len=max_model_len)
+    settings = replace(settings or ServerSettings(), shutdown_timeout_s=shutdown_timeout_s)
+    app = build_app(backend, settings, num_blocks=num_blocks, overrides=options)
+    return serve_in_thread(app)
 
 
-def serve_in_thread(app: Any, *, shutdown_timeout_s: int = 5) -> LiveServer:
-    """Run `app` under uvicorn in a daemon thread on a free loopback port."""
+def serve_in_thread(app: Any) -> LiveServer:
+    """Run `app` under uvicorn in a daemon thread on a free loopback port, with the server's
+    own shutdown (`HybridServer`): `stop()` drains as SIGINT does."""
     port = _free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        timeout_graceful_shutdown=shutdown_timeout_s,
-    )
-    server = uvicorn.Server(config)
+    config = server_config(app, host="127.0.0.1", port=port)
+    server = HybridServer(config, app.state.hybridserve)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 
-from hybridserve.cli.serve_commands import build_app
-from hybridserve.cli.sim_backend import SimServingBackend
-from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout
 from hybridserve.server.app import ServerSettings
-from tests.e2e.conftest import MODEL, LiveServer, serve_in_thread, start_server
+from tests.e2e.conftest import MODEL, LiveServer, start_server
 
 
 def _body(max_tokens: int, *, stream: bool) -> dict[str, Any]:
@@ -149,37 +150,131 @@ def test_shutdown_finishes_short_requests_and_aborts_the_rest() -> None:
     short.join(timeout=30)
     assert results["short"].status_code == 200
     assert results["short"].json()["choices"][0]["finish_reason"] == "length"
-    assert "long" in results  # the stream ended instead of hanging
+    assert isinstance(results["long"], int)  # the stream ended instead of hanging
     assert not server.state.engine.running
+    assert server.state.exit_code == 0
     _assert_clean(server)
 
 
-class _BrokenExecutor:
-    def execute(self, plan: StepPlan) -> StepResult:
-        raise RuntimeError("device lost")
+def _data_lines(response: httpx.Response) -> list[str]:
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
 
 
-class _BrokenBackend(SimServingBackend):
-    def make_executor(self, layout: CacheLayout) -> Executor:
-        return _BrokenExecutor()
+def test_shutdown_refuses_new_requests_aborts_queued_ones_and_cuts_running_ones() -> None:
+    server = start_server(sim_speed=0.5, shutdown_timeout_s=3, max_num_seqs=2)
+    url = server.base_url + "/v1/completions"
+    results: dict[str, tuple[Any, float]] = {}
+
+    def stream(name: str) -> None:
+        with (
+            httpx.Client(timeout=60.0) as http,
+            http.stream("POST", url, json=_body(3000, stream=True)) as r,
+        ):
+            results[name] = (_data_lines(r), time.monotonic())
+
+    def whole(name: str) -> None:
+        results[name] = (
+            httpx.post(url, json=_body(3000, stream=False), timeout=60),
+            time.monotonic(),
+        )
+
+    def start(target: Any, name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, args=(name,))
+        thread.start()
+        return thread
+
+    scheduler = server.state.parts.scheduler
+    clients = [start(stream, "running stream"), start(whole, "running whole")]
+    _wait_for(lambda: len(scheduler.running) == 2)
+    clients += [start(stream, "queued stream"), start(whole, "queued whole")]
+    _wait_for(lambda: server.state.engine.num_queued() == 2)
+    began = time.monotonic()
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    _wait_for(lambda: server.state.draining)
+    late = httpx.post(url, json=_body(4, stream=False), timeout=10)
+    health = httpx.get(server.base_url + "/health", timeout=10)
+    for client in clients:
+        client.join(timeout=30)
+    stopper.join(timeout=30)
+
+    for refused in (late, health):
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "shutdown"
+    queued, answered_at = results["queued whole"]
+    assert queued.status_code == 503 and queued.json()["error"]["code"] == "shutdown"
+    assert answered_at - began < 1.5  # at once, not after the grace period
+    lines, _ = results["queued stream"]
+    assert json.loads(lines[-2])["error"]["code"] == "shutdown" and lines[-1] == "[DONE]"
+    lines, ended_at = results["running stream"]
+    assert ended_at - began > 2.5  # the running requests had the whole grace period
+    assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "abort"
+    assert lines[-1] == "[DONE]"
+    cut, _ = results["running whole"]
+    assert cut.status_code == 503
+    assert set(cut.json()["error"]) == {"message", "type", "param", "code"}
+    assert "shut down before this request finished" in cut.json()["error"]["message"]
+    assert server.state.exit_code == 0
+    _assert_clean(server)
 
 
-def test_failed_engine_ends_every_stream_with_a_server_error() -> None:
-    app = build_app(_BrokenBackend(), ServerSettings())
-    server = serve_in_thread(app)
+def test_streaming_and_whole_requests_share_the_waiting_queue_limit() -> None:
+    server = start_server(settings=ServerSettings(max_waiting=4), sim_speed=0.5, max_num_seqs=1)
+    url = server.base_url + "/v1/completions"
+
+    async def burst() -> tuple[list[httpx.Response], int, httpx.Response]:
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            requests = [
+                http.build_request("POST", url, json=_body(3000, stream=True)) for _ in range(40)
+            ]
+            responses = await asyncio.gather(*(http.send(r, stream=True) for r in requests))
+            peak = server.state.engine.num_queued()
+            whole = await http.post(url, json=_body(4, stream=False))
+            for response in responses:
+                await response.aclose()
+            return list(responses), peak, whole
+
     try:
-        response = server.client.post(
-            server.base_url + "/v1/completions", json=_body(4, stream=False)
-        )
-        assert response.status_code == 500
-        assert "device lost" in response.json()["error"]["message"]
-        health = server.client.get(server.base_url + "/health")
-        assert health.status_code == 503
-        rejected = server.client.post(
-            server.base_url + "/v1/completions", json=_body(4, stream=False)
-        )
-        assert rejected.status_code == 503
+        responses, peak, whole = asyncio.run(burst())
+        accepted = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code == 503]
+        assert peak <= 4
+        assert 1 <= len(accepted) <= 5  # one running plus at most four waiting
+        assert len(accepted) + len(refused) == 40
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert whole.status_code == 503 and whole.json()["error"]["code"] == "queue_full"
+        server.wait_idle()
+        _assert_clean(server)
     finally:
+        server.stop()
+
+
+def test_a_client_hanging_up_mid_upload_logs_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    server = start_server()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+                    b'{"model": "'
+                )
+                time.sleep(0.2)
+            _wait_for(lambda: any("disconnected" in r.getMessage() for r in caplog.records))
+            time.sleep(0.2)
+        logged = [*records, *caplog.records]
+        assert not [r for r in logged if r.exc_info or "Traceback" in r.getMessage()]
+        assert not [r for r in logged if r.levelno >= logging.ERROR]
+        server.wait_idle()
+        _assert_clean(server)
+    finally:
+        uvicorn_log.removeHandler(handler)
         server.stop()
 
 
@@ -205,3 +300,40 @@ def test_requests_preempted_for_lack_of_blocks_still_deliver_every_token() -> No
         _assert_clean(server)
     finally:
         server.stop()
+
+
+def test_sigint_drains_the_serve_process_and_exits_0() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
+    command += ["--port", str(port), "--sim-speed", "0.5", "--shutdown-timeout", "1"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(base_url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.1)
+        body = {**_body(3000, stream=True), "model": "qwen3-next-80b-a3b"}
+        with (
+            httpx.Client(timeout=30.0) as http,
+            http.stream("POST", base_url + "/v1/completions", json=body) as response,
+        ):
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            process.send_signal(signal.SIGINT)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
+        assert rest[-1] == "[DONE]"
+        assert process.wait(timeout=30) == 0
+        assert process.stderr is not None
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        process.kill()
+        process.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -17,6 +18,10 @@ CHAT_BASE: dict[str, Any] = {
     "messages": [{"role": "user", "content": "hello"}],
     "max_tokens": 4,
 }
+
+
+NESTED_980 = b"[" * 980 + b"]" * 980
+NESTED_500 = b"[" * 500 + b"]" * 500
 
 
 def without(body: dict[str, Any], key: str) -> dict[str, Any]:
@@ -69,7 +74,46 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
         400,
         "stream_options.include_usage",
     ),
+    ("echo-zero", COMPLETIONS, {**BASE, "echo": 0}, 400, "echo"),
+    ("max-tokens-bool", COMPLETIONS, {**BASE, "max_tokens": True}, 400, "max_tokens"),
+    ("seed-past-64-bits", COMPLETIONS, {**BASE, "seed": 2**63}, 400, "seed"),
+    (
+        "stream-options-without-stream",
+        COMPLETIONS,
+        {**BASE, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    (
+        "stream-options-with-stream-false",
+        COMPLETIONS,
+        {**BASE, "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("body-not-json", COMPLETIONS, b'{"model": ', 400, "body"),
+    (
+        "body-nested-980-deep",
+        COMPLETIONS,
+        b'{"model": "m", "user": ' + NESTED_980 + b"}",
+        400,
+        "body",
+    ),
+    ("body-nested-5000-deep", COMPLETIONS, b"[" * 5000 + b"]" * 5000, 400, "body"),
+    (
+        "prompt-nested-500-deep",
+        COMPLETIONS,
+        b'{"model": "m", "prompt": ' + NESTED_500 + b"}",
+        400,
+        "prompt",
+    ),
+    (
+        "body-int-4301-digits",
+        COMPLETIONS,
+        b'{"model": "m", "prompt": "hi", "max_tokens": 1' + b"0" * 4300 + b"}",
+        400,
+        "body",
+    ),
     ("body-json-array", COMPLETIONS, b"[1, 2]", 400, "body"),
     ("body-invalid-utf8", COMPLETIONS, b'{"model": "\xff\xfe", "prompt": "hi"}', 400, "body"),
     (
@@ -111,6 +155,21 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ),
     ("chat-max-tokens-past-context", CHAT, {**CHAT_BASE, "max_tokens": 5000}, 400, "max_tokens"),
     ("chat-tools", CHAT, {**CHAT_BASE, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat-logprobs-zero", CHAT, {**CHAT_BASE, "logprobs": 0}, 400, "logprobs"),
+    (
+        "chat-max-completion-past-context",
+        CHAT,
+        {**CHAT_BASE, "max_completion_tokens": 5000},
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "chat-lone-surrogate",
+        CHAT,
+        b'{"model": "%s", "messages": [{"role": "user", "content": "a\\udfff"}]}' % MODEL.encode(),
+        400,
+        "messages.0.content",
+    ),
     ("chat-unknown-model", CHAT, {**CHAT_BASE, "model": "other"}, 404, "model"),
 ]
 
@@ -156,3 +215,35 @@ def test_unknown_route_answers_an_openai_style_404(live_server: LiveServer) -> N
     response = live_server.client.get(live_server.base_url + "/v1/engines")
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "404"
+
+
+def test_integral_floats_are_accepted_as_token_counts(live_server: LiveServer) -> None:
+    completion = live_server.client.post(
+        live_server.base_url + COMPLETIONS, json={**BASE, "max_tokens": 1.0, "ignore_eos": True}
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 1
+    chat = live_server.client.post(
+        live_server.base_url + CHAT,
+        json={**without(CHAT_BASE, "max_tokens"), "max_completion_tokens": 2.0, "ignore_eos": True},
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_route_exception_answers_a_generic_500_and_logs_the_detail(
+    live_server: LiveServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(text: str) -> list[int]:
+        raise RuntimeError("secret detail /opt/models/private")
+
+    monkeypatch.setattr(live_server.state.tokenizer, "encode", broken)
+    with caplog.at_level(logging.ERROR, logger="hybridserve.server.app"):
+        response = live_server.client.post(live_server.base_url + COMPLETIONS, json=BASE)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "internal_error" and "secret" not in response.text
+    error_id = error["message"].split("error id ")[1].rstrip(")")
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
+    assert logged and "secret detail" in str(logged[0].exc_info[1] if logged[0].exc_info else "")

@@ -148,8 +148,10 @@ def keyed_server() -> Iterator[LiveServer]:
     server.stop()
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/metrics"])
-@pytest.mark.parametrize("header", [None, "Bearer wrong", "s3cret"])
+@pytest.mark.parametrize(
+    "path", ["/v1/models", "/metrics", "/openapi.json", "/docs", "/v1/engines"]
+)
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "s3cret", "Basic s3cret"])
 def test_api_key_is_required_on_every_endpoint_but_health(
     keyed_server: LiveServer, path: str, header: str | None
 ) -> None:

@@ -138,3 +138,76 @@ def test_torch_server_chat_uses_the_checkpoint_template(torch_server) -> None:  
     assert (reply.choices[0].message.content or "").split() == _reference_text(
         reference, tok, ids, 8
     ).split()
+
+
+def _post(server: LiveServer, path: str, body: dict[str, Any]) -> Any:
+    return server.client.post(server.base_url + path, json=body, timeout=60)
+
+
+def test_torch_server_samples_greedily_below_the_temperature_floor(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = torch_server
+    model = server.state.model_name
+    body = {"model": model, "prompt": "the cat sat on", "max_tokens": 6, "ignore_eos": True}
+    greedy = _post(server, "/v1/completions", {**body, "temperature": 0})
+    assert greedy.status_code == 200
+    for extra in ({"temperature": 1e-38}, {"temperature": 1.0, "top_p": 1e-300}):
+        response = _post(server, "/v1/completions", {**body, **extra})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    assert server.client.get(server.base_url + "/health").status_code == 200
+    server.wait_idle()
+    server.state.parts.cache.check_invariants()
+
+
+def test_torch_chat_with_a_lone_surrogate_is_a_400_naming_the_field(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = torch_server
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "a\\udfff"}]}' % (
+        server.state.model_name.encode()
+    )
+    response = server.client.post(
+        server.base_url + "/v1/chat/completions",
+        content=raw,
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages.0.content"
+
+
+def test_torch_unseeded_samples_differ_and_seeded_ones_repeat(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = torch_server
+    body = {
+        "model": server.state.model_name,
+        "prompt": "the dog",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
+    unseeded = {
+        _post(server, "/v1/completions", body).json()["choices"][0]["text"] for _ in range(3)
+    }
+    assert len(unseeded) > 1
+    seeded = [
+        _post(server, "/v1/completions", {**body, "seed": 2**62 + 3}).json()["choices"][0]["text"]
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+    other = _post(server, "/v1/completions", {**body, "seed": 3}).json()["choices"][0]["text"]
+    assert other != seeded[0]  # congruent mod 2^62, yet a different seed
+
+
+def test_torch_stop_string_spanning_tokens_cuts_the_streamed_text(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = torch_server
+    body = {
+        "model": server.state.model_name,
+        "prompt": "the cat",
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    full = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    words = full.split()
+    assert len(words) >= 4
+    stop = words[1][-1:] + " " + words[2][:2]  # the end of one word, a space, the next
+    cut = _post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(stop)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridserve.core.request import SamplingParams
-from hybridserve.executor.torch.sampler import probabilities
+from hybridserve.executor.torch.sampler import position_seed, probabilities, verify
 from tests.reference.helpers import hybrid_generate, make_checkpoint
 
 
@@ -64,6 +64,38 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens() -> None:
     assert (top_k[2:] == 0).all() and top_k[:2].sum().item() == pytest.approx(1.0)
     top_p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert top_p[0].item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-38, 1e-30, 1e-6, 1e-5, 0.7, 2.0])
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-38, 0.5, 1.0])
+def test_every_accepted_setting_samples_a_token_in_the_vocabulary(
+    temperature: float, top_p: float
+) -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 30
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=5, seed=1)
+    emitted = verify(logits, [4, 9], params, first_position=7)
+    assert 1 <= len(emitted) <= 3 and all(0 <= t < 50 for t in emitted)
+
+
+def test_tiny_temperature_and_top_p_pick_the_top_token() -> None:
+    logits = torch.tensor([[0.5, 3.0, 2.9, -1.0]])
+    for params in (SamplingParams(temperature=1e-38), SamplingParams(temperature=1, top_p=1e-300)):
+        assert verify(logits, [], params, first_position=0) == (1,)
+
+
+def test_seeds_congruent_mod_2_to_the_62_sample_differently() -> None:
+    assert position_seed(5, 10) != position_seed(5 + 2**62, 10)
+    logits = torch.zeros(1, 1000)  # uniform: equal draws would mean equal generator states
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (5, 5 + 2**62, 5 - 2**62)]
+    drawn = [[verify(logits, [], p, first_position=i)[0] for i in range(8)] for p in params]
+    assert len({tuple(d) for d in drawn}) == 3
+
+
+def test_position_seed_is_one_to_one_in_the_seed_at_each_position() -> None:
+    seeds = {*range(-500, 500), *(2**63 - 1 - i for i in range(500))}
+    seeds |= {k << 40 for k in range(500)}
+    for position in (0, 1, 4095):
+        assert len({position_seed(s, position) for s in seeds}) == len(seeds)
 
 
 def test_importing_the_executor_package_and_cli_leaves_torch_out() -> None:

@@ -10,7 +10,14 @@ import pytest
 from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError, IllegalTransition, RequestError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
-from hybridserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from hybridserve.core.request import (
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
 from hybridserve.kvcache.spec import ChunkedLocalSpec, SlidingWindowSpec
 
@@ -154,12 +161,32 @@ def test_retention_policy_parse_errors_name_the_choices() -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"max_tokens": True}, "max_tokens"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(RequestError) as info:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+def test_sampling_params_accept_every_64_bit_seed() -> None:
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 9.9e-6])
+def test_temperature_below_the_floor_samples_greedily(temperature: float) -> None:
+    params = SamplingParams(temperature=temperature, top_p=0.5).numerically_safe()
+    assert params.temperature == 0.0
+    assert SamplingParams(temperature=MIN_TEMPERATURE).numerically_safe().temperature > 0
+
+
+def test_top_p_below_float32_range_is_raised_to_the_floor() -> None:
+    params = SamplingParams(temperature=1.0, top_p=1e-300).numerically_safe()
+    assert params.top_p == MIN_TOP_P > 0
+    assert SamplingParams(temperature=1.0, top_p=0.3).numerically_safe().top_p == 0.3
 
 
 def test_request_without_prompt_is_rejected() -> None:

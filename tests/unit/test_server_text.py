@@ -13,7 +13,7 @@ from hybridserve.cli.serve_commands import scheduler_settings
 from hybridserve.core.config import SchedulingPolicy
 from hybridserve.core.errors import ConfigError
 from hybridserve.server.generation import StopMatcher
-from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer, ChatMessage
+from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer, ChatMessage, OffsetDecoder
 
 
 def test_byte_decoder_holds_a_split_multibyte_character_until_complete() -> None:
@@ -117,3 +117,27 @@ def test_deliveries_waiting_behind_the_first_are_sent_as_one_up_to_the_last() ->
     assert queue.qsize() == 1  # nothing after the finishing delivery is taken
     alone = Delivery((5,), False)
     assert _coalesce(alone, asyncio.Queue()) is alone
+
+
+def test_offset_decoder_releases_what_each_token_adds_in_context() -> None:
+    words = ["the", "cat", "sat", "\ufffd"]
+    decoded: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return " ".join(words[i] for i in ids)
+
+    decoder = OffsetDecoder(decode)
+    assert decoder.push([0]) == "the"
+    assert decoder.push([1]) == " cat"  # the join sees its left neighbour
+    assert decoder.push([3]) == ""  # ends in U+FFFD: held back
+    assert decoder.push([2]) == " \ufffd sat"
+    assert decoder.push([]) == ""
+    assert decoder.flush() == ""
+    assert max(decoded) <= 3  # a window, never the whole output
+
+
+def test_offset_decoder_flushes_an_incomplete_character_at_the_end() -> None:
+    decoder = OffsetDecoder(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    assert decoder.push([0x61, 0xE2, 0x82]) == ""
+    assert decoder.flush() == "a\ufffd"

@@ -1,7 +1,9 @@
 """Sampling and draft verification: greedy, or temperature/top-k/top-p with per-request seeds.
 
 Random numbers are drawn from a generator seeded by (request seed, token position), so a
-request's output does not depend on its batch, on preemption, or on speculation.
+request's output does not depend on its batch, on preemption, or on speculation. At each
+position distinct seeds give distinct generator seeds. Settings go through
+`SamplingParams.numerically_safe` first (temperatures below 1e-5 are greedy).
 """
 
 from __future__ import annotations
@@ -15,10 +17,26 @@ from hybridserve.core.request import SamplingParams
 _GREEDY = SamplingParams()
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit integers that scatters nearby inputs."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at `position`: for a fixed position, one-to-one in
+    the 64-bit request seed (XOR with a constant, then a bijection)."""
+    return _mix64((seed & _MASK64) ^ _mix64(position & _MASK64))
+
+
 def _generator(params: SamplingParams, position: int, default_seed: int) -> torch.Generator:
     seed = params.seed if params.seed is not None else default_seed
     gen = torch.Generator()
-    gen.manual_seed((seed * 1_000_003 + position * 7_919) % (1 << 62))
+    gen.manual_seed(position_seed(seed, position))
     return gen
 
 
@@ -53,7 +71,7 @@ def verify(
     sampling accepts draft d with probability p(d) and on rejection samples from p without d
     (speculative sampling with a one-hot draft distribution).
     """
-    params = params or _GREEDY
+    params = (params or _GREEDY).numerically_safe()
     if params.temperature == 0.0:
         targets = torch.argmax(logits, dim=-1).tolist()
         out = []
