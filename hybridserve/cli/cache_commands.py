@@ -26,8 +26,8 @@ def cache_replay(
     trace: Annotated[
         Path | None,
         typer.Option(
-            help="Mooncake JSONL trace; default: the conversation trace in "
-            "../shared/data/traces, else a built-in synthetic agent trace."
+            help="Mooncake JSONL trace; default: the conversation trace in data/traces "
+            "(or $HYBRIDSERVE_DATA/traces), else a built-in synthetic agent trace."
         ),
     ] = None,
     model: Annotated[

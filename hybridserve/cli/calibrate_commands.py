@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail
+from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -237,6 +237,7 @@ def calibrate_cmd(
     `hybridserve simulate --calibration FILE`."""
     from hybridserve.sim.calibration_fit import QUICK_GRID, Grid
 
+    need_extra("models", *MODELS_EXTRA, what="hybridserve calibrate")
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),

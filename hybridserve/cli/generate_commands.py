@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from hybridserve.cli.app import app, err, fail
+from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
 from hybridserve.cli.builtin_models import GEMMA_TERMS_NOTICE, gemma_terms_path, resolve_model
 from hybridserve.cli.torch_runtime import (
     blocks_for,
@@ -96,6 +96,7 @@ def generate(
     ] = 3600.0,
 ) -> None:
     """Generate continuations for a file of prompts (greedy unless sampling flags are given)."""
+    need_extra("models", *MODELS_EXTRA, what="hybridserve generate")
     if (prompts is None) == (token_ids is None):
         raise fail("give exactly one of --prompts FILE or --token-ids FILE")
     if dcp < 1 or dcp_interleave < 1:

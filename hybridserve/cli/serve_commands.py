@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import app, fail
+from hybridserve.cli.app import MODELS_EXTRA, app, fail, install_hint, need_extra
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
 from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
 from hybridserve.core.errors import ConfigError, HybridServeError
@@ -78,14 +78,15 @@ def _torch_backend(
 ) -> ServingBackend:
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
         raise fail(f"--model {model!r}: use {' or '.join(TORCH_MODEL_ALIASES)} or a local path")
+    need_extra("models", *MODELS_EXTRA, what="serve --executor torch")
     try:
         importlib.import_module("hybridserve.executor.torch")
         module = importlib.import_module("hybridserve.cli.torch_serving")
     except ImportError as exc:
         raise fail(
             f"--executor torch needs the hybridserve.executor.torch package, which cannot be "
-            f"imported here ({exc}). Install a build that includes it with its `torch` extra, "
-            "or serve synthetic tokens with --executor sim --model-profile NAME."
+            f"imported here ({exc}). Install a build that includes it with its models extra "
+            f"({install_hint('models')}), or serve synthetic tokens with --executor sim."
         ) from None
     factory = getattr(module, "serving_backend", None)
     if factory is None:
@@ -182,6 +183,9 @@ def serve_cmd(
     ] = 1,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
+    need_extra(
+        "server", "uvicorn", "fastapi", "pydantic", "prometheus_client", what="hybridserve serve"
+    )
     import uvicorn
 
     from hybridserve.server.app import ServerSettings

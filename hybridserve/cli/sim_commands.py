@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail
+from hybridserve.cli.app import app, err, fail, install_hint
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -114,7 +114,9 @@ def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRu
     path = folder / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     if not plots_available():
-        err.print("plots skipped: matplotlib is not installed (pip install 'hybridserve[sim]')")
+        err.print(
+            f"plots skipped: matplotlib is not installed ({install_hint('sim')})", markup=False
+        )
         return [path]
     return [path, *write_plots(folder, runs)]
 

@@ -8,6 +8,7 @@ job goodput among those that meet the SLO (if none does, the lowest p99 ITL).
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -101,10 +102,32 @@ def _ray_map(configs: list[SimConfig], address: str) -> list[Trial]:
     if not ray_mod.is_initialized():
         if address == "connected":
             raise ConfigError("ray", address, "call ray.init() first, or give an address")
-        ray_mod.init(address=None if address == "local" else address, log_to_driver=False)
+        _ray_connect(ray_mod, address)
     task = ray_mod.remote(_run_trial)
     results: list[Trial] = ray_mod.get([task.remote(c) for c in configs])
     return results
+
+
+def _ray_connect(ray_mod: Any, address: str) -> None:
+    """ray.init, with Ray's failures to find or reach a cluster turned into ConfigErrors."""
+    if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
+        raise ConfigError(
+            "ray_address (--ray)",
+            address,
+            "ray:// addresses need Ray Client (ray[client]), which the ray extra includes: "
+            "pip install 'hybridserve[ray]'",
+        )
+    try:
+        ray_mod.init(address=None if address == "local" else address, log_to_driver=False)
+    except ConnectionError as exc:
+        raise ConfigError(
+            "ray_address (--ray)",
+            address,
+            f"no Ray cluster answered ({exc}); start one with `ray start --head`, give "
+            "ray://HOST:10001, use --ray local for an in-process cluster, or drop --ray",
+        ) from None
+    except ValueError as exc:  # Ray's own complaint about the address or a missing package
+        raise ConfigError("ray_address (--ray)", address, str(exc)) from None
 
 
 def best(results: list[Trial], *, itl_slo_ms: float) -> Trial:
