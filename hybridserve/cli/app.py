@@ -8,15 +8,26 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 app = typer.Typer(
     help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help text is plain: option lists such as `[scheduler]` or `[default: ...]` are shown as
+    # written, never read as rich markup.
+    rich_markup_mode=None,
 )
-err = Console(stderr=True)
+# Every console of the command line prints plain text (markup off): user values, paths and
+# messages keep their square brackets. Colour is given with Text styles instead.
+err = Console(stderr=True, markup=False)
+
+
+def out_console() -> Console:
+    """A console on stdout that prints plain text (no rich markup)."""
+    return Console(markup=False)
+
 
 DEFAULT_TRACE_NAME = "conversation_trace.jsonl"
 
@@ -50,7 +61,7 @@ def root(
 def fail(message: str) -> typer.Exit:
     """Print `error: MESSAGE` on stderr (the message is plain text: brackets survive) and
     return the exit to raise (code 2)."""
-    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
+    err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True, highlight=False)
     return typer.Exit(code=2)
 
 

@@ -7,11 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
+from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra, out_console
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -239,7 +238,7 @@ def calibrate_cmd(
 
     need_extra("models", *MODELS_EXTRA, what="hybridserve calibrate")
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         TextColumn("{task.completed:.0f} / {task.total:.0f}"),
         TimeElapsedColumn(),
@@ -267,7 +266,7 @@ def calibrate_cmd(
         raise fail(str(exc)) from None
     path = out if out is not None else Path("runs") / "calibration" / f"{gpu_name}.json"
     profile.save(path)
-    console = Console()
+    console = out_console()
     for table in _summary_tables(profile):
         console.print(table)
     console.print(f"profile: {path}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from hybridserve.cli.app import MODELS_EXTRA, app, fail, install_hint, need_extra
+from hybridserve.cli.choices import MODEL_HELP, SPEC_HELP
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
 from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
 from hybridserve.core.errors import ConfigError, HybridServeError
@@ -108,7 +109,7 @@ def _torch_backend(
 def serve_cmd(
     executor: Annotated[str, typer.Option(help="sim (synthetic tokens) or torch.")] = "sim",
     model_profile: Annotated[
-        str, typer.Option(help="Sim: the model profile (see `simulate --model`).")
+        str, typer.Option(help=f"Sim: the model. {MODEL_HELP}")
     ] = "qwen3-next-80b-a3b",
     model: Annotated[
         str, typer.Option(help="Torch: smollm2, gemma3-270m or a local checkpoint path.")
@@ -119,7 +120,7 @@ def serve_cmd(
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
-    spec: Annotated[str, typer.Option(help="Sim: speculative method (none, mtp, ...).")] = "none",
+    spec: Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")] = "none",
     seed: SeedOption = 0,
     sim_speed: Annotated[
         float, typer.Option(help="Sim: wall time of a step = modelled time / this (1 = real).")

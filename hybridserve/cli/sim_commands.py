@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail, install_hint
+from hybridserve.cli.app import app, err, fail, install_hint, out_console
+from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, SPEC_HELP
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> SimRun:
     if quiet:
         return run_simulation(config, cpu_clock=clock)
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         TextColumn("{task.completed:.0f} / {task.total:.0f} simulated s"),
         TimeElapsedColumn(),
@@ -106,6 +106,64 @@ def _device_options(
     }
 
 
+def shown_keys(workload: str) -> tuple[str, ...]:
+    """The table's metrics: job goodput only where there are jobs (the agents workload); a
+    trace or benchmark workload leads with requests and throughput instead."""
+    if workload.partition(":")[0] == "agents":
+        return REPORT_KEYS
+    jobless = tuple(k for k in REPORT_KEYS if not k.startswith("job"))
+    return (
+        "requests_completed",
+        "output_tokens_per_s",
+        *(k for k in jobless if k != "output_tokens_per_s"),
+    )
+
+
+def _default_warmup(workload: str) -> float:
+    """0 for a workload that runs out of requests (it may end before 300 s), else 300."""
+    from hybridserve.sim.run import finite_workload
+
+    return 0.0 if finite_workload(workload) else 300.0
+
+
+def _warn_about_run(run: SimRun) -> None:
+    """Say on stderr what the numbers alone hide: rejected requests and a queue that never
+    drains."""
+    if run.rejected:
+        shown = ", ".join(
+            f"{rid} (request {int(rid[1:]) + 1} of the trace, {length:,} tokens)"
+            if rid[1:].isdigit()
+            else f"{rid} ({length:,} tokens)"
+            for rid, length, _ in run.rejected[:3]
+        )
+        more = f" and {len(run.rejected) - 3} more" if len(run.rejected) > 3 else ""
+        err.print(
+            f"warning: {len(run.rejected)} requests were rejected, not run: {shown}{more}; "
+            f"{run.rejected[0][2]}. Raise --max-model-len to keep them.",
+            soft_wrap=True,
+        )
+    s = run.summary
+    if s.get("never_drains"):
+        err.print(
+            f"warning: the run never drains: the waiting queue grew through the window (mean "
+            f"{s['waiting_first_quarter']:.0f} requests in its first quarter, "
+            f"{s['waiting_last_quarter']:.0f} in its last), so arrivals outpace this "
+            "configuration and latencies keep growing with the run's length instead of settling. "
+            "Lower the "
+            "load (--time-scale above 1, fewer --agents) or compare another --preset.",
+            soft_wrap=True,
+        )
+
+
+def _simulated_model(config: SimConfig) -> tuple[str, str]:
+    """(the model's name, the speculative method) that `config` simulates: the profile parsed
+    from --model-config when given, and the resolved --spec (auto: from the model)."""
+    from hybridserve.sim.run import model_profile, speculative_method
+
+    profile = model_profile(config)
+    return profile.name, speculative_method(config.spec, profile)
+
+
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
     """report.json plus the PNG plots (skipped, with a note, when matplotlib is absent)."""
     from hybridserve.cli.plots import plots_available, write_plots
@@ -126,20 +184,22 @@ def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
     return {k: None if math.isnan(v) else round(v, 4) for k, v in summary.items()}
 
 
-SimOption = Annotated[str, typer.Option(help="Model profile.")]
-GpuOption = Annotated[str, typer.Option(help="GPU: A100-80G, H100-SXM, H200, B200, MI300X.")]
+SimOption = Annotated[str, typer.Option(help=MODEL_HELP)]
+GpuOption = Annotated[str, typer.Option(help=GPU_HELP)]
 DtypeOption = Annotated[str, typer.Option(help="Weight dtype: bf16, fp8, fp4.")]
 SimGpuOption = Annotated[
     str | None,
-    typer.Option(
-        help="GPU: A100-80G, H100-SXM, H200, B200, MI300X [default: H200, or the calibration's]."
-    ),
+    typer.Option(help=f"{GPU_HELP[:-1]} [default: H200, or the calibration's]."),
 ]
 SimDtypeOption = Annotated[
     str | None,
     typer.Option(help="Weight dtype: bf16, fp8, fp4, fp32 [default: fp8, or the calibration's]."),
 ]
 TpOption = Annotated[int, typer.Option(help="Tensor-parallel width.")]
+SpecOption = Annotated[
+    str,
+    typer.Option(help=f"{SPEC_HELP} auto: mtp when the model has MTP layers, else none."),
+]
 AgentsOption = Annotated[int, typer.Option(help="Agents running jobs back to back.")]
 DurationOption = Annotated[float, typer.Option(help="Simulated seconds (per run).")]
 WarmupOption = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
@@ -189,8 +249,14 @@ def simulate_cmd(
     ] = "hybridserve",
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
-    warmup: WarmupOption = 300.0,
-    spec: Annotated[str, typer.Option(help="Speculative method.")] = "mtp",
+    warmup: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds excluded from the metrics [default: 300, or 0 for a workload with a "
+            "fixed number of requests: a trace, poisson, fixed with requests=N]."
+        ),
+    ] = None,
+    spec: SpecOption = "auto",
     workload: Annotated[
         str,
         typer.Option(
@@ -201,6 +267,13 @@ def simulate_cmd(
     ] = "agents",
     time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
     limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Context limit in tokens; longer trace requests are rejected and counted "
+            "[default: 131073, the agents' context limit + 1]."
+        ),
+    ] = None,
     config_file: ConfigOption = None,
     include_scheduler_cpu: CpuOption = False,
     model_config: ModelConfigOption = None,
@@ -220,12 +293,13 @@ def simulate_cmd(
             preset=preset,
             num_agents=agents,
             duration_s=duration,
-            warmup_s=warmup,
+            warmup_s=_default_warmup(workload) if warmup is None else warmup,
             spec=spec,
             seed=seed,
             workload=workload,
             time_scale=time_scale,
             limit=limit,
+            max_model_len=max_model_len,
             include_scheduler_cpu=include_scheduler_cpu,
             **_model_options(model_config),
             **_device_options(gpu, dtype, kv_dtype, calibration),
@@ -235,19 +309,25 @@ def simulate_cmd(
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     summary = run.summary
+    _warn_about_run(run)
+    name, method = _simulated_model(config)
     if out is not None:
-        _write_report(out, {preset: _metrics_json(summary)}, {preset: run})
+        setup = {"model": name, "spec": method, "gpu": config.gpu, "workload": workload}
+        _write_report(out, {preset: _metrics_json(summary), "setup": setup}, {preset: run})
     if as_json:
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
-    shown = model_config or model
     where = f"{config.gpu} (tp={tp}, {config.dtype})"
-    table = Table(title=f"simulate: {shown} on {where}, preset={preset}")
+    console = out_console()
+    console.print(f"simulate: {name} (spec {method}) on {where}, preset={preset}")
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in REPORT_KEYS:
+    for key in shown_keys(workload):
         table.add_row(key, f"{summary[key]:,.3f}")
-    Console().print(table)
+    if summary["requests_rejected"]:
+        table.add_row("requests_rejected", f"{summary['requests_rejected']:,.0f}")
+    console.print(table)
 
 
 @app.command("bench")
@@ -256,6 +336,7 @@ def bench_cmd(
     gpu: SimGpuOption = None,
     tp: TpOption = 1,
     dtype: SimDtypeOption = None,
+    spec: SpecOption = "auto",
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
     warmup: WarmupOption = 300.0,
@@ -281,6 +362,7 @@ def bench_cmd(
         config = _sim_config(
             model=model,
             tp=tp,
+            spec=spec,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
@@ -288,6 +370,7 @@ def bench_cmd(
             **_model_options(model_config),
             **_device_options(gpu, dtype, kv_dtype, calibration),
         )
+        simulated = _simulated_model(config)
         for preset in presets:
             # A --config file shapes the hybridserve side only: the baseline stays vLLM.
             extra = _file_options(config_file) if preset != "baseline" else {}
@@ -304,7 +387,8 @@ def bench_cmd(
         "ratios": ratios,
         **{preset: _metrics_json(results[preset]) for preset in presets[2:]},
         "setup": {
-            "model": model,
+            "model": simulated[0],
+            "spec": simulated[1],
             "gpu": config.gpu,
             "tp": tp,
             "dtype": config.dtype,
@@ -322,8 +406,8 @@ def bench_cmd(
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
-    where = f"{config.gpu} (tp={tp}, {config.dtype})"
-    table = Table(title=f"E1: {agents} agents, {model} on simulated {where}")
+    where = f"simulated {config.gpu} (tp={tp}, {config.dtype})"
+    table = Table(title=f"E1: {agents} agents, {simulated[0]} (spec {simulated[1]}) on {where}")
     for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio", *presets[2:]):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for key in REPORT_KEYS:
@@ -336,7 +420,7 @@ def bench_cmd(
             "-" if ratio is None else f"{ratio:.2f}x",
             *cells,
         )
-    console = Console()
+    console = out_console()
     console.print(table)
     console.print("files: " + ", ".join(str(f) for f in files))
 
@@ -358,6 +442,7 @@ def sweep_cmd(
     gpu: SimGpuOption = None,
     tp: TpOption = 1,
     dtype: SimDtypeOption = None,
+    spec: SpecOption = "auto",
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     agents: AgentsOption = 20,
@@ -376,6 +461,7 @@ def sweep_cmd(
         config = _sim_config(
             model=model,
             tp=tp,
+            spec=spec,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
@@ -411,6 +497,6 @@ def sweep_cmd(
             f"{m['ttft_p50_ms']:.0f}",
             "yes" if trial.meets(itl_slo_ms) else "no",
         )
-    console = Console()
+    console = out_console()
     console.print(table)
     console.print(f"best under the SLO: {dict(winner.controls) or 'all off'}")
