@@ -10,6 +10,8 @@ import typer
 
 from hybridserve.cli.app import app, fail, need_extra
 
+DEMO_INTERLEAVES = (1, 2, 4)
+
 
 @app.command("dcp-demo")
 def dcp_demo(
@@ -22,6 +24,11 @@ def dcp_demo(
     """Greedy decode with the KV sharded over N ranks; checks the tokens equal the unsharded run."""
     # CPU torch wheels without numpy warn about it on import; it does not matter here.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    if interleave not in DEMO_INTERLEAVES:
+        raise fail(
+            f"--interleave={interleave} is invalid: use 1, 2 or 4 (tokens per rank in a row "
+            "must divide the demo's block size)"
+        )
     need_extra("torch", "torch", what="hybridserve dcp-demo")
     from hybridserve.parallel.demo import run_demo
 

@@ -167,8 +167,26 @@ def serve_cmd(
     ] = None,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 1 << 20,
     max_waiting: Annotated[
-        int, typer.Option(help="Queued requests before answering 503 + Retry-After.")
+        int,
+        typer.Option(
+            help="Requests waiting for admission (1 or more) beyond which new ones get 503 + "
+            "Retry-After."
+        ),
     ] = 1024,
+    default_max_tokens: Annotated[
+        int,
+        typer.Option(
+            help="max_tokens of a chat request that sets none (at most the room under "
+            "--max-model-len); completions default to 16, as in OpenAI's API."
+        ),
+    ] = 2048,
+    sim_eos_probability: Annotated[
+        float,
+        typer.Option(
+            help="Sim: probability that each generated token is <eos> (answers of mean length "
+            "1/P; 0 = only max_tokens or a stop ends them)."
+        ),
+    ] = 1 / 256,
     shutdown_timeout: Annotated[
         float, typer.Option(help="Seconds in-flight requests get to finish on shutdown.")
     ] = 30.0,
@@ -195,6 +213,7 @@ def serve_cmd(
         raise fail(f"--executor {executor!r}: use sim or torch")
     if dcp != 1 and executor != "torch":
         raise fail(f"--dcp={dcp}: decode context parallel runs with --executor torch")
+    _check_serve_flags(port=port, max_waiting=max_waiting, default_max_tokens=default_max_tokens)
     overrides = {
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
@@ -209,7 +228,10 @@ def serve_cmd(
         "target_mixed_step_ms": target_mixed_step_ms,
     }
     settings = ServerSettings(
-        api_key=api_key, max_request_bytes=max_request_bytes, max_waiting=max_waiting
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        max_waiting=max_waiting,
+        default_max_tokens=default_max_tokens,
     )
     try:
         if executor == "torch":
@@ -232,6 +254,7 @@ def serve_cmd(
                 seed=seed,
                 sim_speed=sim_speed,
                 max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
+                eos_probability=sim_eos_probability,
             )
         server_app = build_app(
             backend,
@@ -251,6 +274,19 @@ def serve_cmd(
         log_level="warning",
         timeout_graceful_shutdown=int(shutdown_timeout),
     )
+
+
+def _check_serve_flags(*, port: int, max_waiting: int, default_max_tokens: int) -> None:
+    """Refuse, before anything starts, the values the server could only fail on later."""
+    if not 1 <= port <= 65535:
+        raise fail(f"--port={port} is invalid: use a TCP port in 1-65535 (e.g. 8000)")
+    if max_waiting < 1:
+        raise fail(
+            f"--max-waiting={max_waiting} is invalid: it is how many requests may wait for "
+            "admission before new ones get 503; use 1 or more (default 1024)"
+        )
+    if default_max_tokens < 1:
+        raise fail(f"--default-max-tokens={default_max_tokens} is invalid: use 1 or more")
 
 
 def build_app(

@@ -20,6 +20,7 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
     from hybridserve.sim.run import SimConfig, SimRun
+    from hybridserve.sim.sweep import Trial
 
 REPORT_KEYS = (
     "job_goodput_per_hour",
@@ -104,6 +105,53 @@ def _device_options(
         "dtype": dtype or profile.dtype,
         "kv_dtype": kv_dtype or profile.kv_dtype,
     }
+
+
+def run_label(preset: str, config_file: Path | None) -> str:
+    """What a run is called in tables, plots and report.json: its preset, and the --config file
+    that changed it (a modified baseline is not the baseline)."""
+    return preset if config_file is None else f"{preset} + {config_file.name}"
+
+
+def interrupted(what: str) -> typer.Exit:
+    """Ctrl-C: say what happened to the work, and exit 130 (128 + SIGINT), as shells expect."""
+    err.print(f"interrupted: {what}", soft_wrap=True)
+    return typer.Exit(code=130)
+
+
+def bench_folder(name: str | None, now: float | None = None) -> Path:
+    """runs/NAME, or a new runs/e1-YYYYmmdd-HHMMSS (never an earlier run's folder)."""
+    if name is not None:
+        return Path("runs") / name
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    folder, n = Path("runs") / f"e1-{stamp}", 1
+    while folder.exists():
+        n += 1
+        folder = Path("runs") / f"e1-{stamp}-{n}"
+    return folder
+
+
+def _bench_interrupted(runs: dict[str, SimRun], labels: dict[str, str], folder: Path) -> typer.Exit:
+    """Ctrl-C during bench: write the runs that finished (no ratios) and say where."""
+    if not runs:
+        return interrupted("no run had finished; nothing was written")
+    report: dict[str, object] = {p: _metrics_json(r.summary) for p, r in runs.items()}
+    report["interrupted"] = True
+    files = _write_report(folder, report, {labels[p]: r for p, r in runs.items()})
+    done = ", ".join(runs)
+    return interrupted(f"finished runs ({done}) were written to {files[0]}")
+
+
+def _sweep_interrupted(finished: list[Trial], total: int, itl_slo_ms: float) -> typer.Exit:
+    """Ctrl-C during sweep: write the finished trials to a new file and say where."""
+    if not finished:
+        return interrupted(f"none of the {total} trials had finished; nothing was written")
+    path = Path("runs") / f"sweep-interrupted-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"controls": dict(t.controls), **_metrics_json(t.metrics)} for t in finished]
+    payload = {"itl_slo_ms": itl_slo_ms, "interrupted": True, "trials": rows}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return interrupted(f"{len(finished)} of {total} trials had finished; written to {path}")
 
 
 def shown_keys(workload: str) -> tuple[str, ...]:
@@ -221,7 +269,8 @@ ModelConfigOption = Annotated[
 KvDtypeOption = Annotated[
     str | None,
     typer.Option(
-        help="KV cache / recurrent state dtype: bf16, fp8 [default: bf16, or the calibration's]."
+        help="KV cache / recurrent state dtype: bf16, fp16, fp8, fp32 [default: bf16, or the "
+        "calibration's]."
     ),
 ]
 CalibrationOption = Annotated[
@@ -305,21 +354,24 @@ def simulate_cmd(
             **_device_options(gpu, dtype, kv_dtype, calibration),
             **_file_options(config_file),
         )
-        run = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
+        label = run_label(preset, config_file)
+        run = _run_sim(config, label=f"simulate ({label})", quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise interrupted("the run did not finish; nothing was written") from None
     summary = run.summary
     _warn_about_run(run)
     name, method = _simulated_model(config)
     if out is not None:
         setup = {"model": name, "spec": method, "gpu": config.gpu, "workload": workload}
-        _write_report(out, {preset: _metrics_json(summary), "setup": setup}, {preset: run})
+        _write_report(out, {label: _metrics_json(summary), "setup": setup}, {label: run})
     if as_json:
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
     where = f"{config.gpu} (tp={tp}, {config.dtype})"
     console = out_console()
-    console.print(f"simulate: {name} (spec {method}) on {where}, preset={preset}")
+    console.print(f"simulate: {name} (spec {method}) on {where}, {label}")
     table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -345,7 +397,12 @@ def bench_cmd(
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     calibration: CalibrationOption = None,
-    name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Run name: files go under runs/NAME/ [default: a new runs/e1-DATE-TIME/]."
+        ),
+    ] = None,
     ablations: Annotated[
         bool, typer.Option(help="Also run controls-only and retention-only.")
     ] = False,
@@ -358,6 +415,9 @@ def bench_cmd(
         presets += ["controls-only", "retention-only"]
     from hybridserve.sim.run import with_preset
 
+    # A --config file shapes the hybridserve side only: the baseline stays vLLM.
+    labels = {p: p if p == "baseline" else run_label(p, config_file) for p in presets}
+    folder = bench_folder(name)
     try:
         config = _sim_config(
             model=model,
@@ -372,12 +432,13 @@ def bench_cmd(
         )
         simulated = _simulated_model(config)
         for preset in presets:
-            # A --config file shapes the hybridserve side only: the baseline stays vLLM.
             extra = _file_options(config_file) if preset != "baseline" else {}
             chosen = replace(with_preset(config, preset), **extra)
-            runs[preset] = _run_sim(chosen, label=preset, quiet=as_json)
+            runs[preset] = _run_sim(chosen, label=labels[preset], quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise _bench_interrupted(runs, labels, folder) from None
     results = {preset: run.summary for preset, run in runs.items()}
     base, ours = results["baseline"], results["hybridserve"]
     ratios = {k: round(ours[k] / base[k], 4) if base[k] else None for k in REPORT_KEYS}
@@ -399,16 +460,18 @@ def bench_cmd(
             "duration_s": duration,
             "warmup_s": warmup,
             "seed": seed,
+            "config": None if config_file is None else str(config_file),
+            "labels": labels,
         },
     }
-    folder = Path("runs") / name
-    files = _write_report(folder, report, runs)
+    files = _write_report(folder, report, {labels[p]: run for p, run in runs.items()})
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
     where = f"simulated {config.gpu} (tp={tp}, {config.dtype})"
     table = Table(title=f"E1: {agents} agents, {simulated[0]} (spec {simulated[1]}) on {where}")
-    for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio", *presets[2:]):
+    headers = ("metric", "baseline (vLLM)", labels["hybridserve"], "ratio")
+    for column in (*headers, *(labels[p] for p in presets[2:])):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for key in REPORT_KEYS:
         ratio = ratios[key]
@@ -457,6 +520,7 @@ def sweep_cmd(
 
     if trials < 1 or workers < 1:
         raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
+    finished: list[Trial] = []
     try:
         config = _sim_config(
             model=model,
@@ -471,10 +535,18 @@ def sweep_cmd(
         )
         quantum = state_quantum(model_profile(config))
         results = sweep(
-            config, trials=trials, quantum=quantum, workers=workers, seed=seed, ray_address=ray
+            config,
+            trials=trials,
+            quantum=quantum,
+            workers=workers,
+            seed=seed,
+            ray_address=ray,
+            on_trial=finished.append,
         )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise _sweep_interrupted(finished, trials + 1, itl_slo_ms) from None
     winner = best(results, itl_slo_ms=itl_slo_ms)
     rows = [
         {"controls": dict(t.controls), **_metrics_json(t.metrics), "meets_slo": t.meets(itl_slo_ms)}

@@ -47,6 +47,8 @@ class ServerSettings:
     max_waiting: int = 1024  # accepted-but-unadmitted requests before answering 503
     retry_after_s: int = 1
     debug_checks: bool = False  # check the cache's invariants after every step
+    # max_tokens of a chat request that gives none (bounded by the room under max_model_len).
+    default_max_tokens: int = 2048
 
 
 class ServerState:
@@ -255,7 +257,7 @@ def _make_request(
             param=prompt_field,
         )
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = min(room, state.settings.default_max_tokens)
     elif max_tokens > room:
         raise ApiError(
             400,

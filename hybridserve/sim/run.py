@@ -166,6 +166,50 @@ def state_quantum(model: str | ModelProfile) -> int:
 
 
 AUTO_SPEC = "auto"
+# KV cache and recurrent-state dtypes the cost model and pool sizing express (fp32: a CPU
+# calibration). FP4 KV caches are not modelled: their scales and kernels are not.
+KV_DTYPES = ("bf16", "fp16", "fp8", "fp32")
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError("kv_dtype (--kv-dtype)", kv_dtype, f"use one of {', '.join(KV_DTYPES)}")
+
+
+def check_tensor_parallel(model: ModelProfile, tp: int) -> None:
+    """Tensor parallelism splits every layer's heads evenly over the GPUs, as vLLM requires:
+    `tp` must divide the query heads (and the Mamba / gated-delta-net heads); KV heads are split,
+    or replicated when there are fewer of them than GPUs (tp a multiple of them)."""
+    field = "tp (--tp)"
+    if tp < 1:
+        raise ConfigError(field, tp, "use 1 or more GPUs")
+    heads: list[tuple[str, int]] = []
+    if model.attention is not None:
+        heads.append(("attention heads", model.attention.num_heads))
+    if model.mla is not None:
+        heads.append(("MLA heads", model.mla.num_heads))
+    recurrent = model.recurrent
+    for name in ("num_heads", "num_value_heads", "num_key_heads"):
+        count = getattr(recurrent, name, None)
+        if isinstance(count, int):
+            heads.append((f"{type(recurrent).__name__} {name[4:].replace('_', ' ')}", count))
+    for what, count in heads:
+        if count % tp:
+            divisors = [d for d in range(1, count + 1) if count % d == 0]
+            raise ConfigError(
+                field,
+                tp,
+                f"{model.name} has {count} {what}, which {tp} GPUs cannot split "
+                f"evenly; use one of {divisors}",
+            )
+    kv = model.attention.num_kv_heads if model.attention is not None else 0
+    if kv and kv < tp and tp % kv:
+        raise ConfigError(
+            field,
+            tp,
+            f"{model.name} has {kv} KV heads: use a tp that divides them or that "
+            f"they divide (a multiple of {kv})",
+        )
 
 
 def speculative_method(spec: str, model: ModelProfile) -> str:
@@ -224,6 +268,8 @@ def build_engine(
     """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
     `config.include_scheduler_cpu`."""
     gpu, model = gpu_of(config), model_profile(config)
+    check_tensor_parallel(model, config.tp)
+    check_kv_dtype(config.kv_dtype)
     cost = RooflineCostModel(
         gpu,
         model,
