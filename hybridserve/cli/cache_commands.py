@@ -16,7 +16,7 @@ from hybridserve.cli.app import app, default_trace_path, err, fail, out_console
 from hybridserve.cli.choices import CACHE_LAYOUTS, SPEC_HELP, listed
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
-from hybridserve.kvcache import CacheLayout, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, MambaSpec, RetentionPolicy
 from hybridserve.profiles import get_profile, parse_groups
 from hybridserve.replay.runner import CacheReplay, ReplayResult
 from hybridserve.replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
@@ -131,9 +131,11 @@ def _build_layouts(
         pool = int(blocks)
     else:
         raise fail(f"--num-blocks={num_blocks!r}; use an integer >= 2 or inf")
-    policies = [
-        RetentionPolicy.parse(p) for p in (retention or "boundary,boundary+predecessor").split(",")
-    ]
+    # Retention chooses which Mamba states are kept: without a Mamba group every policy replays
+    # the same, so the default compares two only where there is one.
+    has_state = any(isinstance(g, MambaSpec) for g in group_specs)
+    default = "boundary,boundary+predecessor" if has_state else "boundary"
+    policies = [RetentionPolicy.parse(p) for p in (retention or default).split(",")]
     speculative = SpeculativeConfig.from_name(spec)
     layouts = [
         CacheLayout(
