@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra, out_console
+from hybridserve.cli.choices import GPU_NAMES, listed
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -208,8 +209,8 @@ def calibrate_cmd(
     gpu_name: Annotated[
         str,
         typer.Option(
-            help="The device's name: a catalog GPU (A100-80G, H100-SXM, H200, B200, MI300X) "
-            "keeps its datasheet peaks; any other name (e.g. cpu) gets measured peaks."
+            help=f"The device's name: a catalog GPU ({listed(GPU_NAMES)}) keeps its datasheet "
+            "peaks; any other name (e.g. cpu) gets measured peaks."
         ),
     ],
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",

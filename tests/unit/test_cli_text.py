@@ -51,6 +51,8 @@ def test_help_lists_the_catalogs_the_same_in_every_command() -> None:
         shown = _help(command)
         for name in (*MODELS, *GPUS):
             assert name in shown, (command, name)
+    calibrate = _help("calibrate")
+    assert all(gpu in calibrate for gpu in GPUS)
     for command in ("serve", "cache-replay", "bench", "sweep"):
         shown = _help(command)
         for method in SpecMethod:
