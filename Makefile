@@ -1,4 +1,6 @@
 # The two commands: `make run` and `make test`. Each creates .venv if it is missing.
+# `make run` installs the sim and server extras (bench, simulate, sweep, cache-replay,
+# replay-vllm, serve --executor sim); `make test` installs everything, torch included.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +14,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP_RUN): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[sim]'
+	$(BIN)/python -m pip install --quiet -e '.[sim,server]'
 	touch $@
 
 $(STAMP_TEST): pyproject.toml | $(BIN)/python

@@ -1,6 +1,6 @@
 """Compare the roofline cost model with published GPU measurements; prints one JSON object.
 
-Rows are from ../shared/data/gpu-measurements.json (ids M1-M4, M11-M13, M22); the measured values
+Rows are from data/gpu-measurements.json (ids M1-M4, M11-M13, M22); the measured values
 are copied here so the script runs without that file. docs/cost_model.md shows the table.
 Max-throughput rows use a steady-state model: B requests run (B limited by the KV pool, each
 reserving isl + osl tokens as TensorRT-LLM's default GUARANTEED_NO_EVICT policy does); every

@@ -1,4 +1,4 @@
-"""Cost-model scorecard: every row of ../shared/data/gpu-measurements.json that the simulator can
+"""Cost-model scorecard: every row of data/gpu-measurements.json that the simulator can
 express, run through the real engine on the simulated executor; prints one JSON object.
 
 Per row: the measured figure, the simulated one and the relative error (simulated / measured - 1);
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hybridserve.core.paths import data_path
 from hybridserve.sim.cost_model import Efficiency, StepShape, kv_pool_blocks, shape_from_plan
 from hybridserve.sim.fit import CostSetup, Sample
 from hybridserve.sim.gpus import get_gpu
@@ -41,7 +42,7 @@ from hybridserve.sim.run import SimConfig, build_engine, make_simulation
 
 ROOT = Path(__file__).resolve().parent
 CONFIGS = ROOT / "configs"
-MEASUREMENTS = ROOT.parents[1] / "shared" / "data" / "gpu-measurements.json"
+MEASUREMENTS = data_path("gpu-measurements.json")
 FITTED = ROOT / "fitted_efficiency.json"
 
 BATCH1, ONLINE, OFFLINE = "batch-1 latency", "online serving", "offline throughput"

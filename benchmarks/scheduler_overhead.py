@@ -19,7 +19,7 @@ with 0.75 N <= requests <= 1.25 N (other steps count only in the whole-trace tot
 are sorted-index (nearest-rank) percentiles: p-th = sorted[ceil(p/100 * n) - 1]; the median is
 `statistics.median`. Each layout runs once as a warm-up (imports, allocator, caches), then once
 measured; the garbage collector stays on, as it is in a server. vLLM 0.33's reference medians are
-from ../shared/data/README.md (a busy 2-core CI machine): compare ratios, not absolute times.
+from data/README.md (a busy 2-core CI machine): compare ratios, not absolute times.
 
 `--profile` also runs cProfile over one more full-attention run (enabled only inside schedule()
 and update(), so request creation and the fake executor stay out of it) and prints the top 25
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridserve.core.paths import data_path
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import CacheLayout, KVCacheManager
 from hybridserve.recordings.trace import (
@@ -52,8 +53,8 @@ from hybridserve.recordings.trace import (
 )
 from hybridserve.scheduler import Scheduler
 
-# ../shared/data/vllm-recordings relative to the repository root.
-RECORDINGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "vllm-recordings"
+# data/vllm-recordings (or $HYBRIDSERVE_DATA/vllm-recordings).
+RECORDINGS = data_path("vllm-recordings")
 WORKLOAD = "burst_agents_fa16"
 HYBRID = "hybrid_align_544"
 BUCKETS = (32, 128, 256)
@@ -63,7 +64,7 @@ BUCKET_RULE = (
     "p99 = sorted[ceil(0.99*n) - 1] (nearest rank), median = statistics.median"
 )
 
-# vLLM 0.33.0, thread CPU time per step in µs, from ../shared/data/README.md (E3 table):
+# vLLM 0.33.0, thread CPU time per step in µs, from data/README.md (E3 table):
 # bucket -> (schedule() median, p99, update_from_output() median, p99).
 VLLM_0_33: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "full": {

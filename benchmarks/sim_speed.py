@@ -13,17 +13,11 @@ import json
 import pstats
 import sys
 import time
-from pathlib import Path
 
+from hybridserve.core.paths import data_path
 from hybridserve.sim.run import SimConfig, simulate
 
-TRACE = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "data"
-    / "traces"
-    / ("conversation_trace.jsonl")
-)
+TRACE = data_path("traces", "conversation_trace.jsonl")
 
 
 def main() -> None:
@@ -33,7 +27,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-next-80b-a3b")
     args = parser.parse_args()
     if not TRACE.exists():
-        print(json.dumps({"error": f"{TRACE} is absent; the shared data folder is needed"}))
+        print(json.dumps({"error": f"{TRACE} is absent; restore data/ or set HYBRIDSERVE_DATA"}))
         return
     config = SimConfig(
         model=args.model,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.paths import DATA_ENV, data_dir
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import (
@@ -20,14 +21,15 @@ from hybridserve.kvcache import (
 )
 from hybridserve.scheduler import Scheduler
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = data_dir()
 
 
 def require_data(*parts: str) -> Path:
-    """The path under ../shared/data, or skip the test with the reason."""
+    """The path under the data folder (the repository's data/, or $HYBRIDSERVE_DATA). The
+    repository ships every file the tests read, so a missing one fails the test."""
     path = DATA_DIR.joinpath(*parts)
     if not path.exists():
-        pytest.skip(f"{path} is absent: the shared data folder is not beside this checkout")
+        pytest.fail(f"{path} is absent: restore data/ or point {DATA_ENV} at a full copy")
     return path
 
 

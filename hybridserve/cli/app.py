@@ -2,33 +2,43 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 app = typer.Typer(
     help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help text is plain: option lists such as `[scheduler]` or `[default: ...]` are shown as
+    # written, never read as rich markup.
+    rich_markup_mode=None,
 )
-err = Console(stderr=True)
+# Every console of the command line prints plain text (markup off): user values, paths and
+# messages keep their square brackets. Colour is given with Text styles instead.
+err = Console(stderr=True, markup=False)
+
+
+def out_console() -> Console:
+    """A console on stdout that prints plain text (no rich markup)."""
+    return Console(markup=False)
+
 
 DEFAULT_TRACE_NAME = "conversation_trace.jsonl"
 
 
 def default_trace_path() -> Path | None:
-    """The Mooncake conversation trace in ../shared/data/traces, if it is there."""
-    candidates = [
-        Path(__file__).resolve().parents[3] / "shared" / "data" / "traces",
-        Path.cwd().parent / "shared" / "data" / "traces",
-    ]
-    for folder in candidates:
-        if (folder / DEFAULT_TRACE_NAME).exists():
-            return folder / DEFAULT_TRACE_NAME
-    return None
+    """The Mooncake conversation trace in the data folder (`data/traces`, or under
+    `$HYBRIDSERVE_DATA`), if it is there."""
+    from hybridserve.core.paths import data_path
+
+    path = data_path("traces", DEFAULT_TRACE_NAME)
+    return path if path.exists() else None
 
 
 def _version(value: bool) -> None:
@@ -49,5 +59,29 @@ def root(
 
 
 def fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    """Print `error: MESSAGE` on stderr (the message is plain text: brackets survive) and
+    return the exit to raise (code 2)."""
+    err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True, highlight=False)
     return typer.Exit(code=2)
+
+
+# The modules of the `models` extra (the torch executor's runtime), checked before a torch command.
+MODELS_EXTRA = ("torch", "safetensors", "gguf", "tokenizers", "jinja2")
+
+
+def install_hint(extra: str) -> str:
+    """The exact command that installs an optional extra."""
+    return f"pip install 'hybridserve[{extra}]'"
+
+
+def need_extra(extra: str, *modules: str, what: str) -> None:
+    """Import `modules` or stop with an error naming the missing one and the extra to install."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            missing = exc.name or module
+            raise fail(
+                f"{what} needs the {extra!r} extra ({missing} is not installed): "
+                f"{install_hint(extra)}"
+            ) from None

@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from hybridserve.cli.app import app, default_trace_path, err, fail
+from hybridserve.cli.app import app, default_trace_path, err, fail, out_console
+from hybridserve.cli.choices import CACHE_LAYOUTS, SPEC_HELP, listed
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
-from hybridserve.kvcache import CacheLayout, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, MambaSpec, RetentionPolicy
 from hybridserve.profiles import get_profile, parse_groups
 from hybridserve.replay.runner import CacheReplay, ReplayResult
 from hybridserve.replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
@@ -26,13 +27,13 @@ def cache_replay(
     trace: Annotated[
         Path | None,
         typer.Option(
-            help="Mooncake JSONL trace; default: the conversation trace in "
-            "../shared/data/traces, else a built-in synthetic agent trace."
+            help="Mooncake JSONL trace; default: the conversation trace in data/traces "
+            "(or $HYBRIDSERVE_DATA/traces), else a built-in synthetic agent trace."
         ),
     ] = None,
     model: Annotated[
         str | None,
-        typer.Option(help="Named layout: llama-3.1-8b, gemma-3-27b, qwen3-next-80b-a3b."),
+        typer.Option(help=f"Named cache layout: {listed(CACHE_LAYOUTS)}."),
     ] = None,
     groups: Annotated[
         str | None,
@@ -42,13 +43,7 @@ def cache_replay(
         int, typer.Option(help="Alignment unit A in tokens (0 = the page P).")
     ] = 0,
     hash_block_size: Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")] = 0,
-    spec: Annotated[
-        str,
-        typer.Option(
-            help="Speculative method: none|eagle|mtp|dflash|ngram (EAGLE/MTP with vLLM 0.33's "
-            "lookahead block hashes), or eagle-legacy|mtp-legacy (the one-block drop)."
-        ),
-    ] = "eagle",
+    spec: Annotated[str, typer.Option(help=SPEC_HELP)] = "eagle",
     retention: Annotated[
         str | None,
         typer.Option(
@@ -136,9 +131,11 @@ def _build_layouts(
         pool = int(blocks)
     else:
         raise fail(f"--num-blocks={num_blocks!r}; use an integer >= 2 or inf")
-    policies = [
-        RetentionPolicy.parse(p) for p in (retention or "boundary,boundary+predecessor").split(",")
-    ]
+    # Retention chooses which Mamba states are kept: without a Mamba group every policy replays
+    # the same, so the default compares two only where there is one.
+    has_state = any(isinstance(g, MambaSpec) for g in group_specs)
+    default = "boundary,boundary+predecessor" if has_state else "boundary"
+    policies = [RetentionPolicy.parse(p) for p in (retention or default).split(",")]
     speculative = SpeculativeConfig.from_name(spec)
     layouts = [
         CacheLayout(
@@ -168,7 +165,7 @@ def _replay_one(
     if not show_progress:
         return replay.run(records, name=name)
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -209,7 +206,7 @@ def _print_table(
     ]
     for label, values in rows:
         table.add_row(label, *values)
-    console = Console()
+    console = out_console()
     console.print(f"trace: {trace_name}")
     console.print(table)
 
@@ -242,9 +239,11 @@ def replay_vllm(
         if as_json:
             sys.stdout.write(json.dumps(report.to_json()) + "\n")
             continue
-        status = "[green]identical[/]" if report.first_divergence is None else "[red]diverged[/]"
-        Console().print(
-            f"{path.name}: {report.identical_steps}/{report.steps} steps identical {status}",
+        status = ("identical", "green") if report.first_divergence is None else ("diverged", "red")
+        out_console().print(
+            Text.assemble(
+                f"{path.name}: {report.identical_steps}/{report.steps} steps match vLLM: ", status
+            ),
             highlight=False,
         )
         if report.first_divergence is not None:
@@ -255,7 +254,7 @@ def replay_vllm(
                 i = d["index"]
                 where = f" (first difference at item {i})"
                 want, got = want[max(i - 2, 0) : i + 3], got[max(i - 2, 0) : i + 3]
-            Console().print(
+            out_console().print(
                 f"  first divergence at step {d['step']}, field {d['field']}{where}:\n"
                 f"    vLLM:        {want}\n    hybridserve: {got}",
                 highlight=False,

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail
+from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra, out_console
+from hybridserve.cli.choices import GPU_NAMES, listed
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -209,8 +209,8 @@ def calibrate_cmd(
     gpu_name: Annotated[
         str,
         typer.Option(
-            help="The device's name: a catalog GPU (A100-80G, H100-SXM, H200, B200, MI300X) "
-            "keeps its datasheet peaks; any other name (e.g. cpu) gets measured peaks."
+            help=f"The device's name: a catalog GPU ({listed(GPU_NAMES)}) keeps its datasheet "
+            "peaks; any other name (e.g. cpu) gets measured peaks."
         ),
     ],
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
@@ -237,8 +237,9 @@ def calibrate_cmd(
     `hybridserve simulate --calibration FILE`."""
     from hybridserve.sim.calibration_fit import QUICK_GRID, Grid
 
+    need_extra("models", *MODELS_EXTRA, what="hybridserve calibrate")
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         TextColumn("{task.completed:.0f} / {task.total:.0f}"),
         TimeElapsedColumn(),
@@ -266,7 +267,7 @@ def calibrate_cmd(
         raise fail(str(exc)) from None
     path = out if out is not None else Path("runs") / "calibration" / f"{gpu_name}.json"
     profile.save(path)
-    console = Console()
+    console = out_console()
     for table in _summary_tables(profile):
         console.print(table)
     console.print(f"profile: {path}")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from hybridserve.cli.app import app, err, fail
+from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
 from hybridserve.cli.builtin_models import GEMMA_TERMS_NOTICE, gemma_terms_path, resolve_model
 from hybridserve.cli.torch_runtime import (
     blocks_for,
@@ -43,6 +43,31 @@ def read_token_ids(path: Path) -> list[list[int]]:
             raise fail(f"{path}:{number}: expected a non-empty list of token ids >= 0")
         prompts.append(ids)
     return prompts
+
+
+def config_vocab_size(path: Path) -> int | None:
+    """The vocabulary size in a checkpoint folder's config.json (None for a GGUF or without)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    size = text.get("vocab_size", data.get("vocab_size"))
+    return int(size) if isinstance(size, int) else None
+
+
+def check_token_ids(prompts: list[list[int]], vocab_size: int | None, source: Path) -> None:
+    """Every id must be a token of the model: one outside [0, vocab_size) is refused with its
+    line, never fed to the embedding."""
+    if vocab_size is None:
+        return
+    for number, ids in enumerate(prompts, start=1):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise fail(
+                f"--token-ids {source}: prompt {number} has token id {bad[0]}, outside the "
+                f"model's vocabulary [0, {vocab_size}); use ids below {vocab_size}"
+            )
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -96,8 +121,15 @@ def generate(
     ] = 3600.0,
 ) -> None:
     """Generate continuations for a file of prompts (greedy unless sampling flags are given)."""
+    need_extra("models", *MODELS_EXTRA, what="hybridserve generate")
     if (prompts is None) == (token_ids is None):
         raise fail("give exactly one of --prompts FILE or --token-ids FILE")
+    if block_size < 1:
+        raise fail(f"--block-size={block_size} is invalid: use 1 or more tokens per KV block (16)")
+    if num_blocks < 0:
+        raise fail(f"--num-blocks={num_blocks} is invalid: use 0 (enough for all) or more")
+    if max_num_batched_tokens < 1:
+        raise fail(f"--max-num-batched-tokens={max_num_batched_tokens} is invalid: use 1 or more")
     if dcp < 1 or dcp_interleave < 1:
         raise fail(f"--dcp={dcp}, --dcp-interleave={dcp_interleave}: use 1 or more")
     if dcp > 1 and spec:
@@ -125,6 +157,8 @@ def generate(
             lengths, max_tokens=max_tokens, block_size=block_size, num_groups=2
         )
         if dcp > 1:
+            if ids is not None:
+                check_token_ids(ids, config_vocab_size(path), source)
             _generate_dcp(
                 path,
                 texts=texts,
@@ -155,6 +189,7 @@ def generate(
                 raise fail(f"{path} has no tokenizer; use --token-ids")
             ids = [_encode(tokenizer, text, chat=not raw) for text in texts]
         assert ids is not None
+        check_token_ids(ids, runtime.executor.model.vocab_size, source)
         sampling = replace(sampling, stop_token_ids=runtime.stop_token_ids)
         requests = [
             Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)

@@ -8,7 +8,9 @@ from typing import Annotated
 
 import typer
 
-from hybridserve.cli.app import app, fail
+from hybridserve.cli.app import app, fail, need_extra
+
+DEMO_INTERLEAVES = (1, 2, 4)
 
 
 @app.command("dcp-demo")
@@ -22,10 +24,14 @@ def dcp_demo(
     """Greedy decode with the KV sharded over N ranks; checks the tokens equal the unsharded run."""
     # CPU torch wheels without numpy warn about it on import; it does not matter here.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-    try:
-        from hybridserve.parallel.demo import run_demo
-    except ImportError as exc:
-        raise fail(f"dcp-demo needs torch ({exc}); pip install 'hybridserve[torch]'") from exc
+    if interleave not in DEMO_INTERLEAVES:
+        raise fail(
+            f"--interleave={interleave} is invalid: use 1, 2 or 4 (tokens per rank in a row "
+            "must divide the demo's block size)"
+        )
+    need_extra("torch", "torch", what="hybridserve dcp-demo")
+    from hybridserve.parallel.demo import run_demo
+
     try:
         report = run_demo(dcp=dcp, model=model, interleave=interleave)
     except (ValueError, RuntimeError) as exc:

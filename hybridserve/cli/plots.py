@@ -29,7 +29,13 @@ def plots_available() -> bool:
     return True
 
 
-def write_plots(folder: Path, runs: Mapping[str, SimRun]) -> list[Path]:
+# The p99 ITL SLO the README's preset was selected under; marked on the ITL CDF.
+ITL_SLO_MS = 100.0
+
+
+def write_plots(
+    folder: Path, runs: Mapping[str, SimRun], *, itl_slo_ms: float | None = ITL_SLO_MS
+) -> list[Path]:
     """Write itl_cdf.png, ttft_cdf.png, goodput.png and timeline.png; return their paths."""
     import matplotlib
 
@@ -46,49 +52,100 @@ def write_plots(folder: Path, runs: Mapping[str, SimRun]) -> list[Path]:
         plt.close(fig)
         paths.append(path)
 
-    for name, title, samples in (
-        ("itl_cdf.png", "Inter-token latency", {k: r.itl_samples_s() for k, r in runs.items()}),
-        ("ttft_cdf.png", "Time to first token", {k: r.ttft_samples_s() for k, r in runs.items()}),
+    for name, title, unit, scale, samples, slo in (
+        (
+            "itl_cdf.png",
+            "Inter-token latency",
+            "ms",
+            1000.0,
+            {k: r.itl_samples_s() for k, r in runs.items()},
+            itl_slo_ms,
+        ),
+        (
+            "ttft_cdf.png",
+            "Time to first token",
+            "s",
+            1.0,
+            {k: r.ttft_samples_s() for k, r in runs.items()},
+            None,
+        ),
     ):
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        fig, (whole, tail) = plt.subplots(1, 2, figsize=(11.0, 4.2))
         for label, values in samples.items():
-            xs, ys = _cdf([1000 * v for v in values])
-            ax.plot(xs, ys, label=label, color=COLORS.get(label))
-        ax.set_xscale("log")
-        ax.set_xlabel("ms (log scale)")
-        ax.set_ylabel("fraction of samples")
-        ax.set_title(f"{title} CDF (measurement window)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+            _cdf_panels(whole, tail, [scale * v for v in values], label, COLORS.get(label))
+        for ax, what in ((whole, "all samples"), (tail, "tail: p90 to p100")):
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{title.lower()} ({unit}, log scale)")
+            ax.set_ylabel("fraction of samples")
+            ax.set_title(f"{title} CDF, {what}")
+            ax.grid(True, which="both", alpha=0.3)
+            if slo is not None:
+                ax.axvline(slo, color="black", ls="--", lw=1.0, label=f"SLO {slo:g} {unit}")
+        tail.set_ylim(0.9, 1.001)
+        whole.legend(fontsize="small", loc="lower right")
+        tail.legend(fontsize="small", loc="lower right")
         save(fig, name)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     labels = list(runs)
-    goodput = [runs[k].summary["job_goodput_per_hour"] for k in labels]
-    ax.bar(labels, goodput, color=[COLORS.get(k, "#9467bd") for k in labels])
-    for x, value in enumerate(goodput):
-        ax.annotate(f"{value:.1f}", (x, value), ha="center", va="bottom")
-    ax.set_ylabel("jobs completed per hour")
-    ax.set_title("Job goodput")
+    jobs = any(runs[k].summary["job_goodput_per_hour"] for k in labels)
+    key, ylabel, ptitle = (
+        ("job_goodput_per_hour", "jobs completed per hour", "Job goodput")
+        if jobs
+        else ("output_tokens_per_s", "output tokens per second", "Output throughput")
+    )
+    values = [runs[k].summary[key] for k in labels]
+    ax.bar(labels, values, color=[COLORS.get(k, "#9467bd") for k in labels])
+    for x, value in enumerate(values):
+        ax.annotate(f"{value:,.1f}", (x, value), ha="center", va="bottom")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{ptitle} (measurement window)")
     save(fig, "goodput.png")
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(8.0, 2.4 * len(runs)), sharex=True)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9.0, 2.8 * len(runs)), sharex=True)
     axes_list: Sequence[Any] = axes if len(runs) > 1 else [axes]
     for ax, (label, run) in zip(axes_list, runs.items(), strict=True):
         rows = run.recorder.timeline.rows()
         t = [r["t_s"] for r in rows]
-        ax.plot(t, [r["prefill_tokens_per_step"] for r in rows], label="prefill tokens/step")
-        ax.plot(t, [r["decode_tokens_per_step"] for r in rows], label="decode tokens/step")
+        lines = ax.plot(t, [r["prefill_tokens_per_step"] for r in rows], label="prefill tokens")
+        lines += ax.plot(t, [r["decode_tokens_per_step"] for r in rows], label="decode tokens")
+        ax.set_ylabel("tokens per step\n(mean over 1 s)")
         twin = ax.twinx()
-        twin.plot(t, [r["kv_usage_max"] for r in rows], color="black", alpha=0.3, lw=0.8)
+        lines += twin.plot(
+            t,
+            [r["kv_usage_max"] for r in rows],
+            color="black",
+            alpha=0.4,
+            lw=0.8,
+            label="KV usage (right axis)",
+        )
         twin.set_ylim(0, 1.05)
-        twin.set_ylabel("KV usage")
-        ax.set_ylabel("tokens per step")
-        ax.set_title(label)
-        ax.legend(loc="upper left", fontsize="small")
+        twin.set_ylabel("KV pool used\n(max over 1 s)")
+        warmup = run.config.warmup_s
+        if warmup > 0:
+            ax.axvspan(0, warmup, color="grey", alpha=0.12, lw=0)
+            lines.append(ax.axvline(warmup, color="grey", ls=":", label="end of warm-up"))
+        ax.set_title(f"{label}: prefill and decode per step, KV usage")
+        ax.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize="small")
     axes_list[-1].set_xlabel("simulated seconds")
     save(fig, "timeline.png")
     return paths
+
+
+def _cdf_panels(
+    whole: Any, tail: Any, values: Sequence[float], label: str, color: str | None
+) -> None:
+    """One run's CDF on both panels, its p50 and p99 marked (a dot on the curve, in the
+    legend with their values)."""
+    from hybridserve.metrics.stats import percentile
+
+    xs, ys = _cdf(values)
+    if not xs:
+        return
+    p50, p99 = percentile(xs, 50), percentile(xs, 99)
+    for ax in (whole, tail):
+        (line,) = ax.plot(xs, ys, color=color, label=f"{label} (p50 {p50:.3g}, p99 {p99:.3g})")
+        ax.plot([p50, p99], [0.5, 0.99], "o", color=line.get_color(), ms=4)
 
 
 def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import app, fail
+from hybridserve.cli.app import MODELS_EXTRA, app, fail, install_hint, need_extra
+from hybridserve.cli.choices import MODEL_HELP, SPEC_HELP
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
 from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
 from hybridserve.core.errors import ConfigError, HybridServeError
@@ -80,14 +81,15 @@ def _torch_backend(
 ) -> ServingBackend:
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
         raise fail(f"--model {model!r}: use {' or '.join(TORCH_MODEL_ALIASES)} or a local path")
+    need_extra("models", *MODELS_EXTRA, what="serve --executor torch")
     try:
         importlib.import_module("hybridserve.executor.torch")
         module = importlib.import_module("hybridserve.cli.torch_serving")
     except ImportError as exc:
         raise fail(
             f"--executor torch needs the hybridserve.executor.torch package, which cannot be "
-            f"imported here ({exc}). Install a build that includes it with its `torch` extra, "
-            "or serve synthetic tokens with --executor sim --model-profile NAME."
+            f"imported here ({exc}). Install a build that includes it with its models extra "
+            f"({install_hint('models')}), or serve synthetic tokens with --executor sim."
         ) from None
     factory = getattr(module, "serving_backend", None)
     if factory is None:
@@ -109,7 +111,7 @@ def _torch_backend(
 def serve_cmd(
     executor: Annotated[str, typer.Option(help="sim (synthetic tokens) or torch.")] = "sim",
     model_profile: Annotated[
-        str, typer.Option(help="Sim: the model profile (see `simulate --model`).")
+        str, typer.Option(help=f"Sim: the model. {MODEL_HELP}")
     ] = "qwen3-next-80b-a3b",
     model: Annotated[
         str, typer.Option(help="Torch: smollm2, gemma3-270m or a local checkpoint path.")
@@ -120,7 +122,7 @@ def serve_cmd(
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
-    spec: Annotated[str, typer.Option(help="Sim: speculative method (none, mtp, ...).")] = "none",
+    spec: Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")] = "none",
     seed: SeedOption = 0,
     sim_speed: Annotated[
         float, typer.Option(help="Sim: wall time of a step = modelled time / this (1 = real).")
@@ -178,12 +180,30 @@ def serve_cmd(
     ] = None,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 1 << 20,
     max_waiting: Annotated[
-        int, typer.Option(help="Queued requests before answering 503 + Retry-After.")
+        int,
+        typer.Option(
+            help="Requests waiting for admission (1 or more) beyond which new ones get 503 + "
+            "Retry-After."
+        ),
     ] = 1024,
     max_failed_steps: Annotated[
         int,
         typer.Option(help="Failed executor steps in a row before the server exits (status 1)."),
     ] = 3,
+    default_max_tokens: Annotated[
+        int,
+        typer.Option(
+            help="max_tokens of a chat request that sets none (at most the room under "
+            "--max-model-len); completions default to 16, as in OpenAI's API."
+        ),
+    ] = 2048,
+    sim_eos_probability: Annotated[
+        float,
+        typer.Option(
+            help="Sim: probability that each generated token is <eos> (answers of mean length "
+            "1/P; 0 = only max_tokens or a stop ends them)."
+        ),
+    ] = 1 / 256,
     shutdown_timeout: Annotated[
         float, typer.Option(help="Seconds running requests get to finish on shutdown.")
     ] = 30.0,
@@ -199,6 +219,10 @@ def serve_cmd(
     ] = 1,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
+    need_extra(
+        "server", "uvicorn", "fastapi", "pydantic", "prometheus_client", what="hybridserve serve"
+    )
+
     from hybridserve.server.app import ServerSettings
     from hybridserve.server.runner import serve
 
@@ -206,6 +230,7 @@ def serve_cmd(
         raise fail(f"--executor {executor!r}: use sim or torch")
     if dcp != 1 and executor != "torch":
         raise fail(f"--dcp={dcp}: decode context parallel runs with --executor torch")
+    _check_serve_flags(port=port, max_waiting=max_waiting, default_max_tokens=default_max_tokens)
     overrides = {
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
@@ -230,6 +255,7 @@ def serve_cmd(
         max_failed_steps=max_failed_steps,
         shutdown_timeout_s=shutdown_timeout,
         allow_origins=tuple(allow_origin or ()),
+        default_max_tokens=default_max_tokens,
     )
     try:
         if executor == "torch":
@@ -252,6 +278,7 @@ def serve_cmd(
                 seed=seed,
                 sim_speed=sim_speed,
                 max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
+                eos_probability=sim_eos_probability,
             )
         server_app = build_app(
             backend,
@@ -289,6 +316,19 @@ def resolve_api_key(flag: str | None, file: Path | None, env: str | None) -> str
         source = "--api-key" if flag is not None else f"${API_KEY_ENV}"
         raise fail(f"{source} is empty; give a key or leave it unset")
     return given.strip()
+
+
+def _check_serve_flags(*, port: int, max_waiting: int, default_max_tokens: int) -> None:
+    """Refuse, before anything starts, the values the server could only fail on later."""
+    if not 1 <= port <= 65535:
+        raise fail(f"--port={port} is invalid: use a TCP port in 1-65535 (e.g. 8000)")
+    if max_waiting < 1:
+        raise fail(
+            f"--max-waiting={max_waiting} is invalid: it is how many requests may wait for "
+            "admission before new ones get 503; use 1 or more (default 1024)"
+        )
+    if default_max_tokens < 1:
+        raise fail(f"--default-max-tokens={default_max_tokens} is invalid: use 1 or more")
 
 
 def build_app(

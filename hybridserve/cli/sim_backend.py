@@ -2,22 +2,27 @@
 
 Text goes through the server's byte-level tokenizer. Sampled ids are folded onto lowercase
 letters, space and period so that streamed output is readable ASCII (the simulator's token
-values carry no meaning). A step takes its modelled duration divided by `sim_speed` in wall
-time; `sim_speed=1` is real time.
+values carry no meaning). Each generated token is `<eos>` with probability `eos_probability`
+(answers end after a geometric number of tokens, mean 1 / p; 0 = only `max_tokens` or a stop
+ends them). A step takes its modelled duration divided by `sim_speed` in wall time;
+`sim_speed=1` is real time.
 """
 
 from __future__ import annotations
+
+import random
 
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
-from hybridserve.server.tokenizer import ByteTokenizer
+from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
 from hybridserve.sim.cost_model import RooflineCostModel, kv_pool_blocks, shape_from_plan
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.models import get_model
+from hybridserve.sim.run import check_tensor_parallel
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
 _PRINTABLE = frozenset(_ALPHABET)
@@ -30,15 +35,30 @@ def _printable(token: int) -> int:
 
 
 class PrintableTokens:
-    """An executor whose sampled and draft ids are folded onto printable ASCII bytes."""
+    """An executor whose sampled and draft ids are folded onto printable ASCII bytes, and whose
+    sampled tokens end the answer (`<eos>`) with probability `eos_probability` each, drawn
+    from a generator seeded with `seed`."""
 
-    def __init__(self, inner: Executor) -> None:
+    def __init__(self, inner: Executor, *, eos_probability: float = 0.0, seed: int = 0) -> None:
+        if not 0.0 <= eos_probability <= 1.0:
+            raise ConfigError("sim_eos_probability", eos_probability, "use a probability in [0, 1]")
         self.inner = inner
+        self.eos_probability = eos_probability
+        self._rng = random.Random(seed)
+
+    def _with_eos(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        if not self.eos_probability:
+            return ids
+        for position in range(len(ids)):
+            if self._rng.random() < self.eos_probability:
+                return (*ids[:position], BYTE_EOS_ID)
+        return ids
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self.inner.execute(plan)
         sampled = {
-            r: tuple(_printable(t) for t in ids) for r, ids in result.sampled_token_ids.items()
+            r: self._with_eos(tuple(_printable(t) for t in ids))
+            for r, ids in result.sampled_token_ids.items()
         }
         drafts = {r: tuple(_printable(t) for t in ids) for r, ids in result.draft_token_ids.items()}
         return StepResult(result.step_id, sampled, result.duration_s, drafts)
@@ -58,11 +78,20 @@ class SimServingBackend:
         seed: int = 0,
         sim_speed: float = 1.0,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        eos_probability: float = 0.0,
     ) -> None:
         if not sim_speed > 0:
             raise ConfigError("sim_speed", sim_speed, "use a factor > 0 (1 = real time)")
+        if not 0.0 <= eos_probability <= 1.0:
+            raise ConfigError(
+                "sim_eos_probability (--sim-eos-probability)",
+                eos_probability,
+                "use a probability in [0, 1] (0: answers end at max_tokens or a stop)",
+            )
         self._gpu = get_gpu(gpu)
         self._model = get_model(model_profile)
+        check_tensor_parallel(self._model, tp)
+        self._eos_probability = eos_probability
         self._tp, self._dtype = tp, dtype
         self._cost = RooflineCostModel(self._gpu, self._model, tp=tp, dtype=dtype)
         self._speculative = SpeculativeConfig.from_name(spec, num_speculative_tokens)
@@ -114,7 +143,9 @@ class SimServingBackend:
                 vocab_size=256,
                 num_speculative_tokens=self._speculative.num_speculative_tokens,
                 acceptance_rate=self._acceptance_rate,
-            )
+            ),
+            eos_probability=self._eos_probability,
+            seed=self._seed + 1,
         )
 
     def pace_s(self, result: StepResult) -> float:

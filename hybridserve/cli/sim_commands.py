@@ -11,15 +11,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail
+from hybridserve.cli.app import app, err, fail, install_hint, out_console
+from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, SPEC_HELP
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
     from hybridserve.sim.run import SimConfig, SimRun
+    from hybridserve.sim.sweep import Trial
 
 REPORT_KEYS = (
     "job_goodput_per_hour",
@@ -52,7 +53,7 @@ def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> SimRun:
     if quiet:
         return run_simulation(config, cpu_clock=clock)
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         TextColumn("{task.completed:.0f} / {task.total:.0f} simulated s"),
         TimeElapsedColumn(),
@@ -106,6 +107,111 @@ def _device_options(
     }
 
 
+def run_label(preset: str, config_file: Path | None) -> str:
+    """What a run is called in tables, plots and report.json: its preset, and the --config file
+    that changed it (a modified baseline is not the baseline)."""
+    return preset if config_file is None else f"{preset} + {config_file.name}"
+
+
+def interrupted(what: str) -> typer.Exit:
+    """Ctrl-C: say what happened to the work, and exit 130 (128 + SIGINT), as shells expect."""
+    err.print(f"interrupted: {what}", soft_wrap=True)
+    return typer.Exit(code=130)
+
+
+def bench_folder(name: str | None, now: float | None = None) -> Path:
+    """runs/NAME, or a new runs/e1-YYYYmmdd-HHMMSS (never an earlier run's folder)."""
+    if name is not None:
+        return Path("runs") / name
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    folder, n = Path("runs") / f"e1-{stamp}", 1
+    while folder.exists():
+        n += 1
+        folder = Path("runs") / f"e1-{stamp}-{n}"
+    return folder
+
+
+def _bench_interrupted(runs: dict[str, SimRun], labels: dict[str, str], folder: Path) -> typer.Exit:
+    """Ctrl-C during bench: write the runs that finished (no ratios) and say where."""
+    if not runs:
+        return interrupted("no run had finished; nothing was written")
+    report: dict[str, object] = {p: _metrics_json(r.summary) for p, r in runs.items()}
+    report["interrupted"] = True
+    files = _write_report(folder, report, {labels[p]: r for p, r in runs.items()})
+    done = ", ".join(runs)
+    return interrupted(f"finished runs ({done}) were written to {files[0]}")
+
+
+def _sweep_interrupted(finished: list[Trial], total: int, itl_slo_ms: float) -> typer.Exit:
+    """Ctrl-C during sweep: write the finished trials to a new file and say where."""
+    if not finished:
+        return interrupted(f"none of the {total} trials had finished; nothing was written")
+    path = Path("runs") / f"sweep-interrupted-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"controls": dict(t.controls), **_metrics_json(t.metrics)} for t in finished]
+    payload = {"itl_slo_ms": itl_slo_ms, "interrupted": True, "trials": rows}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return interrupted(f"{len(finished)} of {total} trials had finished; written to {path}")
+
+
+def shown_keys(workload: str) -> tuple[str, ...]:
+    """The table's metrics: job goodput only where there are jobs (the agents workload); a
+    trace or benchmark workload leads with requests and throughput instead."""
+    if workload.partition(":")[0] == "agents":
+        return REPORT_KEYS
+    jobless = tuple(k for k in REPORT_KEYS if not k.startswith("job"))
+    return (
+        "requests_completed",
+        "output_tokens_per_s",
+        *(k for k in jobless if k != "output_tokens_per_s"),
+    )
+
+
+def _default_warmup(workload: str) -> float:
+    """0 for a workload that runs out of requests (it may end before 300 s), else 300."""
+    from hybridserve.sim.run import finite_workload
+
+    return 0.0 if finite_workload(workload) else 300.0
+
+
+def _warn_about_run(run: SimRun) -> None:
+    """Say on stderr what the numbers alone hide: rejected requests and a queue that never
+    drains."""
+    if run.rejected:
+        shown = ", ".join(
+            f"{rid} (request {int(rid[1:]) + 1} of the trace, {length:,} tokens)"
+            if rid[1:].isdigit()
+            else f"{rid} ({length:,} tokens)"
+            for rid, length, _ in run.rejected[:3]
+        )
+        more = f" and {len(run.rejected) - 3} more" if len(run.rejected) > 3 else ""
+        err.print(
+            f"warning: {len(run.rejected)} requests were rejected, not run: {shown}{more}; "
+            f"{run.rejected[0][2]}. Raise --max-model-len to keep them.",
+            soft_wrap=True,
+        )
+    s = run.summary
+    if s.get("never_drains"):
+        err.print(
+            f"warning: the run never drains: the waiting queue grew through the window (mean "
+            f"{s['waiting_first_quarter']:.0f} requests in its first quarter, "
+            f"{s['waiting_last_quarter']:.0f} in its last), so arrivals outpace this "
+            "configuration and latencies keep growing with the run's length instead of settling. "
+            "Lower the "
+            "load (--time-scale above 1, fewer --agents) or compare another --preset.",
+            soft_wrap=True,
+        )
+
+
+def _simulated_model(config: SimConfig) -> tuple[str, str]:
+    """(the model's name, the speculative method) that `config` simulates: the profile parsed
+    from --model-config when given, and the resolved --spec (auto: from the model)."""
+    from hybridserve.sim.run import model_profile, speculative_method
+
+    profile = model_profile(config)
+    return profile.name, speculative_method(config.spec, profile)
+
+
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
     """report.json plus the PNG plots (skipped, with a note, when matplotlib is absent)."""
     from hybridserve.cli.plots import plots_available, write_plots
@@ -114,7 +220,9 @@ def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRu
     path = folder / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     if not plots_available():
-        err.print("plots skipped: matplotlib is not installed (pip install 'hybridserve[sim]')")
+        err.print(
+            f"plots skipped: matplotlib is not installed ({install_hint('sim')})", markup=False
+        )
         return [path]
     return [path, *write_plots(folder, runs)]
 
@@ -124,20 +232,22 @@ def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
     return {k: None if math.isnan(v) else round(v, 4) for k, v in summary.items()}
 
 
-SimOption = Annotated[str, typer.Option(help="Model profile.")]
-GpuOption = Annotated[str, typer.Option(help="GPU: A100-80G, H100-SXM, H200, B200, MI300X.")]
+SimOption = Annotated[str, typer.Option(help=MODEL_HELP)]
+GpuOption = Annotated[str, typer.Option(help=GPU_HELP)]
 DtypeOption = Annotated[str, typer.Option(help="Weight dtype: bf16, fp8, fp4.")]
 SimGpuOption = Annotated[
     str | None,
-    typer.Option(
-        help="GPU: A100-80G, H100-SXM, H200, B200, MI300X [default: H200, or the calibration's]."
-    ),
+    typer.Option(help=f"{GPU_HELP[:-1]} [default: H200, or the calibration's]."),
 ]
 SimDtypeOption = Annotated[
     str | None,
     typer.Option(help="Weight dtype: bf16, fp8, fp4, fp32 [default: fp8, or the calibration's]."),
 ]
 TpOption = Annotated[int, typer.Option(help="Tensor-parallel width.")]
+SpecOption = Annotated[
+    str,
+    typer.Option(help=f"{SPEC_HELP} auto: mtp when the model has MTP layers, else none."),
+]
 AgentsOption = Annotated[int, typer.Option(help="Agents running jobs back to back.")]
 DurationOption = Annotated[float, typer.Option(help="Simulated seconds (per run).")]
 WarmupOption = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
@@ -159,7 +269,8 @@ ModelConfigOption = Annotated[
 KvDtypeOption = Annotated[
     str | None,
     typer.Option(
-        help="KV cache / recurrent state dtype: bf16, fp8 [default: bf16, or the calibration's]."
+        help="KV cache / recurrent state dtype: bf16, fp16, fp8, fp32 [default: bf16, or the "
+        "calibration's]."
     ),
 ]
 CalibrationOption = Annotated[
@@ -187,13 +298,14 @@ def simulate_cmd(
     ] = "hybridserve",
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
-    warmup: WarmupOption = 300.0,
-    spec: Annotated[
-        str,
+    warmup: Annotated[
+        float | None,
         typer.Option(
-            help="Speculative method (mtp-legacy / eagle-legacy: the pre-0.33 one-block drop)."
+            help="Seconds excluded from the metrics [default: 300, or 0 for a workload with a "
+            "fixed number of requests: a trace, poisson, fixed with requests=N]."
         ),
-    ] = "mtp",
+    ] = None,
+    spec: SpecOption = "auto",
     workload: Annotated[
         str,
         typer.Option(
@@ -204,6 +316,13 @@ def simulate_cmd(
     ] = "agents",
     time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
     limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Context limit in tokens; longer trace requests are rejected and counted "
+            "[default: 131073, the agents' context limit + 1]."
+        ),
+    ] = None,
     config_file: ConfigOption = None,
     include_scheduler_cpu: CpuOption = False,
     model_config: ModelConfigOption = None,
@@ -223,34 +342,44 @@ def simulate_cmd(
             preset=preset,
             num_agents=agents,
             duration_s=duration,
-            warmup_s=warmup,
+            warmup_s=_default_warmup(workload) if warmup is None else warmup,
             spec=spec,
             seed=seed,
             workload=workload,
             time_scale=time_scale,
             limit=limit,
+            max_model_len=max_model_len,
             include_scheduler_cpu=include_scheduler_cpu,
             **_model_options(model_config),
             **_device_options(gpu, dtype, kv_dtype, calibration),
             **_file_options(config_file),
         )
-        run = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
+        label = run_label(preset, config_file)
+        run = _run_sim(config, label=f"simulate ({label})", quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise interrupted("the run did not finish; nothing was written") from None
     summary = run.summary
+    _warn_about_run(run)
+    name, method = _simulated_model(config)
     if out is not None:
-        _write_report(out, {preset: _metrics_json(summary)}, {preset: run})
+        setup = {"model": name, "spec": method, "gpu": config.gpu, "workload": workload}
+        _write_report(out, {label: _metrics_json(summary), "setup": setup}, {label: run})
     if as_json:
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
-    shown = model_config or model
     where = f"{config.gpu} (tp={tp}, {config.dtype})"
-    table = Table(title=f"simulate: {shown} on {where}, preset={preset}")
+    console = out_console()
+    console.print(f"simulate: {name} (spec {method}) on {where}, {label}")
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in REPORT_KEYS:
+    for key in shown_keys(workload):
         table.add_row(key, f"{summary[key]:,.3f}")
-    Console().print(table)
+    if summary["requests_rejected"]:
+        table.add_row("requests_rejected", f"{summary['requests_rejected']:,.0f}")
+    console.print(table)
 
 
 @app.command("bench")
@@ -259,6 +388,7 @@ def bench_cmd(
     gpu: SimGpuOption = None,
     tp: TpOption = 1,
     dtype: SimDtypeOption = None,
+    spec: SpecOption = "auto",
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
     warmup: WarmupOption = 300.0,
@@ -267,7 +397,12 @@ def bench_cmd(
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     calibration: CalibrationOption = None,
-    name: Annotated[str, typer.Option(help="Run name: files go under runs/NAME/.")] = "e1",
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Run name: files go under runs/NAME/ [default: a new runs/e1-DATE-TIME/]."
+        ),
+    ] = None,
     ablations: Annotated[
         bool, typer.Option(help="Also run controls-only and retention-only.")
     ] = False,
@@ -280,10 +415,14 @@ def bench_cmd(
         presets += ["controls-only", "retention-only"]
     from hybridserve.sim.run import with_preset
 
+    # A --config file shapes the hybridserve side only: the baseline stays vLLM.
+    labels = {p: p if p == "baseline" else run_label(p, config_file) for p in presets}
+    folder = bench_folder(name)
     try:
         config = _sim_config(
             model=model,
             tp=tp,
+            spec=spec,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
@@ -291,13 +430,15 @@ def bench_cmd(
             **_model_options(model_config),
             **_device_options(gpu, dtype, kv_dtype, calibration),
         )
+        simulated = _simulated_model(config)
         for preset in presets:
-            # A --config file shapes the hybridserve side only: the baseline stays vLLM.
             extra = _file_options(config_file) if preset != "baseline" else {}
             chosen = replace(with_preset(config, preset), **extra)
-            runs[preset] = _run_sim(chosen, label=preset, quiet=as_json)
+            runs[preset] = _run_sim(chosen, label=labels[preset], quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise _bench_interrupted(runs, labels, folder) from None
     results = {preset: run.summary for preset, run in runs.items()}
     base, ours = results["baseline"], results["hybridserve"]
     ratios = {k: round(ours[k] / base[k], 4) if base[k] else None for k in REPORT_KEYS}
@@ -307,7 +448,8 @@ def bench_cmd(
         "ratios": ratios,
         **{preset: _metrics_json(results[preset]) for preset in presets[2:]},
         "setup": {
-            "model": model,
+            "model": simulated[0],
+            "spec": simulated[1],
             "gpu": config.gpu,
             "tp": tp,
             "dtype": config.dtype,
@@ -318,16 +460,18 @@ def bench_cmd(
             "duration_s": duration,
             "warmup_s": warmup,
             "seed": seed,
+            "config": None if config_file is None else str(config_file),
+            "labels": labels,
         },
     }
-    folder = Path("runs") / name
-    files = _write_report(folder, report, runs)
+    files = _write_report(folder, report, {labels[p]: run for p, run in runs.items()})
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
-    where = f"{config.gpu} (tp={tp}, {config.dtype})"
-    table = Table(title=f"E1: {agents} agents, {model} on simulated {where}")
-    for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio", *presets[2:]):
+    where = f"simulated {config.gpu} (tp={tp}, {config.dtype})"
+    table = Table(title=f"E1: {agents} agents, {simulated[0]} (spec {simulated[1]}) on {where}")
+    headers = ("metric", "baseline (vLLM)", labels["hybridserve"], "ratio")
+    for column in (*headers, *(labels[p] for p in presets[2:])):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for key in REPORT_KEYS:
         ratio = ratios[key]
@@ -339,7 +483,7 @@ def bench_cmd(
             "-" if ratio is None else f"{ratio:.2f}x",
             *cells,
         )
-    console = Console()
+    console = out_console()
     console.print(table)
     console.print("files: " + ", ".join(str(f) for f in files))
 
@@ -361,6 +505,7 @@ def sweep_cmd(
     gpu: SimGpuOption = None,
     tp: TpOption = 1,
     dtype: SimDtypeOption = None,
+    spec: SpecOption = "auto",
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     agents: AgentsOption = 20,
@@ -375,10 +520,12 @@ def sweep_cmd(
 
     if trials < 1 or workers < 1:
         raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
+    finished: list[Trial] = []
     try:
         config = _sim_config(
             model=model,
             tp=tp,
+            spec=spec,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
@@ -388,10 +535,18 @@ def sweep_cmd(
         )
         quantum = state_quantum(model_profile(config))
         results = sweep(
-            config, trials=trials, quantum=quantum, workers=workers, seed=seed, ray_address=ray
+            config,
+            trials=trials,
+            quantum=quantum,
+            workers=workers,
+            seed=seed,
+            ray_address=ray,
+            on_trial=finished.append,
         )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise _sweep_interrupted(finished, trials + 1, itl_slo_ms) from None
     winner = best(results, itl_slo_ms=itl_slo_ms)
     rows = [
         {"controls": dict(t.controls), **_metrics_json(t.metrics), "meets_slo": t.meets(itl_slo_ms)}
@@ -414,6 +569,6 @@ def sweep_cmd(
             f"{m['ttft_p50_ms']:.0f}",
             "yes" if trial.meets(itl_slo_ms) else "no",
         )
-    console = Console()
+    console = out_console()
     console.print(table)
     console.print(f"best under the SLO: {dict(winner.controls) or 'all off'}")

@@ -6,6 +6,7 @@ Imported only when `hybridserve serve --executor torch` runs; it imports torch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from hybridserve.executor.torch.tokenizer import TextTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8_192
+logger = logging.getLogger(__name__)
 # Stop tokens chat models end a turn with, besides the model's own EOS ids.
 _TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
 
@@ -203,9 +205,13 @@ class TorchServingBackend:
         return 0.0  # real steps take real time
 
     def close(self) -> None:
-        """Release the DCP ranks, if any (call once the engine thread stopped)."""
+        """Release the DCP ranks, if any (call once the engine thread stopped). A rank that is
+        already gone (killed from outside) is reported, not raised: shutdown goes on."""
         if self._driver is not None:
-            self._driver.close()
+            try:
+                self._driver.close()
+            except RuntimeError as exc:
+                logger.warning("a DCP rank had already stopped; releasing the rest (%s)", exc)
         if self._ranks is not None:
             self._ranks.close()
 

@@ -64,6 +64,8 @@ class ServerSettings:
     max_failed_steps: int = 3  # failed executor steps in a row before the engine is dead
     shutdown_timeout_s: float = 30.0  # running requests' time to finish once shutdown begins
     allow_origins: tuple[str, ...] = ()  # browser origins allowed by CORS
+    # max_tokens of a chat request that gives none (bounded by the room under max_model_len).
+    default_max_tokens: int = 2048
 
 
 class ServerState:
@@ -353,7 +355,7 @@ def _make_request(
         )
     limit, limit_field = max_tokens
     if limit is None:
-        limit = room
+        limit = min(room, state.settings.default_max_tokens)
     elif limit > room:
         raise ApiError(
             400,

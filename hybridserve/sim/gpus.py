@@ -50,7 +50,7 @@ class GpuSpec:
 _T = 1e12
 _G = 1e9
 
-# Sources: ../shared/data/gpu-datasheets.json, which quotes (dense values, no sparsity):
+# Sources: data/gpu-datasheets.json, which quotes (dense values, no sparsity):
 # - A100-SXM4 80GB: glennklockwood.com/garden/processors/A100 citing the NVIDIA A100 datasheet
 #   (BF16 312 TFLOP/s, 80 GB HBM2e, 2.039 TB/s); NVLink 3 600 GB/s bidirectional (denvrdata KB,
 #   fudzilla); no FP8 on Ampere (TransformerEngine support matrix).

@@ -12,6 +12,7 @@ import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from hybridserve.core.errors import RequestError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.metrics.recorder import MetricsRecorder
@@ -46,6 +47,9 @@ class Simulation:
         self._arrivals: list[Arrival] = []
         self._seq = 0
         self._answers: dict[str, list[int]] = {}
+        # Arrivals the engine refused (a prompt longer than max_model_len, ...): id, length and
+        # the reason. They are counted and reported; the run goes on without them.
+        self.rejected: list[tuple[str, int, str]] = []
 
     def schedule_arrival(
         self, time_s: float, req_id: str, prompt: list[int], max_tokens: int, job_id: str | None
@@ -77,14 +81,18 @@ class Simulation:
     def _admit_arrivals(self) -> None:
         while self._arrivals and self._arrivals[0].time_s <= self.now:
             arrival = heapq.heappop(self._arrivals)
-            self.engine.add_request(
-                Request(
-                    req_id=arrival.req_id,
-                    prompt_token_ids=tuple(arrival.prompt),
-                    sampling=SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
-                    arrival_time=arrival.time_s,
+            try:
+                self.engine.add_request(
+                    Request(
+                        req_id=arrival.req_id,
+                        prompt_token_ids=tuple(arrival.prompt),
+                        sampling=SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
+                        arrival_time=arrival.time_s,
+                    )
                 )
-            )
+            except RequestError as exc:
+                self.rejected.append((arrival.req_id, len(arrival.prompt), str(exc)))
+                continue
             self._answers[arrival.req_id] = []
             self.recorder.on_arrival(
                 arrival.req_id, arrival.time_s, len(arrival.prompt), arrival.job_id

@@ -90,7 +90,7 @@ class SimConfig:
     tp: int = 1
     dtype: str = "fp8"
     preset: str = "hybridserve"
-    spec: str = "mtp"
+    spec: str = "auto"  # auto: mtp for a model with MTP layers, else none (speculative_method)
     num_speculative_tokens: int = 2
     acceptance_rate: float = 0.7
     duration_s: float = 1_800.0
@@ -109,12 +109,53 @@ class SimConfig:
     efficiency: Efficiency = field(default_factory=Efficiency)  # cost-model constants
     # A device outside the catalog (a calibration profile's measured peaks); beats `gpu`.
     gpu_spec: GpuSpec | None = None
+    # The context limit; None: the agents' context limit + 1. Longer trace prompts are rejected.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.warmup_s < 0 or self.duration_s <= self.warmup_s:
+        if not self.warmup_s >= 0:
+            raise ConfigError("warmup_s (--warmup)", self.warmup_s, "use 0 or more seconds")
+        if self.duration_s <= self.warmup_s:
             raise ConfigError(
-                "duration_s", self.duration_s, f"it must exceed warmup_s={self.warmup_s}"
+                "duration_s (--duration)",
+                self.duration_s,
+                f"it must exceed warmup_s={self.warmup_s}: raise it or lower --warmup",
             )
+        if self.max_model_len is not None:
+            _check_max_model_len(self.max_model_len, self.workload, self.agents)
+
+    @property
+    def context_limit(self) -> int:
+        """The scheduler's max_model_len for this run."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return self.agents.context_limit + 1
+
+
+def _check_max_model_len(max_model_len: int, workload: str, agents: AgentParams) -> None:
+    if max_model_len < 2:
+        raise ConfigError("max_model_len (--max-model-len)", max_model_len, "use 2 or more")
+    if workload.partition(":")[0] == "agents" and max_model_len <= agents.context_limit:
+        raise ConfigError(
+            "max_model_len (--max-model-len)",
+            max_model_len,
+            f"agents grow their contexts to {agents.context_limit} tokens; use more than "
+            "that, or a trace workload",
+        )
+
+
+# Workloads that run out of requests: their warm-up defaults to 0 (finite_workload).
+_FINITE_KINDS = ("mooncake", "azure", "poisson")
+
+
+def finite_workload(workload: str) -> bool:
+    """True for a workload with a fixed number of requests (a trace, poisson, or fixed with
+    requests=N), which may end long before a 300 s warm-up; agents and an open-ended fixed
+    workload run for the whole duration."""
+    kind, _, arg = workload.partition(":")
+    if kind == "fixed":
+        return any(item.startswith("requests=") for item in arg.split(","))
+    return kind in _FINITE_KINDS
 
 
 def gpu_of(config: SimConfig) -> GpuSpec:
@@ -132,6 +173,69 @@ def state_quantum(model: str | ModelProfile) -> int:
     """The control quantum q of a model: its state block size, or 1 without state groups."""
     profile = get_model(model) if isinstance(model, str) else model
     return quantum_of_groups(profile.cache_groups())
+
+
+AUTO_SPEC = "auto"
+# KV cache and recurrent-state dtypes the cost model and pool sizing express (fp32: a CPU
+# calibration). FP4 KV caches are not modelled: their scales and kernels are not.
+KV_DTYPES = ("bf16", "fp16", "fp8", "fp32")
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError("kv_dtype (--kv-dtype)", kv_dtype, f"use one of {', '.join(KV_DTYPES)}")
+
+
+def check_tensor_parallel(model: ModelProfile, tp: int) -> None:
+    """Tensor parallelism splits every layer's heads evenly over the GPUs, as vLLM requires:
+    `tp` must divide the query heads (and the Mamba / gated-delta-net heads); KV heads are split,
+    or replicated when there are fewer of them than GPUs (tp a multiple of them)."""
+    field = "tp (--tp)"
+    if tp < 1:
+        raise ConfigError(field, tp, "use 1 or more GPUs")
+    heads: list[tuple[str, int]] = []
+    if model.attention is not None:
+        heads.append(("attention heads", model.attention.num_heads))
+    if model.mla is not None:
+        heads.append(("MLA heads", model.mla.num_heads))
+    recurrent = model.recurrent
+    for name in ("num_heads", "num_value_heads", "num_key_heads"):
+        count = getattr(recurrent, name, None)
+        if isinstance(count, int):
+            heads.append((f"{type(recurrent).__name__} {name[4:].replace('_', ' ')}", count))
+    for what, count in heads:
+        if count % tp:
+            divisors = [d for d in range(1, count + 1) if count % d == 0]
+            raise ConfigError(
+                field,
+                tp,
+                f"{model.name} has {count} {what}, which {tp} GPUs cannot split "
+                f"evenly; use one of {divisors}",
+            )
+    kv = model.attention.num_kv_heads if model.attention is not None else 0
+    if kv and kv < tp and tp % kv:
+        raise ConfigError(
+            field,
+            tp,
+            f"{model.name} has {kv} KV heads: use a tp that divides them or that "
+            f"they divide (a multiple of {kv})",
+        )
+
+
+def speculative_method(spec: str, model: ModelProfile) -> str:
+    """The method a run simulates. `auto` is the model's own: `mtp` when it has MTP layers,
+    else `none`. MTP asked of a model without MTP layers is refused: it would simulate
+    speculation the model cannot do."""
+    if spec == AUTO_SPEC:
+        return "mtp" if model.num_mtp_layers > 0 else "none"
+    if spec in ("mtp", "mtp-legacy") and model.num_mtp_layers == 0:
+        raise ConfigError(
+            "spec",
+            spec,
+            f"{model.name} has no MTP layers; use --spec auto (here: none), none, or a "
+            "draft-head method such as eagle",
+        )
+    return spec
 
 
 def model_profile(config: SimConfig) -> ModelProfile:
@@ -174,6 +278,8 @@ def build_engine(
     """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
     `config.include_scheduler_cpu`."""
     gpu, model = gpu_of(config), model_profile(config)
+    check_tensor_parallel(model, config.tp)
+    check_kv_dtype(config.kv_dtype)
     cost = RooflineCostModel(
         gpu,
         model,
@@ -186,11 +292,12 @@ def build_engine(
         gpu, model, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype
     )
     groups = model.kv_cache_groups()
+    method = speculative_method(config.spec, model)
     quantum = state_quantum(model)
-    chosen = preset(config.preset, quantum=quantum, max_model_len=config.agents.context_limit + 1)
+    chosen = preset(config.preset, quantum=quantum, max_model_len=config.context_limit)
     speculative = SpeculativeConfig.from_name(
-        config.spec,
-        config.num_speculative_tokens if config.spec != "none" else 0,
+        method,
+        config.num_speculative_tokens if method != "none" else 0,
         lookahead_block_hashes=chosen.lookahead_block_hashes,
     )
     if config.controls:
@@ -246,6 +353,7 @@ class SimRun:
     summary: dict[str, float]
     recorder: MetricsRecorder
     cache: dict[str, Any]
+    rejected: tuple[tuple[str, int, str], ...] = ()  # arrivals refused: id, length, reason
 
     def ttft_samples_s(self) -> list[float]:
         return self.recorder.ttft_samples_s(self.config.warmup_s, self.config.duration_s)
@@ -263,23 +371,73 @@ def run_simulation(
     """Run the workload; `progress(simulated_s)` is called after every 256 steps."""
     engine, scheduler = build_engine(config, cpu_clock=cpu_clock)
     holder: list[Simulation] = []
+    queue = QueueTrace(config.warmup_s)
 
     def on_step(step: EngineStep) -> None:
+        queue.on_step(step.now, step.scheduled.num_waiting)
         if progress is not None and holder and holder[0].steps % 256 == 0:
             progress(holder[0].now)
 
     sim = make_simulation(config, engine, on_step)
     holder.append(sim)
     recorder = sim.run(config.duration_s)
-    end_s = config.duration_s
-    if config.workload.startswith("fixed:") and config.warmup_s < sim.now < end_s:
-        end_s = sim.now  # a benchmark's rates are over the time it had work, as its tools report
+    # A workload that ran out of requests ended early: rates are over the time it had work (as
+    # benchmark tools report them), not over an idle tail.
+    end_s = sim.now if config.warmup_s < sim.now < config.duration_s else config.duration_s
     summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=end_s)
+    _require_completed(summary, config, end_s=end_s, ran_until_s=sim.now)
     summary["steps"] = float(sim.steps)
     summary["simulated_s"] = sim.now
+    summary["requests_rejected"] = float(len(sim.rejected))
+    summary.update(queue.summary(end_s))
     cache = scheduler.cache.metrics_snapshot()
     summary.update(group_hit_rates(cache))
-    return SimRun(config, summary, recorder, cache)
+    return SimRun(config, summary, recorder, cache, rejected=tuple(sim.rejected))
+
+
+def _require_completed(
+    summary: dict[str, float], config: SimConfig, *, end_s: float, ran_until_s: float
+) -> None:
+    """A window in which no request finished has no latency to report: an error, with the fix,
+    never a report of nulls."""
+    if summary["requests_completed"] > 0:
+        return
+    raise ConfigError(
+        "warmup_s (--warmup)",
+        config.warmup_s,
+        f"no request finished inside the measurement window [{config.warmup_s:g}, "
+        f"{end_s:g}] s (the run had work until {ran_until_s:.1f} s); lower --warmup "
+        "(a finite workload's default is 0) or raise --duration",
+    )
+
+
+class QueueTrace:
+    """The waiting queue's length through the measurement window, to tell a run that never
+    drains (arrivals outpace service, so latency grows with the window) from a steady one."""
+
+    GROWTH = 2.0  # the last quarter's mean queue exceeds GROWTH x the first quarter's, plus
+    MIN_WAITING = 8.0  # MIN_WAITING requests: too many to be noise
+
+    def __init__(self, window_start_s: float) -> None:
+        self.window_start_s = window_start_s
+        self.samples: list[tuple[float, int]] = []
+
+    def on_step(self, now: float, num_waiting: int) -> None:
+        if now >= self.window_start_s:
+            self.samples.append((now, num_waiting))
+
+    def summary(self, end_s: float) -> dict[str, float]:
+        span = end_s - self.window_start_s
+        first = [w for t, w in self.samples if t < self.window_start_s + span / 4]
+        last = [w for t, w in self.samples if self.window_start_s + 3 * span / 4 <= t <= end_s]
+        first_mean = sum(first) / len(first) if first else 0.0
+        last_mean = sum(last) / len(last) if last else 0.0
+        growing = last_mean > self.GROWTH * first_mean + self.MIN_WAITING
+        return {
+            "waiting_first_quarter": first_mean,
+            "waiting_last_quarter": last_mean,
+            "never_drains": 1.0 if growing else 0.0,
+        }
 
 
 def group_hit_rates(cache: dict[str, Any]) -> dict[str, float]:

@@ -8,8 +8,11 @@ job goodput among those that meet the SLO (if none does, the lowest p99 ITL).
 
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing
 import random
-from concurrent.futures import ProcessPoolExecutor
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -66,6 +69,7 @@ def sweep(
     workers: int = 1,
     seed: int = 0,
     ray_address: str | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
 ) -> list[Trial]:
     """Run `trials` distinct random control settings (plus all-off) on `base`.
 
@@ -84,10 +88,38 @@ def sweep(
     configs = [replace(base, preset="retention-only", controls=c) for c in settings]
     if ray_address is not None:
         return _ray_map(configs, ray_address)
+    return _local_map(configs, workers, on_trial)
+
+
+def _local_map(
+    configs: list[SimConfig], workers: int, on_trial: Callable[[Trial], None] | None
+) -> list[Trial]:
+    """Run the trials here or in `workers` processes, in order of `configs`; `on_trial` hears of
+    each as it finishes, so an interrupted sweep still has its finished trials. Workers ignore
+    SIGINT (no tracebacks from them); leaving the pool terminates them."""
+    results: list[Trial | None] = [None] * len(configs)
+
+    def keep(index: int, trial: Trial) -> None:
+        results[index] = trial
+        if on_trial is not None:
+            on_trial(trial)
+
     if workers <= 1:
-        return [_run_trial(c) for c in configs]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_run_trial, configs))
+        for index, config in enumerate(configs):
+            keep(index, _run_trial(config))
+    else:
+        with multiprocessing.Pool(workers, initializer=_ignore_sigint) as pool:
+            for index, trial in pool.imap_unordered(_run_indexed, enumerate(configs)):
+                keep(index, trial)
+    return [t for t in results if t is not None]
+
+
+def _run_indexed(item: tuple[int, SimConfig]) -> tuple[int, Trial]:
+    return item[0], _run_trial(item[1])
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _ray_map(configs: list[SimConfig], address: str) -> list[Trial]:
@@ -101,10 +133,32 @@ def _ray_map(configs: list[SimConfig], address: str) -> list[Trial]:
     if not ray_mod.is_initialized():
         if address == "connected":
             raise ConfigError("ray", address, "call ray.init() first, or give an address")
-        ray_mod.init(address=None if address == "local" else address, log_to_driver=False)
+        _ray_connect(ray_mod, address)
     task = ray_mod.remote(_run_trial)
     results: list[Trial] = ray_mod.get([task.remote(c) for c in configs])
     return results
+
+
+def _ray_connect(ray_mod: Any, address: str) -> None:
+    """ray.init, with Ray's failures to find or reach a cluster turned into ConfigErrors."""
+    if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
+        raise ConfigError(
+            "ray_address (--ray)",
+            address,
+            "ray:// addresses need Ray Client (ray[client]), which the ray extra includes: "
+            "pip install 'hybridserve[ray]'",
+        )
+    try:
+        ray_mod.init(address=None if address == "local" else address, log_to_driver=False)
+    except ConnectionError as exc:
+        raise ConfigError(
+            "ray_address (--ray)",
+            address,
+            f"no Ray cluster answered ({exc}); start one with `ray start --head`, give "
+            "ray://HOST:10001, use --ray local for an in-process cluster, or drop --ray",
+        ) from None
+    except ValueError as exc:  # Ray's own complaint about the address or a missing package
+        raise ConfigError("ray_address (--ray)", address, str(exc)) from None
 
 
 def best(results: list[Trial], *, itl_slo_ms: float) -> Trial:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from hybridserve.cli import app
 from hybridserve.recordings.replay import replay_recording
 from hybridserve.recordings.trace import RecordingError, generate_prompt, load_recording
-from tests.conftest import DATA_DIR, require_data
+from tests.conftest import require_data
 
 IDENTICAL = [
     "burst_agents_fa16",
@@ -117,7 +117,3 @@ def test_replay_command_fails_on_a_divergent_recording(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert report["first_divergence"]["step"] == 5
     assert report["first_divergence"]["field"] == "num_free_blocks"
-
-
-def test_data_folder_location_is_beside_the_checkout() -> None:
-    assert DATA_DIR.name == "data" and DATA_DIR.parent.name == "shared"

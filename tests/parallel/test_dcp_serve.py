@@ -120,3 +120,39 @@ def _is_running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_sigterm_to_the_dcp_server_process_group_shuts_down_cleanly(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A `kill` of the whole process group (a service manager, a container stop) reaches every
+    rank at once: the server still releases its other rank and exits without a traceback."""
+    folder = tmp_path_factory.mktemp("tiny-llama-dcp-term")
+    _write_checkpoint(folder)
+    port = find_free_port()
+    command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "torch"]
+    command += ["--model", str(folder), "--device", "cpu", "--max-model-len", "256"]
+    command += ["--dcp", "2", "--port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "no start"
+            time.sleep(0.3)
+        ranks = [pid for server in _forkservers(proc.pid) for pid in _children(server)]
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr[-3000:]
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once done
+    assert len(ranks) == 1 and not [pid for pid in ranks if _is_running(pid)]

@@ -71,3 +71,28 @@ def test_generate_rejects_malformed_token_ids(
     )
     assert result.exit_code == 2
     assert "p.jsonl:1" in result.output
+
+
+def test_generate_refuses_a_token_id_outside_the_vocabulary(
+    tiny_llama: tuple[Path, object], tmp_path: Path
+) -> None:
+    folder, _ = tiny_llama
+    source = tmp_path / "oov.jsonl"
+    source.write_text("[5, 6]\n[7, 64, 8]\n")
+    for extra in ([], ["--dcp", "2"]):  # refused before any rank starts, too
+        args = ["generate", "--model", str(folder), "--token-ids", str(source), *extra]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())
+        assert "prompt 2 has token id 64" in text and "[0, 64)" in text
+
+
+def test_generate_refuses_a_zero_block_size(
+    tiny_llama: tuple[Path, object], tmp_path: Path
+) -> None:
+    folder, _ = tiny_llama
+    source = tmp_path / "p.jsonl"
+    source.write_text("[5, 6]\n")
+    args = ["generate", "--model", str(folder), "--token-ids", str(source), "--block-size", "0"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "--block-size=0 is invalid" in result.output

@@ -179,3 +179,12 @@ def test_conversation_trace_replay_reproduces_the_ideal_hit_rate() -> None:
     assert out["requests"] == 12_031
     assert out["hit_rate"] == pytest.approx(0.3736, abs=5e-5)
     assert out["ideal_full_attention_hit_rate"] == pytest.approx(0.3736, abs=5e-5)
+
+
+def test_a_layout_without_a_mamba_group_replays_one_retention_column_by_default() -> None:
+    result = CliRunner().invoke(
+        app, ["cache-replay", "--groups", "full:16,swa:16:w=64", "--limit", "40", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert "runs" not in payload and payload["retention"] == "boundary"

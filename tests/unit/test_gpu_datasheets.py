@@ -1,24 +1,23 @@
-"""The GPU catalog agrees with ../shared/data/gpu-datasheets.json (checked when the file exists)."""
+"""The GPU catalog agrees with data/gpu-datasheets.json."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from hybridserve.core.paths import data_path
 from hybridserve.sim.gpus import GPUS
+from tests.conftest import require_data
 
-DATASHEETS = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpu-datasheets.json"
+DATASHEETS = data_path("gpu-datasheets.json")
 CATALOG_NAME = {"A100": "A100-80G", "H100": "H100-SXM", "H200": "H200", "B200": "B200"}
 CATALOG_NAME["MI300X"] = "MI300X"
 
 
 def _entries() -> list[dict[str, object]]:
-    if not DATASHEETS.exists():
-        pytest.skip(f"{DATASHEETS} is not present")
-    return list(json.loads(DATASHEETS.read_text()))
+    return list(json.loads(require_data("gpu-datasheets.json").read_text()))
 
 
 def _link_per_direction_gb_s(text: str) -> float:

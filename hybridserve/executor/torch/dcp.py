@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 from typing import Any
 
 import torch
@@ -100,9 +101,14 @@ def _follower_main(
     backend: str,
     timeout_s: float,
 ) -> None:
-    """A spawned rank 1..N-1: load the model, join the group, execute plans until closed."""
+    """A spawned rank 1..N-1: load the model, join the group, execute plans until closed.
+
+    It ignores SIGINT and SIGTERM: a Ctrl-C or a `kill` of the process group reaches every
+    rank at once, and rank 0 must still find its followers there to release them in order."""
     from hybridserve.executor.torch.loader import load_model
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         dcp = join_local_group(
             rank, world_size, port, interleave=interleave, backend=backend, timeout_s=timeout_s

@@ -1,0 +1,27 @@
+"""The valid values the commands list in their help: one source, so every command shows the
+same models, GPUs and speculative methods, taken from the catalogs themselves."""
+
+from __future__ import annotations
+
+from hybridserve.core.config import SPEC_NAMES
+from hybridserve.profiles import PROFILES
+from hybridserve.sim.gpus import GPUS
+from hybridserve.sim.models import MODELS
+
+SIM_MODELS = tuple(sorted(MODELS))
+GPU_NAMES = tuple(GPUS)
+SPEC_METHODS = SPEC_NAMES
+CACHE_LAYOUTS = tuple(sorted(PROFILES))
+
+
+def listed(values: tuple[str, ...]) -> str:
+    return ", ".join(values)
+
+
+MODEL_HELP = f"Model profile: {listed(SIM_MODELS)}."
+GPU_HELP = f"GPU: {listed(GPU_NAMES)}."
+SPEC_HELP = (
+    f"Speculative method: {listed(SPEC_METHODS)} "
+    "(eagle, eagle3 and mtp use vLLM 0.33's lookahead block hashes; their -legacy forms drop "
+    "the last matched block of a prefix hit instead)."
+)
