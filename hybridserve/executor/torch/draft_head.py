@@ -2,8 +2,9 @@
 position p and the embedding of the token at p + 1; its output predicts the token at p + 2.
 
 The head's K/V lives in the target's full-attention group (one more layer there). Its K/V at
-position p depends on the token at p + 1, which a prefix hit does not cover: that is why such
-heads declare `drops_target_tail=True` and the cache recomputes the last alignment unit of a hit.
+position p depends on the token at p + 1, which a plain prefix hit does not cover: EAGLE-style
+methods either hash each block with the token after it (vLLM 0.33's lookahead block hashes, the
+default) or drop the last block of a hit (`eagle-legacy`, `mtp-legacy`).
 The executor checks it: every head K/V slot remembers the next token it was computed with, and a
 resumed request whose head K/V at `start - 1` was computed for another token is refused
 (`MissingDraftState`) rather than drafted from a guess.
@@ -120,9 +121,9 @@ class DraftHeadRunner:
             raise MissingDraftState(
                 f"request {chunk.req_id!r} resumes at position {chunk.start} with a draft head, "
                 f"but the head's state for position {chunk.start - 1} was computed for another "
-                "next token and the target hidden state that would recompute it is gone; use a "
-                "speculative method with drops_target_tail=True (eagle, eagle3, mtp) so that the "
-                "cache recomputes the tail of a prefix hit"
+                "next token and the target hidden state that would recompute it is gone; use "
+                "eagle, eagle3 or mtp, whose prefix hits either cover the next token (lookahead "
+                "block hashes) or recompute the last block (the -legacy forms)"
             )
 
     def step(
