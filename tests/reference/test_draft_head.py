@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybridserve.core.config import SpeculativeConfig
+from hybridserve.engine.engine import StepFailed
 from hybridserve.executor.torch.draft_head import MissingDraftState
 from tests.reference.helpers import hybrid_generate, make_checkpoint
 
@@ -65,7 +66,8 @@ def test_resuming_a_drafting_request_without_head_state_is_refused(llama_folder:
     # The second prompt continues the first with another token than the one the head saw.
     prompts = [first, [*first, (answer + 1) % 64, *_prompt(6, seed=4)]]
     no_tail_drop = SpeculativeConfig.from_name("ngram", 2)
-    with pytest.raises(MissingDraftState, match="lookahead block hashes"):
+    # The engine fails the step's requests and reports the executor's reason as the cause.
+    with pytest.raises(StepFailed) as failed:
         _mtp(
             llama_folder,
             prompts,
@@ -73,3 +75,5 @@ def test_resuming_a_drafting_request_without_head_state_is_refused(llama_folder:
             sequential=True,
             layout_options={"speculative": no_tail_drop},
         )
+    assert isinstance(failed.value.__cause__, MissingDraftState)
+    assert "lookahead block hashes" in str(failed.value.__cause__)
