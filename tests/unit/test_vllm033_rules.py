@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridserve.core.config import SchedulerConfig, SchedulingPolicy, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
@@ -241,3 +243,66 @@ def test_legacy_spec_names_select_the_block_drop() -> None:
     assert multi.hash_lookahead_tokens == 3
     with pytest.raises(ConfigError, match="legacy form"):
         SpeculativeConfig.from_name("ngram-legacy")
+
+
+# ----- closed forms of FORMAT.md 7.6 on random scenarios -------------------------------------
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(
+    block=st.sampled_from([4, 8, 16]),
+    first_len=st.integers(2, 120),
+    shared=st.integers(0, 120),
+    second_len=st.integers(2, 160),
+    legacy=st.booleans(),
+)
+def test_full_attention_hits_follow_the_lookahead_and_legacy_closed_forms(
+    block: int, first_len: int, shared: int, second_len: int, legacy: bool
+) -> None:
+    """A request sharing its first c tokens with a cached one hits floor((min(c, P) - 1)/H)*H
+    with lookahead block hashes, and max(floor(min(c, P - 1)/H)*H - H, 0) on the legacy drop."""
+    shared = min(shared, first_len, second_len)
+    first = PROMPT[:first_len]
+    second = first[:shared] + list(range(90_000, 90_000 + second_len - shared))
+    engine, _ = build(
+        [FullAttentionSpec(block_size=block)], spec="eagle-legacy" if legacy else "eagle", drafts=1
+    )
+    run(engine, "first", first)
+    hit = run(engine, "second", second)[0]
+    if legacy:
+        expected = max(min(shared, second_len - 1) // block * block - block, 0)
+    else:
+        expected = max((min(shared, second_len) - 1) // block * block, 0)
+    assert hit == expected
+
+
+@SETTINGS
+@given(
+    block=st.sampled_from([8, 16, 32]),
+    prompt_len=st.integers(2, 200),
+    legacy=st.booleans(),
+    checkpoint=st.booleans(),
+)
+def test_hybrid_resends_hit_the_recorded_closed_form(
+    block: int, prompt_len: int, legacy: bool, checkpoint: bool
+) -> None:
+    """An identical resend on full attention + Mamba (align, retention 0): floor((P-1)/A)*A with
+    lookahead hashes, one block less on the legacy path unless P is block-aligned (the margin
+    then reaches the hashed length); states only where a chunk end or the checkpoint put them
+    (without a checkpoint a block-aligned prompt is one chunk with no state at its boundary)."""
+    groups = [
+        FullAttentionSpec(block_size=block),
+        MambaSpec(block_size=block, prefill_checkpoint=checkpoint),
+    ]
+    engine, _ = build(groups, spec="eagle-legacy" if legacy else "eagle", drafts=1)
+    prompt = PROMPT[:prompt_len]
+    run(engine, "first", prompt)
+    hit = run(engine, "resend", prompt)[0]
+    base = (prompt_len - 1) // block * block
+    if legacy and prompt_len % block:
+        base -= block
+    if not legacy and not checkpoint and prompt_len % block == 0:
+        base = 0  # one chunk: its only state is at P, the boundary P - block never existed
+    assert hit == max(base, 0)
