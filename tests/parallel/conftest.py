@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import pytest
 
+torch = pytest.importorskip("torch", reason="the parallel tests need the torch extra")
 torch.set_num_threads(1)

@@ -192,8 +192,12 @@ def test_qwen35_nested_text_config_with_layer_types() -> None:
 
 
 def test_config_file_in_benchmarks_is_valid_json() -> None:
-    for path in CONFIGS.glob("*/config.json"):
-        assert isinstance(json.loads(path.read_text()), dict)
+    paths = sorted(CONFIGS.glob("*/config.json"))
+    # Every folder holds a config (an empty or renamed folder fails instead of passing).
+    assert len(paths) == len([d for d in CONFIGS.iterdir() if d.is_dir()]) >= 9
+    for path in paths:
+        config = json.loads(path.read_text())
+        assert isinstance(config, dict) and config.get("model_type"), path
         assert (path.parent / "SOURCE.md").exists()
 
 
