@@ -308,6 +308,7 @@ def test_sigint_drains_the_serve_process_and_exits_0() -> None:
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
     command += ["--port", str(port), "--sim-speed", "0.5", "--shutdown-timeout", "1"]
+    command += ["--sim-eos-probability", "0"]  # the answer must still run at SIGINT
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
