@@ -170,6 +170,23 @@ CalibrationOption = Annotated[
         "constants (conflicts with a different --gpu).",
     ),
 ]
+DcpOption = Annotated[
+    int,
+    typer.Option(
+        help="Decode-context-parallel width: full-attention KV sharded over N of the TP ranks "
+        "(lookups in block_size*N units, state groups replicated); --tp defaults to N."
+    ),
+]
+SimTpOption = Annotated[
+    int | None, typer.Option(help="Tensor-parallel width [default: the --dcp width, or 1].")
+]
+BoundOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Run an upper bound instead: free-prefill, ideal-hits or infinite-engine "
+        "(tool time only)."
+    ),
+]
 CpuOption = Annotated[
     bool,
     typer.Option(help="Add the measured schedule()+update() CPU time to every step (not seeded)."),
@@ -180,8 +197,10 @@ CpuOption = Annotated[
 def simulate_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
-    tp: TpOption = 1,
+    tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
+    dcp: DcpOption = 1,
+    bound: BoundOption = None,
     preset: Annotated[
         str, typer.Option(help="baseline, hybridserve, controls-only or retention-only.")
     ] = "hybridserve",
@@ -211,10 +230,15 @@ def simulate_cmd(
     as_json: JsonOption = False,
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
+    from hybridserve.sim.run import pool_report
+
+    tp = tp if tp is not None else dcp
     try:
         config = _sim_config(
             model=model,
             tp=tp,
+            dcp=dcp,
+            bound=bound,
             preset=preset,
             num_agents=agents,
             duration_s=duration,
@@ -229,35 +253,72 @@ def simulate_cmd(
             **_device_options(gpu, dtype, kv_dtype, calibration),
             **_file_options(config_file),
         )
+        pool = pool_report(config)
         run = _run_sim(config, label=f"simulate ({preset})", quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
-    summary = run.summary
+    summary = dict(run.summary)
+    summary["kv_cache_tokens"] = float(pool["kv_cache_tokens"])
+    summary["max_concurrency"] = float(pool["max_concurrency"])
     if out is not None:
-        _write_report(out, {preset: _metrics_json(summary)}, {preset: run})
+        _write_report(out, {preset: _metrics_json(summary), "pool": pool}, {preset: run})
     if as_json:
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
     shown = model_config or model
-    where = f"{config.gpu} (tp={tp}, {config.dtype})"
-    table = Table(title=f"simulate: {shown} on {where}, preset={preset}")
+    where = f"{config.gpu} (tp={tp}, dcp={dcp}, {config.dtype})"
+    extra = f", bound={bound}" if bound else ""
+    table = Table(title=f"simulate: {shown} on {where}, preset={preset}{extra}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in REPORT_KEYS:
-        table.add_row(key, f"{summary[key]:,.3f}")
-    Console().print(table)
+    for key in (*REPORT_KEYS, *BREAKDOWN_ROWS):
+        value = summary.get(key, math.nan)
+        table.add_row(key, "-" if math.isnan(value) else f"{value:,.3f}")
+    console = Console()
+    console.print(table)
+    for line in pool["vllm_log"]:
+        console.print(f"vLLM would log: {line}", highlight=False)
+
+
+BREAKDOWN_ROWS = (
+    "slo_attainment",
+    "gpu_busy_frac",
+    "gpu_decode_frac",
+    "gpu_prefill_frac",
+    "gpu_mixed_frac",
+    "job_decode_frac",
+    "job_tool_frac",
+    "job_queue_ttft_frac",
+    "recomputed_prompt_tokens_per_turn",
+    "ideal_prompt_tokens_per_turn",
+)
 
 
 @app.command("bench")
 def bench_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
-    tp: TpOption = 1,
+    tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
+    dcp: DcpOption = 1,
+    baseline: Annotated[
+        str,
+        typer.Option(help="What hybridserve is compared with: vllm, vllm-tuned or legacy."),
+    ] = "vllm",
     agents: AgentsOption = 20,
-    duration: DurationOption = 1800.0,
-    warmup: WarmupOption = 300.0,
-    seed: SeedOption = 0,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            help="Paired seeds (seed, seed+1, ...): every configuration sees the same jobs."
+        ),
+    ] = 3,
+    duration: DurationOption = 600.0,
+    warmup: WarmupOption = 120.0,
+    seed: Annotated[int, typer.Option(help="The first seed.")] = 0,
+    workers: Annotated[int, typer.Option(help="Local worker processes.")] = 2,
+    bounds: Annotated[
+        bool, typer.Option(help="Also run the three upper bounds (on the baseline).")
+    ] = True,
     config_file: ConfigOption = None,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
@@ -268,17 +329,22 @@ def bench_cmd(
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Experiment E1: the vLLM baseline against hybridserve, side by side, with ratios."""
-    runs: dict[str, SimRun] = {}
-    presets = ["baseline", "hybridserve"]
-    if ablations:
-        presets += ["controls-only", "retention-only"]
-    from hybridserve.sim.run import with_preset
+    """Experiment E1: a baseline against hybridserve on paired seeds, with 95% intervals, the
+    upper bounds and where the time goes."""
+    from hybridserve.sim.bounds import BOUNDS
+    from hybridserve.sim.experiment import baseline_preset, paired_report, run_configs
+    from hybridserve.sim.run import pool_report, with_preset
 
+    if seeds < 1 or workers < 1:
+        raise fail(f"--seeds={seeds} --workers={workers}; use 1 or more of each")
+    tp = tp if tp is not None else dcp
+    seed_list = list(range(seed, seed + seeds))
     try:
+        base_preset = baseline_preset(baseline)
         config = _sim_config(
             model=model,
             tp=tp,
+            dcp=dcp,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
@@ -286,56 +352,140 @@ def bench_cmd(
             **_model_options(model_config),
             **_device_options(gpu, dtype, kv_dtype, calibration),
         )
-        for preset in presets:
-            # A --config file shapes the hybridserve side only: the baseline stays vLLM.
-            extra = _file_options(config_file) if preset != "baseline" else {}
-            chosen = replace(with_preset(config, preset), **extra)
-            runs[preset] = _run_sim(chosen, label=preset, quiet=as_json)
+        labels = ["baseline", "hybridserve"] + (
+            ["controls-only", "retention-only"] if ablations else []
+        )
+        presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
+        presets.update({p: p for p in labels[2:]})
+        configs = {}
+        for label in labels:
+            # A --config file shapes the hybridserve side only: the baseline stays what it is.
+            extra = _file_options(config_file) if label != "baseline" else {}
+            configs[label] = replace(with_preset(config, presets[label]), **extra)
+        if bounds:
+            for bound in BOUNDS:
+                configs[bound] = replace(configs["baseline"], bound=bound)
+        pools = {label: pool_report(configs[label]) for label in labels}
+        log = None if as_json else (lambda line: err.print(line, highlight=False))
+        results, kept = run_configs(
+            configs, seed_list, workers=workers, keep_seed=seed_list[0], log=log
+        )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
-    results = {preset: run.summary for preset, run in runs.items()}
-    base, ours = results["baseline"], results["hybridserve"]
-    ratios = {k: round(ours[k] / base[k], 4) if base[k] else None for k in REPORT_KEYS}
-    report: dict[str, object] = {
-        "baseline": _metrics_json(base),
-        "hybridserve": _metrics_json(ours),
-        "ratios": ratios,
-        **{preset: _metrics_json(results[preset]) for preset in presets[2:]},
-        "setup": {
-            "model": model,
-            "gpu": config.gpu,
-            "tp": tp,
-            "dtype": config.dtype,
-            "kv_dtype": config.kv_dtype,
-            "model_config": None if model_config is None else str(model_config),
-            "calibration": None if calibration is None else str(calibration),
-            "agents": agents,
-            "duration_s": duration,
-            "warmup_s": warmup,
-            "seed": seed,
-        },
+    report = paired_report(results, baseline="baseline", ours="hybridserve")
+    report["pool"] = pools
+    report["setup"] = {
+        "model": model,
+        "gpu": config.gpu,
+        "tp": tp,
+        "dcp": dcp,
+        "dtype": config.dtype,
+        "kv_dtype": config.kv_dtype,
+        "baseline": baseline,
+        "baseline_preset": base_preset,
+        "model_config": None if model_config is None else str(model_config),
+        "calibration": None if calibration is None else str(calibration),
+        "agents": agents,
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "seeds": seed_list,
     }
     folder = Path("runs") / name
-    files = _write_report(folder, report, runs)
+    plotted = {label: kept[label] for label in labels if label in kept}
+    files = _write_report(folder, report, plotted)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
-    where = f"{config.gpu} (tp={tp}, {config.dtype})"
-    table = Table(title=f"E1: {agents} agents, {model} on simulated {where}")
-    for column in ("metric", "baseline (vLLM)", "hybridserve", "ratio", *presets[2:]):
-        table.add_column(column, justify="left" if column == "metric" else "right")
-    for key in REPORT_KEYS:
-        ratio = ratios[key]
-        cells = [f"{results[p][key]:,.2f}" for p in presets[2:]]
+    _print_bench(report, labels, [b for b in BOUNDS if b in results], files)
+
+
+def _print_bench(
+    report: dict[str, Any], labels: list[str], bounds: list[str], files: list[Path]
+) -> None:
+    setup = report["setup"]
+    console = Console(width=max(Console().width, 150))
+    where = f"{setup['gpu']} (tp={setup['tp']}, dcp={setup['dcp']}, {setup['dtype']})"
+    n = len(setup["seeds"])
+    table = Table(
+        title=f"E1: {setup['agents']} agents, {setup['model']} on simulated {where}; "
+        f"{n} paired seed{'s' if n > 1 else ''}, {setup['duration_s']:.0f} s runs "
+        f"({setup['warmup_s']:.0f} s warm-up)"
+    )
+    columns = ["configuration", "jobs/h", *[f"% {b}" for b in bounds]]
+    columns += ["p99 ITL ms", "p99 TTFT ms", "hit rate", "preempt", "SLO met"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+
+    def cell(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for label in [*labels, *bounds]:
+        m = report[label]
+        fractions = report["fraction_of_bound"].get(label, {})
+        shares = [
+            "-"
+            if b not in fractions
+            else cell(fractions[b]["mean"] and 100 * fractions[b]["mean"], ".0f")
+            for b in bounds
+        ]
+        name = f"{label} (bound)" if label in bounds else label
+        if label == "baseline":
+            name = f"baseline ({setup['baseline']})"
         table.add_row(
-            key,
-            f"{base[key]:,.2f}",
-            f"{ours[key]:,.2f}",
-            "-" if ratio is None else f"{ratio:.2f}x",
-            *cells,
+            name,
+            cell(m["job_goodput_per_hour"], ",.1f"),
+            *shares,
+            cell(m["itl_p99_ms"], ",.1f"),
+            cell(m["ttft_p99_ms"], ",.0f"),
+            cell(m["prefix_hit_rate"], ".3f"),
+            cell(m["preemptions"], ".1f"),
+            cell(m["slo_attainment"], ".2f"),
         )
-    console = Console()
     console.print(table)
+    base = setup["baseline"]
+    for name, ratio in report["ratios"].items():
+        ci = ratio["ci95"]
+        interval = (
+            "no interval with one seed" if ci is None else f"95% CI [{ci[0]:.2f}, {ci[1]:.2f}]"
+        )
+        per_seed = ", ".join("-" if v is None else f"{v:.2f}" for v in ratio["per_seed"])
+        mean = ratio["mean"]
+        shown = "-" if mean is None else f"{mean:.2f}x"
+        console.print(
+            f"hybridserve / {base} {name}: {shown} ({interval}; per seed {per_seed})",
+            highlight=False,
+        )
+    if n < 10:
+        console.print(
+            f"{n} seeds: a short screen. The full design (10+ paired seeds, 1,800 s runs) is "
+            "benchmarks/e1_matrix.py.",
+            highlight=False,
+        )
+    shares = Table(title="where the time goes (means over seeds)")
+    shares.add_column("configuration")
+    for column in (
+        "GPU busy",
+        "decode",
+        "prefill",
+        "mixed",
+        "job: decode",
+        "tool",
+        "queue+TTFT",
+        "recomputed/turn",
+        "ideal/turn",
+    ):
+        shares.add_column(column, justify="right")
+    for label in labels:
+        m = report[label]
+        shares.add_row(
+            label,
+            *[cell(m[k], ".2f") for k in BREAKDOWN_ROWS[1:8]],
+            *[cell(m[k], ",.0f") for k in BREAKDOWN_ROWS[8:]],
+        )
+    console.print(shares)
+    for label in labels:
+        log = "; ".join(report["pool"][label]["vllm_log"])
+        console.print(f"{label} pool (vLLM would log): {log}", highlight=False)
     console.print("files: " + ", ".join(str(f) for f in files))
 
 
@@ -354,8 +504,9 @@ def sweep_cmd(
     itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
-    tp: TpOption = 1,
+    tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
+    dcp: DcpOption = 1,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     agents: AgentsOption = 20,
@@ -370,10 +521,12 @@ def sweep_cmd(
 
     if trials < 1 or workers < 1:
         raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
+    tp = tp if tp is not None else dcp
     try:
         config = _sim_config(
             model=model,
             tp=tp,
+            dcp=dcp,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
