@@ -461,8 +461,8 @@ def _print_bench(
             "benchmarks/e1_matrix.py.",
             highlight=False,
         )
-    shares = Table(title="where the time goes (means over seeds)")
-    shares.add_column("configuration")
+    time_table = Table(title="where the time goes (means over seeds)")
+    time_table.add_column("configuration")
     for column in (
         "GPU busy",
         "decode",
@@ -474,15 +474,15 @@ def _print_bench(
         "recomputed/turn",
         "ideal/turn",
     ):
-        shares.add_column(column, justify="right")
+        time_table.add_column(column, justify="right")
     for label in labels:
         m = report[label]
-        shares.add_row(
+        time_table.add_row(
             label,
             *[cell(m[k], ".2f") for k in BREAKDOWN_ROWS[1:8]],
             *[cell(m[k], ",.0f") for k in BREAKDOWN_ROWS[8:]],
         )
-    console.print(shares)
+    console.print(time_table)
     for label in labels:
         log = "; ".join(report["pool"][label]["vllm_log"])
         console.print(f"{label} pool (vLLM would log): {log}", highlight=False)
