@@ -114,13 +114,19 @@ class Efficiency:
     link: float = 0.589  # NCCL ring bus bandwidth: fraction of per-direction link bandwidth
     collective_latency_s: float = 10e-6  # fixed cost of one collective (not fitted)
     step_overhead_s: float = 2.93e-3  # per step: launches, sampling, host-device sync
+    # Fitted on the hybrid rows H1 and H3 (docs/cost_model.md, "Hybrid rows"), not by
+    # fit_cost_model.py: the fused routed-expert kernels' fraction of HBM bandwidth (a decode
+    # step's experts see one or two tokens each), and the fixed time each gated-delta-net or
+    # Mamba layer adds to a step (its conv, gating, recurrence and gated-norm kernels).
+    moe_hbm: float = 0.38
+    recurrent_layer_s: float = 11.4e-6
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "attention", "hbm", "link"):
+        for name in ("gemm", "attention", "hbm", "link", "moe_hbm"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"efficiency.{name}", value, "use a fraction in (0, 1]")
-        for name in ("collective_latency_s", "step_overhead_s"):
+        for name in ("collective_latency_s", "step_overhead_s", "recurrent_layer_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"efficiency.{name}", getattr(self, name), "use >= 0 seconds")
 
@@ -180,6 +186,7 @@ class RooflineCostModel:
         attn_dtype = "fp32" if dtype == "fp32" else "bf16"
         self._attn_flops = gpu.peak_flops(attn_dtype) * efficiency.attention
         self._hbm = gpu.hbm_bytes_per_s * efficiency.hbm
+        self._hbm_moe = gpu.hbm_bytes_per_s * efficiency.moe_hbm
 
     def step_cost(self, batch: StepShape) -> StepCost:
         """The modelled time of `batch`, by term. Does not mutate."""
@@ -226,7 +233,8 @@ class RooflineCostModel:
         expert = moe.expert_params(self.model.hidden_size) / self.tp
         touched = expected_experts(moe.num_experts, moe.num_experts_per_tok, num_tokens)
         flops = 2 * num_tokens * moe.num_experts_per_tok * expert
-        per_layer = self._roofline(flops, touched * expert * self.weight_bytes, gemm=True)
+        weights = touched * expert * self.weight_bytes
+        per_layer = max(flops / self._gemm_flops, weights / self._hbm_moe)
         return (self.model.num_moe_layers if layers is None else layers) * per_layer
 
     def _full_attention(self, batch: StepShape) -> tuple[float, float]:
@@ -294,7 +302,7 @@ class RooflineCostModel:
             return 0.0
         state = m.state_bytes_per_sequence(tp=self.tp)
         flops_per_token = rec.scan_flops_per_token() * m.num_recurrent_layers / self.tp
-        total = 0.0
+        total = m.num_recurrent_layers * self.eff.recurrent_layer_s
         for r in batch.requests:
             total += self._roofline(flops_per_token * r.num_new_tokens, 2 * state, gemm=False)
         return total
@@ -320,18 +328,26 @@ class RooflineCostModel:
             kv_token = 2 * max(1.0, m.attention.num_kv_heads / tp) * m.attention.head_dim
             kv_token *= dtype_bytes(self.kv_dtype)
             heads, head_dim = m.attention.num_heads / tp, m.attention.head_dim
+        # Pass 1 over every computed token (its causal pairs over the context), passes 2..k
+        # over one token per sampled request; the draft layer's attention of a pass is one
+        # batched kernel, so its FLOPs and bytes are summed over the batch before the roofline.
+        first_pairs = first_kv = 0.0
+        next_pairs = next_kv = 0.0
+        for r in batch.requests:
+            first_pairs += causal_pairs(r.num_context_tokens, r.num_new_tokens)
+            first_kv += r.num_context_tokens + 2 * r.num_new_tokens
+            if r.sample:
+                end = r.num_context_tokens + r.num_new_tokens
+                next_pairs += end + 1
+                next_kv += end + 2
+        attn = 4 * heads * head_dim
         total = 0.0
-        passes = [
-            (batch.num_tokens, [(r.num_context_tokens, r.num_new_tokens) for r in batch.requests])
-        ]
-        ends = [(r.num_context_tokens + r.num_new_tokens, 1) for r in batch.requests if r.sample]
-        passes += [(rows, ends)] * (k - 1)
-        for tokens, shapes in passes:
+        for tokens, pairs, kv in [(batch.num_tokens, first_pairs, first_kv)] + [
+            (rows, next_pairs, next_kv)
+        ] * (k - 1):
             total += self._roofline(2 * tokens * dense, dense * self.weight_bytes, gemm=True)
             total += self._moe(tokens, layers=1) if m.moe is not None else 0.0
-            for context, new in shapes:
-                flops = 4 * heads * head_dim * causal_pairs(context, new)
-                total += self._roofline(flops, kv_token * (context + 2 * new), gemm=False)
+            total += self._roofline(attn * pairs, kv_token * kv, gemm=False)
             total += self._lm_head(rows)
         return total
 
