@@ -316,6 +316,19 @@ def bench_cmd(
     warmup: WarmupOption = 120.0,
     seed: Annotated[int, typer.Option(help="The first seed.")] = 0,
     workers: Annotated[int, typer.Option(help="Local worker processes.")] = 2,
+    tuned: Annotated[
+        Path | None,
+        typer.Option(
+            help="--baseline vllm-tuned: the search result to use (the JSON of `sweep --space "
+            "vllm --json` or of an earlier bench) instead of searching now."
+        ),
+    ] = None,
+    tune_trials: Annotated[
+        int, typer.Option(help="--baseline vllm-tuned: random vLLM settings to try.")
+    ] = 16,
+    itl_slo_ms: Annotated[
+        float, typer.Option(help="--baseline vllm-tuned: the p99 ITL SLO of the search.")
+    ] = 100.0,
     bounds: Annotated[
         bool, typer.Option(help="Also run the three upper bounds (on the baseline).")
     ] = True,
@@ -362,6 +375,13 @@ def bench_cmd(
             # A --config file shapes the hybridserve side only: the baseline stays what it is.
             extra = _file_options(config_file) if label != "baseline" else {}
             configs[label] = replace(with_preset(config, presets[label]), **extra)
+        search: dict[str, Any] | None = None
+        if baseline == "vllm-tuned":
+            configs["baseline"], search = _tuned_baseline(
+                configs["baseline"], tuned, trials=tune_trials, slo=itl_slo_ms, workers=workers
+            )
+            if not as_json:
+                err.print(f"vllm-tuned: {search['best']}", highlight=False)
         if bounds:
             for bound in BOUNDS:
                 configs[bound] = replace(configs["baseline"], bound=bound)
@@ -389,6 +409,7 @@ def bench_cmd(
         "duration_s": duration,
         "warmup_s": warmup,
         "seeds": seed_list,
+        "vllm_tuned": search,
     }
     folder = Path("runs") / name
     plotted = {label: kept[label] for label in labels if label in kept}
@@ -397,6 +418,28 @@ def bench_cmd(
         sys.stdout.write(json.dumps(report) + "\n")
         return
     _print_bench(report, labels, [b for b in BOUNDS if b in results], files)
+
+
+def _tuned_baseline(
+    config: SimConfig, tuned: Path | None, *, trials: int, slo: float, workers: int
+) -> tuple[SimConfig, dict[str, Any]]:
+    """The vllm-tuned baseline: from a stored search result, or searched now."""
+    from hybridserve.sim.experiment import tune_vllm, tuned_config
+
+    if tuned is None:
+        return tune_vllm(config, trials=trials, itl_slo_ms=slo, workers=workers, seed=config.seed)
+    try:
+        data = json.loads(tuned.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--tuned", str(tuned), f"give a readable JSON file ({exc})") from None
+    found = data.get("setup", {}).get("vllm_tuned", data) if isinstance(data, dict) else None
+    if not isinstance(found, dict) or not isinstance(found.get("best"), dict):
+        raise ConfigError(
+            "--tuned", str(tuned), 'it needs {"best": {"controls": {...}, "retention": "..."}}'
+        )
+    best = found["best"]
+    controls, retention = best.get("controls", {}), best.get("retention") or "boundary"
+    return tuned_config(config, controls, retention), {**found, "from": str(tuned)}
 
 
 def _print_bench(
@@ -513,11 +556,18 @@ def sweep_cmd(
     duration: DurationOption = 900.0,
     warmup: WarmupOption = 150.0,
     seed: SeedOption = 0,
+    space: Annotated[
+        str,
+        typer.Option(
+            help="hybridserve: its controls over predecessor retention; vllm: vLLM's own knobs "
+            "(token budget, long-prefill threshold, max_num_seqs, retention) on the baseline."
+        ),
+    ] = "hybridserve",
     as_json: JsonOption = False,
 ) -> None:
     """Search the scheduler controls for the best job goodput under a p99 ITL SLO."""
     from hybridserve.sim.run import model_profile, state_quantum
-    from hybridserve.sim.sweep import best, sweep
+    from hybridserve.sim.sweep import best, sweep, vllm_sweep
 
     if trials < 1 or workers < 1:
         raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
@@ -535,18 +585,33 @@ def sweep_cmd(
             **_device_options(gpu, dtype, kv_dtype, None),
         )
         quantum = state_quantum(model_profile(config))
-        results = sweep(
-            config, trials=trials, quantum=quantum, workers=workers, seed=seed, ray_address=ray
-        )
+        if space == "vllm":
+            if ray is not None:
+                raise ConfigError("--ray", ray, "the vllm space runs in local processes")
+            results = vllm_sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)
+        elif space == "hybridserve":
+            results = sweep(
+                config, trials=trials, quantum=quantum, workers=workers, seed=seed, ray_address=ray
+            )
+        else:
+            raise ConfigError("--space", space, "use hybridserve or vllm")
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     winner = best(results, itl_slo_ms=itl_slo_ms)
     rows = [
-        {"controls": dict(t.controls), **_metrics_json(t.metrics), "meets_slo": t.meets(itl_slo_ms)}
+        {
+            "controls": dict(t.controls),
+            "retention": t.retention,
+            **_metrics_json(t.metrics),
+            "meets_slo": t.meets(itl_slo_ms),
+        }
         for t in results
     ]
     if as_json:
-        payload = {"itl_slo_ms": itl_slo_ms, "best": dict(winner.controls), "trials": rows}
+        chosen: dict[str, Any] = dict(winner.controls)
+        if space == "vllm":
+            chosen = {"controls": dict(winner.controls), "retention": winner.retention}
+        payload = {"space": space, "itl_slo_ms": itl_slo_ms, "best": chosen, "trials": rows}
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     table = Table(title=f"sweep: {len(results)} trials, p99 ITL SLO {itl_slo_ms:.0f} ms")
@@ -554,6 +619,8 @@ def sweep_cmd(
         table.add_column(column, justify="left" if column == "controls" else "right")
     for trial in sorted(results, key=lambda t: -t.metrics["job_goodput_per_hour"]):
         label = ", ".join(f"{k}={v:g}" for k, v in trial.controls if v) or "all off"
+        if trial.retention:
+            label += f", retention={trial.retention}"
         m = trial.metrics
         table.add_row(
             label,

@@ -57,9 +57,10 @@ RATIOS = {
 
 
 def baseline_preset(name: str) -> str:
-    """The preset that `--baseline NAME` runs. Raises ConfigError for an unknown name, for
-    `legacy` while no such preset exists and for `vllm-tuned` (the tuned search is not built)."""
-    if name == "vllm":
+    """The preset that `--baseline NAME` runs (`vllm-tuned` is the baseline preset with the tuned
+    vLLM knobs on top, `tune_vllm`). Raises ConfigError for an unknown name and for `legacy`
+    while no such preset exists."""
+    if name in ("vllm", "vllm-tuned"):
         return "baseline"
     if name == "legacy":
         if "legacy" not in PRESETS:
@@ -67,15 +68,46 @@ def baseline_preset(name: str) -> str:
                 "baseline", name, f"no `legacy` preset in this build (presets: {PRESETS})"
             )
         return "legacy"
-    if name == "vllm-tuned":
-        raise ConfigError(
-            "baseline",
-            name,
-            "the tuned vLLM baseline (a search over max_num_batched_tokens, "
-            "long_prefill_token_threshold, max_num_seqs and retention) is not yet available; "
-            "use --baseline vllm",
-        )
     raise ConfigError("baseline", name, f"use one of {BASELINES}")
+
+
+def tune_vllm(
+    config: SimConfig, *, trials: int, itl_slo_ms: float, workers: int = 1, seed: int = 0
+) -> tuple[SimConfig, dict[str, Any]]:
+    """The `vllm-tuned` baseline: `config` on the baseline preset with the best vLLM setting
+    (token budget, long-prefill threshold, batch limit, retention) that `trials` random draws
+    find under the p99 ITL SLO (hybridserve.sim.sweep.vllm_sweep: the same budget as the
+    hybridserve sweep), searched on `config`'s own seed. Returns the config and the search."""
+    from hybridserve.sim.run import model_profile, state_quantum
+    from hybridserve.sim.sweep import best, vllm_sweep
+
+    quantum = state_quantum(model_profile(config))
+    results = vllm_sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)
+    winner = best(results, itl_slo_ms=itl_slo_ms)
+    chosen = tuned_config(config, dict(winner.controls), winner.retention or "boundary")
+    search = {
+        "itl_slo_ms": itl_slo_ms,
+        "trials": len(results),
+        "best": {"controls": dict(winner.controls), "retention": winner.retention},
+        "best_metrics": {k: winner.metrics[k] for k in ("job_goodput_per_hour", "itl_p99_ms")},
+    }
+    return chosen, search
+
+
+def tuned_config(config: SimConfig, controls: Mapping[str, Any], retention: str) -> SimConfig:
+    """`config` as the vllm-tuned baseline: the baseline preset, vLLM knobs only. Raises
+    ConfigError for a knob that is not one of vLLM's."""
+    from hybridserve.sim.sweep import VLLM_GRID
+
+    unknown = sorted(set(controls) - set(VLLM_GRID))
+    if unknown:
+        raise ConfigError("tuned.controls", unknown, f"vLLM's knobs are {sorted(VLLM_GRID)}")
+    return replace(
+        config,
+        preset="baseline",
+        controls=tuple(sorted((k, int(v)) for k, v in controls.items())),
+        retention=retention,
+    )
 
 
 def _run_one(config: SimConfig, keep: bool) -> tuple[dict[str, float], SimRun | None]:

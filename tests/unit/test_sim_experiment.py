@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import pytest
 
@@ -14,7 +15,7 @@ from hybridserve.core.plan import ScheduledChunk, StepPlan
 from hybridserve.sim.bounds import bounded_shape, infinite_engine_recorder
 from hybridserve.sim.cost_model import RooflineCostModel, StepShape
 from hybridserve.sim.executor import SimulatedExecutor
-from hybridserve.sim.experiment import baseline_preset, paired_report
+from hybridserve.sim.experiment import baseline_preset, paired_report, tune_vllm, tuned_config
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.memory import (
     GIB,
@@ -26,8 +27,9 @@ from hybridserve.sim.memory import (
     vllm_log_lines,
 )
 from hybridserve.sim.models import get_model
-from hybridserve.sim.run import SimConfig, build_engine, pool_budget, run_simulation
+from hybridserve.sim.run import PRESETS, SimConfig, build_engine, pool_budget, run_simulation
 from hybridserve.sim.stats import paired_ratio, t975
+from hybridserve.sim.sweep import VLLM_GRID, draw_vllm_setting, vllm_sweep
 from hybridserve.sim.workload import AgentParams, AgentWorkload, LogNormal
 
 H200 = get_gpu("H200")
@@ -291,11 +293,31 @@ def test_acceptance_may_fall_with_context() -> None:
 
 
 def test_bench_baselines_map_to_presets_or_refuse_clearly() -> None:
-    assert baseline_preset("vllm") == "baseline"
-    with pytest.raises(ConfigError, match="not yet available"):
-        baseline_preset("vllm-tuned")
+    assert baseline_preset("vllm") == baseline_preset("vllm-tuned") == "baseline"
     with pytest.raises(ConfigError, match="use one of"):
         baseline_preset("sglang")
+    if "legacy" not in PRESETS:
+        with pytest.raises(ConfigError, match="no `legacy` preset"):
+            baseline_preset("legacy")
+
+
+def test_the_vllm_search_draws_only_vllms_knobs() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        controls, retention = draw_vllm_setting(rng, 544)
+        knobs = dict(controls)
+        assert set(knobs) == set(VLLM_GRID)
+        threshold = knobs["long_prefill_token_threshold"]
+        assert threshold == 0 or threshold < knobs["max_num_batched_tokens"]
+        assert retention in ("boundary", "interval:2176", "interval:8704")
+    trials = vllm_sweep(short(duration_s=40.0), trials=2, quantum=544, seed=1)
+    assert len(trials) == 3 and trials[0].controls == () and trials[0].retention == "boundary"
+    assert all(set(dict(t.controls)) <= set(VLLM_GRID) for t in trials)
+    chosen, search = tune_vllm(short(duration_s=40.0), trials=2, itl_slo_ms=1e9, seed=1)
+    assert chosen.preset == "baseline" and search["trials"] == 3
+    assert set(dict(chosen.controls)) <= set(VLLM_GRID)
+    with pytest.raises(ConfigError, match="vLLM's knobs"):
+        tuned_config(short(), {"max_num_partial_prefills": 2}, "boundary")
 
 
 def test_paired_report_shows_goodput_as_a_fraction_of_each_bound() -> None:
@@ -333,5 +355,14 @@ def test_bench_json_prints_the_paired_report_on_its_last_line(tmp_path, monkeypa
         assert set(ratio) >= {"mean", "ci95", "per_seed"} and len(ratio["per_seed"]) == 2
     assert set(report["bounds"]) == {"free-prefill", "ideal-hits", "infinite-engine"}
     assert report["pool"]["baseline"]["vllm_log"][1].startswith("GPU KV cache size:")
-    refused = CliRunner().invoke(app, ["bench", *args, "--baseline", "vllm-tuned", "--json"])
-    assert refused.exit_code != 0 and "not yet available" in refused.output
+    tuned = tmp_path / "tuned.json"
+    best = {"controls": {"max_num_batched_tokens": 2048}, "retention": "boundary"}
+    tuned.write_text(json.dumps({"best": best}))
+    extra = ["--baseline", "vllm-tuned", "--tuned", str(tuned), "--no-bounds", "--json"]
+    result = CliRunner().invoke(app, ["bench", *args, "--workers", "1", *extra])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["setup"]["vllm_tuned"]["best"] == best and report["bounds"] == {}
+    tuned.write_text("{}")
+    refused = CliRunner().invoke(app, ["bench", *args, *extra])
+    assert refused.exit_code != 0 and "--tuned" in refused.output
