@@ -301,10 +301,17 @@ def sim_config(row: Row, efficiency: Efficiency) -> SimConfig:
 
 
 def offline_batch(row: Row) -> int:
-    """Requests whose full length fits the KV pool at once, capped by the batch limit."""
-    model = load_model_profile(CONFIGS / row.model)
+    """Requests whose full length fits the KV pool at once, capped by the batch limit. The pool
+    is the engine's own: sized for the row's batch limit (vLLM's profile run samples
+    max_num_seqs rows of logits), without MTP layers (the rows do not speculate)."""
+    model = load_model_profile(CONFIGS / row.model).loaded(mtp=False)
     blocks = kv_pool_blocks(
-        get_gpu(row.gpu), model, tp=row.tp, dtype=row.dtype, kv_dtype=row.kv_dtype
+        get_gpu(row.gpu),
+        model,
+        tp=row.tp,
+        dtype=row.dtype,
+        kv_dtype=row.kv_dtype,
+        max_num_seqs=row.max_num_seqs,
     )
     groups = model.kv_cache_groups()
     tokens = blocks // len(groups) * groups[0].block_size

@@ -154,7 +154,9 @@ class AgentSimulation(Simulation):
         self.workload = workload
         self._jobs: dict[str, Job] = {}
         self._turn_of: dict[str, Turn] = {}
-        # Tokens of each job computed so far (its last prompt and answer): an ideal cache's hit.
+        # Tokens of each job whose KV exists (its last prompt and answer, less the last sampled
+        # token, never fed back): what an ideal cache would hit. The shared system prompt counts
+        # once any earlier request has sent it (an upper bound: it may still be in prefill).
         self._computed: dict[str, int] = {}
         self._system_sent = False
 
@@ -188,7 +190,7 @@ class AgentSimulation(Simulation):
     def finished(self, req_id: str, time_s: float, answer: list[int]) -> None:
         turn = self._turn_of.pop(req_id)
         job = self._jobs[turn.job_id]
-        self._computed[job.job_id] = len(turn.prompt) + len(answer)
+        self._computed[job.job_id] = len(turn.prompt) + len(answer) - 1
         tool_time = self.workload.after_answer(job, answer)
         if self.workload.is_over(job):
             self._computed.pop(job.job_id, None)
