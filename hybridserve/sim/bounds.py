@@ -5,8 +5,8 @@
   unchanged, so this bounds what any prefill scheduling or caching can give.
 * `ideal-hits`: a prompt costs only the tokens no earlier request computed: the tokens of the
   job's previous turn (its prompt and answer, less the last sampled token) and, after the first
-  request, the shared system prompt are free. This bounds what any prefix-cache retention can give (the cache still holds
-  and evicts blocks as it does; only their recomputation is free).
+  request, the shared system prompt are free. This bounds what any prefix-cache retention can
+  give (the cache still holds and evicts blocks as it does; only their recomputation is free).
 * `infinite-engine`: the engine answers at once; a job takes its tool time only. Every agent's
   jobs are the same as in the real run (the workload's per-agent streams), walked without an
   engine.
