@@ -7,8 +7,8 @@ Prints one JSON object and writes goodput_vs_agents.png, itl_p99_vs_agents.png a
 slo_vs_agents.png (matplotlib) to --out.
 
 Default: agents 5, 10, 20, 40, 80 x (baseline, hybridserve) x 3 seeds, 600 s runs with a 120 s
-warm-up: 30 simulations, measured at about 11 minutes with --workers 2 on this project's 2-core
-machine (the 80-agent runs take most of it).
+warm-up: 30 simulations, 7 minutes of CPU; 28 minutes of wall time with --workers 2 on this
+project's 2-core machine while other work loaded it (the 40- and 80-agent runs take most of it).
 
     python benchmarks/load_curves.py --workers 2 --out runs/load_curves
 """

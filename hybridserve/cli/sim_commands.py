@@ -312,7 +312,7 @@ def bench_cmd(
             help="Paired seeds (seed, seed+1, ...): every configuration sees the same jobs."
         ),
     ] = 3,
-    duration: DurationOption = 600.0,
+    duration: DurationOption = 480.0,
     warmup: WarmupOption = 120.0,
     seed: Annotated[int, typer.Option(help="The first seed.")] = 0,
     workers: Annotated[int, typer.Option(help="Local worker processes.")] = 2,
