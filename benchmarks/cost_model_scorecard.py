@@ -18,7 +18,11 @@ How the rows are run (docs/cost_model.md, "Scorecard"):
   One wave instead of 1,000-5,000 requests keeps the run to a few minutes on one core; the
   published runs are several such waves back to back.
 
-Usage: .venv/bin/python benchmarks/cost_model_scorecard.py [--rows M1,M22] [--fitted]
+The hybrid rows (H1-H7, data/gpu-measurements-hybrid.json: Qwen3-Coder-Next FP8 on one H200,
+Qwen3.5-35B-A3B on one H200) run their own fixed workloads and are not used by the fit: they
+check the gated-delta-net state and chunked-scan terms, the MoE term and long-context attention.
+
+Usage: .venv/bin/python benchmarks/cost_model_scorecard.py [--rows M1,H1] [--fitted]
 (`--fitted` uses the constants benchmarks/fit_cost_model.py wrote to fitted_efficiency.json).
 """
 
@@ -43,9 +47,11 @@ from hybridserve.sim.run import SimConfig, build_engine, make_simulation
 ROOT = Path(__file__).resolve().parent
 CONFIGS = ROOT / "configs"
 MEASUREMENTS = data_path("gpu-measurements.json")
+HYBRID_MEASUREMENTS = data_path("gpu-measurements-hybrid.json")
 FITTED = ROOT / "fitted_efficiency.json"
 
 BATCH1, ONLINE, OFFLINE = "batch-1 latency", "online serving", "offline throughput"
+HYBRID = "hybrid models"  # gated-delta-net / Mamba rows: they check the state terms
 SHAREGPT_INPUT, SHAREGPT_OUTPUT = 231, 194
 
 
@@ -66,6 +72,8 @@ class Row:
     rate: float | None = None  # online rows: Poisson rate
     note: str = ""
     derived: bool = False  # the published figure is under the row's "derived" key
+    workload: str | None = None  # a fixed:... workload instead of the regime's default
+    max_model_len: int | None = None  # the scheduler's, for prompts past the default 131,073
 
 
 _TPUT = (("output_tok_s_total", "output_tokens_per_s", 1.0, True),)
@@ -175,6 +183,43 @@ ROWS: tuple[Row, ...] = (
     ),
 )
 
+_QN = "qwen3-next-80b-a3b"  # Qwen3-Coder-Next has Qwen3-Next-80B-A3B's config
+_Q35 = "qwen3.5-35b-a3b"
+_PER_USER = (("per_user_tok_s", "per_user_tok_s", 1.0, False),)
+_LONG = 262_145
+
+# Hybrid-model rows (data/gpu-measurements-hybrid.json): not in the efficiency fit, a check of it.
+HYBRID_ROWS: tuple[Row, ...] = (
+    Row("H1", HYBRID, _QN, "H200", 1, "fp8", "bf16", 1024, 1024, _PER_USER,
+        workload="fixed:input=1024,output=1024,concurrency=1,requests=1",
+        note="per-user generation speed = 1000 / TPOT"),
+    Row("H2", HYBRID, _QN, "H200", 1, "fp8", "bf16", 261_120, 1024, _PER_USER,
+        workload="fixed:input=261120,output=1024,concurrency=1,requests=1",
+        max_model_len=_LONG, note="per-user generation speed at 256K context"),
+    Row("H3", HYBRID, _QN, "H200", 1, "fp8", "bf16", 1024, 1024,
+        (("output_tok_s_total", "output_tokens_per_s", 1.0, False),),
+        workload="fixed:input=1024,output=1024,concurrency=10,requests=10",
+        note="10 requests in flight, output tokens per second of the run"),
+    Row("H4", HYBRID, _QN, "H200", 1, "fp8", "bf16", 261_120, 1,
+        (("ttft_ms", "ttft_mean_ms", 1.0, False),),
+        workload="fixed:input=261120,output=1,concurrency=1,requests=1", max_model_len=_LONG,
+        note="a 256K prompt's prefill: 12 attention layers quadratic, 36 GDN layers linear"),
+    Row("H5", HYBRID, _QN, "H200", 1, "fp8", "bf16", 1024, 1,
+        (("ttft_ms", "ttft_mean_ms", 1.0, False),),
+        workload="fixed:input=1024,output=1,concurrency=1,requests=1",
+        note="the published TTFT includes client/HTTP/queueing time the simulator does not model"),
+    Row("H6", HYBRID, _Q35, "H200", 1, "bf16", "bf16", 32_000, 100,
+        (("total_tok_s", "total_tokens_per_s", 1.0, False),
+         ("ttft_mean_ms", "ttft_mean_ms", 1.0, False)),
+        workload="fixed:input=32000,output=100,concurrency=100,requests=100",
+        note="guidellm burst of 100 requests, max concurrency 100 (same as M35)"),
+    Row("H7", HYBRID, _Q35, "H200", 1, "bf16", "bf16", 1024, 128,
+        (("output_tok_s", "output_tokens_per_s", 1.0, False),),
+        max_num_seqs=512,
+        workload="fixed:input=1024,output=128,concurrency=512,requests=1000",
+        note="guidellm burst of 1,000 requests, max concurrency 512 (same as M36)"),
+)  # fmt: skip
+
 NOT_EXPRESSIBLE = {
     "M9": "attention data parallelism + expert parallelism (DEP4): the model has TP only",
     "M10": "attention data parallelism + expert parallelism (DEP8): the model has TP only",
@@ -185,8 +230,8 @@ NOT_EXPRESSIBLE = {
     "M33": "prefill/decode disaggregation over 32 GPUs with expert parallelism",
     "M34": "Nemotron-3-Nano (relu2 MoE experts) config values not collected; peak of a "
     "concurrency sweep with no batch size",
-    "M35": "Qwen3.5-35B-A3B config values not collected; guidellm burst with max concurrency",
-    "M36": "Qwen3.5-35B-A3B config values not collected; guidellm burst with max concurrency",
+    "M35": "run as H6 of data/gpu-measurements-hybrid.json (the hybrid rows)",
+    "M36": "run as H7 of data/gpu-measurements-hybrid.json (the hybrid rows)",
     "M37": "Qwen3.5-9B config values not collected; its per-token latencies are not physical",
     "M38": "the configuration (parallelism, engine) is not stated",
     "M39": "checkpoint, parallelism and workload not stated (multi-node wide-EP)",
@@ -226,7 +271,9 @@ class RowRun:
 
 
 def sim_config(row: Row, efficiency: Efficiency) -> SimConfig:
-    if row.regime == BATCH1:
+    if row.workload is not None:
+        workload, duration = row.workload, 3_600.0
+    elif row.regime == BATCH1:
         workload, duration = f"fixed:input={row.isl},output=1,concurrency=1,requests=2", 60.0
     elif row.rate is not None:
         workload = f"fixed:input={row.isl},output={row.osl},rate={row.rate},requests=400"
@@ -236,6 +283,8 @@ def sim_config(row: Row, efficiency: Efficiency) -> SimConfig:
         workload = f"fixed:input={row.isl},output={row.osl},concurrency={batch},requests={batch}"
         duration = 3_600.0
     controls: tuple[tuple[str, Any], ...] = (("max_num_seqs", row.max_num_seqs),)
+    if row.max_model_len is not None:
+        controls += (("max_model_len", row.max_model_len),)
     return SimConfig(
         model_config=str(CONFIGS / row.model),
         gpu=row.gpu,
@@ -253,10 +302,17 @@ def sim_config(row: Row, efficiency: Efficiency) -> SimConfig:
 
 
 def offline_batch(row: Row) -> int:
-    """Requests whose full length fits the KV pool at once, capped by the batch limit."""
-    model = load_model_profile(CONFIGS / row.model)
+    """Requests whose full length fits the KV pool at once, capped by the batch limit. The pool
+    is the engine's own: sized for the row's batch limit (vLLM's profile run samples
+    max_num_seqs rows of logits), without MTP layers (the rows do not speculate)."""
+    model = load_model_profile(CONFIGS / row.model).loaded(mtp=False)
     blocks = kv_pool_blocks(
-        get_gpu(row.gpu), model, tp=row.tp, dtype=row.dtype, kv_dtype=row.kv_dtype
+        get_gpu(row.gpu),
+        model,
+        tp=row.tp,
+        dtype=row.dtype,
+        kv_dtype=row.kv_dtype,
+        max_num_seqs=row.max_num_seqs,
     )
     groups = model.kv_cache_groups()
     tokens = blocks // len(groups) * groups[0].block_size
@@ -281,6 +337,11 @@ def run_row(row: Row, efficiency: Efficiency) -> RowRun:
     recorder = sim.run(config.duration_s)
     result.summary = recorder.summary(window_start_s=0.0, window_end_s=sim.now)
     result.summary["simulated_s"] = sim.now
+    done = recorder.finished_in(0.0, sim.now)
+    tokens = sum(r.prompt_tokens + r.output_tokens for r in done)
+    result.summary["total_tokens_per_s"] = tokens / sim.now if sim.now else 0.0
+    tpot = result.summary["tpot_mean_ms"]
+    result.summary["per_user_tok_s"] = 1000.0 / tpot if tpot and tpot == tpot else 0.0
     result.seconds = time.perf_counter() - start
     return result
 
@@ -334,6 +395,7 @@ def scorecard(
     rows: tuple[Row, ...], efficiency: Efficiency, *, log: bool = True
 ) -> tuple[dict[str, Any], list[Sample]]:
     data = {r["id"]: r for r in json.loads(MEASUREMENTS.read_text())}
+    data.update({r["id"]: r for r in json.loads(HYBRID_MEASUREMENTS.read_text())})
     results, samples = [], []
     for row in rows:
         run = run_row(row, efficiency)
@@ -362,7 +424,7 @@ def scorecard(
 
 def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     per_regime: dict[str, Any] = {}
-    for regime in (BATCH1, ONLINE, OFFLINE):
+    for regime in (BATCH1, ONLINE, OFFLINE, HYBRID):
         errors = [abs(r["relative_error"]) for r in results if r["regime"] == regime]
         if errors:
             per_regime[regime] = {
@@ -388,10 +450,10 @@ def main() -> None:
     parser.add_argument("--rows", help="comma-separated row ids (default: all)")
     parser.add_argument("--fitted", action="store_true", help="use fitted_efficiency.json")
     args = parser.parse_args()
-    rows = ROWS
+    rows = ROWS + HYBRID_ROWS
     if args.rows:
         wanted = set(args.rows.split(","))
-        rows = tuple(r for r in ROWS if r.id in wanted)
+        rows = tuple(r for r in ROWS + HYBRID_ROWS if r.id in wanted)
     efficiency = load_fitted() if args.fitted else Efficiency()
     report, _ = scorecard(rows, efficiency)
     report["efficiency"] = {k: getattr(efficiency, k) for k in efficiency.__slots__}
@@ -402,4 +464,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["ROWS", "Row", "replace", "scorecard"]
+__all__ = ["HYBRID_ROWS", "ROWS", "Row", "replace", "scorecard"]

@@ -1,114 +1,104 @@
-"""Experiment E1 over seeds and agent counts: baseline (vLLM) against hybridserve, plus the two
-ablations (controls-only, retention-only).
+"""Experiment E1 over paired seeds and agent counts: a baseline against hybridserve (and the
+ablations, controls-only and retention-only, on request), with the three upper bounds.
 
-Prints one JSON object: per (agents, seed) the metrics of every preset and the hybridserve /
-baseline ratios, then per agent count the mean ratios over seeds. Each run is a full simulated
-E1 run (default 1,800 s with a 300 s warm-up), so the whole matrix takes a while; `--workers`
-runs them in local processes.
+Every configuration runs on the same seeds, and a seed fixes every agent's jobs
+(hybridserve.sim.workload), so per-seed ratios are paired. Prints one JSON object: per agent
+count, each configuration's mean metrics and per-seed job goodput, the ratios hybridserve /
+baseline (mean of per-seed ratios, Student-t 95% interval, per-seed values), the bounds' job
+goodput and each configuration's goodput as a fraction of each bound.
 
-    python benchmarks/e1_matrix.py --agents 10 20 40 --seeds 0 1 2 --workers 2
+Default: 10 seeds x 20 agents x (baseline, hybridserve, 3 bounds), 1,800 s runs with a 300 s
+warm-up: 40 full simulations (the infinite-engine bound takes no engine time). The README's
+table is `--duration 900 --warmup 150 --workers 2`: 13 minutes of CPU, 37 minutes of wall time
+on this project's 2-core machine while other work loaded it; the default is about twice that.
+
+    python benchmarks/e1_matrix.py --agents 10 20 40 --seeds 10 --workers 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from hybridserve.sim.run import SimConfig, simulate, with_preset
+from hybridserve.sim.bounds import BOUNDS
+from hybridserve.sim.experiment import baseline_preset, paired_report, run_configs
+from hybridserve.sim.run import SimConfig, with_preset
 from hybridserve.sim.workload import AgentParams
-
-KEYS = (
-    "job_goodput_per_hour",
-    "jobs_completed",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "prefix_hit_rate",
-    "preemptions",
-    "output_tokens_per_s",
-)
-RATIO_KEYS = ("job_goodput_per_hour", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
-
-
-Job = tuple[int, int, str, float, float, tuple[tuple[str, float], ...]]
-
-
-def run_one(job: Job) -> tuple[int, int, str, dict[str, float]]:
-    agents, seed, preset, duration, warmup, controls = job
-    base = SimConfig(
-        agents=AgentParams(num_agents=agents), seed=seed, duration_s=duration, warmup_s=warmup
-    )
-    config = with_preset(base, preset)
-    if controls and preset in ("hybridserve", "controls-only"):
-        config = replace(config, controls=controls)
-    summary = simulate(config)
-    kept = {k: round(summary[k], 4) for k in KEYS}
-    kept.update({k: round(v, 4) for k, v in summary.items() if k.startswith("group")})
-    return agents, seed, preset, kept
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--agents", type=int, nargs="+", default=[10, 20, 40])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument(
-        "--presets",
-        nargs="+",
-        default=["baseline", "hybridserve", "controls-only", "retention-only"],
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, nargs="+", default=[20])
+    parser.add_argument("--seeds", type=int, default=10, help="paired seeds 0..N-1")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--baseline", default="vllm", help="vllm, vllm-tuned or legacy")
+    parser.add_argument("--ablations", action="store_true", help="also run the two ablations")
+    parser.add_argument("--no-bounds", action="store_true", help="skip the three bounds")
+    parser.add_argument("--tp", type=int, default=None)
+    parser.add_argument("--dcp", type=int, default=1)
     parser.add_argument("--duration", type=float, default=1_800.0)
     parser.add_argument("--warmup", type=float, default=300.0)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument(
         "--controls",
         default="{}",
-        help="JSON scheduler overrides for the presets with controls, e.g. '{\"max_num_partial_"
-        "prefills\": 2}'",
+        help="JSON scheduler overrides for hybridserve (and controls-only), e.g. "
+        "'{\"max_num_partial_prefills\": 2}'",
     )
     args = parser.parse_args()
+    if args.seeds < 2:
+        parser.error("--seeds: a paired interval needs at least 2 seeds")
     controls = tuple(sorted(json.loads(args.controls).items()))
-    jobs = [
-        (a, s, p, args.duration, args.warmup, controls)
-        for a in args.agents
-        for s in args.seeds
-        for p in args.presets
-    ]
-    results: dict[tuple[int, int], dict[str, dict[str, float]]] = {}
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for done, (agents, seed, preset, metrics) in enumerate(pool.map(run_one, jobs), 1):
-            results.setdefault((agents, seed), {})[preset] = metrics
-            print(f"{done}/{len(jobs)} agents={agents} seed={seed} {preset}", file=sys.stderr)
-    runs = []
-    for (agents, seed), by_preset in sorted(results.items()):
-        if "baseline" not in by_preset:
-            runs.append({"agents": agents, "seed": seed, "metrics": by_preset, "ratios": {}})
-            continue
-        base = by_preset["baseline"]
-        ratios = {
-            preset: {k: round(m[k] / base[k], 4) if base[k] else None for k in RATIO_KEYS}
-            for preset, m in by_preset.items()
-            if preset != "baseline"
-        }
-        runs.append({"agents": agents, "seed": seed, "metrics": by_preset, "ratios": ratios})
-    means: dict[str, dict[str, dict[str, float]]] = {}
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    tp = args.tp if args.tp is not None else args.dcp
+    base_preset = baseline_preset(args.baseline)
+    out: dict[str, object] = {
+        "baseline": args.baseline,
+        "baseline_preset": base_preset,
+        "seeds": seeds,
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "tp": tp,
+        "dcp": args.dcp,
+        "controls": dict(controls),
+        "by_agents": {},
+    }
     for agents in args.agents:
-        rows = [r for r in runs if r["agents"] == agents and r["ratios"]]
-        if not rows:
-            continue
-        means[str(agents)] = {
-            preset: {
-                k: round(statistics.mean(r["ratios"][preset][k] or 0.0 for r in rows), 4)
-                for k in RATIO_KEYS
-            }
-            for preset in args.presets
-            if preset != "baseline"
-        }
-    print(json.dumps({"controls": dict(controls), "runs": runs, "mean_ratios": means}))
+        base = SimConfig(
+            agents=AgentParams(num_agents=agents),
+            duration_s=args.duration,
+            warmup_s=args.warmup,
+            tp=tp,
+            dcp=args.dcp,
+        )
+        presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
+        if args.ablations:
+            presets.update({"controls-only": "controls-only", "retention-only": "retention-only"})
+        configs = {}
+        for label, name in presets.items():
+            config = with_preset(base, name)
+            if controls and name in ("hybridserve", "controls-only"):
+                config = replace(config, controls=controls)
+            configs[label] = config
+        if not args.no_bounds:
+            for bound in BOUNDS:
+                configs[bound] = replace(configs["baseline"], bound=bound)
+
+        def log(line: str, agents: int = agents) -> None:
+            print(f"agents={agents} {line}", file=sys.stderr)
+
+        results, _ = run_configs(configs, seeds, workers=args.workers, log=log)
+        report = paired_report(results, baseline="baseline", ours="hybridserve")
+        for label in presets:
+            if label in ("baseline", "hybridserve"):
+                continue
+            report[f"ratios_{label}"] = paired_report(results, baseline="baseline", ours=label)[
+                "ratios"
+            ]
+        out["by_agents"][str(agents)] = report  # type: ignore[index]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

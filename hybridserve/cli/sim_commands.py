@@ -131,15 +131,21 @@ def bench_folder(name: str | None, now: float | None = None) -> Path:
     return folder
 
 
-def _bench_interrupted(runs: dict[str, SimRun], labels: dict[str, str], folder: Path) -> typer.Exit:
-    """Ctrl-C during bench: write the runs that finished (no ratios) and say where."""
-    if not runs:
+def _bench_interrupted(
+    finished: dict[str, dict[int, dict[str, float]]], folder: Path
+) -> typer.Exit:
+    """Ctrl-C during bench: write the runs that finished (per configuration and seed, no
+    ratios) and say where."""
+    done = {label: by_seed for label, by_seed in finished.items() if by_seed}
+    if not done:
         return interrupted("no run had finished; nothing was written")
-    report: dict[str, object] = {p: _metrics_json(r.summary) for p, r in runs.items()}
+    report: dict[str, object] = {
+        label: {str(seed): _metrics_json(summary) for seed, summary in sorted(by_seed.items())}
+        for label, by_seed in done.items()
+    }
     report["interrupted"] = True
-    files = _write_report(folder, report, {labels[p]: r for p, r in runs.items()})
-    done = ", ".join(runs)
-    return interrupted(f"finished runs ({done}) were written to {files[0]}")
+    files = _write_report(folder, report, {})
+    return interrupted(f"finished runs ({', '.join(done)}) were written to {files[0]}")
 
 
 def _sweep_interrupted(finished: list[Trial], total: int, itl_slo_ms: float) -> typer.Exit:
@@ -219,6 +225,8 @@ def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRu
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
+    if not runs:
+        return [path]
     if not plots_available():
         err.print(
             f"plots skipped: matplotlib is not installed ({install_hint('sim')})", markup=False
@@ -281,6 +289,23 @@ CalibrationOption = Annotated[
         "constants (conflicts with a different --gpu).",
     ),
 ]
+DcpOption = Annotated[
+    int,
+    typer.Option(
+        help="Decode-context-parallel width: full-attention KV sharded over N of the TP ranks "
+        "(lookups in block_size*N units, state groups replicated); --tp defaults to N."
+    ),
+]
+SimTpOption = Annotated[
+    int | None, typer.Option(help="Tensor-parallel width [default: the --dcp width, or 1].")
+]
+BoundOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Run an upper bound instead: free-prefill, ideal-hits or infinite-engine "
+        "(tool time only)."
+    ),
+]
 CpuOption = Annotated[
     bool,
     typer.Option(help="Add the measured schedule()+update() CPU time to every step (not seeded)."),
@@ -291,8 +316,10 @@ CpuOption = Annotated[
 def simulate_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
-    tp: TpOption = 1,
+    tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
+    dcp: DcpOption = 1,
+    bound: BoundOption = None,
     preset: Annotated[
         str, typer.Option(help="baseline, hybridserve, controls-only or retention-only.")
     ] = "hybridserve",
@@ -335,10 +362,15 @@ def simulate_cmd(
     as_json: JsonOption = False,
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
+    from hybridserve.sim.run import pool_report
+
+    tp = tp if tp is not None else dcp
     try:
         config = _sim_config(
             model=model,
             tp=tp,
+            dcp=dcp,
+            bound=bound,
             preset=preset,
             num_agents=agents,
             duration_s=duration,
@@ -355,44 +387,94 @@ def simulate_cmd(
             **_file_options(config_file),
         )
         label = run_label(preset, config_file)
+        pool = pool_report(config)
         run = _run_sim(config, label=f"simulate ({label})", quiet=as_json)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise interrupted("the run did not finish; nothing was written") from None
-    summary = run.summary
+    summary = dict(run.summary)
+    summary["kv_cache_tokens"] = float(pool["kv_cache_tokens"])
+    summary["max_concurrency"] = float(pool["max_concurrency"])
     _warn_about_run(run)
     name, method = _simulated_model(config)
     if out is not None:
         setup = {"model": name, "spec": method, "gpu": config.gpu, "workload": workload}
-        _write_report(out, {label: _metrics_json(summary), "setup": setup}, {label: run})
+        report: dict[str, object] = {label: _metrics_json(summary), "pool": pool, "setup": setup}
+        _write_report(out, report, {label: run})
     if as_json:
         sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
         return
-    where = f"{config.gpu} (tp={tp}, {config.dtype})"
+    where = f"{config.gpu} (tp={tp}, dcp={dcp}, {config.dtype})"
+    extra = f", bound={bound}" if bound else ""
     console = out_console()
-    console.print(f"simulate: {name} (spec {method}) on {where}, {label}")
+    console.print(f"simulate: {name} (spec {method}) on {where}, {label}{extra}")
     table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in shown_keys(workload):
-        table.add_row(key, f"{summary[key]:,.3f}")
+    for key in (*shown_keys(workload), *BREAKDOWN_ROWS):
+        value = summary.get(key, math.nan)
+        table.add_row(key, "-" if math.isnan(value) else f"{value:,.3f}")
     if summary["requests_rejected"]:
         table.add_row("requests_rejected", f"{summary['requests_rejected']:,.0f}")
     console.print(table)
+    for line in pool["vllm_log"]:
+        console.print(f"vLLM would log: {line}")
+
+
+BREAKDOWN_ROWS = (
+    "slo_attainment",
+    "gpu_busy_frac",
+    "gpu_decode_frac",
+    "gpu_prefill_frac",
+    "gpu_mixed_frac",
+    "job_decode_frac",
+    "job_tool_frac",
+    "job_queue_ttft_frac",
+    "recomputed_prompt_tokens_per_turn",
+    "ideal_prompt_tokens_per_turn",
+)
 
 
 @app.command("bench")
 def bench_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
-    tp: TpOption = 1,
+    tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
     spec: SpecOption = "auto",
+    dcp: DcpOption = 1,
+    baseline: Annotated[
+        str,
+        typer.Option(help="What hybridserve is compared with: vllm, vllm-tuned or legacy."),
+    ] = "vllm",
     agents: AgentsOption = 20,
-    duration: DurationOption = 1800.0,
-    warmup: WarmupOption = 300.0,
-    seed: SeedOption = 0,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            help="Paired seeds (seed, seed+1, ...): every configuration sees the same jobs."
+        ),
+    ] = 3,
+    duration: DurationOption = 480.0,
+    warmup: WarmupOption = 120.0,
+    seed: Annotated[int, typer.Option(help="The first seed.")] = 0,
+    workers: Annotated[int, typer.Option(help="Local worker processes.")] = 2,
+    tuned: Annotated[
+        Path | None,
+        typer.Option(
+            help="--baseline vllm-tuned: the search result to use (the JSON of `sweep --space "
+            "vllm --json` or of an earlier bench) instead of searching now."
+        ),
+    ] = None,
+    tune_trials: Annotated[
+        int, typer.Option(help="--baseline vllm-tuned: random vLLM settings to try.")
+    ] = 16,
+    itl_slo_ms: Annotated[
+        float, typer.Option(help="--baseline vllm-tuned: the p99 ITL SLO of the search.")
+    ] = 100.0,
+    bounds: Annotated[
+        bool, typer.Option(help="Also run the three upper bounds (on the baseline).")
+    ] = True,
     config_file: ConfigOption = None,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
@@ -408,21 +490,25 @@ def bench_cmd(
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Experiment E1: the vLLM baseline against hybridserve, side by side, with ratios."""
-    runs: dict[str, SimRun] = {}
-    presets = ["baseline", "hybridserve"]
-    if ablations:
-        presets += ["controls-only", "retention-only"]
-    from hybridserve.sim.run import with_preset
+    """Experiment E1: a baseline against hybridserve on paired seeds, with 95% intervals, the
+    upper bounds and where the time goes."""
+    from hybridserve.sim.bounds import BOUNDS
+    from hybridserve.sim.experiment import baseline_preset, paired_report, run_configs
+    from hybridserve.sim.run import pool_report, with_preset
 
-    # A --config file shapes the hybridserve side only: the baseline stays vLLM.
-    labels = {p: p if p == "baseline" else run_label(p, config_file) for p in presets}
+    if seeds < 1 or workers < 1:
+        raise fail(f"--seeds={seeds} --workers={workers}; use 1 or more of each")
+    tp = tp if tp is not None else dcp
+    seed_list = list(range(seed, seed + seeds))
     folder = bench_folder(name)
+    finished: dict[str, dict[int, dict[str, float]]] = {}
     try:
+        base_preset = baseline_preset(baseline)
         config = _sim_config(
             model=model,
             tp=tp,
             spec=spec,
+            dcp=dcp,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
@@ -430,61 +516,186 @@ def bench_cmd(
             **_model_options(model_config),
             **_device_options(gpu, dtype, kv_dtype, calibration),
         )
+        labels = ["baseline", "hybridserve"] + (
+            ["controls-only", "retention-only"] if ablations else []
+        )
+        presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
+        presets.update({p: p for p in labels[2:]})
+        configs = {}
+        for label in labels:
+            # A --config file shapes the hybridserve side only: the baseline stays what it is.
+            extra = _file_options(config_file) if label != "baseline" else {}
+            configs[label] = replace(with_preset(config, presets[label]), **extra)
+        search: dict[str, Any] | None = None
+        if baseline == "vllm-tuned":
+            configs["baseline"], search = _tuned_baseline(
+                configs["baseline"], tuned, trials=tune_trials, slo=itl_slo_ms, workers=workers
+            )
+            if not as_json:
+                err.print(f"vllm-tuned: {search['best']}", highlight=False)
+        if bounds:
+            for bound in BOUNDS:
+                configs[bound] = replace(configs["baseline"], bound=bound)
+        pools = {label: pool_report(configs[label]) for label in labels}
+        log = None if as_json else (lambda line: err.print(line, highlight=False))
         simulated = _simulated_model(config)
-        for preset in presets:
-            extra = _file_options(config_file) if preset != "baseline" else {}
-            chosen = replace(with_preset(config, preset), **extra)
-            runs[preset] = _run_sim(chosen, label=labels[preset], quiet=as_json)
+        results, kept = run_configs(
+            configs,
+            seed_list,
+            workers=workers,
+            keep_seed=seed_list[0],
+            log=log,
+            finished=finished,
+        )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
-        raise _bench_interrupted(runs, labels, folder) from None
-    results = {preset: run.summary for preset, run in runs.items()}
-    base, ours = results["baseline"], results["hybridserve"]
-    ratios = {k: round(ours[k] / base[k], 4) if base[k] else None for k in REPORT_KEYS}
-    report: dict[str, object] = {
-        "baseline": _metrics_json(base),
-        "hybridserve": _metrics_json(ours),
-        "ratios": ratios,
-        **{preset: _metrics_json(results[preset]) for preset in presets[2:]},
-        "setup": {
-            "model": simulated[0],
-            "spec": simulated[1],
-            "gpu": config.gpu,
-            "tp": tp,
-            "dtype": config.dtype,
-            "kv_dtype": config.kv_dtype,
-            "model_config": None if model_config is None else str(model_config),
-            "calibration": None if calibration is None else str(calibration),
-            "agents": agents,
-            "duration_s": duration,
-            "warmup_s": warmup,
-            "seed": seed,
-            "config": None if config_file is None else str(config_file),
-            "labels": labels,
+        raise _bench_interrupted(finished, folder) from None
+    report = paired_report(results, baseline="baseline", ours="hybridserve")
+    report["pool"] = pools
+    report["setup"] = {
+        "model": simulated[0],
+        "spec": simulated[1],
+        "gpu": config.gpu,
+        "tp": tp,
+        "dcp": dcp,
+        "dtype": config.dtype,
+        "kv_dtype": config.kv_dtype,
+        "baseline": baseline,
+        "baseline_preset": base_preset,
+        "model_config": None if model_config is None else str(model_config),
+        "calibration": None if calibration is None else str(calibration),
+        "agents": agents,
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "seeds": seed_list,
+        "vllm_tuned": search,
+        "config": None if config_file is None else str(config_file),
+        # A --config file shapes the hybridserve side only: the baseline stays what it is.
+        "labels": {
+            label: label if label == "baseline" else run_label(label, config_file)
+            for label in labels
         },
     }
-    files = _write_report(folder, report, {labels[p]: run for p, run in runs.items()})
+    plotted = {label: kept[label] for label in labels if label in kept}
+    files = _write_report(folder, report, plotted)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
         return
-    where = f"simulated {config.gpu} (tp={tp}, {config.dtype})"
-    table = Table(title=f"E1: {agents} agents, {simulated[0]} (spec {simulated[1]}) on {where}")
-    headers = ("metric", "baseline (vLLM)", labels["hybridserve"], "ratio")
-    for column in (*headers, *(labels[p] for p in presets[2:])):
-        table.add_column(column, justify="left" if column == "metric" else "right")
-    for key in REPORT_KEYS:
-        ratio = ratios[key]
-        cells = [f"{results[p][key]:,.2f}" for p in presets[2:]]
-        table.add_row(
-            key,
-            f"{base[key]:,.2f}",
-            f"{ours[key]:,.2f}",
-            "-" if ratio is None else f"{ratio:.2f}x",
-            *cells,
+    _print_bench(report, labels, [b for b in BOUNDS if b in results], files)
+
+
+def _tuned_baseline(
+    config: SimConfig, tuned: Path | None, *, trials: int, slo: float, workers: int
+) -> tuple[SimConfig, dict[str, Any]]:
+    """The vllm-tuned baseline: from a stored search result, or searched now."""
+    from hybridserve.sim.experiment import tune_vllm, tuned_config
+
+    if tuned is None:
+        return tune_vllm(config, trials=trials, itl_slo_ms=slo, workers=workers, seed=config.seed)
+    try:
+        data = json.loads(tuned.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--tuned", str(tuned), f"give a readable JSON file ({exc})") from None
+    found = data.get("setup", {}).get("vllm_tuned", data) if isinstance(data, dict) else None
+    if not isinstance(found, dict) or not isinstance(found.get("best"), dict):
+        raise ConfigError(
+            "--tuned", str(tuned), 'it needs {"best": {"controls": {...}, "retention": "..."}}'
         )
+    best = found["best"]
+    controls, retention = best.get("controls", {}), best.get("retention") or "boundary"
+    return tuned_config(config, controls, retention), {**found, "from": str(tuned)}
+
+
+def _print_bench(
+    report: dict[str, Any], labels: list[str], bounds: list[str], files: list[Path]
+) -> None:
+    setup = report["setup"]
     console = out_console()
+    console.width = max(console.width, 150)
+    where = f"{setup['gpu']} (tp={setup['tp']}, dcp={setup['dcp']}, {setup['dtype']})"
+    n = len(setup["seeds"])
+    table = Table(
+        title=f"E1: {setup['agents']} agents, {setup['model']} (spec {setup['spec']}) on "
+        f"simulated {where}; "
+        f"{n} paired seed{'s' if n > 1 else ''}, {setup['duration_s']:.0f} s runs "
+        f"({setup['warmup_s']:.0f} s warm-up)"
+    )
+    columns = ["configuration", "jobs/h", *[f"% {b}" for b in bounds]]
+    columns += ["p99 ITL ms", "p99 TTFT ms", "hit rate", "preempt", "SLO met"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+
+    def cell(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for label in [*labels, *bounds]:
+        m = report[label]
+        fractions = report["fraction_of_bound"].get(label, {})
+        shares = [
+            "-"
+            if b not in fractions
+            else cell(fractions[b]["mean"] and 100 * fractions[b]["mean"], ".0f")
+            for b in bounds
+        ]
+        name = f"{label} (bound)" if label in bounds else label
+        if label == "baseline":
+            name = f"baseline ({setup['baseline']})"
+        table.add_row(
+            name,
+            cell(m["job_goodput_per_hour"], ",.1f"),
+            *shares,
+            cell(m["itl_p99_ms"], ",.1f"),
+            cell(m["ttft_p99_ms"], ",.0f"),
+            cell(m["prefix_hit_rate"], ".3f"),
+            cell(m["preemptions"], ".1f"),
+            cell(m["slo_attainment"], ".2f"),
+        )
     console.print(table)
+    base = setup["baseline"]
+    for name, ratio in report["ratios"].items():
+        ci = ratio["ci95"]
+        interval = (
+            "no interval with one seed" if ci is None else f"95% CI [{ci[0]:.2f}, {ci[1]:.2f}]"
+        )
+        per_seed = ", ".join("-" if v is None else f"{v:.2f}" for v in ratio["per_seed"])
+        mean = ratio["mean"]
+        shown = "-" if mean is None else f"{mean:.2f}x"
+        console.print(
+            f"hybridserve / {base} {name}: {shown} ({interval}; per seed {per_seed})",
+            highlight=False,
+        )
+    if n < 10:
+        console.print(
+            f"{n} seeds: a short screen. The full design (10+ paired seeds, 1,800 s runs) is "
+            "benchmarks/e1_matrix.py.",
+            highlight=False,
+        )
+    time_table = Table(title="where the time goes (means over seeds)")
+    time_table.add_column("configuration")
+    for column in (
+        "GPU busy",
+        "decode",
+        "prefill",
+        "mixed",
+        "job: decode",
+        "tool",
+        "queue+TTFT",
+        "recomputed/turn",
+        "ideal/turn",
+    ):
+        time_table.add_column(column, justify="right")
+    for label in labels:
+        m = report[label]
+        time_table.add_row(
+            label,
+            *[cell(m[k], ".2f") for k in BREAKDOWN_ROWS[1:8]],
+            *[cell(m[k], ",.0f") for k in BREAKDOWN_ROWS[8:]],
+        )
+    console.print(time_table)
+    for label in labels:
+        log = "; ".join(report["pool"][label]["vllm_log"])
+        console.print(f"{label} pool (vLLM would log): {log}", highlight=False)
     console.print("files: " + ", ".join(str(f) for f in files))
 
 
@@ -503,29 +714,39 @@ def sweep_cmd(
     itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
-    tp: TpOption = 1,
+    tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
     spec: SpecOption = "auto",
+    dcp: DcpOption = 1,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     agents: AgentsOption = 20,
     duration: DurationOption = 900.0,
     warmup: WarmupOption = 150.0,
     seed: SeedOption = 0,
+    space: Annotated[
+        str,
+        typer.Option(
+            help="hybridserve: its controls over predecessor retention; vllm: vLLM's own knobs "
+            "(token budget, long-prefill threshold, max_num_seqs, retention) on the baseline."
+        ),
+    ] = "hybridserve",
     as_json: JsonOption = False,
 ) -> None:
     """Search the scheduler controls for the best job goodput under a p99 ITL SLO."""
     from hybridserve.sim.run import model_profile, state_quantum
-    from hybridserve.sim.sweep import best, sweep
+    from hybridserve.sim.sweep import best, sweep, vllm_sweep
 
     if trials < 1 or workers < 1:
         raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
     finished: list[Trial] = []
+    tp = tp if tp is not None else dcp
     try:
         config = _sim_config(
             model=model,
             tp=tp,
             spec=spec,
+            dcp=dcp,
             num_agents=agents,
             duration_s=duration,
             warmup_s=warmup,
@@ -534,26 +755,41 @@ def sweep_cmd(
             **_device_options(gpu, dtype, kv_dtype, None),
         )
         quantum = state_quantum(model_profile(config))
-        results = sweep(
-            config,
-            trials=trials,
-            quantum=quantum,
-            workers=workers,
-            seed=seed,
-            ray_address=ray,
-            on_trial=finished.append,
-        )
+        if space == "vllm":
+            if ray is not None:
+                raise ConfigError("--ray", ray, "the vllm space runs in local processes")
+            results = vllm_sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)
+        elif space == "hybridserve":
+            results = sweep(
+                config,
+                trials=trials,
+                quantum=quantum,
+                workers=workers,
+                seed=seed,
+                ray_address=ray,
+                on_trial=finished.append,
+            )
+        else:
+            raise ConfigError("--space", space, "use hybridserve or vllm")
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise _sweep_interrupted(finished, trials + 1, itl_slo_ms) from None
     winner = best(results, itl_slo_ms=itl_slo_ms)
     rows = [
-        {"controls": dict(t.controls), **_metrics_json(t.metrics), "meets_slo": t.meets(itl_slo_ms)}
+        {
+            "controls": dict(t.controls),
+            "retention": t.retention,
+            **_metrics_json(t.metrics),
+            "meets_slo": t.meets(itl_slo_ms),
+        }
         for t in results
     ]
     if as_json:
-        payload = {"itl_slo_ms": itl_slo_ms, "best": dict(winner.controls), "trials": rows}
+        chosen: dict[str, Any] = dict(winner.controls)
+        if space == "vllm":
+            chosen = {"controls": dict(winner.controls), "retention": winner.retention}
+        payload = {"space": space, "itl_slo_ms": itl_slo_ms, "best": chosen, "trials": rows}
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     table = Table(title=f"sweep: {len(results)} trials, p99 ITL SLO {itl_slo_ms:.0f} ms")
@@ -561,6 +797,8 @@ def sweep_cmd(
         table.add_column(column, justify="left" if column == "controls" else "right")
     for trial in sorted(results, key=lambda t: -t.metrics["job_goodput_per_hour"]):
         label = ", ".join(f"{k}={v:g}" for k, v in trial.controls if v) or "all off"
+        if trial.retention:
+            label += f", retention={trial.retention}"
         m = trial.metrics
         table.add_row(
             label,

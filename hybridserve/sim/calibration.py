@@ -224,7 +224,9 @@ class CalibrationProfile:
 _EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
 # name is the profile's device; the optional peaks may be null.
 _GPU_FIELDS = tuple(f.name for f in fields(GpuSpec) if f.name != "name")
-_OPTIONAL = ("fp8_flops", "fp4_flops", "fp32_flops")
+_OPTIONAL = ("fp8_flops", "fp4_flops", "fp32_flops", "reported_bytes")
+# Fields newer than some profiles: a profile without them keeps the defaults.
+_ADDED_LATER = ("reported_bytes", "moe_hbm", "recurrent_layer_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +272,7 @@ class _Reader:
             if name in _OPTIONAL and inner.data.get(name, 0) is None
             else inner.number(name)
             for name in names
+            if name in inner.data or name not in _ADDED_LATER
         }
 
 

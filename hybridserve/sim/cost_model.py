@@ -14,7 +14,9 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
 from hybridserve.sim.gpus import GpuSpec, dtype_bytes
-from hybridserve.sim.models import ModelProfile
+from hybridserve.sim.memory import GIB, vllm_kv_budget
+from hybridserve.sim.memory import bytes_per_block as bytes_per_block  # re-exported
+from hybridserve.sim.models import ModelProfile, embedding_dtype
 
 _ACT_BYTES = 2.0  # activations, attention math and recurrent state stay in bf16
 _FULL = FullAttentionSpec(block_size=16)  # block size is irrelevant for per-token bytes
@@ -74,7 +76,7 @@ class StepCost:
     """Seconds per term of one step; `total_s` is their sum."""
 
     linear_s: float = 0.0  # dense projections, MLPs, shared experts, router, LM head
-    moe_s: float = 0.0  # routed experts: min(E, tokens x top-k) experts' weights
+    moe_s: float = 0.0  # routed experts: the expected distinct experts the step's tokens touch
     attention_prefill_s: float = 0.0  # full attention of prefill chunks (causal FLOPs)
     attention_decode_s: float = 0.0  # full attention of decodes/verifies (KV bytes read)
     sliding_window_s: float = 0.0  # sliding-window layers, context bounded by the window
@@ -82,6 +84,7 @@ class StepCost:
     state_s: float = 0.0  # Mamba2 / GDN: state read+write per sequence, chunked-scan FLOPs
     tp_allreduce_s: float = 0.0  # 2 ring all-reduces per layer over the interconnect
     dcp_allgather_s: float = 0.0  # decode context parallel: query and output+LSE all-gathers
+    draft_s: float = 0.0  # MTP/EAGLE draft passes: one over the step's tokens, k - 1 over 1 each
     launch_s: float = 0.0  # fixed per-step overhead (launches, sampling, host sync)
     scheduler_s: float = 0.0  # measured scheduler CPU time passed in by the caller
 
@@ -111,13 +114,19 @@ class Efficiency:
     link: float = 0.589  # NCCL ring bus bandwidth: fraction of per-direction link bandwidth
     collective_latency_s: float = 10e-6  # fixed cost of one collective (not fitted)
     step_overhead_s: float = 2.93e-3  # per step: launches, sampling, host-device sync
+    # Fitted on the hybrid rows H1 and H3 (docs/cost_model.md, "Hybrid rows"), not by
+    # fit_cost_model.py: the fused routed-expert kernels' fraction of HBM bandwidth (a decode
+    # step's experts see one or two tokens each), and the fixed time each gated-delta-net or
+    # Mamba layer adds to a step (its conv, gating, recurrence and gated-norm kernels).
+    moe_hbm: float = 0.38
+    recurrent_layer_s: float = 11.4e-6
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "attention", "hbm", "link"):
+        for name in ("gemm", "attention", "hbm", "link", "moe_hbm"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"efficiency.{name}", value, "use a fraction in (0, 1]")
-        for name in ("collective_latency_s", "step_overhead_s"):
+        for name in ("collective_latency_s", "step_overhead_s", "recurrent_layer_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"efficiency.{name}", getattr(self, name), "use >= 0 seconds")
 
@@ -151,13 +160,23 @@ class RooflineCostModel:
         dtype: str = "bf16",
         kv_dtype: str = "bf16",
         efficiency: Efficiency = Efficiency(),  # frozen, so sharing the default is safe
+        num_draft_passes: int = 0,
     ) -> None:
         if tp < 1:
             raise ConfigError("tp", tp, "use a tensor-parallel width of 1 or more")
         if dcp < 1 or tp % dcp:
             raise ConfigError("dcp", dcp, f"use a DCP width that divides tp={tp}")
+        if num_draft_passes < 0:
+            raise ConfigError("num_draft_passes", num_draft_passes, "use 0 or more")
         self.gpu, self.model, self.tp, self.dcp = gpu, model, tp, dcp
+        # k draft passes per step, each one forward of a decoder layer of the model's shape (its
+        # MTP layer; vLLM runs the drafter num_speculative_tokens times after the target).
+        self.num_draft_passes = num_draft_passes
         self.weight_bytes = dtype_bytes(dtype)
+        # The LM head (and embedding) stay in bf16 under fp8/fp4 weights (models.weight_bytes).
+        head_dtype = embedding_dtype(dtype)
+        self._head_bytes = dtype_bytes(head_dtype)
+        self._head_flops = gpu.peak_flops(head_dtype) * efficiency.gemm
         # KV and recurrent state stay in the activation dtype unless asked otherwise, as vLLM's
         # kv_cache_dtype=auto does for an fp8 checkpoint (the block sizes assume bf16 pages).
         self.kv_dtype = kv_dtype
@@ -167,6 +186,7 @@ class RooflineCostModel:
         attn_dtype = "fp32" if dtype == "fp32" else "bf16"
         self._attn_flops = gpu.peak_flops(attn_dtype) * efficiency.attention
         self._hbm = gpu.hbm_bytes_per_s * efficiency.hbm
+        self._hbm_moe = gpu.hbm_bytes_per_s * efficiency.moe_hbm
 
     def step_cost(self, batch: StepShape) -> StepCost:
         """The modelled time of `batch`, by term. Does not mutate."""
@@ -183,6 +203,7 @@ class RooflineCostModel:
             state_s=self._state(batch),
             tp_allreduce_s=self._tp_allreduce(batch.num_tokens),
             dcp_allgather_s=self._dcp_allgather(batch.num_tokens),
+            draft_s=self._draft(batch),
             launch_s=self.eff.step_overhead_s,
             scheduler_s=batch.scheduler_cpu_s,
         )
@@ -196,28 +217,39 @@ class RooflineCostModel:
         params = m.dense_linear_params() / tp
         body = self._roofline(2 * batch.num_tokens * params, params * self.weight_bytes, gemm=True)
         logits = sum(r.num_logit_tokens for r in batch.requests)
-        head = m.vocab_size * m.hidden_size / tp
-        lm_bytes = head * self.weight_bytes if logits else 0.0
-        return body + self._roofline(2 * logits * head, lm_bytes, gemm=True)
+        return body + self._lm_head(logits)
 
-    def _moe(self, num_tokens: int) -> float:
+    def _lm_head(self, rows: int) -> float:
+        if rows == 0:
+            return 0.0
+        head = self.model.vocab_size * self.model.hidden_size / self.tp
+        flops_s = 2 * rows * head / self._head_flops
+        return max(flops_s, head * self._head_bytes / self._hbm)
+
+    def _moe(self, num_tokens: int, *, layers: int | None = None) -> float:
         moe = self.model.moe
         if moe is None or num_tokens == 0:
             return 0.0
         expert = moe.expert_params(self.model.hidden_size) / self.tp
-        touched = min(moe.num_experts, num_tokens * moe.num_experts_per_tok)
+        touched = expected_experts(moe.num_experts, moe.num_experts_per_tok, num_tokens)
         flops = 2 * num_tokens * moe.num_experts_per_tok * expert
-        per_layer = self._roofline(flops, touched * expert * self.weight_bytes, gemm=True)
-        return self.model.num_moe_layers * per_layer
+        weights = touched * expert * self.weight_bytes
+        per_layer = max(flops / self._gemm_flops, weights / self._hbm_moe)
+        return (self.model.num_moe_layers if layers is None else layers) * per_layer
 
     def _full_attention(self, batch: StepShape) -> tuple[float, float]:
-        """(prefill, decode) seconds of the full-attention layers; DCP shards KV by token."""
+        """(prefill, decode) seconds of the full-attention layers.
+
+        Under DCP (vLLM's: it reuses the TP ranks) each rank holds the KV heads of its TP/DCP
+        slice, `num_kv_heads / (tp / dcp)`, for 1/dcp of the tokens, and attends the query heads
+        of those KV heads (gathered across the DCP group) over its shard: the KV it reads falls
+        by up to dcp, its FLOPs stay those of heads/tp over every pair."""
         m = self.model
         if m.attention is None or m.num_full_layers == 0:
             return 0.0, 0.0
         heads = m.attention.num_heads / self.tp
-        flops_per_pair = 4 * heads * m.attention.head_dim * m.num_full_layers / self.dcp
-        kv_token = m.kv_bytes_per_token(_FULL, dtype=self.kv_dtype, tp=self.tp)
+        flops_per_pair = 4 * heads * m.attention.head_dim * m.num_full_layers
+        kv_token = m.kv_bytes_per_token(_FULL, dtype=self.kv_dtype, tp=self.tp // self.dcp)
         prefill = decode = 0.0
         for r in batch.requests:
             flops = flops_per_pair * causal_pairs(r.num_context_tokens, r.num_new_tokens)
@@ -258,7 +290,7 @@ class RooflineCostModel:
             else:
                 dims = mla.qk_dim + mla.v_head_dim
             pairs = causal_pairs(r.num_context_tokens, r.num_new_tokens)
-            flops = 2 * heads * dims * pairs * m.num_mla_layers / self.dcp
+            flops = 2 * heads * dims * pairs * m.num_mla_layers  # DCP: as full attention
             read = (r.num_context_tokens + r.num_new_tokens) / self.dcp + r.num_new_tokens
             total += self._roofline(flops, latent * read, gemm=False)
         return total
@@ -270,9 +302,53 @@ class RooflineCostModel:
             return 0.0
         state = m.state_bytes_per_sequence(tp=self.tp)
         flops_per_token = rec.scan_flops_per_token() * m.num_recurrent_layers / self.tp
-        total = 0.0
+        total = m.num_recurrent_layers * self.eff.recurrent_layer_s
         for r in batch.requests:
             total += self._roofline(flops_per_token * r.num_new_tokens, 2 * state, gemm=False)
+        return total
+
+    def _draft(self, batch: StepShape) -> float:
+        """MTP draft passes (vLLM `propose`): the first runs the MTP layer over every token the
+        step computed (it reads the target's hidden states), the next k - 1 over one token per
+        sampled request; each is one decoder layer of the model's kind (attention over that
+        layer's own KV, the MLP or experts), the [embedding; hidden] projection and the LM head
+        of one row per sampled request."""
+        k = self.num_draft_passes
+        rows = sum(1 for r in batch.requests if r.sample)
+        if k == 0 or rows == 0:
+            return 0.0
+        m, tp = self.model, self.tp
+        params = m.mtp_layer_params()  # everything every token touches, routed experts aside
+        if m.moe is not None:
+            params -= m.moe.num_experts * m.moe.expert_params(m.hidden_size)
+        dense = params / tp
+        kv_token = 0.0
+        heads, head_dim = 0.0, 0
+        if m.attention is not None:
+            kv_token = 2 * max(1.0, m.attention.num_kv_heads / tp) * m.attention.head_dim
+            kv_token *= dtype_bytes(self.kv_dtype)
+            heads, head_dim = m.attention.num_heads / tp, m.attention.head_dim
+        # Pass 1 over every computed token (its causal pairs over the context), passes 2..k
+        # over one token per sampled request; the draft layer's attention of a pass is one
+        # batched kernel, so its FLOPs and bytes are summed over the batch before the roofline.
+        first_pairs = first_kv = 0.0
+        next_pairs = next_kv = 0.0
+        for r in batch.requests:
+            first_pairs += causal_pairs(r.num_context_tokens, r.num_new_tokens)
+            first_kv += r.num_context_tokens + 2 * r.num_new_tokens
+            if r.sample:
+                end = r.num_context_tokens + r.num_new_tokens
+                next_pairs += end + 1
+                next_kv += end + 2
+        attn = 4 * heads * head_dim
+        total = 0.0
+        for tokens, pairs, kv in [(batch.num_tokens, first_pairs, first_kv)] + [
+            (rows, next_pairs, next_kv)
+        ] * (k - 1):
+            total += self._roofline(2 * tokens * dense, dense * self.weight_bytes, gemm=True)
+            total += self._moe(tokens, layers=1) if m.moe is not None else 0.0
+            total += self._roofline(attn * pairs, kv_token * kv, gemm=False)
+            total += self._lm_head(rows)
         return total
 
     def _ring_bus_s(self, num_bytes: float) -> float:
@@ -291,7 +367,11 @@ class RooflineCostModel:
         return count * self._ring_bus_s(ring)
 
     def _dcp_allgather(self, num_tokens: int) -> float:
-        """Per sharded layer: all-gather queries, then partial outputs with their LSE."""
+        """Per sharded layer, three ring collectives over the DCP group (vLLM's
+        `cp_lse_ag_out_rs`): all-gather the queries (each rank brings its heads/tp), all-gather
+        the partial LSEs (fp32, one per (token, gathered head)), reduce-scatter the rescaled
+        partial outputs back to each rank's own heads. A ring moves (dcp - 1) x the per-rank
+        share over each link, plus one collective latency."""
         m = self.model
         if self.dcp == 1:
             return 0.0
@@ -302,19 +382,22 @@ class RooflineCostModel:
             v_dim = q_dim
         else:
             return 0.0
+        n = self.dcp
         rows = num_tokens * heads / self.tp  # (token, head) rows each rank contributes
-        gather_q = self._ring_bus_s((self.dcp - 1) * rows * q_dim * _ACT_BYTES)
-        gather_out = self._ring_bus_s((self.dcp - 1) * rows * (v_dim * _ACT_BYTES + 4))  # + LSE
-        return (m.num_full_layers + m.num_mla_layers) * (gather_q + gather_out)
+        gather_q = self._ring_bus_s((n - 1) * rows * q_dim * _ACT_BYTES)
+        gather_lse = self._ring_bus_s((n - 1) * rows * n * 4)
+        scatter_out = self._ring_bus_s((n - 1) * rows * v_dim * _ACT_BYTES)
+        return (m.num_full_layers + m.num_mla_layers) * (gather_q + gather_lse + scatter_out)
 
 
-def bytes_per_block(model: ModelProfile, *, tp: int = 1, kv_dtype: str = "bf16") -> float:
-    """Bytes one block id costs on one GPU, as vLLM lays out a hybrid cache: every KV cache group
-    holds `layers_per_kv_group` layers whose pages are padded to the largest page of any kind
-    (a recurrent state page is padded to the attention page and vice versa), and each group
-    allocates its own block ids from one pool."""
-    page = max(model.page_bytes_per_layer(g, dtype=kv_dtype, tp=tp) for g in model.cache_groups())
-    return model.layers_per_kv_group * page
+def expected_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Distinct experts `num_tokens` tokens touch when each picks `top_k` of `num_experts`
+    uniformly: E x (1 - (1 - k/E)^T). Below min(E, T x k), which assumes no two tokens share
+    an expert (at E1's ~20-token decode batch on Qwen3-Next, 512 experts top-10: 166 experts,
+    not 200)."""
+    if num_tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
 def kv_pool_blocks(
@@ -322,23 +405,35 @@ def kv_pool_blocks(
     model: ModelProfile,
     *,
     tp: int = 1,
+    dcp: int = 1,
     dtype: str = "bf16",
     kv_dtype: str = "bf16",
-    activation_reserve_frac: float = 0.1,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
     gpu_memory_utilization: float = 0.9,
 ) -> int:
-    """Blocks that fit on one GPU: HBM x utilization - weights / tp - activation reserve.
+    """Block ids that fit on one GPU, as vLLM sizes its pool (hybridserve.sim.memory).
 
-    Raises ConfigError when the weights leave no room for a single block.
+    Raises ConfigError when the weights and the profile run leave no room for a single block.
     """
-    budget = gpu.hbm_bytes * (gpu_memory_utilization - activation_reserve_frac)
-    weights = model.weight_bytes(dtype) / tp
-    blocks = int((budget - weights) // bytes_per_block(model, tp=tp, kv_dtype=kv_dtype))
-    if blocks < 1:
+    budget = vllm_kv_budget(
+        gpu,
+        model,
+        tp=tp,
+        dcp=dcp,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
+    if budget.num_blocks < 1:
         raise ConfigError(
             "tp",
             tp,
-            f"{model.name} needs {weights / 1e9:.1f} GB of weights per GPU, more than the "
-            f"{budget / 1e9:.1f} GB budget of {gpu.name}; raise tp or use a smaller dtype",
+            f"{model.name} needs {budget.weight_bytes / GIB:.1f} GiB of weights per GPU and "
+            f"{budget.activation_bytes / GIB:.1f} GiB for the profile run, more than the "
+            f"{budget.requested_bytes / GIB:.1f} GiB budget of {gpu.name}; raise tp or use a "
+            "smaller dtype",
         )
-    return blocks
+    return budget.num_blocks

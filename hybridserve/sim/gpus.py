@@ -25,6 +25,15 @@ class GpuSpec:
     # Dense FP32 FLOP/s; None where not given (the catalog: serving GEMMs run in bf16 or below).
     # A calibrated device (a CPU) records its measured fp32 matmul rate here.
     fp32_flops: float | None = None
+    # The memory the device reports to software (nvidia-smi, cudaMemGetInfo's total), which is
+    # what a serving engine sizes its pool from; None where no report was found (the datasheet
+    # capacity is used then).
+    reported_bytes: float | None = None
+
+    @property
+    def memory_bytes(self) -> float:
+        """Bytes a serving engine sees as the device's total: the reported figure, else HBM."""
+        return self.reported_bytes if self.reported_bytes is not None else self.hbm_bytes
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for GEMMs whose inputs are `dtype`. Raises ConfigError if none."""
@@ -49,6 +58,7 @@ class GpuSpec:
 
 _T = 1e12
 _G = 1e9
+_GIB = float(1 << 30)
 
 # Sources: data/gpu-datasheets.json, which quotes (dense values, no sparsity):
 # - A100-SXM4 80GB: glennklockwood.com/garden/processors/A100 citing the NVIDIA A100 datasheet
@@ -63,6 +73,15 @@ _G = 1e9
 #   1.8 TB/s.
 # - MI300X 192GB: alpharomercoma/MI300X-vs-H200 METHODOLOGY.md (BF16 1307.4, FP8 2614.9,
 #   5.3 TB/s, 192 GB); Infinity Fabric 7 x 128 GB/s = 896 GB/s aggregate (gpu.blog MI300X page).
+# Reported memory: the total CUDA gives software (cudaMemGetInfo, torch.cuda.mem_get_info), which
+# vLLM logs as "total_gpu_memory" and sizes its pool from; below the datasheet's GB (the driver
+# keeps some) and below nvidia-smi's total (143,771 MiB = 140.40 GiB on an H200 SXM).
+# - H200: 139.81 GiB, a vLLM memory-profiling log on an H200 ("the current vLLM instance can use
+#   total_gpu_memory (139.81GiB) x gpu_memory_utilization (0.85) = 118.84GiB"); PyTorch's
+#   out-of-memory messages on H200s say "a total capacity of 139.80 GiB" / "139.81 GiB".
+# - H100-SXM: 79.18 GiB, vLLM's total in llm-d-benchmark's
+#   config_explorer/empirical-vllm-memory-results.md ("H100 GPUs (79.18 GiB total memory)").
+# - A100-80G, B200, MI300X: no report found; the datasheet capacity stands in.
 GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
@@ -83,6 +102,7 @@ GPUS: dict[str, GpuSpec] = {
             hbm_bytes=80 * _G,
             hbm_bytes_per_s=3.35 * _T,
             link_bytes_per_s=450 * _G,
+            reported_bytes=79.18 * _GIB,
         ),
         GpuSpec(
             name="H200",
@@ -92,6 +112,7 @@ GPUS: dict[str, GpuSpec] = {
             hbm_bytes=141 * _G,
             hbm_bytes_per_s=4.8 * _T,
             link_bytes_per_s=450 * _G,
+            reported_bytes=139.81 * _GIB,
         ),
         GpuSpec(
             name="B200",

@@ -44,6 +44,11 @@ class Simulation:
         self.on_step = on_step
         self.now = 0.0
         self.steps = 0
+        # GPU seconds of the steps that end at or after `breakdown_from_s`, by kind of step.
+        self.breakdown_from_s = 0.0
+        self.gpu_seconds = {"decode": 0.0, "prefill": 0.0, "mixed": 0.0}
+        # Per request: prompt tokens an ideal prefix cache would hold (AgentSimulation).
+        self.ideal_prefix: dict[str, int] = {}
         self._arrivals: list[Arrival] = []
         self._seq = 0
         self._answers: dict[str, list[int]] = {}
@@ -105,6 +110,16 @@ class Simulation:
         recorder = self.recorder
         scheduled = step.scheduled
         recorder.preemptions += len(scheduled.preempted)
+        if end >= self.breakdown_from_s and (
+            scheduled.num_prefill_tokens or scheduled.num_decode_tokens
+        ):
+            if not scheduled.num_prefill_tokens:
+                kind = "decode"
+            elif not scheduled.num_decode_tokens:
+                kind = "prefill"
+            else:
+                kind = "mixed"
+            self.gpu_seconds[kind] += end - self.now
         recorder.timeline.on_step(
             end,
             duration_s=end - self.now,
@@ -147,6 +162,11 @@ class AgentSimulation(Simulation):
         self.workload = workload
         self._jobs: dict[str, Job] = {}
         self._turn_of: dict[str, Turn] = {}
+        # Tokens of each job whose KV exists (its last prompt and answer, less the last sampled
+        # token, never fed back): what an ideal cache would hit. The shared system prompt counts
+        # once any earlier request has sent it (an upper bound: it may still be in prefill).
+        self._computed: dict[str, int] = {}
+        self._system_sent = False
 
     def start(self) -> None:
         for agent in range(self.workload.params.num_agents):
@@ -165,6 +185,9 @@ class AgentSimulation(Simulation):
             return
         req_id = f"{turn.job_id}.t{turn.turn}"
         self._turn_of[req_id] = turn
+        shared = len(self.workload.system_prompt) if self._system_sent else 0
+        self.ideal_prefix[req_id] = self._computed.get(turn.job_id, shared)
+        self._system_sent = True
         self.recorder.on_job_turn(turn.job_id)
         self.schedule_arrival(time_s, req_id, turn.prompt, turn.max_tokens, turn.job_id)
 
@@ -175,8 +198,11 @@ class AgentSimulation(Simulation):
     def finished(self, req_id: str, time_s: float, answer: list[int]) -> None:
         turn = self._turn_of.pop(req_id)
         job = self._jobs[turn.job_id]
+        self._computed[job.job_id] = len(turn.prompt) + len(answer) - 1
         tool_time = self.workload.after_answer(job, answer)
         if self.workload.is_over(job):
+            self._computed.pop(job.job_id, None)
+            self._jobs.pop(job.job_id, None)
             self._end_job(job, time_s)  # a job ends when its last turn does
         else:
             self._next_turn(job, time_s + tool_time)

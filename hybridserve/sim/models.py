@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import FullAttentionSpec, GroupSpec, MambaCacheMode, MambaSpec
@@ -154,7 +154,9 @@ class ModelProfile:
     num_recurrent_layers: int = 0  # Mamba2 or gated-delta-net mixers
     num_dense_mlp_layers: int = 0
     num_moe_layers: int = 0
-    num_mtp_layers: int = 0  # multi-token-prediction heads (not counted in weight_bytes)
+    # Multi-token-prediction layers the checkpoint ships; loaded (weights and KV) only when the
+    # engine speculates with MTP: `loaded(mtp=False)` drops them.
+    num_mtp_layers: int = 0
     attention: AttentionDims | None = None
     sliding_window: int | None = None
     mla: MlaDims | None = None
@@ -237,12 +239,46 @@ class ModelProfile:
         per_layer = self.moe.num_experts * self.moe.expert_params(self.hidden_size)
         return self.num_moe_layers * per_layer
 
+    def embedding_params(self) -> int:
+        """The token embedding and the LM head (one matrix when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
     def num_params(self) -> int:
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return embed + self.dense_linear_params() + self.routed_expert_params()
+        """The target model's parameters (MTP layers excluded, as published sizes count)."""
+        return self.embedding_params() + self.dense_linear_params() + self.routed_expert_params()
+
+    def mtp_layer_params(self) -> int:
+        """One MTP layer: a decoder layer of the model's attention kind and its MLP or MoE, plus
+        the projection of [embedding; hidden] (2h x h). It shares the embedding and LM head."""
+        h = self.hidden_size
+        if self.mla is not None:
+            mixer = self.mla.params(h)
+        elif self.attention is not None:
+            mixer = self.attention.params(h)
+        else:
+            mixer = 0
+        if self.moe is not None:
+            mlp = self.moe.num_experts * self.moe.expert_params(h) + self.moe.always_on_params(h)
+        else:
+            mlp = self.mlp_params()
+        return mixer + mlp + 2 * h * h
 
     def weight_bytes(self, dtype: str = "bf16") -> float:
-        return self.num_params() * dtype_bytes(dtype)
+        """Bytes of the loaded weights: the target and its MTP layers in `dtype`, except that an
+        fp8 or fp4 checkpoint keeps the embedding and LM head in bf16 (ModelOpt,
+        compressed-tensors and the Qwen FP8 releases leave them unquantised)."""
+        body = self.num_params() - self.embedding_params()
+        body += self.num_mtp_layers * self.mtp_layer_params()
+        return body * dtype_bytes(dtype) + self.embedding_params() * dtype_bytes(
+            embedding_dtype(dtype)
+        )
+
+    def loaded(self, *, mtp: bool) -> ModelProfile:
+        """The model as an engine loads it: with its MTP layers only when it speculates with MTP
+        (vLLM skips the `mtp.*` weights otherwise, and they hold no KV)."""
+        if mtp or self.num_mtp_layers == 0:
+            return self
+        return replace(self, num_mtp_layers=0)
 
     def group_layers(self, group: GroupSpec) -> int:
         """How many of the model's (target) layers store their cache in `group`."""
@@ -288,6 +324,11 @@ class ModelProfile:
             return 0.0
         per_layer = self.recurrent.state_elems() * dtype_bytes(dtype) / tp
         return self.num_recurrent_layers * per_layer
+
+
+def embedding_dtype(dtype: str) -> str:
+    """The dtype the embedding and LM head stay in: bf16 under fp8/fp4 weights."""
+    return "bf16" if dtype in ("fp8", "fp4") else dtype
 
 
 def hybrid_block_size(state_bytes_per_layer: float, kv_bytes_per_token_per_layer: float) -> int:

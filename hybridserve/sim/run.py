@@ -14,23 +14,28 @@ the agents, and summarise. The two presets are what `hybridserve bench` compares
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import statistics
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.kvcache import CacheLayout, KVCacheManager, RetentionPolicy
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.metrics.recorder import MetricsRecorder
+from hybridserve.metrics.stats import percentile
 from hybridserve.scheduler import Scheduler, SchedulerOutput
 from hybridserve.scheduler.scheduler import RequestOutput
+from hybridserve.sim.bounds import bounded_shape, check_bound, infinite_engine_recorder
 from hybridserve.sim.cost_model import (
     Efficiency,
     RooflineCostModel,
+    StepShape,
     kv_pool_blocks,
     shape_from_plan,
 )
@@ -39,6 +44,13 @@ from hybridserve.sim.fixed_workload import fixed_simulation
 from hybridserve.sim.gpus import GpuSpec, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.loop import AgentSimulation, OpenLoopSimulation, Simulation
+from hybridserve.sim.memory import (
+    KvBudget,
+    kv_cache_tokens,
+    max_concurrency,
+    vllm_kv_budget,
+    vllm_log_lines,
+)
 from hybridserve.sim.models import ModelProfile, get_model
 from hybridserve.sim.traces import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.workload import AgentParams, AgentWorkload
@@ -52,6 +64,11 @@ class Preset:
     retention: RetentionPolicy
     # False: EAGLE/MTP use the legacy one-block drop instead of lookahead block hashes.
     lookahead_block_hashes: bool = True
+
+
+def preset_uses_lookahead(name: str) -> bool:
+    """False for the `legacy` preset: EAGLE/MTP drop a block instead of hashing a lookahead."""
+    return name != "legacy"
 
 
 def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
@@ -111,6 +128,12 @@ class SimConfig:
     gpu_spec: GpuSpec | None = None
     # The context limit; None: the agents' context limit + 1. Longer trace prompts are rejected.
     max_model_len: int | None = None
+    # Decode context parallel: full-attention KV sharded over `dcp` of the `tp` ranks (vLLM's
+    # DCP reuses the TP ranks), state groups replicated; each rank sizes its own pool.
+    dcp: int = 1
+    bound: str | None = None  # an upper bound (hybridserve.sim.bounds): free-prefill, ...
+    acceptance_decay_per_doubling: float = 0.0  # draft acceptance falling with context
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if not self.warmup_s >= 0:
@@ -120,6 +143,18 @@ class SimConfig:
                 "duration_s (--duration)",
                 self.duration_s,
                 f"it must exceed warmup_s={self.warmup_s}: raise it or lower --warmup",
+            )
+        check_bound(self.bound)
+        if self.bound in ("ideal-hits", "infinite-engine") and self.workload != "agents":
+            raise ConfigError(
+                "bound", self.bound, "this bound needs the agent workload (--workload agents)"
+            )
+        if self.dcp < 1 or self.tp % self.dcp:
+            raise ConfigError(
+                "dcp",
+                self.dcp,
+                f"DCP shards KV over the TP ranks: use a width that divides tp={self.tp} "
+                f"(e.g. --tp {max(self.dcp, 1)} --dcp {max(self.dcp, 1)})",
             )
         if self.max_model_len is not None:
             _check_max_model_len(self.max_model_len, self.workload, self.agents)
@@ -272,49 +307,145 @@ class TimedScheduler(Scheduler):
         return taken
 
 
+def speculative_of(config: SimConfig) -> SpeculativeConfig:
+    """The run's speculation: the model's own method under `auto`; the `legacy` preset takes
+    the one-block drop instead of lookahead block hashes."""
+    method = speculative_method(config.spec, model_profile(config))
+    return SpeculativeConfig.from_name(
+        method,
+        config.num_speculative_tokens if method != "none" else 0,
+        lookahead_block_hashes=preset_uses_lookahead(config.preset),
+    )
+
+
+def draft_passes(speculative: SpeculativeConfig) -> int:
+    """Draft forward passes per step the cost model charges: k for MTP and EAGLE-style heads
+    (one decoder layer of the target's shape each); other methods are not charged."""
+    if speculative.method in (SpecMethod.MTP, SpecMethod.EAGLE, SpecMethod.EAGLE3):
+        return speculative.num_speculative_tokens
+    return 0
+
+
+def loaded_model(config: SimConfig) -> ModelProfile:
+    """The model as served: its MTP layers (weights, KV) only when it speculates with MTP."""
+    return model_profile(config).loaded(mtp=speculative_of(config).method is SpecMethod.MTP)
+
+
+def scheduler_preset(config: SimConfig, model: ModelProfile) -> Preset:
+    """The preset's scheduler and retention with the run's overrides applied."""
+    quantum = state_quantum(model)
+    chosen = preset(config.preset, quantum=quantum, max_model_len=config.context_limit)
+    scheduler, retention = chosen.scheduler, chosen.retention
+    if config.controls:
+        scheduler = replace(scheduler, **dict(config.controls))
+    if config.retention is not None:
+        retention = RetentionPolicy.parse(config.retention)
+    return replace(chosen, scheduler=scheduler, retention=retention)
+
+
+def pool_budget(config: SimConfig) -> KvBudget:
+    """One rank's memory account as vLLM's profile run would make it (hybridserve.sim.memory)."""
+    model = loaded_model(config)
+    scheduler = scheduler_preset(config, model).scheduler
+    return vllm_kv_budget(
+        gpu_of(config),
+        model,
+        tp=config.tp,
+        dcp=config.dcp,
+        dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+
+
+def pool_report(config: SimConfig) -> dict[str, Any]:
+    """The pool's figures and the lines vLLM would log for it ("GPU KV cache size: N tokens",
+    "Maximum concurrency for L tokens per request: Xx"), L = the scheduler's max_model_len."""
+    model = loaded_model(config)
+    scheduler = scheduler_preset(config, model).scheduler
+    budget = pool_budget(config)
+    groups = model.kv_cache_groups()
+    num_blocks = budget.num_blocks
+    return {
+        **{k: round(v, 4) for k, v in budget.as_dict().items()},
+        "kv_cache_tokens": kv_cache_tokens(num_blocks, groups, dcp=config.dcp),
+        "max_concurrency": round(
+            max_concurrency(
+                num_blocks,
+                groups,
+                scheduler.max_model_len,
+                max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                dcp=config.dcp,
+            ),
+            4,
+        ),
+        "vllm_log": vllm_log_lines(
+            budget=budget,
+            num_blocks=num_blocks,
+            groups=groups,
+            max_model_len=scheduler.max_model_len,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            dcp=config.dcp,
+        ),
+    }
+
+
 def build_engine(
-    config: SimConfig, *, cpu_clock: Callable[[], float] | None = None
+    config: SimConfig,
+    *,
+    cpu_clock: Callable[[], float] | None = None,
+    ideal_prefix: Mapping[str, int] | None = None,
 ) -> tuple[Engine, Scheduler]:
     """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
-    `config.include_scheduler_cpu`."""
-    gpu, model = gpu_of(config), model_profile(config)
+    `config.include_scheduler_cpu`; `ideal_prefix` (per request, the prompt tokens an ideal
+    cache holds) is what the `ideal-hits` bound reads."""
+    if config.bound == "infinite-engine":
+        raise ConfigError("bound", config.bound, "an infinite engine has no engine to build")
+    gpu, model = gpu_of(config), loaded_model(config)
     check_tensor_parallel(model, config.tp)
     check_kv_dtype(config.kv_dtype)
+    speculative = speculative_of(config)
     cost = RooflineCostModel(
         gpu,
         model,
         tp=config.tp,
+        dcp=config.dcp,
         dtype=config.dtype,
         kv_dtype=config.kv_dtype,
         efficiency=config.efficiency,
+        num_draft_passes=draft_passes(speculative),
     )
+    chosen = scheduler_preset(config, model)
     num_blocks = kv_pool_blocks(
-        gpu, model, tp=config.tp, dtype=config.dtype, kv_dtype=config.kv_dtype
+        gpu,
+        model,
+        tp=config.tp,
+        dcp=config.dcp,
+        dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
+        max_num_seqs=chosen.scheduler.max_num_seqs,
+        max_num_batched_tokens=chosen.scheduler.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
     )
-    groups = model.kv_cache_groups()
-    method = speculative_method(config.spec, model)
-    quantum = state_quantum(model)
-    chosen = preset(config.preset, quantum=quantum, max_model_len=config.context_limit)
-    speculative = SpeculativeConfig.from_name(
-        method,
-        config.num_speculative_tokens if method != "none" else 0,
-        lookahead_block_hashes=chosen.lookahead_block_hashes,
-    )
-    if config.controls:
-        overrides: dict[str, Any] = dict(config.controls)
-        chosen = replace(chosen, scheduler=replace(chosen.scheduler, **overrides))
-    retention = chosen.retention
-    if config.retention is not None:
-        retention = RetentionPolicy.parse(config.retention)
     layout = CacheLayout(
-        groups=groups,
+        groups=model.kv_cache_groups(),
         num_blocks=num_blocks,
         speculative=speculative,
-        retention=retention,
+        retention=chosen.retention,
+        dcp=config.dcp,
         max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,
     )
     manager = KVCacheManager(layout)
     spec_tokens = speculative.num_speculative_tokens
+    bound, ideal = config.bound, ideal_prefix if ideal_prefix is not None else {}
+
+    def shape_of(plan: StepPlan, cpu_s: float) -> StepShape:
+        if bound is None:
+            return shape_from_plan(plan, scheduler_cpu_s=cpu_s)
+        return bounded_shape(plan, bound, ideal, scheduler_cpu_s=cpu_s)
+
     if config.include_scheduler_cpu:
         if cpu_clock is None:
             raise ConfigError(
@@ -325,21 +456,21 @@ def build_engine(
         )
 
         def step_time(plan: StepPlan) -> float:
-            shape = shape_from_plan(plan, scheduler_cpu_s=timed.take_cpu_s())
-            return cost.step_cost(shape).total_s
+            return cost.step_cost(shape_of(plan, timed.take_cpu_s())).total_s
 
         scheduler: Scheduler = timed
     else:
         scheduler = Scheduler(chosen.scheduler, manager, num_speculative_tokens=spec_tokens)
 
         def step_time(plan: StepPlan) -> float:
-            return cost.step_cost(shape_from_plan(plan)).total_s
+            return cost.step_cost(shape_of(plan, 0.0)).total_s
 
     executor = SimulatedExecutor(
         step_time,
         seed=config.seed,
         num_speculative_tokens=speculative.num_speculative_tokens,
         acceptance_rate=config.acceptance_rate,
+        acceptance_decay_per_doubling=config.acceptance_decay_per_doubling,
     )
     return Engine(scheduler, executor), scheduler
 
@@ -369,9 +500,22 @@ def run_simulation(
     cpu_clock: Callable[[], float] | None = None,
 ) -> SimRun:
     """Run the workload; `progress(simulated_s)` is called after every 256 steps."""
-    engine, scheduler = build_engine(config, cpu_clock=cpu_clock)
+    if config.bound == "infinite-engine":
+        recorder = infinite_engine_recorder(
+            config.agents, seed=config.seed, until_s=config.duration_s
+        )
+        summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=config.duration_s)
+        summary.update(time_breakdown(recorder, {}, {}, config.warmup_s, config.duration_s))
+        # No engine, no cache: recomputation is not defined.
+        summary["recomputed_prompt_tokens_per_turn"] = math.nan
+        summary["ideal_prompt_tokens_per_turn"] = math.nan
+        summary["steps"] = 0.0
+        summary["simulated_s"] = config.duration_s
+        return SimRun(config, summary, recorder, {})
     holder: list[Simulation] = []
     queue = QueueTrace(config.warmup_s)
+    ideal: dict[str, int] = {}
+    engine, scheduler = build_engine(config, cpu_clock=cpu_clock, ideal_prefix=ideal)
 
     def on_step(step: EngineStep) -> None:
         queue.on_step(step.now, step.scheduled.num_waiting)
@@ -379,6 +523,8 @@ def run_simulation(
             progress(holder[0].now)
 
     sim = make_simulation(config, engine, on_step)
+    sim.ideal_prefix = ideal  # the ideal-hits bound's step cost reads what the loop records
+    sim.breakdown_from_s = config.warmup_s
     holder.append(sim)
     recorder = sim.run(config.duration_s)
     # A workload that ran out of requests ended early: rates are over the time it had work (as
@@ -390,8 +536,10 @@ def run_simulation(
     summary["simulated_s"] = sim.now
     summary["requests_rejected"] = float(len(sim.rejected))
     summary.update(queue.summary(end_s))
+    summary.update(time_breakdown(recorder, sim.gpu_seconds, ideal, config.warmup_s, end_s))
     cache = scheduler.cache.metrics_snapshot()
     summary.update(group_hit_rates(cache))
+    summary["kv_cache_blocks"] = float(scheduler.cache.layout.num_blocks)
     return SimRun(config, summary, recorder, cache, rejected=tuple(sim.rejected))
 
 
@@ -438,6 +586,56 @@ class QueueTrace:
             "waiting_last_quarter": last_mean,
             "never_drains": 1.0 if growing else 0.0,
         }
+
+
+TTFT_SLO_S = 15.0  # the SLO tiers of DESIGN.md section 6: TTFT <= 15 s ...
+TBT_SLO_S = 0.100  # ... and time between tokens <= 100 ms (p99 within the turn)
+
+
+def time_breakdown(
+    recorder: MetricsRecorder,
+    gpu_seconds: Mapping[str, float],
+    ideal_prefix: Mapping[str, int],
+    start_s: float,
+    end_s: float,
+) -> dict[str, float]:
+    """Where the time goes over [start_s, end_s]: GPU time by kind of step (fractions of the
+    window), job time (jobs finished in the window) in decode, tool wait and queue + TTFT, the
+    prompt tokens each turn recomputed against an ideal cache's, and the SLO attainment."""
+    window = end_s - start_s
+    out = {f"gpu_{kind}_frac": gpu_seconds.get(kind, 0.0) / window for kind in _STEP_KINDS}
+    out["gpu_busy_frac"] = sum(out.values())
+    jobs = {
+        j.job_id: j.finish_s - j.start_s
+        for j in recorder.jobs.values()
+        if j.finish_s is not None and start_s <= j.finish_s <= end_s
+    }
+    decode = queue = 0.0
+    for r in recorder.requests.values():
+        if r.job_id in jobs and r.finish_s is not None and r.first_token_s is not None:
+            decode += r.finish_s - r.first_token_s
+            queue += r.first_token_s - r.arrival_s
+    total = sum(jobs.values())
+    out["job_decode_frac"] = decode / total if total else math.nan
+    out["job_queue_ttft_frac"] = queue / total if total else math.nan
+    out["job_tool_frac"] = (total - decode - queue) / total if total else math.nan
+    done = recorder.finished_in(start_s, end_s)
+    recomputed = [r.prompt_tokens - r.hit_tokens for r in done]
+    ideal = [r.prompt_tokens - ideal_prefix.get(r.req_id, 0) for r in done]
+    out["recomputed_prompt_tokens_per_turn"] = statistics.fmean(recomputed) if done else math.nan
+    out["ideal_prompt_tokens_per_turn"] = statistics.fmean(ideal) if done else math.nan
+    met = [
+        r
+        for r in done
+        if r.first_token_s is not None
+        and r.first_token_s - r.arrival_s <= TTFT_SLO_S
+        and (not r.gaps_s or percentile(r.gaps_s, 99) <= TBT_SLO_S)
+    ]
+    out["slo_attainment"] = len(met) / len(done) if done else math.nan
+    return out
+
+
+_STEP_KINDS = ("decode", "prefill", "mixed")
 
 
 def group_hit_rates(cache: dict[str, Any]) -> dict[str, float]:

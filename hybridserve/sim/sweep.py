@@ -29,10 +29,21 @@ GRID: dict[str, tuple[float, ...]] = {
 }
 
 
+# The knobs a vLLM user has (`vllm-tuned`): the token budget, the long-prefill threshold, the
+# batch limit and the Mamba state retention (boundary only, or every N tokens; N in quanta).
+VLLM_GRID: dict[str, tuple[int, ...]] = {
+    "max_num_batched_tokens": (1024, 2048, 4096, 8192, 16384),
+    "long_prefill_token_threshold": (0, 512, 2048, 8192),
+    "max_num_seqs": (64, 128, 256, 512),
+}
+VLLM_RETENTION_QUANTA = (0, 4, 16)  # 0 = `boundary`, else `interval:N*q`
+
+
 @dataclass(frozen=True, slots=True)
 class Trial:
     controls: tuple[tuple[str, float], ...]
     metrics: dict[str, float]
+    retention: str | None = None  # a retention override (the vLLM search), None = the preset's
 
     def meets(self, itl_slo_ms: float) -> bool:
         return self.metrics["itl_p99_ms"] <= itl_slo_ms
@@ -58,7 +69,46 @@ def draw_controls(rng: random.Random, quantum: int) -> tuple[tuple[str, float], 
 
 
 def _run_trial(config: SimConfig) -> Trial:
-    return Trial(config.controls, simulate(config))
+    return Trial(config.controls, simulate(config), config.retention)
+
+
+def draw_vllm_setting(
+    rng: random.Random, quantum: int
+) -> tuple[tuple[tuple[str, float], ...], str]:
+    """One vLLM setting: scheduler limits and a retention policy. The long-prefill threshold
+    stays below the token budget (vLLM caps a long prefill's chunk at it)."""
+    pick = {name: rng.choice(values) for name, values in VLLM_GRID.items()}
+    if pick["long_prefill_token_threshold"] >= pick["max_num_batched_tokens"]:
+        pick["long_prefill_token_threshold"] = 0
+    quanta = rng.choice(VLLM_RETENTION_QUANTA)
+    retention = f"interval:{quanta * quantum}" if quanta else "boundary"
+    return tuple(sorted((k, float(v)) for k, v in pick.items())), retention
+
+
+def vllm_sweep(
+    base: SimConfig, *, trials: int, quantum: int, workers: int = 1, seed: int = 0
+) -> list[Trial]:
+    """`trials` distinct random vLLM settings plus vLLM's defaults, each a run of the baseline
+    preset (every hybridserve control off) with only vLLM's knobs changed: the `vllm-tuned`
+    search, with the same trial budget as `sweep`'s."""
+    rng = random.Random(seed)
+    settings: list[tuple[tuple[tuple[str, float], ...], str]] = [((), "boundary")]
+    attempts = 0
+    while len(settings) < trials + 1 and attempts < 100 * (trials + 1):
+        candidate = draw_vllm_setting(rng, quantum)
+        attempts += 1
+        if candidate not in settings:
+            settings.append(candidate)
+    configs = [
+        replace(
+            base,
+            preset="baseline",
+            controls=tuple((k, int(v)) for k, v in c),
+            retention=r,
+        )
+        for c, r in settings
+    ]
+    return _local_map(configs, workers, None)
 
 
 def sweep(

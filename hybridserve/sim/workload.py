@@ -4,6 +4,10 @@ A job's turn 0 is a shared system/tool prompt plus a unique task. Each turn the 
 the agent waits a tool time, appends the answer and a (heavy-tailed) tool result, and sends the
 grown context as the next prompt. A job ends after its last turn, or when the context would pass
 the context limit. Defaults and their evidence: DESIGN.md section 6 (E1 table).
+
+Every agent draws from its own seeded streams (its jobs, its answer lengths, its tools), so a
+seed fixes each agent's sequence of jobs whatever the engine does: two configurations on one seed
+are compared on the same jobs, and their per-seed ratios are paired.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from hybridserve.core.errors import ConfigError
 
 _TASK_BASE = 1 << 32  # synthesised task and tool tokens live above any model vocabulary
+_AGENT_TOKEN_BITS = 40  # each agent's fresh tokens come from its own range of 2^40 ids
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,27 +83,48 @@ class Job:
     turn: int = 0
 
 
+class _AgentStreams:
+    """One agent's random streams, one per kind of draw, each seeded from (seed, agent, kind):
+    what an agent draws never depends on what the others drew or on when the engine answered,
+    so two configurations run on one seed see the same jobs (common random numbers)."""
+
+    __slots__ = ("jobs", "next_token", "num_jobs", "outputs", "tools")
+
+    def __init__(self, seed: int, agent: int) -> None:
+        self.jobs = random.Random(f"{seed}/agent{agent}/jobs")  # task length, turn count
+        self.outputs = random.Random(f"{seed}/agent{agent}/outputs")  # answer lengths
+        self.tools = random.Random(f"{seed}/agent{agent}/tools")  # results, slow?, tool time
+        self.next_token = _TASK_BASE + (agent << _AGENT_TOKEN_BITS)
+        self.num_jobs = 0
+
+
 class AgentWorkload:
-    """Generates jobs and turns; deterministic for a seed."""
+    """Generates jobs and turns; deterministic for a seed, and per agent (see _AgentStreams)."""
 
     def __init__(self, params: AgentParams, *, seed: int) -> None:
         self.params = params
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.system_prompt = list(range(params.system_prompt_tokens))
-        self._next_token = _TASK_BASE
-        self._num_jobs = 0
+        self._streams: dict[int, _AgentStreams] = {}
 
-    def _fresh_tokens(self, count: int) -> list[int]:
-        start = self._next_token
-        self._next_token += count
+    def _agent(self, agent: int) -> _AgentStreams:
+        streams = self._streams.get(agent)
+        if streams is None:
+            streams = self._streams[agent] = _AgentStreams(self.seed, agent)
+        return streams
+
+    def _fresh_tokens(self, agent: int, count: int) -> list[int]:
+        streams = self._agent(agent)
+        start = streams.next_token
+        streams.next_token += count
         return list(range(start, start + count))
 
     def new_job(self, agent: int) -> Job:
-        p = self.params
-        job_id = f"job{self._num_jobs}"
-        self._num_jobs += 1
-        task = self._fresh_tokens(int(p.task_tokens.sample(self.rng)))
-        turns = round(p.turns_per_job.sample(self.rng))
+        p, streams = self.params, self._agent(agent)
+        job_id = f"a{agent}.j{streams.num_jobs}"
+        streams.num_jobs += 1
+        task = self._fresh_tokens(agent, int(p.task_tokens.sample(streams.jobs)))
+        turns = round(p.turns_per_job.sample(streams.jobs))
         return Job(job_id, agent, turns, [*self.system_prompt, *task])
 
     def is_over(self, job: Job) -> bool:
@@ -110,16 +136,16 @@ class AgentWorkload:
         if self.is_over(job):
             return None
         room = self.params.context_limit - len(job.history)
-        wanted = int(self.params.output_tokens.sample(self.rng))
+        wanted = int(self.params.output_tokens.sample(self._agent(job.agent).outputs))
         turn = Turn(job.job_id, job.turn, list(job.history), max(min(wanted, room - 1), 1))
         job.turn += 1
         return turn
 
     def after_answer(self, job: Job, answer: list[int]) -> float:
         """Append the answer and a tool result to the job's history; returns the tool time."""
-        p = self.params
-        result = self._fresh_tokens(int(p.tool_result_tokens.sample(self.rng)))
+        p, rng = self.params, self._agent(job.agent).tools
+        result = self._fresh_tokens(job.agent, int(p.tool_result_tokens.sample(rng)))
         job.history.extend(answer)
         job.history.extend(result)
-        slow = self.rng.random() < p.slow_tool_fraction
-        return (p.tool_time_slow if slow else p.tool_time_fast).sample(self.rng)
+        slow = rng.random() < p.slow_tool_fraction
+        return (p.tool_time_slow if slow else p.tool_time_fast).sample(rng)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from hybridserve.cli import app, sim_commands
+from hybridserve.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,18 +59,21 @@ def test_dcp_demo_refuses_an_interleave_that_does_not_divide_the_block() -> None
 def test_ctrl_c_during_bench_writes_the_finished_runs_and_exits_130(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    real = sim_commands._run_sim
+    from hybridserve.sim import experiment
+
+    real = experiment._run_one
     calls = []
 
-    def second_is_interrupted(config: Any, **kwargs: Any) -> Any:
+    def second_is_interrupted(config: Any, keep: bool) -> Any:
         calls.append(config.preset)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(config, **kwargs)
+        return real(config, keep)
 
-    monkeypatch.setattr(sim_commands, "_run_sim", second_is_interrupted)
+    monkeypatch.setattr(experiment, "_run_one", second_is_interrupted)
     folder = tmp_path / "b"
     args = ["bench", "--agents", "1", "--duration", "30", "--warmup", "0", "--name", str(folder)]
+    args += ["--seeds", "1", "--workers", "1", "--no-bounds"]
     code, text = _run(args)
     assert code == 130
     assert "interrupted: finished runs (baseline) were written to" in text

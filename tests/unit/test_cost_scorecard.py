@@ -54,3 +54,25 @@ def test_batch_one_rows_report_error_and_fit_samples(scorecard: ModuleType) -> N
     for sample, row in zip(samples, report["rows"], strict=True):
         assert sample.predicted_s(Efficiency()) * 1000 == pytest.approx(row["simulated"], rel=1e-3)
     assert set(report["per_regime"]) == {scorecard.BATCH1}
+
+
+def test_every_hybrid_row_is_run_and_none_enters_the_fit(scorecard: ModuleType) -> None:
+    published = {row["id"] for row in json.loads(scorecard.HYBRID_MEASUREMENTS.read_text())}
+    assert {row.id for row in scorecard.HYBRID_ROWS} == published
+    assert all(not use for row in scorecard.HYBRID_ROWS for *_, use in row.metrics)
+    assert {r.regime for r in scorecard.HYBRID_ROWS} == {scorecard.HYBRID}
+
+
+def test_qwen3_coder_next_decode_rows_are_within_15_percent(scorecard: ModuleType) -> None:
+    # H1 and H3 fix the two hybrid constants (expert-kernel bandwidth, per-GDN-layer time);
+    # H2, decode at 256K context, checks them: the attention KV read and the GDN state terms.
+    rows = tuple(r for r in scorecard.HYBRID_ROWS if r.id in ("H1", "H2", "H3"))
+    report, samples = scorecard.scorecard(rows, Efficiency(), log=False)
+    assert samples == []  # the hybrid rows check the fit, they are not part of it
+    errors = {r["id"]: r["relative_error"] for r in report["rows"]}
+    assert set(errors) == {"H1", "H2", "H3"}
+    assert all(abs(e) < 0.15 for e in errors.values()), errors
+    # Without the hybrid constants (the dense-model fit alone) batched decode is far too fast.
+    dense_only = Efficiency(moe_hbm=Efficiency().hbm, recurrent_layer_s=0.0)
+    report, _ = scorecard.scorecard(rows, dense_only, log=False)
+    assert {r["id"]: r["relative_error"] for r in report["rows"]}["H3"] > 0.3

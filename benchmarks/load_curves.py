@@ -1,0 +1,121 @@
+"""E1 load curves: job goodput, p99 ITL and SLO attainment against the number of agents, for each
+configuration, over paired seeds with Student-t 95% intervals.
+
+SLO attainment is the fraction of turns (requests finished in the window) whose TTFT is at most
+15 s and whose own p99 time between tokens is at most 100 ms (the tiers of DESIGN.md section 6).
+Prints one JSON object and writes goodput_vs_agents.png, itl_p99_vs_agents.png and
+slo_vs_agents.png (matplotlib) to --out.
+
+Default: agents 5, 10, 20, 40, 80 x (baseline, hybridserve) x 3 seeds, 600 s runs with a 120 s
+warm-up: 30 simulations, 7 minutes of CPU; 28 minutes of wall time with --workers 2 on this
+project's 2-core machine while other work loaded it (the 40- and 80-agent runs take most of it).
+
+    python benchmarks/load_curves.py --workers 2 --out runs/load_curves
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hybridserve.sim.experiment import baseline_preset, run_configs
+from hybridserve.sim.run import SimConfig, with_preset
+from hybridserve.sim.stats import mean_ci95
+from hybridserve.sim.workload import AgentParams
+
+CURVES = (
+    ("job_goodput_per_hour", "job goodput (jobs/h)", "goodput_vs_agents.png"),
+    ("itl_p99_ms", "p99 ITL (ms)", "itl_p99_vs_agents.png"),
+    ("slo_attainment", "turns meeting TTFT <= 15 s and p99 TBT <= 100 ms", "slo_vs_agents.png"),
+)
+
+
+def curve_point(values: list[float]) -> dict[str, Any]:
+    mean, ci = mean_ci95(values)
+    return {
+        "mean": round(mean, 4),
+        "ci95": None if ci is None else [round(ci[0], 4), round(ci[1], 4)],
+        "per_seed": [round(v, 4) for v in values],
+    }
+
+
+def plot(curves: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, label, name in CURVES:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for config, by_agents in curves.items():
+            points = [by_agents[str(a)][key] for a in agents]
+            means = [p["mean"] for p in points]
+            low = [
+                m - (p["ci95"][0] if p["ci95"] else m) for m, p in zip(means, points, strict=True)
+            ]
+            high = [
+                (p["ci95"][1] if p["ci95"] else m) - m for m, p in zip(means, points, strict=True)
+            ]
+            ax.errorbar(agents, means, yerr=[low, high], marker="o", capsize=3, label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(agents, [str(a) for a in agents])
+        ax.set_xlabel("agents")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} vs load (mean, 95% CI over seeds)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, nargs="+", default=[5, 10, 20, 40, 80])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--baseline", default="vllm")
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--warmup", type=float, default=120.0)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("runs/load_curves"))
+    args = parser.parse_args()
+    seeds = list(range(args.seeds))
+    presets = {"baseline": baseline_preset(args.baseline), "hybridserve": "hybridserve"}
+    configs = {
+        f"{label}@{agents}": with_preset(
+            SimConfig(
+                agents=AgentParams(num_agents=agents),
+                duration_s=args.duration,
+                warmup_s=args.warmup,
+            ),
+            preset,
+        )
+        for agents in args.agents
+        for label, preset in presets.items()
+    }
+    results, _ = run_configs(
+        configs, seeds, workers=args.workers, log=lambda line: print(line, file=sys.stderr)
+    )
+    curves: dict[str, dict[str, dict[str, Any]]] = {label: {} for label in presets}
+    for label in presets:
+        for agents in args.agents:
+            rows = results[f"{label}@{agents}"]
+            curves[label][str(agents)] = {
+                key: curve_point([r[key] for r in rows]) for key, _, _ in CURVES
+            }
+    files = plot(curves, args.agents, args.out)
+    setup = {"baseline": args.baseline, "seeds": seeds, "duration_s": args.duration}
+    setup["warmup_s"] = args.warmup
+    print(json.dumps({"setup": setup, "curves": curves, "files": files}))
+
+
+if __name__ == "__main__":
+    main()
