@@ -92,6 +92,7 @@ class KVCacheManager:
                     layout.speculative.drops_target_tail,
                     _admission_cap(spec, layout.max_in_flight_tokens),
                     layout.partial_hash_hits and a < unit,
+                    math.lcm(*(g.block_size for g in layout.groups)),
                 ),
                 self.pool,
             )

@@ -23,6 +23,7 @@ from hybridserve.kvcache import (
     RetentionPolicy,
     SlidingWindowSpec,
 )
+from hybridserve.kvcache.hashing import derived_hashes
 from hybridserve.kvcache.spec import GroupSpec
 from hybridserve.scheduler import Scheduler
 
@@ -306,3 +307,35 @@ def test_hybrid_resends_hit_the_recorded_closed_form(
     if not legacy and not checkpoint and prompt_len % block == 0:
         base = 0  # one chunk: its only state is at P, the boundary P - block never existed
     assert hit == max(base, 0)
+
+
+def test_dense_sliding_window_registers_only_the_blocks_a_hit_can_use() -> None:
+    # Rule 5: FA32 + SWA(block 8, window 8), dense, 64 tokens: vLLM caches SWA blocks 3 and 7.
+    groups = [FullAttentionSpec(block_size=32), SlidingWindowSpec(block_size=8, window=8)]
+    engine, cache = build(groups, retention="dense")
+    run(engine, "prime", PROMPT[:64])
+    swa = cache.groups[1]
+    hashes = cache.hasher.hash_tokens(PROMPT[:64])
+    cached = [i for i in range(8) if swa._cached(derived_hashes(hashes, swa.ctx.hash_ratio), i)]
+    assert cached == [3, 7]
+    # The resend still hits at the segment grid: 32 (cap 63, the window before 32 is block 3).
+    assert run(engine, "resend", PROMPT[:64])[0] == 32
+
+
+def test_fine_grained_hits_stop_at_the_tail_and_serve_it() -> None:
+    # Rule 8: FA16 + Mamba544, hash 16, partial hits, a 1,249-token prompt: chunks
+    # [1088, 160, 1] and an identical resend hits 1,248 (the partial tail).
+    layout = CacheLayout(
+        groups=(FullAttentionSpec(block_size=16), MambaSpec(block_size=544)),
+        num_blocks=4000,
+        hash_block_size=16,
+        alignment_tokens=16,
+        partial_hash_hits=True,
+        retention=RetentionPolicy.parse("boundary"),
+    )
+    cache = KVCacheManager(layout)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=65_536), cache)
+    engine = Engine(scheduler, FakeExecutor(lambda req_id, t: 40_000 + t))
+    hit, chunks = run(engine, "prime", PROMPT[:1249])
+    assert (hit, chunks[:3]) == (0, [1088, 160, 1])
+    assert run(engine, "resend", PROMPT[:1249])[0] == 1248

@@ -186,7 +186,20 @@ class SlidingWindowManager(GroupManager):
         # A tail-dropping target group needs one extra A of cached content past its landing.
         lookahead = self.ctx.alignment if self.ctx.drops_tail else 0
         start = index * self.block_size
+        if keep.dense:
+            return self._reachable_in_segment(index)
         return keep.keeps_range(start, start + self.block_size, self.lookback, lookahead)
+
+    def _reachable_in_segment(self, index: int) -> bool:
+        """Dense retention (vLLM's reachable_block_mask with retention None): a hit lands on the
+        scheduler-block grid, so of each segment only the last cdiv(lookback, bs) blocks can
+        serve one; the others are scratch (unless the window needs the whole segment)."""
+        segment, bs = self.ctx.segment, self.block_size
+        per_segment = segment // bs if segment > bs else 1
+        needed = cdiv(self.lookback, bs) + (1 if self.ctx.drops_tail else 0)
+        if needed >= per_segment:
+            return True
+        return index % per_segment >= per_segment - needed
 
 
 class _WindowLookup(GroupLookup):

@@ -43,6 +43,9 @@ class GroupContext:
     # Fine-grained hits (vLLM's enable_partial_hash_hits): states and attention blocks are also
     # registered at the last A boundary inside a block (a partial tail).
     partial_hits: bool = False
+    # vLLM's scheduler block (the lcm of the groups' block sizes): the segment a sliding-window
+    # group's dense registration mask works in.
+    segment: int = 0
 
 
 class GroupLookup:
