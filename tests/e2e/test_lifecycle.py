@@ -319,7 +319,9 @@ def test_sigint_drains_the_serve_process_and_exits_0() -> None:
             except httpx.TransportError:
                 assert time.monotonic() < deadline and process.poll() is None
                 time.sleep(0.1)
-        body = {**_body(3000, stream=True), "model": "qwen3-next-80b-a3b"}
+        # ignore_eos: the CLI's sim ends answers with <eos> at random; this one must outlast
+        # the grace period.
+        body = {**_body(3000, stream=True), "model": "qwen3-next-80b-a3b", "ignore_eos": True}
         with (
             httpx.Client(timeout=30.0) as http,
             http.stream("POST", base_url + "/v1/completions", json=body) as response,
