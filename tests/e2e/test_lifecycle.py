@@ -308,6 +308,7 @@ def test_sigint_drains_the_serve_process_and_exits_0() -> None:
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
     command += ["--port", str(port), "--sim-speed", "0.5", "--shutdown-timeout", "1"]
+    command += ["--sim-eos-probability", "0"]  # the answer must still run at SIGINT
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -319,9 +320,7 @@ def test_sigint_drains_the_serve_process_and_exits_0() -> None:
             except httpx.TransportError:
                 assert time.monotonic() < deadline and process.poll() is None
                 time.sleep(0.1)
-        # ignore_eos: the CLI's sim ends answers with <eos> at random; this one must outlast
-        # the grace period.
-        body = {**_body(3000, stream=True), "model": "qwen3-next-80b-a3b", "ignore_eos": True}
+        body = {**_body(3000, stream=True), "model": "qwen3-next-80b-a3b"}
         with (
             httpx.Client(timeout=30.0) as http,
             http.stream("POST", base_url + "/v1/completions", json=body) as response,
