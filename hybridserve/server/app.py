@@ -424,7 +424,10 @@ async def _serve(
         outputs = [await task for task in tasks]
     finally:
         for task in tasks:
-            task.cancel()
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: a second failing choice is not logged as lost
         abort_all()  # a no-op unless the handler itself was cancelled or a choice failed
     num_output = sum(n for _, n in outputs)
     return JSONResponse(fmt.full([body for body, _ in outputs], num_prompt, num_output))

@@ -421,3 +421,29 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path: Path) -> N
     ]
     want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.render_chat(messages) == want
+
+
+def test_the_smollm2_gguf_chat_template_renders_as_in_transformers() -> None:
+    from hybridserve.cli.builtin_models import builtin_path
+    from hybridserve.executor.torch.tokenizer import load_tokenizer
+
+    path = builtin_path("smollm2")
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (`make models` fetches the built-in SmolLM2 GGUF)")
+    pytest.importorskip("gguf", reason="transformers reads GGUF with the gguf package")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = load_tokenizer(path)
+    assert ours is not None
+    for messages in (
+        [{"role": "user", "content": "Say hi"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+        ],
+    ):
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(messages) == want
