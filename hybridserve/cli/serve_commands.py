@@ -14,6 +14,7 @@ Scheduler settings resolve in three layers: the preset (as in `hybridserve simul
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import tomllib
 from dataclasses import fields, replace
@@ -217,6 +218,14 @@ def serve_cmd(
     dcp_interleave: Annotated[
         int, typer.Option(help="Torch: consecutive tokens per rank in the DCP round-robin.")
     ] = 1,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="The model id clients put in requests (repeatable: each is accepted, responses "
+            "name the first). Default: the model's own name (the sim profile, the torch alias "
+            "or the checkpoint folder's name)."
+        ),
+    ] = None,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
     need_extra(
@@ -248,7 +257,11 @@ def serve_cmd(
         raise fail(f"--max-failed-steps={max_failed_steps}: use 1 or more")
     if shutdown_timeout < 0:
         raise fail(f"--shutdown-timeout={shutdown_timeout}: use 0 or more seconds")
+    names = tuple(dict.fromkeys(served_model_name or ()))
+    if any(not name.strip() for name in names):
+        raise fail("--served-model-name: give a non-empty name")
     settings = ServerSettings(
+        served_model_names=names,
         api_key=resolve_api_key(api_key, api_key_file, os.environ.get(API_KEY_ENV)),
         max_request_bytes=max_request_bytes,
         max_waiting=max_waiting,
@@ -291,9 +304,44 @@ def serve_cmd(
         )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
-    code = serve(server_app, host=host, port=port)
+    banner = startup_banner(server_app.state.hybridserve, host=host, port=port)
+    code = serve(server_app, host=host, port=port, banner=banner)
     if code:
         raise typer.Exit(code)
+
+
+def startup_banner(state: Any, *, host: str, port: int) -> str:
+    """What `serve` prints once it listens: where, the model id to put in requests, what runs,
+    and every resolved setting."""
+    from hybridserve.kvcache.spec import state_quantum
+
+    shown_host = f"[{host}]" if ":" in host else host
+    base = f"http://{shown_host}:{port}"
+    scheduler = state.parts.scheduler.config
+    layout = state.parts.cache.layout
+    settings = state.settings
+    names = ", ".join(f'"{name}"' for name in state.model_names)
+    values = {f.name: getattr(scheduler, f.name) for f in fields(scheduler)}
+    limits = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
+    example = json.dumps({"model": state.model_name, "prompt": "Hello", "max_tokens": 16})
+    lines = [
+        f"hybridserve serve: listening on {base} (OpenAI API at {base}/v1)",
+        f'  model id:  {names} (the "model" of every request; GET /v1/models lists it)',
+        f"  executor:  {state.backend.description}",
+        f"  cache:     {layout.num_blocks} blocks, groups "
+        + ", ".join(g.kind.value for g in layout.groups)
+        + f", retention {layout.retention.kind.value}, state quantum "
+        f"{state_quantum(layout.groups)} tokens",
+        f"  scheduler: {limits}",
+        f"  requests:  default max_tokens {settings.default_max_tokens} (chat) / 16 "
+        f"(completions); max_waiting={settings.max_waiting}; "
+        f"max_request_bytes={settings.max_request_bytes}; "
+        f"API key {'required' if settings.api_key else 'not required'}; "
+        f"shutdown_timeout={settings.shutdown_timeout_s:g}s",
+        f"  try:       curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{example}'",
+    ]
+    return "\n".join(lines)
 
 
 def resolve_api_key(flag: str | None, file: Path | None, env: str | None) -> str | None:

@@ -110,6 +110,22 @@ class SimServingBackend:
         return self._tokenizer
 
     @property
+    def executor_name(self) -> str:
+        return "sim"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"sim: synthetic tokens, {self._model.name} on {self._tp}x simulated "
+            f"{self._gpu.name} ({self._dtype}), speculative {self._speculative.method.value}, "
+            f"{self._sim_speed:g}x real time, <eos> probability {self._eos_probability:g}"
+        )
+
+    @property
+    def supports_logprobs(self) -> bool:
+        return False  # synthetic tokens come from no distribution
+
+    @property
     def max_model_len(self) -> int:
         return self._max_model_len
 

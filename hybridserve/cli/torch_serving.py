@@ -28,10 +28,6 @@ logger = logging.getLogger(__name__)
 _TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
 
 
-def _template_refusal(message: str) -> None:
-    raise ConfigError("messages", "chat", f"the chat template rejects it: {message}")
-
-
 class TorchTokenizer:
     """The server's Tokenizer protocol over a checkpoint's (or GGUF's) tokenizer."""
 
@@ -52,28 +48,16 @@ class TorchTokenizer:
         return self._text.encode(text)
 
     def apply_chat_template(self, messages: Sequence[Any]) -> list[int]:
-        if self._text.chat_template is None:
-            raise ConfigError(
-                "messages", "chat", "this model has no chat template; use /v1/completions"
-            )
-        import jinja2
-
         for message in messages:
             message.content.encode("utf-8")  # lone surrogates: UnicodeEncodeError
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-        env.globals["raise_exception"] = _template_refusal
-        template = env.from_string(self._text.chat_template)
-        try:
-            rendered = template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True,
-                bos_token=self._text.bos_token or "",
-                eos_token=self._text.eos_token or "",
-            )
-        except jinja2.TemplateError as exc:
-            raise ConfigError("messages", "chat", f"the chat template failed: {exc}") from None
+        rendered = self._text.render_chat(
+            [{"role": m.role, "content": m.content} for m in messages]
+        )
         # The template writes the special tokens itself.
         return self._text.encode(rendered, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self._text.token_text(token_id)
 
     def new_decoder(self) -> OffsetDecoder:
         return OffsetDecoder(self._text.decode)
@@ -122,6 +106,7 @@ class TorchServingBackend:
             if token_id is not None:
                 stops.add(int(token_id))
         self._name = model if model in ("smollm2", "gemma3-270m") else Path(model).name
+        self._source = f"{model} ({path})" if model in ("smollm2", "gemma3-270m") else str(path)
         self._tokenizer = TorchTokenizer(text, tuple(sorted(stops)))
         self._max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
         # Room for four requests at the longest context (--num-blocks caps it); the cache
@@ -174,6 +159,23 @@ class TorchServingBackend:
     @property
     def tokenizer(self) -> TorchTokenizer:
         return self._tokenizer
+
+    @property
+    def executor_name(self) -> str:
+        return "torch"
+
+    @property
+    def description(self) -> str:
+        dcp = self._executor.dcp.world_size
+        return (
+            f"torch: {self._source} on {self._executor.device}"
+            + (f", decode context parallel over {dcp} ranks" if dcp > 1 else "")
+            + f", max_model_len={self._max_model_len}"
+        )
+
+    @property
+    def supports_logprobs(self) -> bool:
+        return True
 
     @property
     def max_model_len(self) -> int:

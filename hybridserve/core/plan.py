@@ -57,6 +57,14 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
 
+class TokenLogprob(NamedTuple):
+    """One token's log-probability under the model, with the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What the executor produced for a StepPlan."""
@@ -67,3 +75,10 @@ class StepResult:
     duration_s: float  # wall (torch) or modelled (simulator) time of the step
     # req_id -> draft tokens proposed for the next step (speculative decoding), if any.
     draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # req_id -> one entry per emitted token, for requests whose sampling asks for `logprobs`.
+    # Executors without a model leave it empty.
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    # req_id -> log-probabilities of prompt tokens computed this step, for requests asking for
+    # `prompt_logprobs`: consecutive positions, continuing where the last step's ended (the
+    # first prompt token has none; a request's entries total its prompt length - 1).
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -51,6 +52,8 @@ MIN_TEMPERATURE = 1e-5
 # to it leaves the distribution unchanged.
 MIN_TOP_P = 2.0**-126
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are 64-bit signed integers (as vLLM's)
+# The most top alternatives a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 class FinishReason(StrEnum):
@@ -70,6 +73,25 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Penalties as vLLM defines them (vllm/model_executor/layers/utils.py `apply_penalties`):
+    # repetition divides a positive logit (multiplies a negative one) of every token seen in
+    # the prompt or the output; frequency subtracts `penalty * count in the output`; presence
+    # subtracts `penalty` once per token present in the output. 1.0 / 0.0 / 0.0 = off.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Log-probabilities to return: None = none; N = each generated token's and its N most
+    # likely alternatives'; `prompt_logprobs` the same for every prompt token but the first.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -86,6 +108,17 @@ class SamplingParams:
             raise RequestError("stop_token_ids", self.stop_token_ids, "token ids are >= 0")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise RequestError("seed", self.seed, "use a 64-bit signed integer")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise RequestError(
+                "repetition_penalty", self.repetition_penalty, "use a value > 0 (1 = off)"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(name, getattr(self, name), "use a value in [-2, 2] (0 = off)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise RequestError(name, value, f"use 0 to {MAX_LOGPROBS}, or None for none")
 
     def numerically_safe(self) -> SamplingParams:
         """These settings as a float32 sampler must apply them: greedy below MIN_TEMPERATURE,

@@ -14,6 +14,7 @@ origin was allowed with `allow_origins`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -36,6 +37,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridserve.core.errors import HybridServeError, RequestError
+from hybridserve.core.plan import TokenLogprob
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.server.async_engine import AsyncEngine, RequestStream, shutdown_error
 from hybridserve.server.backend import EngineParts, ServingBackend
@@ -48,10 +50,17 @@ from hybridserve.server.protocol import (
     new_error_id,
     validation_error,
 )
-from hybridserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from hybridserve.server.responses import (
+    ChatFormat,
+    ChatLogprobs,
+    CompletionFormat,
+    CompletionLogprobs,
+)
 from hybridserve.server.tokenizer import ChatMessage
 
 logger = logging.getLogger(__name__)
+
+ResponseFormat = CompletionFormat | ChatFormat
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +75,8 @@ class ServerSettings:
     allow_origins: tuple[str, ...] = ()  # browser origins allowed by CORS
     # max_tokens of a chat request that gives none (bounded by the room under max_model_len).
     default_max_tokens: int = 2048
+    # The model ids clients use (the first names responses); empty = the backend's own name.
+    served_model_names: tuple[str, ...] = ()
 
 
 class ServerState:
@@ -77,10 +88,13 @@ class ServerState:
         self.backend = backend
         self.parts = parts
         self.settings = settings
-        self.model_name = backend.model_name
+        # The ids clients may put in `model`; responses name the first (vLLM's
+        # --served-model-name).
+        self.model_names = settings.served_model_names or (backend.model_name,)
+        self.model_name = self.model_names[0]
         self.tokenizer = backend.tokenizer
         self.max_model_len = parts.scheduler.config.max_model_len
-        self.metrics = ServerMetrics(backend.model_name)
+        self.metrics = ServerMetrics(self.model_name)
         self.engine = AsyncEngine(
             parts,
             pace_s=backend.pace_s,
@@ -190,14 +204,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "hybridserve",
-            "max_model_len": state.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "hybridserve",
+                "max_model_len": state.max_model_len,
+            }
+            for name in state.model_names
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -205,92 +222,236 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:
+        created = int(time.time())
         body = _parse(CompletionRequest, await _read_json(http, settings.max_request_bytes))
-        if isinstance(body.prompt, str):
-            text = _valid_unicode(body.prompt, "prompt")
-            prompt_ids = _encode(lambda: state.tokenizer.encode(text), "prompt")
-        else:
-            prompt_ids = body.prompt
-            vocab = state.tokenizer.vocab_size
-            if not all(0 <= t < vocab for t in prompt_ids):
-                raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-        fmt = CompletionFormat(state.model_name, f"cmpl-{next(state.ids)}", state.created)
-        return await _serve(
-            state,
-            http,
-            body=body,
-            prompt_ids=prompt_ids,
-            max_tokens=(body.max_tokens, "max_tokens"),
-            prompt_field="prompt",
-            fmt=fmt,
-        )
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(
+                400,
+                "max_tokens: 0 generates nothing; use 1 or more, or echo: true to score the prompt",
+                param="max_tokens",
+            )
+        if body.logprobs is not None:
+            _need_logprobs(state, "logprobs")
+        encoded: list[tuple[list[int], str | None]] = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                text = _valid_unicode(prompt, "prompt")
+                encoded.append(
+                    (_encode(functools.partial(state.tokenizer.encode, text), "prompt"), text)
+                )
+            else:
+                vocab = state.tokenizer.vocab_size
+                if not all(0 <= t < vocab for t in prompt):
+                    raise ApiError(
+                        400, f"prompt: token ids must be in [0, {vocab})", param="prompt"
+                    )
+                encoded.append((prompt, None))
+        choices = []
+        for index, (prompt_ids, prompt_text) in enumerate(encoded):
+            request, stops = _make_request(
+                state,
+                body,
+                prompt_ids=prompt_ids,
+                max_tokens=(max(body.max_tokens, 1), "max_tokens"),
+                prompt_field="prompt",
+                logprobs=body.logprobs,
+                prompt_logprobs=body.logprobs if body.echo else None,
+            )
+            echo: str | None = None
+            if body.echo:
+                echo = prompt_text if prompt_text is not None else _decode(state, prompt_ids)
+            choices.append(
+                _Choice(index, request, stops, echo=echo, scored_only=body.max_tokens == 0)
+            )
+        fmt = CompletionFormat(state.model_name, f"cmpl-{next(state.ids)}", created)
+        return await _serve(state, http, stream=_stream_flags(body), choices=choices, fmt=fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Response:
+        created = int(time.time())
         body = _parse(ChatCompletionRequest, await _read_json(http, settings.max_request_bytes))
         messages = [
-            ChatMessage(m.role, _valid_unicode(m.text(), f"messages.{i}.content"))
+            # A developer message is the system instructions under OpenAI's newer name.
+            ChatMessage(
+                "system" if m.role == "developer" else m.role,
+                _valid_unicode(m.text(), f"messages.{i}.content"),
+            )
             for i, m in enumerate(body.messages)
         ]
+        if body.num_logprobs() is not None:
+            _need_logprobs(state, "logprobs")
         prompt_ids = _encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
-        fmt = ChatFormat(state.model_name, f"chatcmpl-{next(state.ids)}", state.created)
-        return await _serve(
+        request, stops = _make_request(
             state,
-            http,
-            body=body,
+            body,
             prompt_ids=prompt_ids,
             max_tokens=body.requested_max_tokens(),
             prompt_field="messages",
-            fmt=fmt,
+            logprobs=body.num_logprobs(),
         )
+        fmt = ChatFormat(state.model_name, f"chatcmpl-{next(state.ids)}", created)
+        choices = [_Choice(0, request, stops)]
+        return await _serve(state, http, stream=_stream_flags(body), choices=choices, fmt=fmt)
 
     return app
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One prompt of a request and how its output is shown."""
+
+    index: int
+    request: Request
+    stops: list[str]
+    echo: str | None = None  # the prompt text shown before the output (completions' echo)
+    scored_only: bool = False  # echo with max_tokens 0: the one generated token is dropped
+    started: bool = False  # its first piece went out (a stream shows the echo with it)
+
+
+def _stream_flags(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    return body.stream, bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _need_logprobs(state: ServerState, field: str) -> None:
+    if not state.backend.supports_logprobs:
+        raise ApiError(
+            400,
+            f"{field}: the {state.backend.executor_name} executor has no model, so there are no "
+            "log-probabilities to return; leave it out, or serve a model (--executor torch)",
+            param=field,
+        )
+
+
+def _decode(state: ServerState, token_ids: Sequence[int]) -> str:
+    decoder = state.tokenizer.new_decoder()
+    return decoder.push(token_ids) + decoder.flush()
+
+
+class _Render:
+    """Turns one choice's pieces into text and `logprobs` objects."""
+
+    def __init__(self, state: ServerState, fmt: ResponseFormat, choice: _Choice) -> None:
+        self.state = state
+        self.choice = choice
+        self.prompt_ids = choice.request.prompt_token_ids
+        sampling = choice.request.sampling
+        self.wants_logprobs = sampling.logprobs is not None
+        self.wants_prompt_logprobs = sampling.prompt_logprobs is not None
+        token_text = state.tokenizer.token_text
+        self.completion_logprobs: CompletionLogprobs | None = None
+        self.chat_logprobs: ChatLogprobs | None = None
+        if self.wants_logprobs and isinstance(fmt, CompletionFormat):
+            offset = len(choice.echo) if choice.echo is not None else 0
+            self.completion_logprobs = CompletionLogprobs(token_text, output_offset=offset)
+        elif self.wants_logprobs:
+            self.chat_logprobs = ChatLogprobs(token_text)
+
+    def render(
+        self, text: str, logprobs: Sequence[TokenLogprob], prompt_logprobs: Sequence[TokenLogprob]
+    ) -> tuple[str, dict[str, Any] | None]:
+        """(text, logprobs object) for output that starts where the last call ended; the first
+        call shows the echoed prompt with its log-probabilities."""
+        choice = self.choice
+        first, choice.started = not choice.started, True
+        prompt_entries: list[tuple[int, TokenLogprob | None]] = []
+        if first and self.wants_prompt_logprobs:
+            if len(prompt_logprobs) != len(self.prompt_ids) - 1:
+                error_id = new_error_id()
+                logger.error(
+                    "%s: %d prompt log-probabilities for %d prompt tokens (error id %s)",
+                    choice.request.req_id,
+                    len(prompt_logprobs),
+                    len(self.prompt_ids),
+                    error_id,
+                )
+                raise ApiError(
+                    500,
+                    f"the executor did not return every prompt log-probability (error id "
+                    f"{error_id})",
+                    kind="server_error",
+                    code="executor_error",
+                )
+            prompt_entries = [(self.prompt_ids[0], None)]
+            prompt_entries += [(e.token_id, e) for e in prompt_logprobs]
+        if choice.scored_only:
+            text, logprobs = "", ()
+        if first and choice.echo is not None:
+            text = choice.echo + text
+        if self.completion_logprobs is not None:
+            return text, self.completion_logprobs.block(prompt_entries, logprobs)
+        if self.chat_logprobs is not None:
+            return text, self.chat_logprobs.block(logprobs)
+        return text, None
 
 
 async def _serve(
     state: ServerState,
     http: HttpRequest,
     *,
-    body: CompletionRequest | ChatCompletionRequest,
-    prompt_ids: list[int],
-    max_tokens: tuple[int | None, str],
-    prompt_field: str,
+    stream: tuple[bool, bool],
+    choices: list[_Choice],
     fmt: ResponseFormat,
 ) -> Response:
-    request, stops = _make_request(
-        state, body, prompt_ids=prompt_ids, max_tokens=max_tokens, prompt_field=prompt_field
-    )
-    stream = _admit(state, request)
-    pieces = generate(
-        engine=state.engine,
-        metrics=state.metrics,
-        tokenizer=state.tokenizer,
-        request=request,
-        stream=stream,
-        stops=stops,
-        http=http,
-    )
-    num_prompt = len(prompt_ids)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _EngineStreamingResponse(
-            _sse(fmt, pieces, num_prompt, include_usage),
-            media_type="text/event-stream",
-            on_close=lambda: state.engine.abort(request.req_id),
+    streams = _admit(state, [c.request for c in choices])
+    pieces = [
+        generate(
+            engine=state.engine,
+            metrics=state.metrics,
+            tokenizer=state.tokenizer,
+            request=c.request,
+            stream=s,
+            stops=c.stops,
+            http=http,
         )
+        for c, s in zip(choices, streams, strict=True)
+    ]
+    renders = [_Render(state, fmt, c) for c in choices]
+    num_prompt = sum(c.request.num_prompt_tokens for c in choices)
+
+    def abort_all() -> None:
+        for choice in choices:
+            state.engine.abort(choice.request.req_id)
+
+    if stream[0]:
+        return _EngineStreamingResponse(
+            _sse(fmt, renders, pieces, num_prompt, include_usage=stream[1]),
+            media_type="text/event-stream",
+            on_close=abort_all,
+        )
+    tasks = [asyncio.ensure_future(_whole(fmt, r, p)) for r, p in zip(renders, pieces, strict=True)]
     try:
-        text: list[str] = []
-        last = Piece("", "abort", 0)
-        async for piece in pieces:
-            text.append(piece.text)
-            last = piece
+        outputs = [await task for task in tasks]
     finally:
-        state.engine.abort(request.req_id)  # a no-op unless the handler itself was cancelled
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: a second failing choice is not logged as lost
+        abort_all()  # a no-op unless the handler itself was cancelled or a choice failed
+    num_output = sum(n for _, n in outputs)
+    return JSONResponse(fmt.full([body for body, _ in outputs], num_prompt, num_output))
+
+
+async def _whole(
+    fmt: ResponseFormat, render: _Render, pieces: AsyncIterator[Piece]
+) -> tuple[dict[str, Any], int]:
+    """One choice of a whole response, and its output tokens."""
+    text: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    prompt_logprobs: list[TokenLogprob] = []
+    last = Piece("", "abort", 0)
+    async for piece in pieces:
+        text.append(piece.text)
+        logprobs.extend(piece.logprobs)
+        prompt_logprobs.extend(piece.prompt_logprobs)
+        last = piece
     if last.error is not None:
         raise last.error
-    return JSONResponse(
-        fmt.full("".join(text), last.finish_reason, num_prompt, last.num_output_tokens)
-    )
+    shown, block = render.render("".join(text), logprobs, prompt_logprobs)
+    choice = render.choice
+    num_output = 0 if choice.scored_only else last.num_output_tokens
+    return fmt.choice(choice.index, shown, last.finish_reason, block), num_output
 
 
 class _EngineStreamingResponse(StreamingResponse):
@@ -309,21 +470,69 @@ class _EngineStreamingResponse(StreamingResponse):
 
 
 async def _sse(
-    fmt: ResponseFormat, pieces: AsyncIterator[Piece], num_prompt: int, include_usage: bool
+    fmt: ResponseFormat,
+    renders: list[_Render],
+    pieces: list[AsyncIterator[Piece]],
+    num_prompt: int,
+    *,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    yield _event(fmt.first_chunk())
-    num_output = 0
+    """Server-sent events: each piece of each choice as soon as it is generated (a chat stream
+    opens with the assistant role, a completions stream with the first text), the usage if
+    asked for, then [DONE]."""
+    opening = fmt.first_chunk()
+    if opening is not None:
+        yield _event(opening)
+    num_output = [0] * len(renders)
     try:
-        async for piece in pieces:
-            num_output = piece.num_output_tokens
-            yield _event(fmt.chunk(piece.text, piece.finish_reason))
+        async for index, piece in _merged(pieces):
+            render = renders[index]
+            text, block = render.render(piece.text, piece.logprobs, piece.prompt_logprobs)
+            if not render.choice.scored_only:
+                num_output[index] = piece.num_output_tokens
+            choice = fmt.stream_choice(index, text, piece.finish_reason, block)
+            yield _event(fmt.chunk([choice]))
     except ApiError as exc:
         yield _event(exc.body())
     except Exception:
         yield _event(_internal_error("streaming a response").body())
     if include_usage:
-        yield _event(fmt.usage_chunk(num_prompt, num_output))
+        yield _event(fmt.usage_chunk(num_prompt, sum(num_output)))
     yield b"data: [DONE]\n\n"
+
+
+async def _merged(pieces: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """(choice index, piece) from every choice as they come; the first error is raised and
+    ends the others (their requests are aborted)."""
+    if len(pieces) == 1:
+        async for piece in pieces[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in source:
+                queue.put_nowait((index, piece, None))
+        except Exception as exc:
+            queue.put_nowait((index, None, exc))
+        else:
+            queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(pieces)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -337,11 +546,15 @@ def _make_request(
     prompt_ids: list[int],
     max_tokens: tuple[int | None, str],
     prompt_field: str,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> tuple[Request, list[str]]:
-    if body.model != state.model_name:
+    if body.model not in state.model_names:
+        served = " or ".join(repr(name) for name in state.model_names)
         raise ApiError(
             404,
-            f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            f"model {body.model!r} does not exist; this server serves {served} (GET /v1/models "
+            "lists it)",
             param="model",
             code="model_not_found",
         )
@@ -380,14 +593,25 @@ def _make_request(
             top_k=max(body.top_k, 0),
             seed=seed,
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+        cache_salt = body.cache_salt
+        if prompt_logprobs is not None:
+            # Every prompt position must be computed to have its log-probability, so such a
+            # request never resumes from cached blocks (vLLM skips the prefix-cache lookup for
+            # them): a salt of its own keeps it off every other request's blocks.
+            cache_salt = f"{cache_salt or ''}\x1fprompt-logprobs:{secrets.token_hex(16)}"
         request = Request(
             req_id=req_id,
             prompt_token_ids=tuple(prompt_ids),
             sampling=sampling,
             arrival_time=state.engine.now(),
             priority=body.priority,
-            cache_salt=body.cache_salt,
+            cache_salt=cache_salt,
         )
     except RequestError as exc:
         param = prompt_field if exc.field == "prompt_token_ids" else exc.field
@@ -399,9 +623,10 @@ def _make_request(
     return request, body.stop_list()
 
 
-def _admit(state: ServerState, request: Request) -> RequestStream:
-    """The one admission check, streaming or not: refuse or queue, with no await between the
-    check and the queueing, so concurrent requests cannot all pass a nearly full check."""
+def _admit(state: ServerState, requests: Sequence[Request]) -> list[RequestStream]:
+    """The one admission check, streaming or not: refuse or queue all of `requests` (one per
+    prompt of a batch), with no await between the check and the queueing, so concurrent
+    requests cannot all pass a nearly full check."""
     retry_after = {"Retry-After": str(state.settings.retry_after_s)}
     if state.draining:
         raise shutdown_error("the server is shutting down", state.settings.retry_after_s)
@@ -409,15 +634,16 @@ def _admit(state: ServerState, request: Request) -> RequestStream:
         reason = state.engine.failure or "the engine is not running"
         raise ApiError(503, reason, kind="server_error", code="engine_dead", headers=retry_after)
     queued = state.engine.num_queued()
-    if queued >= state.settings.max_waiting:
+    if queued + len(requests) > state.settings.max_waiting:
+        more = f" to queue {len(requests)} more" if len(requests) > 1 else ""
         raise ApiError(
             503,
-            f"the waiting queue is full ({queued} requests); retry later",
+            f"the waiting queue is full ({queued} requests{more}); retry later",
             kind="server_error",
             code="queue_full",
             headers=retry_after,
         )
-    return state.engine.submit(request)
+    return [state.engine.submit(request) for request in requests]
 
 
 async def _read_json(http: HttpRequest, limit: int) -> Any:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridserve.core.errors import RequestError
-from hybridserve.core.plan import StepResult
+from hybridserve.core.plan import StepResult, TokenLogprob
 from hybridserve.core.request import Request, RequestStatus
 from hybridserve.engine import EngineStep, StepFailed
 from hybridserve.server.backend import EngineParts
@@ -53,6 +53,10 @@ class Delivery:
     # With `error`: a stream still ends with `finish_reason` (its text so far stands) while a
     # whole response answers `error`; without it a stream ends with an error event.
     graceful: bool = False
+    # For requests that asked for them: one entry per token of `token_ids`, and prompt
+    # log-probabilities computed since the last delivery.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True)
@@ -356,9 +360,17 @@ class AsyncEngine:
         scheduled = step.scheduled
         requests = self.parts.scheduler.requests
         num_generated = 0
+        result = step.result
+        for req_id, entries in result.prompt_logprobs.items():
+            batch.append((req_id, Delivery((), False, prompt_logprobs=entries)))
         for out in step.outputs:
             num_generated += len(out.new_token_ids)
-            batch.append((out.req_id, Delivery(out.new_token_ids, out.finished, out.finish_reason)))
+            # The scheduler may keep fewer tokens than were sampled (a stop, max_tokens).
+            logprobs = result.logprobs.get(out.req_id, ())[: len(out.new_token_ids)]
+            delivery = Delivery(
+                out.new_token_ids, out.finished, out.finish_reason, logprobs=logprobs
+            )
+            batch.append((out.req_id, delivery))
         for req_id, reason in step.failed:
             error_id = new_error_id()
             logger.error("request %s failed (error id %s): %s", req_id, error_id, reason)

@@ -36,6 +36,22 @@ class ServingBackend(Protocol):
     def tokenizer(self) -> Tokenizer: ...
 
     @property
+    def description(self) -> str:
+        """What runs, in words, for the start-up banner (model, device or simulated GPU)."""
+        ...
+
+    @property
+    def executor_name(self) -> str:
+        """The executor's name as `--executor` spells it (sim, torch), for messages."""
+        ...
+
+    @property
+    def supports_logprobs(self) -> bool:
+        """Whether the executor reports log-probabilities (`SamplingParams.logprobs`,
+        `prompt_logprobs`): a real model does, the simulator has none to report."""
+        ...
+
+    @property
     def max_model_len(self) -> int:
         """The model's longest context (prompt plus output), in tokens."""
         ...

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from starlette.requests import Request as HttpRequest
 
+from hybridserve.core.plan import TokenLogprob
 from hybridserve.core.request import Request
 from hybridserve.server.async_engine import AsyncEngine, Delivery, RequestStream
 from hybridserve.server.metrics import ServerMetrics
@@ -31,6 +32,11 @@ class Piece:
     # On a last piece the server cut short (shutdown): a stream ends with `finish_reason`,
     # a whole response answers this error instead.
     error: ApiError | None = None
+    # Log-probabilities that arrived since the last piece (requests that asked for them):
+    # generated tokens (a stop token included, as its token counts in the usage) and prompt
+    # tokens.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class StopMatcher:
@@ -62,10 +68,18 @@ def _coalesce(first: Delivery, queue: asyncio.Queue[Delivery]) -> Delivery:
     if first.finished or queue.empty():
         return first
     token_ids, last = list(first.token_ids), first
+    logprobs, prompt_logprobs = list(first.logprobs), list(first.prompt_logprobs)
     while not last.finished and not queue.empty():
         last = queue.get_nowait()
         token_ids.extend(last.token_ids)
-    return replace(last, token_ids=tuple(token_ids))
+        logprobs.extend(last.logprobs)
+        prompt_logprobs.extend(last.prompt_logprobs)
+    return replace(
+        last,
+        token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs),
+        prompt_logprobs=tuple(prompt_logprobs),
+    )
 
 
 async def _abort_on_disconnect(http: HttpRequest, engine: AsyncEngine, req_id: str) -> None:
@@ -96,12 +110,16 @@ async def generate(
     arrival, last = request.arrival_time, None
     num_tokens = 0
     reason: str | None = None
+    logprobs: list[TokenLogprob] = []
+    prompt_logprobs: list[TokenLogprob] = []
     try:
         while reason is None:
             delivery = _coalesce(await stream.queue.get(), stream.queue)
             if delivery.error is not None and not delivery.graceful:
                 reason = "abort"
                 raise delivery.error
+            logprobs.extend(delivery.logprobs)
+            prompt_logprobs.extend(delivery.prompt_logprobs)
             now = engine.now()
             if delivery.token_ids:
                 num_tokens += len(delivery.token_ids)
@@ -125,7 +143,11 @@ async def generate(
                 reason = delivery.finish_reason or "stop"
                 cut_short = delivery.error
             if out or reason is not None:
-                yield Piece(out, reason, num_tokens, cut_short)
+                yield Piece(
+                    out, reason, num_tokens, cut_short, tuple(logprobs), tuple(prompt_logprobs)
+                )
+                logprobs.clear()
+                prompt_logprobs.clear()
     finally:
         watcher.cancel()
         if reason is None:

@@ -1,29 +1,34 @@
 """OpenAI request models (pydantic, strict) and OpenAI-style errors.
 
 Unknown fields are rejected (`extra="forbid"`), so a parameter this server does not implement
-is a 400 naming it rather than silently ignored. vLLM's extensions `top_k`, `ignore_eos`,
-`stop_token_ids`, `cache_salt` and `priority` are accepted. Types are strict (no "10" for 10,
-no 0 for false), except that integer fields take integral floats (`1.0`), as OpenAI and vLLM
-do.
+is a 400 naming it rather than silently ignored. vLLM's extensions `top_k`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `cache_salt` and `priority` are
+implemented; vLLM's other sampling parameters are accepted at their neutral value (`min_p: 0`,
+`skip_special_tokens: true`, ...) and refused otherwise. `null` means "left out" for every
+field, as in vLLM. Types are strict (no "10" for 10, no 0 for false), except that integer
+fields take integral floats (`1.0`), as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
+    model_validator,
 )
 
-from hybridserve.core.request import SEED_MAX, SEED_MIN
+from hybridserve.core.request import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_STOP_SEQUENCES = 16
 
@@ -39,16 +44,71 @@ def _integral(value: Any) -> Any:
     return value
 
 
-def _off(value: bool) -> bool:
-    if value:
-        raise ValueError("is not supported; send false or leave it out")
-    return value
+def _unsupported(value: Any) -> Any:
+    raise ValueError("is not supported; leave it out or send null")
 
 
 # An integer, or a float with an integral value (1.0), as OpenAI and vLLM accept.
 Integer = Annotated[int, BeforeValidator(_integral)]
-# A feature this server does not implement: false or absent only (0 is not false).
-Off = Annotated[bool, AfterValidator(_off)]
+# A feature this server does not implement: absent or null only.
+Unsupported = Annotated[None, BeforeValidator(_unsupported)]
+
+
+def neutral(shown: str) -> WrapValidator:
+    """Metadata for a parameter accepted at its neutral value only (vLLM's `min_p: 0`, ...):
+    any other value is refused with a message naming the accepted one, `shown`."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                f"{json.dumps(value)[:80]} is not supported; only {shown} (the default, which "
+                "changes nothing) is accepted; leave it out"
+            ) from None
+
+    return WrapValidator(check)
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_prompt(value: Any) -> Any:
+    """A completion prompt is a non-empty string, a non-empty list of token ids, or a
+    non-empty list of either (a batch: one choice per prompt)."""
+    shapes = (
+        "give a non-empty string, a non-empty list of token ids, or a non-empty list of "
+        "strings or of token-id lists (one choice per prompt)"
+    )
+
+    def check_ids(ids: list[Any], where: str) -> None:
+        if not all(_token_id(t) for t in ids):
+            raise ValueError(f"{where}token ids must be integers; {shapes}")
+        if min(ids) < 0:
+            raise ValueError(f"{where}token ids must be >= 0")
+
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"the prompt is empty; {shapes}")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(shapes)
+    if _token_id(value[0]):
+        check_ids(value, "")
+        return value
+    if all(isinstance(v, str) for v in value):
+        empty = next((i for i, v in enumerate(value) if not v), None)
+        if empty is not None:
+            raise ValueError(f"prompt {empty} of the batch is empty")
+        return value
+    if all(isinstance(v, list) for v in value):
+        for i, ids in enumerate(value):
+            if not ids:
+                raise ValueError(f"prompt {i} of the batch is empty")
+            check_ids(ids, f"prompt {i} of the batch: ")
+        return value
+    raise ValueError(shapes)
 
 
 class ApiError(Exception):
@@ -83,14 +143,33 @@ class ApiError(Exception):
         }
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """Strict, closed request models; `null` for any field means the field was left out, as
+    vLLM reads it (`"temperature": null` is the default temperature)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: Annotated[Literal[False], neutral("false")] = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextFormat(_Body):
+    type: Literal["text"]
 
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _SamplingFields(_Body):
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -105,15 +184,39 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     priority: Integer = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported; send 0 or leave it out")
-        return value
+    # Penalties as vLLM defines them (see SamplingParams); 0, 0 and 1 are off.
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    # vLLM's other sampling parameters: accepted at their neutral (default) value only.
+    use_beam_search: Annotated[Literal[False], neutral("false")] = False
+    min_p: Annotated[float, Field(ge=0.0, le=0.0), neutral("0")] = 0.0
+    length_penalty: Annotated[float, Field(ge=1.0, le=1.0), neutral("1")] = 1.0
+    include_stop_str_in_output: Annotated[Literal[False], neutral("false")] = False
+    min_tokens: Annotated[Integer, Field(ge=0, le=0), neutral("0")] = 0
+    skip_special_tokens: Annotated[Literal[True], neutral("true")] = True
+    spaces_between_special_tokens: Annotated[Literal[True], neutral("true")] = True
+    truncation_side: Literal["left", "right"] | None = None  # no effect without truncation
+    allowed_token_ids: Unsupported = None
+    bad_words: Annotated[list[str], Field(max_length=0), neutral("[]")] = []
+    logit_bias: Annotated[dict[str, float], Field(max_length=0), neutral("{}")] = {}
+    truncate_prompt_tokens: Unsupported = None
+    prompt_logprobs: Unsupported = None
+    logprob_token_ids: Unsupported = None
+    watermarking: Annotated[Literal[False], neutral("false")] = False
+    response_format: TextFormat | None = None
+    structured_outputs: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    guided_decoding_backend: Unsupported = None
+    guided_whitespace_pattern: Unsupported = None
+    return_tokens_as_token_ids: Annotated[Literal[False], neutral("false")] = False
+    return_token_ids: Annotated[Literal[False], neutral("false")] = False
+    logits_processors: Unsupported = None
+    vllm_xargs: Unsupported = None
+    kv_transfer_params: Unsupported = None
 
     @field_validator("stop")
     @classmethod
@@ -146,23 +249,34 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    max_tokens: Annotated[Integer, Field(ge=1)] = 16
-    echo: Off = False
-    logprobs: None = None
-    suffix: None = None
+    # One prompt (text or token ids) or a batch of them: one choice each, in order.
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], BeforeValidator(_check_prompt)]
+    # 0 only with echo: the prompt is scored, nothing is generated.
+    max_tokens: Annotated[Integer, Field(ge=0)] = 16
+    echo: bool = False
+    logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: Unsupported = None
     best_of: Annotated[Integer, Field(ge=1, le=1)] | None = None
+    add_special_tokens: Annotated[Literal[True], neutral("true")] = True
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts of this request, one per choice."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return prompt
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessageModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
+class ChatMessageModel(_Body):
+    # "developer" is OpenAI's newer name for system instructions.
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
 
@@ -176,14 +290,39 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessageModel], Field(min_length=1)]
     max_tokens: Annotated[Integer, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = None
-    logprobs: Off | None = None
-    tools: None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Any], Field(max_length=0), neutral("[]")] = []
+    # Without tools, "auto" calls none either.
+    tool_choice: Annotated[Literal["none", "auto"], neutral('"none" or "auto"')] = "none"
+    parallel_tool_calls: bool = True  # no effect without tools
+    # vLLM's chat extras, at their neutral values only.
+    echo: Annotated[Literal[False], neutral("false")] = False
+    add_generation_prompt: Annotated[Literal[True], neutral("true")] = True
+    continue_final_message: Annotated[Literal[False], neutral("false")] = False
+    add_special_tokens: Annotated[Literal[False], neutral("false")] = False
+    documents: Unsupported = None
+    chat_template: Unsupported = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=0), neutral("{}")] = {}
+    mm_processor_kwargs: Unsupported = None
+    reasoning_effort: Unsupported = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs", False):
+            raise ValueError("set it only with logprobs: true")
+        return value
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the output limit, the field it came from): `max_completion_tokens` wins."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per generated token to report (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -198,7 +337,7 @@ def validation_error(exc: ValidationError) -> ApiError:
     elif first["type"] == "missing":
         message = f"missing required field {param!r}"
     else:
-        message = f"{param}: {message}"
+        message = f"{param}: {message.removeprefix('Value error, ')}"
     return ApiError(400, message, param=param, code=first["type"])
 
 

@@ -1,8 +1,12 @@
-"""OpenAI response bodies for completions and chat completions, whole and streamed."""
+"""OpenAI response bodies for completions and chat completions, whole and streamed, and their
+`logprobs` objects."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridserve.core.plan import TokenLogprob
 
 
 def usage(num_prompt: int, num_output: int) -> dict[str, int]:
@@ -11,18 +15,6 @@ def usage(num_prompt: int, num_output: int) -> dict[str, int]:
         "completion_tokens": num_output,
         "total_tokens": num_prompt + num_output,
     }
-
-
-class ResponseFormat(Protocol):
-    def full(
-        self, text: str, finish_reason: str | None, num_prompt: int, num_output: int
-    ) -> dict[str, Any]: ...
-
-    def first_chunk(self) -> dict[str, Any]: ...
-
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
-
-    def usage_chunk(self, num_prompt: int, num_output: int) -> dict[str, Any]: ...
 
 
 class _Format:
@@ -43,59 +35,136 @@ class _Format:
             "choices": choices,
         }
 
+    def full(
+        self, choices: list[dict[str, Any]], num_prompt: int, num_output: int
+    ) -> dict[str, Any]:
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = usage(num_prompt, num_output)
+        return body
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, choices)
+
     def usage_chunk(self, num_prompt: int, num_output: int) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])
         body["usage"] = usage(num_prompt, num_output)
         return body
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """What a stream opens with before any token, if anything."""
+        return None
 
 
 class CompletionFormat(_Format):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def full(
-        self, text: str, finish_reason: str | None, num_prompt: int, num_output: int
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        body = self._envelope(self.object_full, [choice])
-        body["usage"] = usage(num_prompt, num_output)
-        return body
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def first_chunk(self) -> dict[str, Any]:
-        return self.chunk("", None)
-
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope(self.object_chunk, [choice])
+    stream_choice = choice
 
 
 class ChatFormat(_Format):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def full(
-        self, text: str, finish_reason: str | None, num_prompt: int, num_output: int
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        body = self._envelope(self.object_full, [choice])
-        body["usage"] = usage(num_prompt, num_output)
-        return body
+
+    def stream_choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        delta = {"content": text} if text or finish_reason is None else {}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
     def first_chunk(self) -> dict[str, Any]:
+        """The role, as OpenAI opens a chat stream; it carries no content."""
         choice = {
             "index": 0,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": "assistant"},
             "logprobs": None,
             "finish_reason": None,
         }
-        return self._envelope(self.object_chunk, [choice])
+        return self.chunk([choice])
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text or finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope(self.object_chunk, [choice])
+
+class CompletionLogprobs:
+    """One choice's legacy completions `logprobs` object (`tokens`, `token_logprobs`,
+    `top_logprobs`, `text_offset`), built piece by piece. `top_logprobs` maps token text to
+    log-probability for the N most likely tokens and the chosen one (as vLLM lists them); an
+    echoed prompt's first token has `null` for both. Offsets add up the tokens' texts, the
+    prompt's from 0 and the output's from `output_offset` (the echoed prompt's length)."""
+
+    def __init__(self, token_text: Callable[[int], str], *, output_offset: int = 0) -> None:
+        self._text = token_text
+        self._prompt_offset = 0
+        self._output_offset = output_offset
+
+    def block(
+        self,
+        prompt: Sequence[tuple[int, TokenLogprob | None]] = (),
+        generated: Sequence[TokenLogprob] = (),
+    ) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        entries = [*((t, e, True) for t, e in prompt), *((e.token_id, e, False) for e in generated)]
+        for token_id, entry, in_prompt in entries:
+            text = self._text(token_id)
+            tokens.append(text)
+            if in_prompt:
+                offsets.append(self._prompt_offset)
+                self._prompt_offset += len(text)
+            else:
+                offsets.append(self._output_offset)
+                self._output_offset += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(entry.logprob)
+            top = {self._text(t): lp for t, lp in entry.top}
+            top.setdefault(text, entry.logprob)
+            top_logprobs.append(top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+
+class ChatLogprobs:
+    """A chat choice's `logprobs` object: `{"content": [{token, logprob, bytes,
+    top_logprobs}]}`, `top_logprobs` holding the `top_logprobs` most likely tokens."""
+
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self._text = token_text
+
+    def _item(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def block(self, generated: Sequence[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for entry in generated:
+            item = self._item(entry.token_id, entry.logprob)
+            item["top_logprobs"] = [self._item(t, lp) for t, lp in entry.top]
+            content.append(item)
+        return {"content": content}

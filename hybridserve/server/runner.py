@@ -23,10 +23,18 @@ FLUSH_TIMEOUT_S = 5
 
 
 class HybridServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, *, banner: str | None = None
+    ) -> None:
         super().__init__(config)
         self.state = state
+        self.banner = banner  # printed once the socket listens
         state.request_exit = self._exit_soon
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.banner:
+            print(self.banner, flush=True)
 
     def _exit_soon(self) -> None:
         self.should_exit = True
@@ -52,8 +60,12 @@ def server_config(app: Any, *, host: str, port: int, log_level: str = "warning")
     )
 
 
-def serve(app: Any, *, host: str, port: int, log_level: str = "warning") -> int:
-    """Serve `app` (from `create_app`) until shutdown; returns the process exit code."""
+def serve(
+    app: Any, *, host: str, port: int, log_level: str = "warning", banner: str | None = None
+) -> int:
+    """Serve `app` (from `create_app`) until shutdown, printing `banner` once it listens;
+    returns the process exit code."""
     state: ServerState = app.state.hybridserve
-    HybridServer(server_config(app, host=host, port=port, log_level=log_level), state).run()
+    config = server_config(app, host=host, port=port, log_level=log_level)
+    HybridServer(config, state, banner=banner).run()
     return state.exit_code

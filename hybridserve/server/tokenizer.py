@@ -58,6 +58,10 @@ class Tokenizer(Protocol):
         """A decoder for one request's output stream."""
         ...
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens spelled out), for log-probability listings."""
+        ...
+
 
 BYTE_VOCAB_SIZE = 257
 BYTE_EOS_ID = 256
@@ -137,3 +141,8 @@ class ByteTokenizer:
 
     def new_decoder(self) -> ByteDecoder:
         return ByteDecoder()
+
+    def token_text(self, token_id: int) -> str:
+        if token_id == BYTE_EOS_ID:
+            return "<eos>"
+        return bytes([token_id]).decode("utf-8", errors="replace")

@@ -211,3 +211,239 @@ def test_torch_stop_string_spanning_tokens_cuts_the_streamed_text(torch_server) 
     cut = _post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
     assert cut["finish_reason"] == "stop"
     assert cut["text"] == full[: full.index(stop)]
+
+
+def _log_softmax_rows(reference: Any, tokens: list[int]) -> Any:
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        positions = torch.arange(len(tokens))[None]
+        logits = reference(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_torch_completion_logprobs_are_the_models(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, (reference, tok) = torch_server
+    prompt = tok.encode("the cat sat on").ids
+    body = {
+        "model": server.state.model_name,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 3,
+    }
+    response = _post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    from tests.reference.helpers import transformers_greedy
+
+    generated, _ = transformers_greedy(reference, prompt, 6)
+    rows = _log_softmax_rows(reference, [*prompt, *generated])
+    assert logprobs["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in generated]
+    for j, token in enumerate(generated):
+        row = rows[len(prompt) + j - 1]
+        assert logprobs["token_logprobs"][j] == pytest.approx(float(row[token]), abs=1e-4)
+        top = logprobs["top_logprobs"][j]
+        want = {
+            tok.decode([t], skip_special_tokens=False): float(row[t])
+            for t in torch.topk(row, 3).indices.tolist()
+        }
+        assert top.keys() == want.keys() and list(top.values()) == pytest.approx(
+            list(want.values()), abs=1e-4
+        )
+    assert logprobs["text_offset"][0] == 0
+    streamed = server.client.post(
+        server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    )
+    chunks = [
+        json.loads(line[6:])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    tokens = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    assert tokens == logprobs["tokens"]
+
+
+def test_torch_chat_logprobs_list_the_top_alternatives(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = torch_server
+    body = {
+        "model": server.state.model_name,
+        "messages": [{"role": "user", "content": "the dog ran"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    content = _post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"][
+        "content"
+    ]
+    assert len(content) == 4
+    for item in content:
+        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(item["top_logprobs"]) == 2
+        # Greedy: the chosen token is the most likely one.
+        assert item["logprob"] == pytest.approx(item["top_logprobs"][0]["logprob"])
+        assert item["bytes"] == list(item["token"].encode())
+    plain = _post(server, "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": 0})
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+def test_torch_penalties_steer_greedy_decoding_as_vllm_defines_them(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, (reference, tok) = torch_server
+    prompt = tok.encode("the cat sat on the mat").ids
+    body = {
+        "model": server.state.model_name,
+        "prompt": prompt,
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "repetition_penalty": 3.0,
+        "frequency_penalty": 1.5,
+        "presence_penalty": 0.5,
+    }
+    tokens = list(prompt)
+    for _ in range(10):
+        with torch.no_grad():
+            ids, positions = torch.tensor([tokens]), torch.arange(len(tokens))[None]
+            row = reference(input_ids=ids, position_ids=positions, use_cache=False).logits[0, -1]
+        row = row.float().clone()
+        output = tokens[len(prompt) :]
+        for t in set(tokens):
+            row[t] = row[t] / 3.0 if row[t] > 0 else row[t] * 3.0
+        for t in set(output):
+            row[t] -= 1.5 * output.count(t) + 0.5
+        tokens.append(int(torch.argmax(row)))
+    want = tok.decode(tokens[len(prompt) :], skip_special_tokens=True)
+    penalized = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    plain = _post(
+        server,
+        "/v1/completions",
+        {k: v for k, v in body.items() if not k.endswith("penalty")},
+    ).json()["choices"][0]["text"]
+    assert penalized.split() == want.split()
+    assert penalized != plain
+
+
+def test_torch_batched_prompts_answer_as_separate_requests(torch_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = torch_server
+    prompts = ["the cat sat on", "a dog ran to the", "then"]
+    body = {"model": server.state.model_name, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    alone = [_post(server, "/v1/completions", {**body, "prompt": p}).json() for p in prompts]
+    batch = _post(server, "/v1/completions", {**body, "prompt": prompts}).json()
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert batch["usage"]["total_tokens"] == sum(a["usage"]["total_tokens"] for a in alone)
+
+
+def _backend_for(folder: Path) -> Any:
+    from hybridserve.cli.torch_serving import TorchServingBackend
+
+    return TorchServingBackend(str(folder), device="cpu", max_model_len=128)
+
+
+def test_a_checkpoint_with_chat_template_jinja_serves_chat(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    server = serve_in_thread(build_app(_backend_for(tmp_path), ServerSettings()))
+    try:
+        body = {
+            "model": server.state.model_name,
+            "messages": [{"role": "user", "content": "the dog"}],
+            "max_tokens": 3,
+        }
+        response = _post(server, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        rendered = "<s><user> the dog <assistant>"
+        ids = tok.encode(rendered, add_special_tokens=False).ids
+        assert response.json()["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        server.stop()
+
+
+def test_a_model_without_a_chat_template_answers_chat_with_a_400(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    server = serve_in_thread(build_app(_backend_for(tmp_path), ServerSettings()))
+    try:
+        body = {
+            "model": server.state.model_name,
+            "messages": [{"role": "user", "content": "the dog"}],
+            "max_tokens": 3,
+        }
+        response = _post(server, "/v1/chat/completions", body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "no chat template" in error["message"]
+        assert "/v1/completions" in error["message"]
+        completion = _post(
+            server, "/v1/completions", {"model": body["model"], "prompt": "the", "max_tokens": 2}
+        )
+        assert completion.status_code == 200
+    finally:
+        server.stop()
+
+
+# Whitespace control, `{% if tools %}` on an undefined-by-default variable, a loop filter and
+# `raise_exception`: rendered as transformers renders chat templates.
+HF_STYLE_TEMPLATE = """{%- if tools %}{{ raise_exception('no tools here') }}{% endif -%}
+{% for message in messages %}
+    {% if message['role'] == 'system' %}
+<sys>{{ message['content'] | trim }}</sys>
+    {% else %}
+<{{ message['role'] }}>{{ message['content'] }}</{{ message['role'] }}>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+
+
+def test_chat_templates_render_as_transformers_renders_them(tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridserve.executor.torch.tokenizer import load_tokenizer
+
+    _, tok = _write_checkpoint(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(HF_STYLE_TEMPLATE)
+    ours = load_tokenizer(tmp_path)
+    assert ours is not None and ours.chat_template == HF_STYLE_TEMPLATE
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    hf.chat_template = HF_STYLE_TEMPLATE
+    messages = [
+        {"role": "system", "content": "  be brief  "},
+        {"role": "user", "content": "the cat"},
+        {"role": "assistant", "content": "sat"},
+        {"role": "user", "content": "on"},
+    ]
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(messages) == want
+
+
+def test_the_smollm2_gguf_chat_template_renders_as_in_transformers() -> None:
+    from hybridserve.cli.builtin_models import builtin_path
+    from hybridserve.executor.torch.tokenizer import load_tokenizer
+
+    path = builtin_path("smollm2")
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (`make models` fetches the built-in SmolLM2 GGUF)")
+    pytest.importorskip("gguf", reason="transformers reads GGUF with the gguf package")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = load_tokenizer(path)
+    assert ours is not None
+    for messages in (
+        [{"role": "user", "content": "Say hi"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+        ],
+    ):
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(messages) == want

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
+from hybridserve.core.plan import TokenLogprob
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.engine import Engine
 from hybridserve.executor.torch import TorchExecutor, load_model
@@ -67,6 +68,9 @@ class HybridRun:
     num_preemptions: int = 0
     num_drafted_steps: int = 0
     num_accepted_drafts: int = 0
+    # Per request, as the StepResults reported them (generated ones trimmed to the output).
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 def hybrid_generate(
@@ -137,8 +141,12 @@ def hybrid_generate(
                     run.num_drafted_steps += 1
                     accepted = len(step.result.sampled_token_ids.get(chunk.req_id, ())) - 1
                     run.num_accepted_drafts += max(accepted, 0)
+            for req_id, entries in step.result.prompt_logprobs.items():
+                run.prompt_logprobs.setdefault(req_id, []).extend(entries)
             for out in step.outputs:
                 run.tokens[out.req_id].extend(out.new_token_ids)
+                entries = step.result.logprobs.get(out.req_id, ())[: len(out.new_token_ids)]
+                run.logprobs.setdefault(out.req_id, []).extend(entries)
     return run
 
 

@@ -16,7 +16,7 @@ import torch
 
 from hybridserve.core.config import SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult
+from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult, TokenLogprob
 from hybridserve.core.request import SamplingParams
 from hybridserve.executor.torch.cache import DeviceCache
 from hybridserve.executor.torch.draft_head import DraftHead, DraftHeadRunner
@@ -27,6 +27,13 @@ from hybridserve.executor.torch.forward import (
     StateChunk,
     build_attention_meta,
     build_shard_meta,
+)
+from hybridserve.executor.torch.logits import (
+    PROMPT_ROWS_PER_SLICE,
+    PenaltyRow,
+    PromptLogprobState,
+    apply_penalties,
+    token_logprobs,
 )
 from hybridserve.executor.torch.models.base import CausalLM, derive_cache_groups
 from hybridserve.executor.torch.sampler import verify
@@ -148,6 +155,13 @@ class TorchExecutor:
             else None
         )
         self._sampling: dict[str, SamplingParams] = {}
+        # Kept until a request finishes (preemption included): its prompt length (the position
+        # it first sampled at), and where its prompt log-probabilities stand.
+        self._prompt_lens: dict[str, int] = {}
+        self._prompt_logprob_states: dict[str, PromptLogprobState] = {}
+        # This step's log-probabilities, for the StepResult.
+        self._step_logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
+        self._step_prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
         # When set, the logits of every emitted token are kept (tests compare them).
         self.record_logits = False
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
@@ -181,6 +195,9 @@ class TorchExecutor:
                 self.drafter.forget(req_id)
         for req_id in plan.finished_req_ids:
             self._sampling.pop(req_id, None)
+            self._prompt_lens.pop(req_id, None)
+            self._prompt_logprob_states.pop(req_id, None)
+        self._step_logprobs, self._step_prompt_logprobs = {}, {}
         for copy in plan.block_copies:
             self._copy_block(copy.group_id, copy.src_block_id, copy.dst_block_id, copy.num_tokens)
         if not plan.chunks:
@@ -193,7 +210,14 @@ class TorchExecutor:
             sampled, drafts = self._run(plan.chunks)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(plan.step_id, sampled, time.perf_counter() - began, drafts)
+        return StepResult(
+            plan.step_id,
+            sampled,
+            time.perf_counter() - began,
+            drafts,
+            logprobs=self._step_logprobs,
+            prompt_logprobs=self._step_prompt_logprobs,
+        )
 
     def _run(
         self, chunks: Sequence[ScheduledChunk]
@@ -217,6 +241,7 @@ class TorchExecutor:
                 slots.append(table[pos // unit] * unit + pos % unit)
             self._slot_tokens[torch.cat(slots)] = input_ids.cpu()
         hidden = self.model(input_ids, positions, ctx)
+        self._prompt_logprobs(chunks, hidden)
         sampled, drafts = self._sample(chunks, hidden, commits)
         if self.drafter is not None:
             group = self.drafter.group_id
@@ -236,25 +261,35 @@ class TorchExecutor:
                 first = row + chunk.num_tokens - chunk.num_draft_tokens - 1
                 rows.extend(range(first, row + chunk.num_tokens))
                 owners.append(chunk)
+                # A request first samples right after its prompt.
+                verified_end = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+                self._prompt_lens.setdefault(chunk.req_id, verified_end)
             row += chunk.num_tokens
         sampled: dict[str, tuple[int, ...]] = {}
         drafts: dict[str, tuple[int, ...]] = {}
         if not rows:
             return sampled, drafts
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
+        scores = apply_penalties(logits, self._penalty_rows(owners))
         offset = 0
         for chunk in owners:
             chunk_logits = logits[offset : offset + chunk.num_draft_tokens + 1]
+            chunk_scores = scores[offset : offset + chunk.num_draft_tokens + 1]
             offset += chunk.num_draft_tokens + 1
             verified = chunk.num_tokens - chunk.num_draft_tokens
             emitted = verify(
-                chunk_logits,
+                chunk_scores,
                 chunk.token_ids[verified:],
                 self._sampling.get(chunk.req_id),
                 first_position=chunk.start + verified,
                 default_seed=self.seed,
             )
             sampled[chunk.req_id] = emitted
+            params = self._sampling.get(chunk.req_id)
+            if params is not None and params.logprobs is not None:
+                self._step_logprobs[chunk.req_id] = tuple(
+                    token_logprobs(chunk_logits[: len(emitted)], emitted, params.logprobs)
+                )
             # Accepted drafts now have K/V and state: they are known positions.
             self._requests[chunk.req_id].known.extend(emitted[:-1])
             if self.record_logits:
@@ -267,6 +302,73 @@ class TorchExecutor:
             if proposal:
                 drafts[chunk.req_id] = proposal
         return sampled, drafts
+
+    # ----- penalties and log-probabilities ------------------------------------------------------
+
+    def _penalty_rows(self, owners: Sequence[ScheduledChunk]) -> list[PenaltyRow]:
+        """The sampled rows of requests with penalties, each with the tokens before the
+        position it predicts (a draft row also sees the drafts before it). Positions whose
+        token the executor never saw (a prefix hit on a model without an attention group)
+        are left out."""
+        out: list[PenaltyRow] = []
+        offset = 0
+        for chunk in owners:
+            params = self._sampling.get(chunk.req_id)
+            if params is not None and params.has_penalties:
+                first = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+                known = self._requests[chunk.req_id].known[:first]
+                prompt_len = self._prompt_lens[chunk.req_id]
+                prompt = [t for t in known[:prompt_len] if t >= 0]
+                output = [t for t in known[prompt_len:] if t >= 0]
+                drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens :]
+                for j in range(chunk.num_draft_tokens + 1):
+                    history = [*output, *(d for d in drafts[:j] if d >= 0)]
+                    out.append(PenaltyRow(offset + j, prompt, history, params))
+            offset += chunk.num_draft_tokens + 1
+        return out
+
+    def _prompt_logprobs(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this step's rows predict, for requests asking
+        for `prompt_logprobs`. Row i of a chunk predicts the token at `start + i + 1`; the last
+        row of a partial prefill predicts the next chunk's first token, so its logits wait for
+        that chunk. Positions are reported once each, in order, even when a preempted request
+        recomputes them; a request stops collecting once it samples."""
+        row = 0
+        for chunk in chunks:
+            first_row, row = row, row + chunk.num_tokens
+            params = self._sampling.get(chunk.req_id)
+            if params is None or params.prompt_logprobs is None:
+                continue
+            state = self._prompt_logprob_states.setdefault(chunk.req_id, PromptLogprobState())
+            if state.done:
+                continue
+            num_top, start = params.prompt_logprobs, chunk.start
+            count = chunk.num_tokens - chunk.num_draft_tokens
+            entries: list[TokenLogprob] = []
+            if state.pending is not None and state.pending_position == start == state.next_position:
+                entries += token_logprobs(state.pending[None], chunk.token_ids[:1], num_top)
+                state.next_position += 1
+            state.pending = None
+            lo = state.next_position - start - 1  # the first row still needed
+            if lo < 0:
+                # Positions before this chunk were never computed here (a prefix hit): they
+                # cannot be reported; the request's entries stay short, which the caller sees.
+                state.done = True
+                continue
+            for begin in range(lo, count - 1, PROMPT_ROWS_PER_SLICE):
+                end = min(begin + PROMPT_ROWS_PER_SLICE, count - 1)
+                index = torch.arange(first_row + begin, first_row + end, device=self.device)
+                logits = self.model.compute_logits(hidden[index])
+                entries += token_logprobs(logits, chunk.token_ids[begin + 1 : end + 1], num_top)
+                state.next_position = start + end + 1
+            if chunk.sample:
+                state.done = True
+            elif state.next_position == start + count:
+                last = torch.tensor([first_row + count - 1], device=self.device)
+                state.pending = self.model.compute_logits(hidden[last])[0]
+                state.pending_position = start + count
+            if entries:
+                self._step_prompt_logprobs[chunk.req_id] = tuple(entries)
 
     # ----- tables and metadata ------------------------------------------------------------------
 

@@ -4,12 +4,15 @@ whose merges are recovered from the vocabulary order)."""
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.errors import ConfigError
+from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.executor.torch.gguf_file import GGUFFile
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -28,25 +31,108 @@ class TextTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return str(self.backend.decode(token_ids, skip_special_tokens=True))
 
-    def chat_prompt(self, user_text: str) -> str:
-        """`user_text` as one user turn through the chat template, ready for the reply."""
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens spelled out (for log-probability listings)."""
+        return str(self.backend.decode([token_id], skip_special_tokens=False))
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """`messages` through the chat template, followed by an open assistant turn, rendered
+        as transformers' `apply_chat_template` renders it. Raises ChatTemplateError when the
+        model has no template or the template rejects the conversation."""
         if self.chat_template is None:
-            raise ConfigError("chat_template", None, "this model has no chat template; use raw")
+            raise ChatTemplateError(
+                "this model has no chat template (no chat_template.jinja or chat_template in "
+                "tokenizer_config.json beside it); use /v1/completions with your own prompt"
+            )
         import jinja2
 
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-        env.globals["raise_exception"] = _raise
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=[{"role": "user", "content": user_text}],
-            add_generation_prompt=True,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+        try:
+            template = _compiled_template(self.chat_template)
+            return str(
+                template.render(
+                    messages=[dict(m) for m in messages],
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=True,
+                    bos_token=self.bos_token or "",
+                    eos_token=self.eos_token or "",
+                )
+            )
+        except _TemplateRefusal as exc:
+            raise ChatTemplateError(f"the chat template rejects it: {exc}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+            raise ChatTemplateError(f"the chat template failed on it: {exc}") from None
+
+    def chat_prompt(self, user_text: str) -> str:
+        """`user_text` as one user turn through the chat template, ready for the reply."""
+        try:
+            return self.render_chat([{"role": "user", "content": user_text}])
+        except ChatTemplateError as exc:
+            raise ConfigError("chat_template", None, str(exc)) from None
+
+
+class ChatTemplateError(HybridServeError):
+    """A conversation cannot be rendered: no template, or the template refuses it."""
+
+
+class _TemplateRefusal(Exception):
+    """`raise_exception(message)` called by a chat template."""
+
+
+def _refuse(message: str) -> None:
+    raise _TemplateRefusal(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str) -> Any:
+    """The template compiled in the environment transformers renders chat templates in
+    (`_cached_compile_jinja_template` in transformers/utils/chat_template_utils.py): sandboxed,
+    `trim_blocks` and `lstrip_blocks`, loop controls, a `tojson` that keeps non-ASCII text,
+    `raise_exception` and `strftime_now`, and `{% generation %}` blocks rendered as they are."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlocks(jinja2.ext.Extension):
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a mutable set)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(
+                lineno
+            )
+
+        def _render(self, caller: Any) -> str:
+            return str(caller())
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
         )
 
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
 
-def _raise(message: str) -> None:
-    raise ConfigError("chat_template", message, "the template rejected the conversation")
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationBlocks, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _refuse
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
 
 
 def load_tokenizer(path: Path) -> TextTokenizer | None:
@@ -62,10 +148,27 @@ def load_tokenizer(path: Path) -> TextTokenizer | None:
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     return TextTokenizer(
         Tokenizer.from_file(str(file)),
-        config.get("chat_template"),
+        checkpoint_chat_template(path, config),
         _token_text(config.get("bos_token")),
         _token_text(config.get("eos_token")),
     )
+
+
+def checkpoint_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """A checkpoint folder's chat template, where transformers looks for it: the
+    `chat_template.jinja` file (the current layout), then `tokenizer_config.json`'s
+    `chat_template` (a string, or a list of named templates: the "default" one), then a
+    processor's `chat_template.json`."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None and (path / "chat_template.json").is_file():
+        template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _token_text(token: Any) -> str | None:
