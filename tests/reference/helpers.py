@@ -149,13 +149,15 @@ def drop_earlier_kv() -> Iterator[None]:
 
     def broken(spans: Sequence[Any], **kwargs: Any) -> Any:
         meta = original(spans, **kwargs)
-        mask = meta.mask.clone()
         window = kwargs.get("window")
-        for b, span in enumerate(spans):
-            lo = 0 if window is None else max(0, span.start - window + 1)
-            mask[b, :, :, : span.start - lo] = False
-        mask[:, 0, :, 0] |= ~meta.query_valid
-        return dataclasses.replace(meta, mask=mask)
+        calls = []
+        for call in meta.calls:
+            qp, kp = call.q_pos[:, :, None], call.k_pos[:, None, :]
+            mask = (kp <= qp) & (kp >= call.q_pos[:, :1, None])  # this step's tokens only
+            if window is not None:
+                mask &= kp > qp - window
+            calls.append(dataclasses.replace(call, mask=mask[:, None], causal=False))
+        return dataclasses.replace(meta, calls=tuple(calls))
 
     runner_module.build_attention_meta = broken  # type: ignore[assignment]
     try:

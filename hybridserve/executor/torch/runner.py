@@ -29,7 +29,7 @@ from hybridserve.executor.torch.forward import (
     build_shard_meta,
 )
 from hybridserve.executor.torch.models.base import CausalLM, derive_cache_groups
-from hybridserve.executor.torch.sampler import verify
+from hybridserve.executor.torch.sampler import verify_batch
 from hybridserve.executor.torch.state_tables import NULL_BLOCK, extend_table, state_snapshots
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec, SlidingWindowSpec
@@ -199,22 +199,22 @@ class TorchExecutor:
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         ctx, commits = self._context(chunks)
-        input_ids = torch.tensor(
-            [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
-        )
-        positions = torch.tensor(
-            [p for c in chunks for p in range(c.start, c.start + c.num_tokens)],
-            dtype=torch.long,
-            device=self.device,
-        )
+        tokens = [t for c in chunks for t in c.token_ids]
+        host_ids = torch.tensor(tokens, dtype=torch.long)
+        starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+        offsets = torch.cumsum(counts, 0) - counts
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), counts)
+        host_positions = starts[owner] + torch.arange(len(tokens)) - offsets[owner]
+        input_ids = host_ids.to(self.device, non_blocking=True)
+        positions = host_positions.to(self.device, non_blocking=True)
         if self._slot_tokens is not None and self._token_group is not None:
             unit, group = self._token_unit, self._token_group
-            slots = []
-            for chunk in chunks:
-                table = torch.tensor(self._requests[chunk.req_id].tables[group])
-                pos = torch.arange(chunk.start, chunk.start + chunk.num_tokens)
-                slots.append(table[pos // unit] * unit + pos % unit)
-            self._slot_tokens[torch.cat(slots)] = input_ids.cpu()
+            rows = [self._requests[c.req_id].tables[group] for c in chunks]
+            width = max(1, max(len(t) for t in rows))
+            padded = torch.tensor([[*t, *([0] * (width - len(t)))] for t in rows])
+            blocks = padded[owner, host_positions // unit]
+            self._slot_tokens[blocks * unit + host_positions % unit] = host_ids
         hidden = self.model(input_ids, positions, ctx)
         sampled, drafts = self._sample(chunks, hidden, commits)
         if self.drafter is not None:
@@ -240,25 +240,29 @@ class TorchExecutor:
         drafts: dict[str, tuple[int, ...]] = {}
         if not rows:
             return sampled, drafts
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
-        offset = 0
+        index = torch.tensor(rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        requests = []
         for chunk in owners:
-            chunk_logits = logits[offset : offset + chunk.num_draft_tokens + 1]
-            offset += chunk.num_draft_tokens + 1
             verified = chunk.num_tokens - chunk.num_draft_tokens
-            emitted = verify(
-                chunk_logits,
-                chunk.token_ids[verified:],
-                self._sampling.get(chunk.req_id),
-                first_position=chunk.start + verified,
-                default_seed=self.seed,
+            requests.append(
+                (
+                    chunk.token_ids[verified:],
+                    self._sampling.get(chunk.req_id),
+                    chunk.start + verified,
+                )
             )
+        emitted_all = verify_batch(logits, requests, default_seed=self.seed)
+        host = logits.cpu() if self.record_logits else None
+        offset = 0
+        for chunk, emitted in zip(owners, emitted_all, strict=True):
             sampled[chunk.req_id] = emitted
             # Accepted drafts now have K/V and state: they are known positions.
             self._requests[chunk.req_id].known.extend(emitted[:-1])
-            if self.record_logits:
-                kept = chunk_logits[: len(emitted)].clone()
+            if host is not None:
+                kept = host[offset : offset + len(emitted)].clone()
                 self.recorded_logits.setdefault(chunk.req_id, []).extend(kept)
+            offset += chunk.num_draft_tokens + 1
             commit = commits.get(chunk.req_id)
             if commit is not None:
                 self._commit_states(chunk.req_id, commit, len(emitted) - 1)
