@@ -157,7 +157,7 @@ def drop_earlier_kv() -> Iterator[None]:
             if window is not None:
                 mask &= kp > qp - window
             calls.append(dataclasses.replace(call, mask=mask[:, None], causal=False))
-        return dataclasses.replace(meta, calls=tuple(calls))
+        return dataclasses.replace(meta, calls=tuple(calls), prefix_calls=())
 
     runner_module.build_attention_meta = broken  # type: ignore[assignment]
     try:

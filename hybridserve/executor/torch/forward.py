@@ -34,6 +34,10 @@ from hybridserve.parallel.sparse import select_top_k
 # Chunks with the same number of queries share one attention call, their keys padded to the
 # longest of them; a new call starts where that padding would pass this share of the keys.
 MAX_KEY_PADDING = 0.125
+# Chunks whose block tables start with the same blocks attend to those shared keys in one call
+# (cascade attention: gathered and read once, then merged by log-sum-exp with each chunk's own
+# keys) when that saves at least this many gathered keys per layer.
+MIN_SHARED_KEYS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +57,26 @@ class AttentionCall:
     mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None: every key
     causal: bool  # one chunk from position 0 with Q == K: SDPA's causal mask, no tensor
     needed: int  # score elements per head the chunks need: sum of Q * (keys in range)
+    partial: bool = False  # the chunks' keys after a shared prefix: merged with a PrefixCall
 
     @property
     def computed(self) -> int:
         """Score elements per head the call computes (padding included)."""
         return self.num_seqs * self.num_queries * self.num_keys
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCall:
+    """The first `num_keys` keys, the same blocks for every chunk of `rows` (a shared prompt
+    prefix that every one of their queries sees whole): attended once for all of them."""
+
+    rows: torch.Tensor  # [R]: rows of the flat batch of every chunk sharing the prefix
+    key_offset: int
+    num_keys: int
+
+    @property
+    def computed(self) -> int:
+        return int(self.rows.numel()) * self.num_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +88,12 @@ class AttentionMeta:
     key_slots: torch.Tensor  # [S]: cache slot of each gathered key, call regions in order
     calls: tuple[AttentionCall, ...]
     num_rows: int  # T
+    prefix_calls: tuple[PrefixCall, ...] = ()
 
     @property
     def computed_elements(self) -> int:
         """Attention score elements per head and layer computed this step."""
-        return sum(c.computed for c in self.calls)
-
-    @property
-    def needed_elements(self) -> int:
-        """Score elements per head and layer the step's chunks need (no padding)."""
-        return sum(c.needed for c in self.calls)
+        return sum(c.computed for c in self.calls) + sum(c.computed for c in self.prefix_calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +117,14 @@ class StateChunk:
     slots: tuple[tuple[int, ...], ...]  # per snapshot, the state slots receiving it
 
 
-def _call_groups(spans: Sequence[ChunkSpan], num_keys: Sequence[int]) -> list[list[int]]:
-    """Chunk indices per attention call: equal query counts, keys within MAX_KEY_PADDING."""
-    by_queries: dict[int, list[int]] = {}
+def _call_groups(
+    spans: Sequence[ChunkSpan], num_keys: Sequence[int], partial: Sequence[bool]
+) -> list[list[int]]:
+    """Chunk indices per attention call: equal query counts (and both after a shared prefix or
+    neither), keys within MAX_KEY_PADDING of the call's longest."""
+    by_queries: dict[tuple[int, bool], list[int]] = {}
     for i, span in enumerate(spans):
-        by_queries.setdefault(span.num_tokens, []).append(i)
+        by_queries.setdefault((span.num_tokens, partial[i]), []).append(i)
     groups: list[list[int]] = []
     for members in by_queries.values():
         members.sort(key=lambda i: -num_keys[i])
@@ -125,6 +143,27 @@ def _call_groups(spans: Sequence[ChunkSpan], num_keys: Sequence[int]) -> list[li
     return groups
 
 
+def _shared_prefixes(spans: Sequence[ChunkSpan], block_size: int) -> list[tuple[list[int], int]]:
+    """(chunk indices, shared tokens) per set of chunks whose tables begin with the same blocks
+    and whose queries all come after them; only sets that save MIN_SHARED_KEYS keys."""
+    by_first: dict[int, list[int]] = {}
+    for i, span in enumerate(spans):
+        if span.start >= block_size and span.table and span.table[0] != 0:
+            by_first.setdefault(span.table[0], []).append(i)
+    shared = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = min(spans[i].start // block_size for i in members)
+        first = spans[members[0]].table
+        length = 0
+        while length < limit and all(spans[i].table[length] == first[length] for i in members):
+            length += 1
+        if length * block_size * (len(members) - 1) >= MIN_SHARED_KEYS:
+            shared.append((members, length * block_size))
+    return shared
+
+
 def _padded_tables(spans: Sequence[ChunkSpan]) -> torch.Tensor:
     width = max(1, max(len(s.table) for s in spans))
     return torch.tensor(
@@ -133,11 +172,17 @@ def _padded_tables(spans: Sequence[ChunkSpan]) -> torch.Tensor:
 
 
 def build_attention_meta(
-    spans: Sequence[ChunkSpan], *, block_size: int, window: int | None, device: torch.device
+    spans: Sequence[ChunkSpan],
+    *,
+    block_size: int,
+    window: int | None,
+    device: torch.device,
+    share_prefixes: bool = True,
 ) -> AttentionMeta:
     """Gather indices and attention calls for the chunks of one group (`window=None`: full
     attention). Built with vectorised index ops: the cost grows with the tokens, not with a
-    Python loop over them."""
+    Python loop over them. With `share_prefixes`, chunks of full attention that begin with
+    the same blocks attend to them in one `PrefixCall`."""
     tables = _padded_tables(spans)  # [N, W]
     starts = torch.tensor([s.start for s in spans], dtype=torch.long)
     counts = torch.tensor([s.num_tokens for s in spans], dtype=torch.long)
@@ -150,9 +195,28 @@ def build_attention_meta(
     row_starts = torch.tensor([s.row_start for s in spans], dtype=torch.long)
     positions = starts[owner] + torch.arange(num_rows) - row_starts[owner]
     slot_mapping = tables[owner, positions // block_size] * block_size + positions % block_size
+    shared = _shared_prefixes(spans, block_size) if share_prefixes and window is None else []
+    partial = [False] * len(spans)
+    for members, length in shared:
+        for i in members:
+            partial[i] = True
+            lows[i] = length
     num_keys = (ends - lows).tolist()
     calls, key_slots, offset = [], [], 0
-    for group in _call_groups(spans, num_keys):
+    prefix_calls = []
+    for members, length in shared:
+        table = tables[members[0]]
+        key_pos = torch.arange(length)
+        key_slots.append(table[key_pos // block_size] * block_size + key_pos % block_size)
+        rows = torch.cat(
+            [
+                torch.arange(spans[i].row_start, spans[i].row_start + spans[i].num_tokens)
+                for i in members
+            ]
+        )
+        prefix_calls.append(PrefixCall(rows.to(device), offset, length))
+        offset += length
+    for group in _call_groups(spans, num_keys, partial):
         index = torch.tensor(group, dtype=torch.long)
         num_q = spans[group[0]].num_tokens
         longest = max(num_keys[i] for i in group)
@@ -193,6 +257,7 @@ def build_attention_meta(
                 mask=mask,
                 causal=causal,
                 needed=num_q * sum(num_keys[i] for i in group),
+                partial=partial[group[0]],
             )
         )
         offset += len(group) * longest
@@ -201,6 +266,7 @@ def build_attention_meta(
         key_slots=torch.cat(key_slots).to(device),
         calls=tuple(calls),
         num_rows=num_rows,
+        prefix_calls=tuple(prefix_calls),
     )
 
 
@@ -285,6 +351,52 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+def _partial(
+    q: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp, grouped-query heads without repeating K/V: `q` `[B, Q,
+    H, D]`, `kb`/`vb` `[B, KVH, K, D]`, `mask` `[B, 1, Q, K]` (None: every key; every query
+    must see one). Returns `out` `[B, Q, H, Dv]` and `lse` `[B, Q, H]` in float32."""
+    b, nq, heads, dim = q.shape
+    kv_heads, nk = kb.shape[1], kb.shape[2]
+    group = heads // kv_heads
+    qg = q.view(b, nq, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, dim)
+    scores = torch.matmul(qg, kb.transpose(-1, -2)).float() * scale  # [B, KVH, Q*G, K]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, kv_heads, nq, group, nk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, Q, G]
+    probs = torch.exp(scores - lse[..., None]).to(vb.dtype).view(b, kv_heads, nq * group, nk)
+    out = torch.matmul(probs, vb).view(b, kv_heads, nq, group, -1)
+    out = out.permute(0, 2, 1, 3, 4).reshape(b, nq, heads, -1)
+    return out, lse.permute(0, 2, 1, 3).reshape(b, nq, heads)
+
+
+def _attend_partial(
+    call: AttentionCall,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend_call` with the log-sum-exp, for chunks whose shared prefix is merged later."""
+    b, nq, nk = call.num_seqs, call.num_queries, call.num_keys
+    heads, kv_heads, dim = q.shape[1], keys.shape[1], q.shape[2]
+    qc = q.index_select(0, call.rows).view(b, nq, heads, dim)
+    kb = keys.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, dim).transpose(1, 2)
+    vb = values.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, -1).transpose(1, 2)
+    out, lse = _partial(qc, kb, vb, call.mask, scale, softcap)
+    return out.reshape(b * nq, heads, -1), lse.reshape(b * nq, heads)
+
+
 def _attend_call(
     call: AttentionCall,
     q: torch.Tensor,
@@ -355,6 +467,7 @@ class ForwardContext:
         self.aux_hidden: dict[int, torch.Tensor] = {}
         # Attention score elements computed this step (all layers and heads, padding included).
         self.attention_elements = 0
+        self.gathered_keys = 0  # cache slots gathered for attention this step (all layers)
 
     def attention(
         self,
@@ -391,18 +504,39 @@ class ForwardContext:
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         # One gather of every key the step's chunks attend to, per cache tensor.
-        keys = k_cache.index_select(0, meta.key_slots).to(q.dtype)
-        values = v_cache.index_select(0, meta.key_slots).to(q.dtype)
+        keys = _gather(k_cache, meta.key_slots).to(q.dtype)
+        values = _gather(v_cache, meta.key_slots).to(q.dtype)
         self.attention_elements += meta.computed_elements * q.shape[1]
-        if len(meta.calls) == 1 and meta.calls[0].first_row == 0:
+        self.gathered_keys += int(meta.key_slots.numel())
+        if len(meta.calls) == 1 and meta.calls[0].first_row == 0 and not meta.prefix_calls:
             return _attend_call(meta.calls[0], q, keys, values, scale, softcap)
         result = q.new_empty(q.shape)
+        row_lse = (
+            torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            if meta.prefix_calls
+            else None
+        )
         for call in meta.calls:
-            out = _attend_call(call, q, keys, values, scale, softcap)
+            if call.partial and row_lse is not None:
+                out, call_lse = _attend_partial(call, q, keys, values, scale, softcap)
+                row_lse.index_copy_(0, call.rows, call_lse)
+            else:
+                out = _attend_call(call, q, keys, values, scale, softcap)
             if call.first_row is not None:
                 result.narrow(0, call.first_row, out.shape[0]).copy_(out)
             else:
                 result.index_copy_(0, call.rows, out)
+        for prefix in meta.prefix_calls:
+            assert row_lse is not None
+            kb = keys.narrow(0, prefix.key_offset, prefix.num_keys).transpose(0, 1)[None]
+            vb = values.narrow(0, prefix.key_offset, prefix.num_keys).transpose(0, 1)[None]
+            qp = q.index_select(0, prefix.rows)[None]
+            out_p, lse_p = _partial(qp, kb, vb, None, scale, softcap)
+            own, own_lse = result.index_select(0, prefix.rows), row_lse.index_select(0, prefix.rows)
+            top = torch.maximum(lse_p[0], own_lse)
+            w_p, w_own = torch.exp(lse_p[0] - top), torch.exp(own_lse - top)
+            merged = (out_p[0] * w_p[..., None] + own * w_own[..., None]) / (w_p + w_own)[..., None]
+            result.index_copy_(0, prefix.rows, merged.to(result.dtype))
         return result
 
     def latent_attention(

@@ -66,8 +66,11 @@ class TorchExecutor:
         mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
         seed: int = 0,
         dcp: DcpGroup | None = None,
+        share_prefixes: bool = True,
     ) -> None:
-        """`dcp`: this rank's decode-context-parallel group. Every rank builds the same model
+        """`share_prefixes`: chunks whose block tables begin with the same blocks attend to
+        those keys in one call (see `forward.build_attention_meta`); off, each chunk reads its
+        whole context. `dcp`: this rank's decode-context-parallel group. Every rank builds the same model
         and executes the same plans (see `executor.torch.dcp`); full-attention and MLA KV is
         sharded by token, so one block id covers `block_size * dcp.world_size` tokens."""
         self.device = torch.device(device)
@@ -96,6 +99,7 @@ class TorchExecutor:
         self.num_lookahead = self.speculative.num_speculative_tokens
         self.block_size = block_size
         self.seed = seed
+        self.share_prefixes = share_prefixes
         layers = model.layer_caches()
         self.head = None
         if method in (SpecMethod.MTP, SpecMethod.EAGLE):
@@ -151,6 +155,10 @@ class TorchExecutor:
         # When set, the logits of every emitted token are kept (tests compare them).
         self.record_logits = False
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
+        # Attention score elements the last step computed (all layers and heads, padding
+        # included): what packing the batch saves is visible here.
+        self.attention_elements = 0
+        self.gathered_keys = 0  # K (and V) rows the last step gathered from the paged cache
 
     # ----- set-up ---------------------------------------------------------------------------
 
@@ -216,6 +224,8 @@ class TorchExecutor:
             blocks = padded[owner, host_positions // unit]
             self._slot_tokens[blocks * unit + host_positions % unit] = host_ids
         hidden = self.model(input_ids, positions, ctx)
+        self.attention_elements = ctx.attention_elements
+        self.gathered_keys = ctx.gathered_keys
         sampled, drafts = self._sample(chunks, hidden, commits)
         if self.drafter is not None:
             group = self.drafter.group_id
@@ -324,7 +334,11 @@ class TorchExecutor:
             else:
                 window = spec.window if isinstance(spec, SlidingWindowSpec) else None
                 attention[gid] = build_attention_meta(
-                    spans, block_size=self.block_size, window=window, device=self.device
+                    spans,
+                    block_size=self.block_size,
+                    window=window,
+                    device=self.device,
+                    share_prefixes=self.share_prefixes,
                 )
         ctx = ForwardContext(
             self.cache,
