@@ -180,6 +180,10 @@ def serve_cmd(
     dcp_interleave: Annotated[
         int, typer.Option(help="Torch: consecutive tokens per rank in the DCP round-robin.")
     ] = 1,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="Torch: intra-op threads (default: every core this process may use)."),
+    ] = None,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
     import uvicorn
@@ -190,6 +194,8 @@ def serve_cmd(
         raise fail(f"--executor {executor!r}: use sim or torch")
     if dcp != 1 and executor != "torch":
         raise fail(f"--dcp={dcp}: decode context parallel runs with --executor torch")
+    if threads is not None and executor != "torch":
+        raise fail(f"--threads={threads}: sets the torch executor's threads; use --executor torch")
     overrides = {
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
@@ -208,6 +214,9 @@ def serve_cmd(
     )
     try:
         if executor == "torch":
+            from hybridserve.cli.torch_runtime import set_threads
+
+            set_threads(threads)
             backend = _torch_backend(
                 model,
                 device=device,

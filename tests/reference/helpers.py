@@ -28,6 +28,7 @@ from hybridserve.engine.engine import Engine
 from hybridserve.executor.torch import TorchExecutor, load_model
 from hybridserve.executor.torch import forward as forward_module
 from hybridserve.executor.torch import runner as runner_module
+from hybridserve.executor.torch.models.base import CausalLM
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.scheduler import Scheduler
 
@@ -70,7 +71,7 @@ class HybridRun:
 
 
 def hybrid_generate(
-    model_path: Path | str,
+    model_path: Path | str | CausalLM,
     prompts: Sequence[Sequence[int]],
     *,
     max_tokens: int = 8,
@@ -84,9 +85,9 @@ def hybrid_generate(
     sampling: SamplingParams | None = None,
     layout_options: dict[str, Any] | None = None,
 ) -> HybridRun:
-    """Generate for every prompt; `sequential=True` runs them one after another (so later
-    prompts can hit the cache of earlier ones)."""
-    model = load_model(model_path)
+    """Generate for every prompt (`model_path` may also be a loaded model); `sequential=True`
+    runs them one after another (so later prompts can hit the cache of earlier ones)."""
+    model = load_model(model_path) if isinstance(model_path, Path | str) else model_path
     speculative = (
         SpeculativeConfig.from_name(spec_method, spec_tokens)
         if spec_tokens

@@ -117,6 +117,15 @@ class StateChunk:
     slots: tuple[tuple[int, ...], ...]  # per snapshot, the state slots receiving it
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (built on the host) on `device`: on CUDA through pinned memory (PyTorch's caching
+    host allocator reuses the pinned blocks between steps) with an asynchronous copy; a CPU
+    tensor is returned as it is."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _call_groups(
     spans: Sequence[ChunkSpan], num_keys: Sequence[int], partial: Sequence[bool]
 ) -> list[list[int]]:
@@ -214,7 +223,7 @@ def build_attention_meta(
                 for i in members
             ]
         )
-        prefix_calls.append(PrefixCall(rows.to(device), offset, length))
+        prefix_calls.append(PrefixCall(to_device(rows, device), offset, length))
         offset += length
     for group in _call_groups(spans, num_keys, partial):
         index = torch.tensor(group, dtype=torch.long)
@@ -243,10 +252,10 @@ def build_attention_meta(
             full = (kp <= qp) & (kp >= 0)
             if window is not None:
                 full &= kp > qp - window
-            mask = full[:, None].to(device)
+            mask = to_device(full[:, None], device)
         calls.append(
             AttentionCall(
-                rows=rows.to(device),
+                rows=to_device(rows, device),
                 first_row=first if contiguous else None,
                 num_seqs=len(group),
                 num_queries=num_q,
@@ -262,8 +271,8 @@ def build_attention_meta(
         )
         offset += len(group) * longest
     return AttentionMeta(
-        slot_mapping=slot_mapping.to(device),
-        key_slots=torch.cat(key_slots).to(device),
+        slot_mapping=to_device(slot_mapping, device),
+        key_slots=to_device(torch.cat(key_slots), device),
         calls=tuple(calls),
         num_rows=num_rows,
         prefix_calls=tuple(prefix_calls),

@@ -27,6 +27,7 @@ from hybridserve.executor.torch.forward import (
     StateChunk,
     build_attention_meta,
     build_shard_meta,
+    to_device,
 )
 from hybridserve.executor.torch.models.base import CausalLM, derive_cache_groups
 from hybridserve.executor.torch.sampler import verify_batch
@@ -70,9 +71,10 @@ class TorchExecutor:
     ) -> None:
         """`share_prefixes`: chunks whose block tables begin with the same blocks attend to
         those keys in one call (see `forward.build_attention_meta`); off, each chunk reads its
-        whole context. `dcp`: this rank's decode-context-parallel group. Every rank builds the same model
-        and executes the same plans (see `executor.torch.dcp`); full-attention and MLA KV is
-        sharded by token, so one block id covers `block_size * dcp.world_size` tokens."""
+        whole context. `dcp`: this rank's decode-context-parallel group. Every rank builds the
+        same model and executes the same plans (see `executor.torch.dcp`); full-attention and
+        MLA KV is sharded by token, so one block id covers `block_size * dcp.world_size`
+        tokens."""
         self.device = torch.device(device)
         self.dcp = dcp or DcpGroup()
         self.model = model.to(self.device).eval()
@@ -214,8 +216,8 @@ class TorchExecutor:
         offsets = torch.cumsum(counts, 0) - counts
         owner = torch.repeat_interleave(torch.arange(len(chunks)), counts)
         host_positions = starts[owner] + torch.arange(len(tokens)) - offsets[owner]
-        input_ids = host_ids.to(self.device, non_blocking=True)
-        positions = host_positions.to(self.device, non_blocking=True)
+        input_ids = to_device(host_ids, self.device)
+        positions = to_device(host_positions, self.device)
         if self._slot_tokens is not None and self._token_group is not None:
             unit, group = self._token_unit, self._token_group
             rows = [self._requests[c.req_id].tables[group] for c in chunks]
@@ -434,3 +436,18 @@ class TorchExecutor:
         known = self._requests[chunk.req_id].known
         proposal = ngram_propose([*known, emitted[-1]], num_tokens=self.num_lookahead)
         return proposal if min(proposal, default=0) >= 0 else ()
+
+
+def compile_dense_layers(model: torch.nn.Module, *, backend: str = "inductor") -> int:
+    """`torch.compile` every MLP and norm module of `model` in place (dynamic shapes: the token
+    count changes every step); attention and the paged cache stay eager. The first steps of
+    each new shape pay for compilation. Returns how many modules were compiled."""
+    from hybridserve.executor.torch.layers.mlp import GatedMLP
+    from hybridserve.executor.torch.layers.norm import RMSNorm
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GatedMLP | RMSNorm):
+            module.compile(backend=backend, dynamic=True)
+            count += 1
+    return count
