@@ -148,6 +148,8 @@ def _call_groups(
             group.append(i)
             total += num_keys[i]
         groups.append(group)
+    # Batch order within a call: a step of decodes alone is then one call over rows 0..T-1.
+    groups = [sorted(g, key=lambda i: spans[i].row_start) for g in groups]
     groups.sort(key=lambda g: spans[g[0]].row_start)
     return groups
 
