@@ -259,10 +259,11 @@ def main() -> None:
         vllm_cmd = [
             args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", args.vllm_model, "--port", str(port), "--dtype", "float32",
-            "--max-num-seqs", str(max(args.concurrency)), "--disable-log-requests",
+            "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "4096",
         ]  # fmt: skip
-        env_threads = {"OMP_NUM_THREADS": str(threads)}
-        os.environ.update(env_threads)
+        # vLLM's CPU backend: its KV cache size (GiB) and OpenMP threads, as many as ours.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
             theirs = _serve(vllm_cmd, port, args, workloads)
         except RuntimeError as exc:

@@ -5,7 +5,10 @@ A batch is the plan's chunks concatenated (one flat token batch, each chunk's ro
 offset). Attention packs it as variable-length sequences: per layer, one `index_select` gathers
 every key the step needs, then one SDPA call runs per set of chunks with the same number of
 queries (all the decodes together, each prefill chunk alone), so no chunk is padded to another's
-query count and keys only to the longest chunk of its own call (`MAX_KEY_PADDING`).
+query count and keys only to the longest chunk of its own call (`MAX_KEY_PADDING`). Chunks whose
+block tables begin with the same blocks (a shared prompt prefix) attend to those keys in one
+`PrefixCall`, gathered once, and merge it with their own keys by log-sum-exp (cascade
+attention).
 
 Under decode context parallelism (a `DcpGroup` of N > 1 ranks) a full-attention or MLA group's
 KV is sharded by token: one block id covers `block_size * N` tokens, `block_size` of them on each
@@ -56,7 +59,6 @@ class AttentionCall:
     k_pos: torch.Tensor  # [B, K]: position of each key, -1 for padding
     mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None: every key
     causal: bool  # one chunk from position 0 with Q == K: SDPA's causal mask, no tensor
-    needed: int  # score elements per head the chunks need: sum of Q * (keys in range)
     partial: bool = False  # the chunks' keys after a shared prefix: merged with a PrefixCall
 
     @property
@@ -267,7 +269,6 @@ def build_attention_meta(
                 k_pos=k_pos,
                 mask=mask,
                 causal=causal,
-                needed=num_q * sum(num_keys[i] for i in group),
                 partial=partial[group[0]],
             )
         )
