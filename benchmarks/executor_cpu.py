@@ -2,12 +2,17 @@
 
 Default: 32 requests, each a shared 1,024-token prefix plus 16 tokens of its own, 64 new tokens
 each (greedy, no stop), on SmolLM2-135M-Instruct (models/, `make models`) or, when it is absent,
-a tiny random Llama. Measures, one run each: the hybridserve Engine (prefix caching, chunked
-prefill, batched decode), transformers `generate` request by request, and transformers
-`generate` on the whole batch. Prints one JSON object with tokens/s, the ratios and the prefix
-hit tokens.
+a tiny random Llama. Measures, one run each, side by side: the hybridserve Engine (prefix
+caching, chunked prefill, batched decode) on those prompts; the Engine on the same number of
+prompts of the same length with nothing shared (`unshared`); transformers `generate` on the
+whole batch; with `--sequential` also transformers request by request. Each run reports wall
+seconds and process CPU seconds (the machine may be shared: CPU time is what other processes'
+load inflates least). The prefill saved by the shared prefix is priced from the unshared run:
+its prefill seconds per token (each step's time split over its tokens) times the hit tokens.
+Prints one JSON object.
 
     .venv/bin/python benchmarks/executor_cpu.py [--requests 32] [--prefix 1024] [--new 64]
+        [--threads N] [--sequential] [--tiny]
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import torch
 
 from hybridserve.cli.builtin_models import builtin_path
-from hybridserve.cli.torch_runtime import blocks_for, build_runtime
+from hybridserve.cli.torch_runtime import blocks_for, build_runtime, set_threads
 from hybridserve.core.request import Request, SamplingParams
 
 
@@ -56,6 +61,10 @@ def transformers_model(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
 def run_hybridserve(path: Path, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     runtime = build_runtime(
         path,
@@ -72,22 +81,32 @@ def run_hybridserve(path: Path, prompts: list[list[int]], new_tokens: int) -> di
             Request(req_id=str(i), prompt_token_ids=tuple(prompt), sampling=sampling)
         )
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    hit_tokens = steps = 0
-    began = time.perf_counter()
+    hit_tokens = steps = prefill_tokens = 0
+    prefill_s = 0.0
+    wall0, cpu0 = _clock()
     while runtime.engine.has_requests():
         step = runtime.engine.step()
         steps += 1
         hit_tokens += sum(hit for _, hit in step.scheduled.new_reqs)
+        chunks = step.scheduled.plan.chunks
+        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        if prefill:
+            total = sum(c.num_tokens for c in chunks)
+            prefill_s += step.result.duration_s * prefill / total
+            prefill_tokens += prefill
         for out in step.outputs:
             outputs[out.req_id].extend(out.new_token_ids)
-    wall = time.perf_counter() - began
+    wall1, cpu1 = _clock()
     generated = sum(len(v) for v in outputs.values())
     return {
-        "tok_s": generated / wall,
-        "wall_s": wall,
+        "tok_s": generated / (wall1 - wall0),
+        "wall_s": wall1 - wall0,
+        "cpu_s": cpu1 - cpu0,
         "steps": steps,
         "prefix_hit_tokens": hit_tokens,
-        "first_output": outputs["0"],
+        "prefill_tokens": prefill_tokens,
+        "prefill_s_per_token": prefill_s / max(prefill_tokens, 1),
+        "outputs": outputs,
     }
 
 
@@ -95,8 +114,8 @@ def run_transformers(
     model: Any, prompts: list[list[int]], new_tokens: int, *, batched: bool
 ) -> dict[str, Any]:
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
-    began = time.perf_counter()
     first: list[int] = []
+    wall0, cpu0 = _clock()
     with torch.no_grad():
         if batched:
             ids = torch.tensor(prompts)
@@ -108,8 +127,21 @@ def run_transformers(
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
                 if i == 0:
                     first = out[0, ids.shape[1] :].tolist()
-    wall = time.perf_counter() - began
-    return {"tok_s": len(prompts) * new_tokens / wall, "wall_s": wall, "first_output": first}
+    wall1, cpu1 = _clock()
+    return {
+        "tok_s": len(prompts) * new_tokens / (wall1 - wall0),
+        "wall_s": wall1 - wall0,
+        "cpu_s": cpu1 - cpu0,
+        "first_output": first,
+    }
+
+
+def _side(run: dict[str, Any]) -> dict[str, float]:
+    return {
+        "tok_s": round(run["tok_s"], 2),
+        "wall_s": round(run["wall_s"], 2),
+        "cpu_s": round(run["cpu_s"], 2),
+    }
 
 
 def main() -> None:
@@ -118,11 +150,11 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--suffix", type=int, default=16)
     parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--sequential", action="store_true", help="also transformers one by one")
     parser.add_argument("--tiny", action="store_true", help="use a tiny random Llama")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads or None)
     with tempfile.TemporaryDirectory() as tmp:
         path = builtin_path("smollm2")
         if args.tiny or not path.is_file():
@@ -132,32 +164,51 @@ def main() -> None:
         else:
             name, vocab = "smollm2-135m-instruct-q4_1", 49152
         gen = torch.Generator().manual_seed(0)
+        length = args.prefix + args.suffix
         prefix = torch.randint(100, vocab, (args.prefix,), generator=gen).tolist()
         prompts = [
             prefix + torch.randint(100, vocab, (args.suffix,), generator=gen).tolist()
             for _ in range(args.requests)
         ]
+        unshared_prompts = [
+            torch.randint(100, vocab, (length,), generator=gen).tolist()
+            for _ in range(args.requests)
+        ]
+        run_hybridserve(path, [p[:64] for p in prompts[:2]], 2)  # warm-up: first-call costs
         ours = run_hybridserve(path, prompts, args.new)
         print(f"hybridserve: {ours['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        unshared = run_hybridserve(path, unshared_prompts, args.new)
+        print(f"hybridserve unshared: {unshared['wall_s']:.1f} s", file=sys.stderr, flush=True)
         reference = transformers_model(path)
-        sequential = run_transformers(reference, prompts, args.new, batched=False)
-        print(f"transformers sequential: {sequential['wall_s']:.1f} s", file=sys.stderr, flush=True)
         batched = run_transformers(reference, prompts, args.new, batched=True)
-    result = {
+        print(f"transformers batched: {batched['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        sequential = None
+        if args.sequential:
+            sequential = run_transformers(reference, prompts, args.new, batched=False)
+            print(f"transformers sequential: {sequential['wall_s']:.1f} s", file=sys.stderr)
+    saved_s = ours["prefix_hit_tokens"] * unshared["prefill_s_per_token"]
+    result: dict[str, Any] = {
         "model": name,
         "num_requests": args.requests,
         "shared_prefix_tokens": args.prefix,
         "new_tokens": args.new,
         "torch_threads": torch.get_num_threads(),
-        "hybridserve_tok_s": round(ours["tok_s"], 2),
-        "transformers_sequential_tok_s": round(sequential["tok_s"], 2),
-        "transformers_batched_tok_s": round(batched["tok_s"], 2),
-        "ratio_vs_sequential": round(ours["tok_s"] / sequential["tok_s"], 2),
+        "hybridserve": _side(ours),
+        "hybridserve_unshared": _side(unshared),
+        "transformers_batched": _side(batched),
         "ratio_vs_batched": round(ours["tok_s"] / batched["tok_s"], 2),
+        "ratio_vs_batched_cpu": round(batched["cpu_s"] / ours["cpu_s"], 2),
         "prefix_hit_tokens": ours["prefix_hit_tokens"],
         "engine_steps": ours["steps"],
-        "first_request_output_matches": ours["first_output"] == sequential["first_output"],
+        "shared_faster_by_s": round(unshared["wall_s"] - ours["wall_s"], 2),
+        "prefill_saved_s": round(saved_s, 2),
+        "shared_saves_at_least_the_prefill": unshared["wall_s"] - ours["wall_s"] >= saved_s,
+        "first_request_output_matches": ours["outputs"]["0"] == batched["first_output"],
     }
+    if sequential is not None:
+        result["transformers_sequential"] = _side(sequential)
+        result["ratio_vs_sequential"] = round(ours["tok_s"] / sequential["tok_s"], 2)
+        result["first_request_output_matches"] &= ours["outputs"]["0"] == sequential["first_output"]
     print(json.dumps(result, indent=2))
 
 

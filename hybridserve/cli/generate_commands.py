@@ -16,6 +16,7 @@ from hybridserve.cli.torch_runtime import (
     build_runtime,
     generation_progress,
     parse_spec,
+    set_threads,
 )
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
@@ -99,6 +100,10 @@ def generate(
         bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
     ] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    threads: Annotated[
+        int | None,
+        typer.Option(help="Torch intra-op threads (default: every core this process may use)."),
+    ] = None,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     num_blocks: Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")] = 0,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
@@ -147,6 +152,8 @@ def generate(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
         )
         speculative = parse_spec(spec)
+        if threads is not None and threads < 1:
+            raise fail(f"--threads={threads}: use 1 or more (or leave it out: all cores)")
         texts = read_prompts(source) if prompts else None
         ids = read_token_ids(source) if token_ids else None
         if not (texts or ids):
@@ -175,6 +182,7 @@ def generate(
                 timeout_s=dcp_timeout,
             )
             return
+        set_threads(threads)
         runtime = build_runtime(
             path,
             num_blocks=blocks,

@@ -226,6 +226,10 @@ def serve_cmd(
             "or the checkpoint folder's name)."
         ),
     ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="Torch: intra-op threads (default: every core this process may use)."),
+    ] = None,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
     need_extra(
@@ -240,6 +244,8 @@ def serve_cmd(
     if dcp != 1 and executor != "torch":
         raise fail(f"--dcp={dcp}: decode context parallel runs with --executor torch")
     _check_serve_flags(port=port, max_waiting=max_waiting, default_max_tokens=default_max_tokens)
+    if threads is not None and executor != "torch":
+        raise fail(f"--threads={threads}: sets the torch executor's threads; use --executor torch")
     overrides = {
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
@@ -272,6 +278,9 @@ def serve_cmd(
     )
     try:
         if executor == "torch":
+            from hybridserve.cli.torch_runtime import set_threads
+
+            set_threads(threads)
             backend = _torch_backend(
                 model,
                 device=device,

@@ -281,6 +281,21 @@ def load_text_tokenizer(model_path: Path) -> TextTokenizer | None:
     return folder_tokenizer(model_path)
 
 
+def set_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op threads for the torch executor: `num_threads`, or (None) every core
+    this process may run on (`os.sched_getaffinity`). Returns the count. Raises ConfigError."""
+    import os
+
+    import torch
+
+    if num_threads is None:
+        num_threads = len(os.sched_getaffinity(0))
+    if num_threads < 1:
+        raise ConfigError("--threads", num_threads, "use 1 or more (or leave it out: all cores)")
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
 def blocks_for(lengths: list[int], *, max_tokens: int, block_size: int, num_groups: int) -> int:
     """Enough blocks for every request to be resident at once, plus slack."""
     per_group = sum(-(-(n + max_tokens + block_size) // block_size) for n in lengths)

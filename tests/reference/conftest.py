@@ -8,3 +8,10 @@ torch = pytest.importorskip("torch", reason="the reference tests need torch (pip
 pytest.importorskip("transformers", reason="the reference tests need transformers")
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> object:
+    """CLI commands set torch's threads to every core by default; later tests keep one."""
+    yield
+    torch.set_num_threads(1)

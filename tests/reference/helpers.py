@@ -29,6 +29,7 @@ from hybridserve.engine.engine import Engine
 from hybridserve.executor.torch import TorchExecutor, load_model
 from hybridserve.executor.torch import forward as forward_module
 from hybridserve.executor.torch import runner as runner_module
+from hybridserve.executor.torch.models.base import CausalLM
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.scheduler import Scheduler
 
@@ -74,7 +75,7 @@ class HybridRun:
 
 
 def hybrid_generate(
-    model_path: Path | str,
+    model_path: Path | str | CausalLM,
     prompts: Sequence[Sequence[int]],
     *,
     max_tokens: int = 8,
@@ -88,9 +89,9 @@ def hybrid_generate(
     sampling: SamplingParams | None = None,
     layout_options: dict[str, Any] | None = None,
 ) -> HybridRun:
-    """Generate for every prompt; `sequential=True` runs them one after another (so later
-    prompts can hit the cache of earlier ones)."""
-    model = load_model(model_path)
+    """Generate for every prompt (`model_path` may also be a loaded model); `sequential=True`
+    runs them one after another (so later prompts can hit the cache of earlier ones)."""
+    model = load_model(model_path) if isinstance(model_path, Path | str) else model_path
     speculative = (
         SpeculativeConfig.from_name(spec_method, spec_tokens)
         if spec_tokens
@@ -157,13 +158,15 @@ def drop_earlier_kv() -> Iterator[None]:
 
     def broken(spans: Sequence[Any], **kwargs: Any) -> Any:
         meta = original(spans, **kwargs)
-        mask = meta.mask.clone()
         window = kwargs.get("window")
-        for b, span in enumerate(spans):
-            lo = 0 if window is None else max(0, span.start - window + 1)
-            mask[b, :, :, : span.start - lo] = False
-        mask[:, 0, :, 0] |= ~meta.query_valid
-        return dataclasses.replace(meta, mask=mask)
+        calls = []
+        for call in meta.calls:
+            qp, kp = call.q_pos[:, :, None], call.k_pos[:, None, :]
+            mask = (kp <= qp) & (kp >= call.q_pos[:, :1, None])  # this step's tokens only
+            if window is not None:
+                mask &= kp > qp - window
+            calls.append(dataclasses.replace(call, mask=mask[:, None], causal=False))
+        return dataclasses.replace(meta, calls=tuple(calls), prefix_calls=())
 
     runner_module.build_attention_meta = broken  # type: ignore[assignment]
     try:

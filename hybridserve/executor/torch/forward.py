@@ -1,7 +1,14 @@
 """ForwardContext: a step's view of the paged KV and recurrent state, handed to the model.
 
 Attention metadata is built once per cache group per step and shared by the group's layers.
-A batch is the plan's chunks concatenated; attention runs as one padded SDPA call per layer.
+A batch is the plan's chunks concatenated (one flat token batch, each chunk's rows at an
+offset). Attention packs it as variable-length sequences: per layer, one `index_select` gathers
+every key the step needs, then one SDPA call runs per set of chunks with the same number of
+queries (all the decodes together, each prefill chunk alone), so no chunk is padded to another's
+query count and keys only to the longest chunk of its own call (`MAX_KEY_PADDING`). Chunks whose
+block tables begin with the same blocks (a shared prompt prefix) attend to those keys in one
+`PrefixCall`, gathered once, and merge it with their own keys by log-sum-exp (cascade
+attention).
 
 Under decode context parallelism (a `DcpGroup` of N > 1 ranks) a full-attention or MLA group's
 KV is sharded by token: one block id covers `block_size * N` tokens, `block_size` of them on each
@@ -27,16 +34,68 @@ from hybridserve.parallel.layer import AttentionRows
 from hybridserve.parallel.sharding import global_positions
 from hybridserve.parallel.sparse import select_top_k
 
+# Chunks with the same number of queries share one attention call, their keys padded to the
+# longest of them; a new call starts where that padding would pass this share of the keys.
+MAX_KEY_PADDING = 0.125
+# Chunks whose block tables start with the same blocks attend to those shared keys in one call
+# (cascade attention: gathered and read once, then merged by log-sum-exp with each chunk's own
+# keys) when that saves at least this many gathered keys per layer.
+MIN_SHARED_KEYS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCall:
+    """One attention call of a step: `num_seqs` chunks of `num_queries` queries each, over a
+    `[num_seqs, num_keys]` region of the step's gathered keys. No query is padded; a chunk's
+    keys are padded (and masked) only up to the longest chunk of the same call."""
+
+    rows: torch.Tensor  # [B * Q]: rows of the flat batch, chunk after chunk
+    first_row: int | None  # rows are first_row, first_row + 1, ... (a slice, no gather)
+    num_seqs: int
+    num_queries: int
+    key_offset: int  # where the call's keys start in the gathered keys
+    num_keys: int
+    q_pos: torch.Tensor  # [B, Q]: position of each query
+    k_pos: torch.Tensor  # [B, K]: position of each key, -1 for padding
+    mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None: every key
+    causal: bool  # one chunk from position 0 with Q == K: SDPA's causal mask, no tensor
+    partial: bool = False  # the chunks' keys after a shared prefix: merged with a PrefixCall
+
+    @property
+    def computed(self) -> int:
+        """Score elements per head the call computes (padding included)."""
+        return self.num_seqs * self.num_queries * self.num_keys
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCall:
+    """The first `num_keys` keys, the same blocks for every chunk of `rows` (a shared prompt
+    prefix that every one of their queries sees whole): attended once for all of them."""
+
+    rows: torch.Tensor  # [R]: rows of the flat batch of every chunk sharing the prefix
+    key_offset: int
+    num_keys: int
+
+    @property
+    def computed(self) -> int:
+        return int(self.rows.numel()) * self.num_keys
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMeta:
-    """One attention group's gather/scatter indices for one step."""
+    """One attention group's step: where the new K/V go, which cache slots to gather (one
+    `index_select` per layer), and the attention calls over the gathered keys."""
 
     slot_mapping: torch.Tensor  # [T]: flat cache slot of each new token
-    query_rows: torch.Tensor  # [B, Q]: row of the flat batch for each padded query
-    query_valid: torch.Tensor  # [B, Q] bool
-    key_slots: torch.Tensor  # [B, K]: flat cache slot for each padded key
-    mask: torch.Tensor  # [B, 1, Q, K] bool: True where a query may attend a key
+    key_slots: torch.Tensor  # [S]: cache slot of each gathered key, call regions in order
+    calls: tuple[AttentionCall, ...]
+    num_rows: int  # T
+    prefix_calls: tuple[PrefixCall, ...] = ()
+
+    @property
+    def computed_elements(self) -> int:
+        """Attention score elements per head and layer computed this step."""
+        return sum(c.computed for c in self.calls) + sum(c.computed for c in self.prefix_calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,45 +119,166 @@ class StateChunk:
     slots: tuple[tuple[int, ...], ...]  # per snapshot, the state slots receiving it
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (built on the host) on `device`: on CUDA through pinned memory (PyTorch's caching
+    host allocator reuses the pinned blocks between steps) with an asynchronous copy; a CPU
+    tensor is returned as it is."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _call_groups(
+    spans: Sequence[ChunkSpan], num_keys: Sequence[int], partial: Sequence[bool]
+) -> list[list[int]]:
+    """Chunk indices per attention call: equal query counts (and both after a shared prefix or
+    neither), keys within MAX_KEY_PADDING of the call's longest."""
+    by_queries: dict[tuple[int, bool], list[int]] = {}
+    for i, span in enumerate(spans):
+        by_queries.setdefault((span.num_tokens, partial[i]), []).append(i)
+    groups: list[list[int]] = []
+    for members in by_queries.values():
+        members.sort(key=lambda i: -num_keys[i])
+        group: list[int] = []
+        longest = total = 0
+        for i in members:
+            if group and longest * (len(group) + 1) > (1 + MAX_KEY_PADDING) * (total + num_keys[i]):
+                groups.append(group)
+                group, total = [], 0
+            if not group:
+                longest = num_keys[i]
+            group.append(i)
+            total += num_keys[i]
+        groups.append(group)
+    # Batch order within a call: a step of decodes alone is then one call over rows 0..T-1.
+    groups = [sorted(g, key=lambda i: spans[i].row_start) for g in groups]
+    groups.sort(key=lambda g: spans[g[0]].row_start)
+    return groups
+
+
+def _shared_prefixes(spans: Sequence[ChunkSpan], block_size: int) -> list[tuple[list[int], int]]:
+    """(chunk indices, shared tokens) per set of chunks whose tables begin with the same blocks
+    and whose queries all come after them; only sets that save MIN_SHARED_KEYS keys."""
+    by_first: dict[int, list[int]] = {}
+    for i, span in enumerate(spans):
+        if span.start >= block_size and span.table and span.table[0] != 0:
+            by_first.setdefault(span.table[0], []).append(i)
+    shared = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = min(spans[i].start // block_size for i in members)
+        first = spans[members[0]].table
+        length = 0
+        while length < limit and all(spans[i].table[length] == first[length] for i in members):
+            length += 1
+        if length * block_size * (len(members) - 1) >= MIN_SHARED_KEYS:
+            shared.append((members, length * block_size))
+    return shared
+
+
+def _padded_tables(spans: Sequence[ChunkSpan]) -> torch.Tensor:
+    width = max(1, max(len(s.table) for s in spans))
+    return torch.tensor(
+        [[*s.table, *([0] * (width - len(s.table)))] for s in spans], dtype=torch.long
+    )
+
+
 def build_attention_meta(
-    spans: Sequence[ChunkSpan], *, block_size: int, window: int | None, device: torch.device
+    spans: Sequence[ChunkSpan],
+    *,
+    block_size: int,
+    window: int | None,
+    device: torch.device,
+    share_prefixes: bool = True,
 ) -> AttentionMeta:
-    """Gather indices for the chunks of one group (`window=None`: full attention)."""
-    num_chunks = len(spans)
-    max_q = max(s.num_tokens for s in spans)
-    lows = [0 if window is None else max(0, s.start - window + 1) for s in spans]
-    max_k = max(s.start + s.num_tokens - lo for s, lo in zip(spans, lows, strict=True))
-    slot_mapping = []
-    query_rows = torch.zeros(num_chunks, max_q, dtype=torch.long)
-    query_valid = torch.zeros(num_chunks, max_q, dtype=torch.bool)
-    key_slots = torch.zeros(num_chunks, max_k, dtype=torch.long)
-    q_pos = torch.full((num_chunks, max_q), -1, dtype=torch.long)
-    k_pos = torch.full((num_chunks, max_k), -1, dtype=torch.long)
-    for b, (span, lo) in enumerate(zip(spans, lows, strict=True)):
-        end = span.start + span.num_tokens
-        table = torch.tensor(span.table, dtype=torch.long)
-        new_pos = torch.arange(span.start, end)
-        slot_mapping.append(table[new_pos // block_size] * block_size + new_pos % block_size)
-        query_rows[b, : span.num_tokens] = torch.arange(
-            span.row_start, span.row_start + span.num_tokens
+    """Gather indices and attention calls for the chunks of one group (`window=None`: full
+    attention). Built with vectorised index ops: the cost grows with the tokens, not with a
+    Python loop over them. With `share_prefixes`, chunks of full attention that begin with
+    the same blocks attend to them in one `PrefixCall`."""
+    tables = _padded_tables(spans)  # [N, W]
+    starts = torch.tensor([s.start for s in spans], dtype=torch.long)
+    counts = torch.tensor([s.num_tokens for s in spans], dtype=torch.long)
+    ends = starts + counts
+    lows = starts - window + 1 if window is not None else torch.zeros_like(starts)
+    lows = lows.clamp(min=0)
+    num_rows = int(counts.sum())
+    # The new tokens' slots, in flat-batch order (chunks are laid out in span order).
+    owner = torch.repeat_interleave(torch.arange(len(spans)), counts)
+    row_starts = torch.tensor([s.row_start for s in spans], dtype=torch.long)
+    positions = starts[owner] + torch.arange(num_rows) - row_starts[owner]
+    slot_mapping = tables[owner, positions // block_size] * block_size + positions % block_size
+    shared = _shared_prefixes(spans, block_size) if share_prefixes and window is None else []
+    partial = [False] * len(spans)
+    for members, length in shared:
+        for i in members:
+            partial[i] = True
+            lows[i] = length
+    num_keys = (ends - lows).tolist()
+    calls, key_slots, offset = [], [], 0
+    prefix_calls = []
+    for members, length in shared:
+        table = tables[members[0]]
+        key_pos = torch.arange(length)
+        key_slots.append(table[key_pos // block_size] * block_size + key_pos % block_size)
+        rows = torch.cat(
+            [
+                torch.arange(spans[i].row_start, spans[i].row_start + spans[i].num_tokens)
+                for i in members
+            ]
         )
-        query_valid[b, : span.num_tokens] = True
-        q_pos[b, : span.num_tokens] = new_pos
-        key_pos = torch.arange(lo, end)
-        key_slots[b, : end - lo] = table[key_pos // block_size] * block_size + key_pos % block_size
-        k_pos[b, : end - lo] = key_pos
-    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
-    mask = (kp <= qp) & (kp >= 0)
-    if window is not None:
-        mask &= kp > qp - window
-    # A padded query row attends key 0 so that softmax stays finite; its output is dropped.
-    mask[:, :, 0] |= ~query_valid
+        prefix_calls.append(PrefixCall(to_device(rows, device), offset, length))
+        offset += length
+    for group in _call_groups(spans, num_keys, partial):
+        index = torch.tensor(group, dtype=torch.long)
+        num_q = spans[group[0]].num_tokens
+        longest = max(num_keys[i] for i in group)
+        q_pos = starts[index, None] + torch.arange(num_q)[None, :]  # [B, Q]
+        k_pos = lows[index, None] + torch.arange(longest)[None, :]  # [B, K]
+        k_pos = k_pos.masked_fill(k_pos >= ends[index, None], -1)
+        valid = k_pos >= 0
+        blocks = torch.gather(tables[index], 1, (k_pos.clamp(min=0) // block_size))
+        slots = (blocks * block_size + k_pos.clamp(min=0) % block_size).masked_fill(~valid, 0)
+        key_slots.append(slots.reshape(-1))
+        rows = (row_starts[index, None] + torch.arange(num_q)[None, :]).reshape(-1)
+        first = spans[group[0]].row_start
+        contiguous = all(spans[i].row_start == first + j * num_q for j, i in enumerate(group))
+        padded = bool((~valid).any())
+        causal = (
+            len(group) == 1
+            and spans[group[0]].start == 0
+            and num_q == longest > 1
+            and (window is None or num_q <= window)
+        )
+        mask = None
+        if (num_q > 1 and not causal) or padded:
+            qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+            full = (kp <= qp) & (kp >= 0)
+            if window is not None:
+                full &= kp > qp - window
+            mask = to_device(full[:, None], device)
+        calls.append(
+            AttentionCall(
+                rows=to_device(rows, device),
+                first_row=first if contiguous else None,
+                num_seqs=len(group),
+                num_queries=num_q,
+                key_offset=offset,
+                num_keys=longest,
+                q_pos=q_pos,
+                k_pos=k_pos,
+                mask=mask,
+                causal=causal,
+                partial=partial[group[0]],
+            )
+        )
+        offset += len(group) * longest
     return AttentionMeta(
-        slot_mapping=torch.cat(slot_mapping).to(device),
-        query_rows=query_rows.to(device),
-        query_valid=query_valid.to(device),
-        key_slots=key_slots.to(device),
-        mask=mask[:, None].to(device),
+        slot_mapping=to_device(slot_mapping, device),
+        key_slots=to_device(torch.cat(key_slots), device),
+        calls=tuple(calls),
+        num_rows=num_rows,
+        prefix_calls=tuple(prefix_calls),
     )
 
 
@@ -183,6 +363,98 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+def _partial(
+    q: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp, grouped-query heads without repeating K/V: `q` `[B, Q,
+    H, D]`, `kb`/`vb` `[B, KVH, K, D]`, `mask` `[B, 1, Q, K]` (None: every key; every query
+    must see one). Returns `out` `[B, Q, H, Dv]` and `lse` `[B, Q, H]` in float32."""
+    b, nq, heads, dim = q.shape
+    kv_heads, nk = kb.shape[1], kb.shape[2]
+    group = heads // kv_heads
+    qg = q.view(b, nq, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, dim)
+    scores = torch.matmul(qg, kb.transpose(-1, -2)).float() * scale  # [B, KVH, Q*G, K]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, kv_heads, nq, group, nk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, Q, G]
+    probs = torch.exp(scores - lse[..., None]).to(vb.dtype).view(b, kv_heads, nq * group, nk)
+    out = torch.matmul(probs, vb).view(b, kv_heads, nq, group, -1)
+    out = out.permute(0, 2, 1, 3, 4).reshape(b, nq, heads, -1)
+    return out, lse.permute(0, 2, 1, 3).reshape(b, nq, heads)
+
+
+def _attend_partial(
+    call: AttentionCall,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend_call` with the log-sum-exp, for chunks whose shared prefix is merged later."""
+    b, nq, nk = call.num_seqs, call.num_queries, call.num_keys
+    heads, kv_heads, dim = q.shape[1], keys.shape[1], q.shape[2]
+    qc = q.index_select(0, call.rows).view(b, nq, heads, dim)
+    kb = keys.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, dim).transpose(1, 2)
+    vb = values.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, -1).transpose(1, 2)
+    out, lse = _partial(qc, kb, vb, call.mask, scale, softcap)
+    return out.reshape(b * nq, heads, -1), lse.reshape(b * nq, heads)
+
+
+def _attend_call(
+    call: AttentionCall,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One call's attention: `q` `[T, H, D]` (all rows), `keys`/`values` `[S, KVH, D]` (the
+    step's gathered keys); returns `[B * Q, H, D]` for the call's rows."""
+    b, nq, nk = call.num_seqs, call.num_queries, call.num_keys
+    heads, kv_heads, dim = q.shape[1], keys.shape[1], q.shape[2]
+    if call.first_row is not None:
+        qc = q.narrow(0, call.first_row, b * nq)
+    else:
+        qc = q.index_select(0, call.rows)
+    kb = keys.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, dim).transpose(1, 2)
+    vb = values.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, -1).transpose(1, 2)
+    group = heads // kv_heads
+    if softcap is None and nq == 1:
+        # A decode: the G query heads of a KV head attend as G queries of one sequence.
+        out = F.scaled_dot_product_attention(
+            qc.view(b, kv_heads, group, dim), kb, vb, attn_mask=call.mask, scale=scale
+        )
+        return out.reshape(b, heads, -1)
+    qb = qc.view(b, nq, heads, dim).transpose(1, 2)  # [B, H, Q, D]
+    if group > 1:
+        kb = kb.repeat_interleave(group, dim=1)
+        vb = vb.repeat_interleave(group, dim=1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=call.mask, is_causal=call.causal, scale=scale
+        )
+    else:
+        scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if call.mask is not None:
+            scores = scores.masked_fill(~call.mask, float("-inf"))
+        elif call.causal:
+            scores = scores.masked_fill(
+                torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+            )
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(vb.dtype), vb)
+    return out.transpose(1, 2).reshape(b * nq, heads, -1)
+
+
 class ForwardContext:
     """Per step: attention metadata per group, state chunks per state group, and the cache."""
 
@@ -205,6 +477,9 @@ class ForwardContext:
         self.shards = shards or {}  # sharded full-attention groups and MLA groups
         self.dcp = dcp or DcpGroup()
         self.aux_hidden: dict[int, torch.Tensor] = {}
+        # Attention score elements computed this step (all layers and heads, padding included).
+        self.attention_elements = 0
+        self.gathered_keys = 0  # cache slots gathered for attention this step (all layers)
 
     def attention(
         self,
@@ -238,27 +513,42 @@ class ForwardContext:
             merged, _ = merge_across_ranks(out[valid], lse[valid], shard.counts, self.dcp)
             return merged
         meta = self.attention_meta[group]
-        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-        num_heads, num_kv_heads = q.shape[1], k.shape[1]
-        qb = q[meta.query_rows].transpose(1, 2)  # [B, H, Q, D]
-        kb = _gather(k_cache, meta.key_slots).transpose(1, 2).to(q.dtype)  # [B, KVH, K, D]
-        vb = _gather(v_cache, meta.key_slots).transpose(1, 2).to(q.dtype)
-        if softcap is None:
-            out = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=meta.mask, scale=scale, enable_gqa=num_kv_heads != num_heads
-            )
-        else:
-            if num_kv_heads != num_heads:
-                kb = kb.repeat_interleave(num_heads // num_kv_heads, dim=1)
-                vb = vb.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-            scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(~meta.mask, float("-inf"))
-            out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(vb.dtype), vb)
-        out = out.transpose(1, 2)  # [B, Q, H, D]
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        # One gather of every key the step's chunks attend to, per cache tensor.
+        keys = _gather(k_cache, meta.key_slots).to(q.dtype)
+        values = _gather(v_cache, meta.key_slots).to(q.dtype)
+        self.attention_elements += meta.computed_elements * q.shape[1]
+        self.gathered_keys += int(meta.key_slots.numel())
+        if len(meta.calls) == 1 and meta.calls[0].first_row == 0 and not meta.prefix_calls:
+            return _attend_call(meta.calls[0], q, keys, values, scale, softcap)
         result = q.new_empty(q.shape)
-        result[meta.query_rows[meta.query_valid]] = out[meta.query_valid]
+        row_lse = (
+            torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            if meta.prefix_calls
+            else None
+        )
+        for call in meta.calls:
+            if call.partial and row_lse is not None:
+                out, call_lse = _attend_partial(call, q, keys, values, scale, softcap)
+                row_lse.index_copy_(0, call.rows, call_lse)
+            else:
+                out = _attend_call(call, q, keys, values, scale, softcap)
+            if call.first_row is not None:
+                result.narrow(0, call.first_row, out.shape[0]).copy_(out)
+            else:
+                result.index_copy_(0, call.rows, out)
+        for prefix in meta.prefix_calls:
+            assert row_lse is not None
+            kb = keys.narrow(0, prefix.key_offset, prefix.num_keys).transpose(0, 1)[None]
+            vb = values.narrow(0, prefix.key_offset, prefix.num_keys).transpose(0, 1)[None]
+            qp = q.index_select(0, prefix.rows)[None]
+            out_p, lse_p = _partial(qp, kb, vb, None, scale, softcap)
+            own, own_lse = result.index_select(0, prefix.rows), row_lse.index_select(0, prefix.rows)
+            top = torch.maximum(lse_p[0], own_lse)
+            w_p, w_own = torch.exp(lse_p[0] - top), torch.exp(own_lse - top)
+            merged = (out_p[0] * w_p[..., None] + own * w_own[..., None]) / (w_p + w_own)[..., None]
+            result.index_copy_(0, prefix.rows, merged.to(result.dtype))
         return result
 
     def latent_attention(

@@ -27,6 +27,7 @@ from hybridserve.executor.torch.forward import (
     StateChunk,
     build_attention_meta,
     build_shard_meta,
+    to_device,
 )
 from hybridserve.executor.torch.logits import (
     PROMPT_ROWS_PER_SLICE,
@@ -36,7 +37,7 @@ from hybridserve.executor.torch.logits import (
     token_logprobs,
 )
 from hybridserve.executor.torch.models.base import CausalLM, derive_cache_groups
-from hybridserve.executor.torch.sampler import verify
+from hybridserve.executor.torch.sampler import verify_batch
 from hybridserve.executor.torch.state_tables import NULL_BLOCK, extend_table, state_snapshots
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec, SlidingWindowSpec
@@ -73,10 +74,14 @@ class TorchExecutor:
         mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
         seed: int = 0,
         dcp: DcpGroup | None = None,
+        share_prefixes: bool = True,
     ) -> None:
-        """`dcp`: this rank's decode-context-parallel group. Every rank builds the same model
-        and executes the same plans (see `executor.torch.dcp`); full-attention and MLA KV is
-        sharded by token, so one block id covers `block_size * dcp.world_size` tokens."""
+        """`share_prefixes`: chunks whose block tables begin with the same blocks attend to
+        those keys in one call (see `forward.build_attention_meta`); off, each chunk reads its
+        whole context. `dcp`: this rank's decode-context-parallel group. Every rank builds the
+        same model and executes the same plans (see `executor.torch.dcp`); full-attention and
+        MLA KV is sharded by token, so one block id covers `block_size * dcp.world_size`
+        tokens."""
         self.device = torch.device(device)
         self.dcp = dcp or DcpGroup()
         self.model = model.to(self.device).eval()
@@ -103,6 +108,7 @@ class TorchExecutor:
         self.num_lookahead = self.speculative.num_speculative_tokens
         self.block_size = block_size
         self.seed = seed
+        self.share_prefixes = share_prefixes
         layers = model.layer_caches()
         self.head = None
         if method in (SpecMethod.MTP, SpecMethod.EAGLE):
@@ -165,6 +171,10 @@ class TorchExecutor:
         # When set, the logits of every emitted token are kept (tests compare them).
         self.record_logits = False
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
+        # Attention score elements the last step computed (all layers and heads, padding
+        # included): what packing the batch saves is visible here.
+        self.attention_elements = 0
+        self.gathered_keys = 0  # K (and V) rows the last step gathered from the paged cache
 
     # ----- set-up ---------------------------------------------------------------------------
 
@@ -223,25 +233,27 @@ class TorchExecutor:
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         ctx, commits = self._context(chunks)
+        tokens = [t for c in chunks for t in c.token_ids]
         # Placeholder drafts (-1) are fed as token 0; they never verify.
-        input_ids = torch.tensor(
-            [t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device
-        ).clamp_(min=0)
-        positions = torch.tensor(
-            [p for c in chunks for p in range(c.start, c.start + c.num_tokens)],
-            dtype=torch.long,
-            device=self.device,
-        )
+        host_ids = torch.tensor(tokens, dtype=torch.long).clamp_(min=0)
+        starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+        offsets = torch.cumsum(counts, 0) - counts
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), counts)
+        host_positions = starts[owner] + torch.arange(len(tokens)) - offsets[owner]
+        input_ids = to_device(host_ids, self.device)
+        positions = to_device(host_positions, self.device)
         if self._slot_tokens is not None and self._token_group is not None:
             unit, group = self._token_unit, self._token_group
-            slots = []
-            for chunk in chunks:
-                table = torch.tensor(self._requests[chunk.req_id].tables[group])
-                pos = torch.arange(chunk.start, chunk.start + chunk.num_tokens)
-                slots.append(table[pos // unit] * unit + pos % unit)
-            self._slot_tokens[torch.cat(slots)] = input_ids.cpu()
+            rows = [self._requests[c.req_id].tables[group] for c in chunks]
+            width = max(1, max(len(t) for t in rows))
+            padded = torch.tensor([[*t, *([0] * (width - len(t)))] for t in rows])
+            blocks = padded[owner, host_positions // unit]
+            self._slot_tokens[blocks * unit + host_positions % unit] = host_ids
         hidden = self.model(input_ids, positions, ctx)
         self._prompt_logprobs(chunks, hidden)
+        self.attention_elements = ctx.attention_elements
+        self.gathered_keys = ctx.gathered_keys
         sampled, drafts = self._sample(chunks, hidden, commits)
         if self.drafter is not None:
             group = self.drafter.group_id
@@ -269,32 +281,37 @@ class TorchExecutor:
         drafts: dict[str, tuple[int, ...]] = {}
         if not rows:
             return sampled, drafts
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
+        index = torch.tensor(rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        # Sampling sees the penalized scores; log-probabilities come from the raw logits.
         scores = apply_penalties(logits, self._penalty_rows(owners))
-        offset = 0
+        requests = []
         for chunk in owners:
-            chunk_logits = logits[offset : offset + chunk.num_draft_tokens + 1]
-            chunk_scores = scores[offset : offset + chunk.num_draft_tokens + 1]
-            offset += chunk.num_draft_tokens + 1
             verified = chunk.num_tokens - chunk.num_draft_tokens
-            emitted = verify(
-                chunk_scores,
-                chunk.token_ids[verified:],
-                self._sampling.get(chunk.req_id),
-                first_position=chunk.start + verified,
-                default_seed=self.seed,
+            requests.append(
+                (
+                    chunk.token_ids[verified:],
+                    self._sampling.get(chunk.req_id),
+                    chunk.start + verified,
+                )
             )
+        emitted_all = verify_batch(scores, requests, default_seed=self.seed)
+        host = logits.cpu() if self.record_logits else None
+        offset = 0
+        for chunk, emitted in zip(owners, emitted_all, strict=True):
             sampled[chunk.req_id] = emitted
             params = self._sampling.get(chunk.req_id)
             if params is not None and params.logprobs is not None:
+                chunk_logits = logits[offset : offset + chunk.num_draft_tokens + 1]
                 self._step_logprobs[chunk.req_id] = tuple(
                     token_logprobs(chunk_logits[: len(emitted)], emitted, params.logprobs)
                 )
             # Accepted drafts now have K/V and state: they are known positions.
             self._requests[chunk.req_id].known.extend(emitted[:-1])
-            if self.record_logits:
-                kept = chunk_logits[: len(emitted)].clone()
+            if host is not None:
+                kept = host[offset : offset + len(emitted)].clone()
                 self.recorded_logits.setdefault(chunk.req_id, []).extend(kept)
+            offset += chunk.num_draft_tokens + 1
             commit = commits.get(chunk.req_id)
             if commit is not None:
                 self._commit_states(chunk.req_id, commit, len(emitted) - 1)
@@ -423,7 +440,11 @@ class TorchExecutor:
             else:
                 window = spec.window if isinstance(spec, SlidingWindowSpec) else None
                 attention[gid] = build_attention_meta(
-                    spans, block_size=self.block_size, window=window, device=self.device
+                    spans,
+                    block_size=self.block_size,
+                    window=window,
+                    device=self.device,
+                    share_prefixes=self.share_prefixes,
                 )
         ctx = ForwardContext(
             self.cache,
@@ -519,3 +540,18 @@ class TorchExecutor:
         known = self._requests[chunk.req_id].known
         proposal = ngram_propose([*known, emitted[-1]], num_tokens=self.num_lookahead)
         return proposal if min(proposal, default=0) >= 0 else ()
+
+
+def compile_dense_layers(model: torch.nn.Module, *, backend: str = "inductor") -> int:
+    """`torch.compile` every MLP and norm module of `model` in place (dynamic shapes: the token
+    count changes every step); attention and the paged cache stay eager. The first steps of
+    each new shape pay for compilation. Returns how many modules were compiled."""
+    from hybridserve.executor.torch.layers.mlp import GatedMLP
+    from hybridserve.executor.torch.layers.norm import RMSNorm
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GatedMLP | RMSNorm):
+            module.compile(backend=backend, dynamic=True)
+            count += 1
+    return count

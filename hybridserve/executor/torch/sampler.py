@@ -98,3 +98,43 @@ def verify(
         emitted.append(int(torch.multinomial(probs, 1, generator=gen).item()))
         break
     return tuple(emitted)
+
+
+def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
+    """Greedy verification from each row's argmax: drafts up to the first mismatch, then the
+    argmax there (or the bonus token after the last draft)."""
+    out: list[int] = []
+    for j, target in enumerate(targets):
+        out.append(int(target))
+        if j == len(drafts) or target != drafts[j]:
+            break
+    return tuple(out)
+
+
+def verify_batch(
+    logits: torch.Tensor,
+    requests: Sequence[tuple[Sequence[int], SamplingParams | None, int]],
+    *,
+    default_seed: int = 0,
+) -> list[tuple[int, ...]]:
+    """`verify` for every sampling request of a step. `logits` holds `len(drafts) + 1` rows per
+    request, request after request; `requests` gives (drafts, params, first_position) each.
+    One argmax over all rows (on the logits' device) serves every greedy request; the others
+    are verified row by row with their seeded generators, so no output depends on the batch."""
+    greedy = [params is None or params.temperature == 0.0 for _, params, _ in requests]
+    targets: list[int] = logits.argmax(dim=-1).tolist() if any(greedy) else []
+    host = logits if all(greedy) else logits.cpu()
+    out: list[tuple[int, ...]] = []
+    offset = 0
+    for (drafts, params, first_position), is_greedy in zip(requests, greedy, strict=True):
+        num_rows = len(drafts) + 1
+        if is_greedy:
+            out.append(accept_greedy(targets[offset : offset + num_rows], drafts))
+        else:
+            rows = host[offset : offset + num_rows]
+            emitted = verify(
+                rows, drafts, params, first_position=first_position, default_seed=default_seed
+            )
+            out.append(emitted)
+        offset += num_rows
+    return out

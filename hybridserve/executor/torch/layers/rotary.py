@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -48,11 +48,38 @@ class Rotary(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_factor).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_factor).to(q.dtype)[:, None, :]
+        cos, sin = self.cos_sin(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim]` at `positions`. Every layer of a step gets the same
+        positions tensor, so they are computed once per step and frequencies (`_STEP_MEMO`)."""
+        inv_freq = cast(torch.Tensor, self.inv_freq)
+        for entry in _STEP_MEMO:
+            if (
+                entry[0] is positions
+                and entry[2] == self.attention_factor
+                and entry[3] == dtype
+                and (entry[1] is inv_freq or torch.equal(entry[1], inv_freq))
+            ):
+                return entry[4], entry[5]
+        freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_factor).to(dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_factor).to(dtype)[:, None, :]
+        if _STEP_MEMO and _STEP_MEMO[0][0] is not positions:
+            _STEP_MEMO.clear()  # a new step: drop the last one's tensors
+        _STEP_MEMO.append((positions, inv_freq, self.attention_factor, dtype, cos, sin))
+        return cos, sin
+
+
+# (positions, inv_freq, attention_factor, dtype, cos, sin) of the current step's positions, one
+# entry per distinct frequency set (Gemma 3 has two); cleared when another positions tensor comes.
+_STEP_MEMO: list[
+    tuple[torch.Tensor, torch.Tensor, float, torch.dtype, torch.Tensor, torch.Tensor]
+] = []
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,297 @@
+"""`hybridserve serve --executor torch` against vLLM (CPU build) through the same client.
+
+Starts each server as a subprocess on loopback, drives `/v1/completions` (token-id prompts,
+greedy, `ignore_eos`, streamed) at each `--concurrency` with seeded random prompts of
+`--prompt-tokens` tokens (the first `--shared-prefix` of them equal in every prompt), and prints
+one JSON object: per server and concurrency, request and output-token throughput, TTFT / ITL /
+TPOT p50, the server's CPU seconds (its whole process tree, from /proc) and output tokens per
+server CPU-second, plus hybridserve / vLLM ratios and whether the greedy texts are identical.
+
+vLLM runs when `--vllm-python` names an interpreter that can import it (a separate virtual
+environment: it is no dependency of this project) and `--vllm-model` a checkpoint folder of the
+same weights; otherwise its entry says why it was skipped.
+
+    .venv/bin/python benchmarks/serve_vs_vllm.py [--concurrency 8,32] [--requests-per-user 2]
+        [--prompt-tokens 256] [--max-tokens 64] [--shared-prefix 0] [--threads N]
+        [--vllm-python /tmp/vllm-venv/bin/python --vllm-model /tmp/smollm2-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Stats:
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    completed: int = 0
+    texts: dict[int, str] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of `pid` and every descendant still alive (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+    total, todo, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+    while todo:
+        current = todo.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+        todo.extend(children.get(current, []))
+    return total
+
+
+def _p50_ms(values: list[float]) -> float | None:
+    return round(statistics.median(values) * 1e3, 2) if values else None
+
+
+async def _one(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], index: int, stats: Stats
+) -> None:
+    start = time.perf_counter()
+    first: float | None = None
+    last: float | None = None
+    text, tokens = [], 0
+    async with http.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+            if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                stats.ttft_s.append(now - start)
+            elif last is not None:
+                stats.itl_s.append(now - last)
+            last = now
+            text.append(chunk["choices"][0]["text"])
+    if first is not None and last is not None and tokens > 1:
+        stats.tpot_s.append((last - first) / (tokens - 1))
+    stats.output_tokens += tokens
+    stats.completed += 1
+    stats.texts[index] = "".join(text)
+
+
+async def _drive(
+    base_url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[Stats, float]:
+    stats = Stats()
+    queue = iter(enumerate(prompts))
+
+    async def user(http: httpx.AsyncClient) -> None:
+        for index, prompt in queue:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            await _one(http, f"{base_url}/v1/completions", body, index, stats)
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=600.0) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(user(http) for _ in range(concurrency)))
+        return stats, time.perf_counter() - start
+
+
+def _wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
+
+
+def _model_name(base_url: str) -> str:
+    return str(httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def _serve(
+    command: list[str], port: int, args: argparse.Namespace, workloads: dict[int, list[list[int]]]
+) -> dict[str, Any]:
+    base_url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    try:
+        _wait_ready(base_url, process, args.start_timeout)
+        model = _model_name(base_url)
+        # Warm-up: first-call costs of the model, the tokenizer and the HTTP stack.
+        asyncio.run(_drive(base_url, model, workloads[min(workloads)][:2], 2, 4))
+        results: dict[str, Any] = {}
+        for concurrency, prompts in workloads.items():
+            cpu_before = _tree_cpu_s(process.pid)
+            stats, wall_s = asyncio.run(
+                _drive(base_url, model, prompts, concurrency, args.max_tokens)
+            )
+            cpu_s = _tree_cpu_s(process.pid) - cpu_before
+            results[str(concurrency)] = {
+                "completed": stats.completed,
+                "wall_s": round(wall_s, 2),
+                "requests_per_s": round(stats.completed / wall_s, 3),
+                "output_tokens_per_s": round(stats.output_tokens / wall_s, 1),
+                "ttft_p50_ms": _p50_ms(stats.ttft_s),
+                "itl_p50_ms": _p50_ms(stats.itl_s),
+                "tpot_p50_ms": _p50_ms(stats.tpot_s),
+                "server_cpu_s": round(cpu_s, 2),
+                "server_cores_busy": round(cpu_s / wall_s, 2),
+                "output_tokens_per_server_cpu_s": round(stats.output_tokens / cpu_s, 1)
+                if cpu_s
+                else None,
+                "_texts": stats.texts,
+            }
+        return results
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _vllm_skip_reason(args: argparse.Namespace) -> str | None:
+    if not args.vllm_python:
+        return "no --vllm-python given (vLLM lives in a virtual environment of its own)"
+    probe = subprocess.run(
+        [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        return f"{args.vllm_python} cannot import vllm: {probe.stderr.strip()[-300:]}"
+    if not args.vllm_model or not Path(args.vllm_model, "config.json").is_file():
+        return "--vllm-model must be a checkpoint folder (config.json + safetensors)"
+    return None
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="hybridserve --model")
+    parser.add_argument("--concurrency", type=_ints, default=[8, 32])
+    parser.add_argument("--requests-per-user", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--shared-prefix", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--threads", type=int, default=0, help="server threads (0: all cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--vllm-model", default=None)
+    args = parser.parse_args()
+    if args.shared_prefix > args.prompt_tokens:
+        raise SystemExit("--shared-prefix cannot exceed --prompt-tokens")
+    rng = random.Random(args.seed)
+    shared = [rng.randrange(100, args.vocab) for _ in range(args.shared_prefix)]
+    own = args.prompt_tokens - args.shared_prefix
+    workloads = {
+        c: [
+            shared + [rng.randrange(100, args.vocab) for _ in range(own)]
+            for _ in range(c * args.requests_per_user)
+        ]
+        for c in args.concurrency
+    }
+    threads = args.threads or len(os.sched_getaffinity(0))
+    port = _free_port()
+    ours_cmd = [
+        sys.executable, "-c", "from hybridserve.cli import main; main()", "serve",
+        "--executor", "torch", "--model", args.model, "--device", "cpu", "--port", str(port),
+        "--threads", str(threads), "--max-num-seqs", str(max(args.concurrency)),
+    ]  # fmt: skip
+    report: dict[str, Any] = {"setup": {**vars(args), "threads": threads}}
+    ours = _serve(ours_cmd, port, args, workloads)
+    report["hybridserve"] = ours
+    reason = _vllm_skip_reason(args)
+    if reason is None:
+        port = _free_port()
+        vllm_cmd = [
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", args.vllm_model, "--port", str(port), "--dtype", "float32",
+            "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "4096",
+        ]  # fmt: skip
+        # vLLM's CPU backend: its KV cache size (GiB) and OpenMP threads, as many as ours.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            theirs = _serve(vllm_cmd, port, args, workloads)
+        except RuntimeError as exc:
+            report["vllm"] = {"skipped": f"vLLM did not serve: {exc}"}
+        else:
+            report["vllm"] = theirs
+            ratios = {}
+            for c in map(str, args.concurrency):
+                a, b = ours[c], theirs[c]
+                ratios[c] = {
+                    "requests_per_s": round(a["requests_per_s"] / b["requests_per_s"], 2),
+                    "itl_p50": round(a["itl_p50_ms"] / b["itl_p50_ms"], 2)
+                    if a["itl_p50_ms"] and b["itl_p50_ms"]
+                    else None,
+                    "identical_greedy_texts": sum(
+                        a["_texts"].get(i) == t for i, t in b["_texts"].items()
+                    )
+                    / max(len(b["_texts"]), 1),
+                }
+            report["hybridserve_over_vllm"] = ratios
+    else:
+        report["vllm"] = {"skipped": reason}
+    for side in ("hybridserve", "vllm"):
+        for entry in report.get(side, {}).values():
+            if isinstance(entry, dict):
+                entry.pop("_texts", None)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
