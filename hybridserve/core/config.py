@@ -150,6 +150,14 @@ class SchedulingPolicy(StrEnum):
     PRIORITY = "priority"
 
 
+class ProgramPriority(StrEnum):
+    """How the waiting queue orders turns of sessions (programs). OFF is vLLM's order."""
+
+    OFF = "off"
+    PLAS = "plas"  # least attained service of the session first (Autellix's PLAS)
+    FCFS = "fcfs"  # earliest session arrival first (program-level FCFS)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerConfig:
     """Token-budget scheduler limits (vLLM v1 semantics) and the prefill/decode controls.
@@ -171,6 +179,19 @@ class SchedulerConfig:
     decode_prefill_max_wait_ms: float = 0.0
     # SPEC.md 5.3: adaptive time budget, 0 = off.
     target_mixed_step_ms: float = 0.0
+    # Agent-aware controls, all off by default (docs/vllm_baseline.md "differs on purpose").
+    # Tool-call TTL pinning: the fraction of the pool a finished turn's prefix may hold out
+    # of eviction until its session returns (0 = off), the TTL cap and the gap quantile.
+    kv_pin_fraction: float = 0.0
+    kv_pin_max_ttl_s: float = 30.0
+    kv_pin_ttl_quantile: float = 0.9
+    # Program-level priority of waiting turns, and the age after which a turn goes first.
+    program_priority: ProgramPriority = ProgramPriority.OFF
+    program_priority_max_wait_s: float = 10.0
+    # Admit a waiting request only if the running ones can still grow by their remaining
+    # output (up to the horizon) without a preemption.
+    kv_aware_admission: bool = False
+    kv_admission_horizon_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulingPolicy):
@@ -184,7 +205,18 @@ class SchedulerConfig:
                     self.policy,
                     f"use one of {[p.value for p in SchedulingPolicy]}",
                 ) from None
-        for flag in ("enable_chunked_prefill", "reserve_full_isl"):
+        if not isinstance(self.program_priority, ProgramPriority):
+            try:
+                object.__setattr__(
+                    self, "program_priority", ProgramPriority(str(self.program_priority).lower())
+                )
+            except ValueError:
+                raise ConfigError(
+                    "scheduler.program_priority",
+                    self.program_priority,
+                    f"use one of {[p.value for p in ProgramPriority]}",
+                ) from None
+        for flag in ("enable_chunked_prefill", "reserve_full_isl", "kv_aware_admission"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"scheduler.{flag}", getattr(self, flag), "use true or false")
         _require_positive("scheduler.max_num_seqs", self.max_num_seqs)
@@ -199,6 +231,7 @@ class SchedulerConfig:
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
         for name in ("decode_prefill_max_wait_ms", "target_mixed_step_ms"):
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
+        self._check_agent_controls()
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "scheduler.max_num_batched_tokens",
@@ -218,6 +251,38 @@ class SchedulerConfig:
                 self.decode_prefill_max_wait_ms,
                 "a deadline needs decode_prefill_min_decode_steps > 0",
             )
+
+    def _check_agent_controls(self) -> None:
+        frac = self.kv_pin_fraction
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0.0 <= frac <= 1.0:
+            raise ConfigError(
+                "scheduler.kv_pin_fraction", frac, "use 0 (off) or a fraction of the pool in (0, 1]"
+            )
+        _require_strictly_positive("scheduler.kv_pin_max_ttl_s", self.kv_pin_max_ttl_s)
+        q = self.kv_pin_ttl_quantile
+        if isinstance(q, bool) or not isinstance(q, int | float) or not 0.0 < q <= 1.0:
+            raise ConfigError("scheduler.kv_pin_ttl_quantile", q, "use a quantile in (0, 1]")
+        _require_strictly_positive(
+            "scheduler.program_priority_max_wait_s", self.program_priority_max_wait_s
+        )
+        _require_positive("scheduler.kv_admission_horizon_tokens", self.kv_admission_horizon_tokens)
+        if self.program_priority is not ProgramPriority.OFF and (
+            self.policy is SchedulingPolicy.PRIORITY
+        ):
+            raise ConfigError(
+                "scheduler.program_priority",
+                self.program_priority.value,
+                "program priority orders an fcfs queue; set policy=fcfs or program_priority=off",
+            )
+
+    @property
+    def pins_kv(self) -> bool:
+        return self.kv_pin_fraction > 0
+
+
+def _require_strictly_positive(field: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(field, value, "use a positive number")
 
 
 def _require_positive(field: str, value: int) -> None:

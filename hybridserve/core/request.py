@@ -145,6 +145,9 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # The session (agent job, conversation) a request belongs to: turns of one session share a
+    # prefix and return after a tool call. None: a standalone request.
+    session_id: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -167,6 +170,10 @@ class Request:
             raise RequestError("prompt_token_ids", (), "send at least one prompt token")
         if min(self.prompt_token_ids) < 0:
             raise RequestError("prompt_token_ids", "<negative id>", "token ids are >= 0")
+        if self.session_id is not None and (
+            not isinstance(self.session_id, str) or not self.session_id
+        ):
+            raise RequestError("session_id", self.session_id, "use a non-empty string or omit it")
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(self.prompt_token_ids)
 

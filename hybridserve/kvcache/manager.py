@@ -49,6 +49,25 @@ class Allocation:
     block_copies: tuple[BlockCopy, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Pin:
+    """One session's pinned prefix: one extra reference on each block, until `deadline`."""
+
+    blocks: tuple[Block, ...]
+    deadline: float
+
+
+@dataclass(slots=True)
+class PinStats:
+    """Pins made, refused (over the pool fraction) and released, by cause."""
+
+    pinned: int = 0
+    refused: int = 0
+    released_on_return: int = 0
+    released_on_ttl: int = 0
+    released_on_pressure: int = 0
+
+
 @dataclass(slots=True)
 class _RequestState:
     num_prompt_tokens: int
@@ -127,6 +146,11 @@ class KVCacheManager:
             }
         )
         self.metrics = CacheMetrics(tuple(s.kind.value for s in layout.groups))
+        # Tool-call pins (off unless a scheduler pins): per session, and per block the number
+        # of pins holding it (so that the pinned share of the pool counts each block once).
+        self._pins: dict[str, _Pin] = {}
+        self._pin_refs: dict[int, int] = {}
+        self.pin_stats = PinStats()
 
     # ----- lookup (never mutates) -------------------------------------------------------------
 
@@ -407,6 +431,119 @@ class KVCacheManager:
             group.free(req_id)
         self._requests.pop(req_id, None)
 
+    # ----- tool-call pinning -------------------------------------------------------------------
+
+    def pin(
+        self,
+        session_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        *,
+        deadline: float,
+        max_pinned_blocks: int,
+    ) -> int:
+        """Hold out of eviction, until `deadline`, the blocks that the next lookup of a request
+        extending these `num_tokens` tokens would hit: every group's blocks of the reconciled
+        hit, the state at the boundary that lookup lands on included (for a hybrid layout the
+        state the retention kept). Call before freeing the finished request. A session holds
+        one pin (its latest turn's). Refused, pinning nothing, if the distinct pinned blocks
+        would exceed `max_pinned_blocks`. Returns the number of blocks pinned."""
+        self._release_pin(session_id)
+        if not self.enable_caching or self.pool.growable:
+            return 0
+        hit = self.find_hit(block_hashes, num_tokens + 1)  # the next turn adds >= 1 token
+        null = self.pool.null_block
+        seen: set[int] = set()
+        blocks: list[Block] = []
+        for group_blocks, cow in zip(hit.group_blocks, hit.cow_sources, strict=True):
+            for block in (*group_blocks, *((cow,) if cow is not None else ())):
+                if block is not null and block.block_id not in seen:
+                    seen.add(block.block_id)
+                    blocks.append(block)
+        if not blocks:
+            return 0
+        new = sum(1 for b in blocks if b.block_id not in self._pin_refs)
+        if len(self._pin_refs) + new > max_pinned_blocks:
+            self.pin_stats.refused += 1
+            return 0
+        self.pool.touch(blocks)
+        for block in blocks:
+            self._pin_refs[block.block_id] = self._pin_refs.get(block.block_id, 0) + 1
+        self._pins[session_id] = _Pin(tuple(blocks), deadline)
+        self.pin_stats.pinned += 1
+        return len(blocks)
+
+    def unpin(self, session_id: str) -> int:
+        """Release a session's pin: its next turn is back. Returns the blocks it held."""
+        released = self._release_pin(session_id)
+        if released:
+            self.pin_stats.released_on_return += 1
+        return released
+
+    def _release_pin(self, session_id: str) -> int:
+        pin = self._pins.pop(session_id, None)
+        if pin is None:
+            return 0
+        for block in pin.blocks:
+            left = self._pin_refs[block.block_id] - 1
+            if left:
+                self._pin_refs[block.block_id] = left
+            else:
+                del self._pin_refs[block.block_id]
+        self.pool.free(pin.blocks[::-1])  # deepest first, as a request's own free
+        return len(pin.blocks)
+
+    def expire_pins(self, now: float) -> int:
+        """Release every pin whose TTL has run out by `now`. Returns how many."""
+        if not self._pins:
+            return 0
+        expired = [sid for sid, pin in self._pins.items() if pin.deadline <= now]
+        for sid in expired:
+            self._release_pin(sid)
+        self.pin_stats.released_on_ttl += len(expired)
+        return len(expired)
+
+    def release_pin_for_room(self, *, keep: str | None = None) -> bool:
+        """Memory pressure: release the pin that expires first (never `keep`'s). Returns False
+        when there is none to release."""
+        candidates = [(pin.deadline, sid) for sid, pin in self._pins.items() if sid != keep]
+        if not candidates:
+            return False
+        self._release_pin(min(candidates)[1])
+        self.pin_stats.released_on_pressure += 1
+        return True
+
+    def claim_pin(self, session_id: str) -> bool:
+        """The session's next turn arrived: its pin no longer expires, and is held until that
+        turn is admitted (`unpin`) or memory pressure releases it (claimed pins last)."""
+        pin = self._pins.get(session_id)
+        if pin is None:
+            return False
+        self._pins[session_id] = _Pin(pin.blocks, math.inf)
+        return True
+
+    def pin_deadline(self, session_id: str) -> float | None:
+        pin = self._pins.get(session_id)
+        return None if pin is None else pin.deadline
+
+    def growth_blocks(self, num_tokens: int, num_new_tokens: int) -> int:
+        """Blocks the full-attention groups need to grow a sequence of `num_tokens` tokens by
+        `num_new_tokens` (window and state groups hold a bounded number: not counted)."""
+        total = 0
+        for gid in self._full_groups:
+            size = self.groups[gid].block_size
+            total += -(-(num_tokens + num_new_tokens) // size) - -(-num_tokens // size)
+        return total
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks held by pins."""
+        return len(self._pin_refs)
+
+    @property
+    def num_pins(self) -> int:
+        return len(self._pins)
+
     def uncache_free_blocks(self, block_ids: Iterable[int]) -> int:
         """Take the free blocks among `block_ids` out of the prefix cache, so that no later
         request hits their content: a step that failed may have left it partly written.
@@ -481,6 +618,9 @@ class KVCacheManager:
                     if block is not null:
                         expected[block.block_id] = expected.get(block.block_id, 0) + 1
             for block in group.held_outside_tables():
+                expected[block.block_id] = expected.get(block.block_id, 0) + 1
+        for pin in self._pins.values():
+            for block in pin.blocks:
                 expected[block.block_id] = expected.get(block.block_id, 0) + 1
         for block in self.pool.blocks[1:]:
             if block.ref_cnt != expected.get(block.block_id, 0):

@@ -1,12 +1,16 @@
-"""Waiting queues: FCFS (a deque; preempted requests go to the front) and priority (a heap)."""
+"""Waiting queues: FCFS (a deque; preempted requests go to the front), priority (a heap) and
+program-level priority (turns ordered by their session's attained service or arrival)."""
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 
+from hybridserve.core.config import ProgramPriority
 from hybridserve.core.request import Request
+
+MAX_PROGRAMS = 65_536  # programs whose service or arrival is remembered (oldest forgotten)
 
 
 class FcfsQueue:
@@ -71,4 +75,103 @@ class PriorityQueue:
         return (entry[3] for entry in sorted(self._heap))
 
 
-WaitingQueue = FcfsQueue | PriorityQueue
+class ProgramQueue:
+    """Waiting turns ordered by their program (session; a request without one is its own).
+
+    PLAS: least attained service first, the service being the tokens the program has had
+    scheduled (Autellix's program-level least attained service, in tokens). FCFS: the program
+    that arrived first goes first (Continuum's program-level FCFS). Ties go to the earlier turn.
+    Starvation is bounded: a turn that has waited `max_wait_s` goes ahead of every turn that has
+    not, and aged turns go in arrival order. Preempted requests go to the front, as in vLLM.
+    `now` is set by the scheduler at every step.
+    """
+
+    def __init__(self, mode: ProgramPriority, max_wait_s: float) -> None:
+        if mode is ProgramPriority.OFF:
+            raise ValueError("a program queue needs plas or fcfs")
+        self.mode = mode
+        self.max_wait_s = max_wait_s
+        self.now = 0.0
+        self._front: deque[Request] = deque()
+        self._items: dict[int, Request] = {}  # insertion sequence -> request
+        self._seq = 0
+        self._service: OrderedDict[str, float] = OrderedDict()
+        self._program_arrival: OrderedDict[str, float] = OrderedDict()
+
+    @staticmethod
+    def program_of(request: Request) -> str:
+        return request.session_id if request.session_id is not None else f"req:{request.req_id}"
+
+    def add_service(self, request: Request, tokens: int) -> None:
+        """Charge `tokens` of scheduled work to the request's program."""
+        program = self.program_of(request)
+        self._service[program] = self._service.get(program, 0.0) + tokens
+        self._service.move_to_end(program)
+        if len(self._service) > MAX_PROGRAMS:
+            self._service.popitem(last=False)
+
+    def service(self, program: str) -> float:
+        return self._service.get(program, 0.0)
+
+    def add(self, request: Request) -> None:
+        program = self.program_of(request)
+        if program not in self._program_arrival:
+            self._program_arrival[program] = request.arrival_time
+            if len(self._program_arrival) > MAX_PROGRAMS:
+                self._program_arrival.popitem(last=False)
+        self._items[self._seq] = request
+        self._seq += 1
+
+    def prepend(self, request: Request) -> None:
+        self._front.appendleft(request)
+
+    def _key(self, seq: int, request: Request) -> tuple[int, float, float, int]:
+        if self.now - request.arrival_time >= self.max_wait_s:
+            return (0, request.arrival_time, 0.0, seq)  # aged: arrival order, before the rest
+        program = self.program_of(request)
+        if self.mode is ProgramPriority.PLAS:
+            rank = self._service.get(program, 0.0)
+        else:
+            rank = self._program_arrival.get(program, request.arrival_time)
+        return (1, rank, request.arrival_time, seq)
+
+    def _head_seq(self) -> int:
+        return min(self._items.items(), key=lambda item: self._key(*item))[0]
+
+    def peek(self) -> Request:
+        if self._front:
+            return self._front[0]
+        if not self._items:
+            raise IndexError("peek from an empty queue")
+        return self._items[self._head_seq()]
+
+    def pop(self) -> Request:
+        if self._front:
+            return self._front.popleft()
+        if not self._items:
+            raise IndexError("pop from an empty queue")
+        return self._items.pop(self._head_seq())
+
+    def remove(self, request: Request) -> None:
+        if request in self._front:
+            self._front.remove(request)
+            return
+        for seq, item in self._items.items():
+            if item is request:
+                del self._items[seq]
+                return
+        raise ValueError(f"{request.req_id} is not waiting")
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._front or self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In admission order."""
+        ranked = sorted(self._items.items(), key=lambda item: self._key(*item))
+        return iter([*self._front, *(request for _, request in ranked)])
+
+
+WaitingQueue = FcfsQueue | PriorityQueue | ProgramQueue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
+from hybridserve.core.config import ProgramPriority, SchedulerConfig, SchedulingPolicy
 from hybridserve.core.errors import RequestError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult
 from hybridserve.core.request import Request, RequestStatus
@@ -18,7 +18,8 @@ from hybridserve.scheduler.align import AlignSplitter
 from hybridserve.scheduler.controls import UNLIMITED as UNLIMITED_PLAN
 from hybridserve.scheduler.controls import PrefillController, PrefillPlan, is_decode
 from hybridserve.scheduler.output import SchedulerOutput
-from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue
+from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue, ProgramQueue
+from hybridserve.scheduler.sessions import ToolGapModel
 from hybridserve.scheduler.step import StepState
 from hybridserve.scheduler.step_model import StepTimeModel
 
@@ -48,9 +49,23 @@ class Scheduler:
         self.config = config
         self.cache = cache
         self.num_lookahead_tokens = num_speculative_tokens
-        self.waiting: FcfsQueue | PriorityQueue = (
+        self.waiting: FcfsQueue | PriorityQueue | ProgramQueue = (
             PriorityQueue() if config.policy is SchedulingPolicy.PRIORITY else FcfsQueue()
         )
+        # Agent-aware controls (all off by default: vLLM's schedule).
+        self.program_queue: ProgramQueue | None = None
+        if config.program_priority is not ProgramPriority.OFF:
+            self.program_queue = ProgramQueue(
+                config.program_priority, config.program_priority_max_wait_s
+            )
+            self.waiting = self.program_queue
+        self.pinning = config.pins_kv and cache.enable_caching
+        self.tool_gaps = ToolGapModel(
+            quantile=config.kv_pin_ttl_quantile, cap_s=config.kv_pin_max_ttl_s
+        )
+        self.max_pinned_blocks = int(config.kv_pin_fraction * (cache.layout.num_blocks - 1))
+        self._now = 0.0
+        self._step_end = 0.0
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_pending: list[str] = []
@@ -88,6 +103,9 @@ class Scheduler:
             request.token_ids, cache_salt=request.cache_salt
         )
         self.requests[request.req_id] = request
+        if self.pinning and request.session_id is not None:
+            self.tool_gaps.on_arrival(request.session_id, request.arrival_time)
+            self.cache.claim_pin(request.session_id)
         self.waiting.add(request)
 
     def abort(self, req_id: str) -> None:
@@ -100,6 +118,8 @@ class Scheduler:
             self.cache.free(req_id)
         else:
             self.waiting.remove(request)
+            if self.pinning and request.session_id is not None:
+                self.cache.unpin(request.session_id)
         request.transition(RequestStatus.FINISHED_ABORTED)
         del self.requests[req_id]
         self._finished_pending.append(req_id)
@@ -110,6 +130,14 @@ class Scheduler:
         out["hybridserve:num_requests_running"] = len(self.running)
         out["hybridserve:num_requests_waiting"] = len(self.waiting)
         out["hybridserve:kv_cache_usage_perc"] = self.cache.usage()
+        if self.pinning:
+            stats = self.cache.pin_stats
+            out["hybridserve:kv_pinned_blocks"] = self.cache.num_pinned_blocks
+            out["hybridserve:kv_pins_total"] = stats.pinned
+            out["hybridserve:kv_pins_refused_total"] = stats.refused
+            out["hybridserve:kv_pins_released_on_return_total"] = stats.released_on_return
+            out["hybridserve:kv_pins_released_on_ttl_total"] = stats.released_on_ttl
+            out["hybridserve:kv_pins_released_on_pressure_total"] = stats.released_on_pressure
         return out
 
     def has_requests(self) -> bool:
@@ -128,6 +156,11 @@ class Scheduler:
         `now` is the step's time; the baseline does not use it (the controls do).
         """
         self.cache.new_step()
+        self._now = now
+        if self.pinning:
+            self.cache.expire_pins(now)
+        if self.program_queue is not None:
+            self.program_queue.now = now
         plan = self.controls.plan(
             now=now,
             running=self.running,
@@ -141,6 +174,9 @@ class Scheduler:
             self._schedule_waiting(step)
         if plan.grants is not None and step.waiter_tokens:
             self._reclaim(step)
+        if self.program_queue is not None:
+            for req_id, num_new in step.scheduled.items():
+                self.program_queue.add_service(self.requests[req_id], num_new)
         return self._finish_schedule(step)
 
     def _threshold(self) -> int:
@@ -211,6 +247,8 @@ class Scheduler:
             )
             if allocation is not None:
                 return allocation, index
+            if self.pinning and self.cache.release_pin_for_room():
+                continue  # memory pressure: a pin goes before a running request is preempted
             victim = self._pick_victim()
             victim_index = self.running.index(victim)
             self.running.pop(victim_index)
@@ -277,6 +315,10 @@ class Scheduler:
                 partials_after=self._partials_after(step), completes=completes
             ):
                 break
+            if self.config.kv_aware_admission and not self._fits_without_preemption(
+                request, hit, num_new
+            ):
+                break
             allocation = self._admit(request, hit, num_new)
             if allocation is None:
                 break  # head-of-line blocking
@@ -288,25 +330,51 @@ class Scheduler:
                 step.new_partials += 1
 
     def _admit(self, request: Request, hit: CacheHit, num_new: int) -> Allocation | None:
-        allocation = self.cache.allocate(
-            request.req_id,
-            request.block_hashes,
-            num_tokens=request.num_tokens,
-            num_computed_tokens=0,
-            num_new_tokens=num_new,
-            num_lookahead_tokens=self.num_lookahead_tokens,
-            hit=hit,
-            num_prompt_tokens=request.num_tokens,  # a resumed request replays its outputs too
-            full_sequence_must_fit=self.config.reserve_full_isl,
-        )
-        if allocation is None:
-            return None
+        while True:
+            allocation = self.cache.allocate(
+                request.req_id,
+                request.block_hashes,
+                num_tokens=request.num_tokens,
+                num_computed_tokens=0,
+                num_new_tokens=num_new,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+                hit=hit,
+                num_prompt_tokens=request.num_tokens,  # a resumed request replays its outputs
+                full_sequence_must_fit=self.config.reserve_full_isl,
+            )
+            if allocation is not None:
+                break
+            if not hit.ready:
+                return None
+            # Pins never stall admission: release other sessions' pins, soonest TTL first.
+            # Releasing frees blocks without evicting any, so `hit` stays valid.
+            if not (self.pinning and self.cache.release_pin_for_room(keep=request.session_id)):
+                return None
+        if self.pinning and request.session_id is not None:
+            self.cache.unpin(request.session_id)  # back, holding its hit: the pin is done
         self.waiting.pop()
         self.running.append(request)
         request.transition(RequestStatus.RUNNING)
         request.num_computed_tokens = hit.num_tokens
         request.prefix_junction = hit.junction
         return allocation
+
+    def _fits_without_preemption(self, request: Request, hit: CacheHit, num_new: int) -> bool:
+        """KV-aware admission: admit only if, after this request's blocks, the free pool still
+        covers the growth of every running request (and this one) over its remaining output,
+        up to the horizon; otherwise admitting it would later force preemptions. Always true
+        with nothing running (a lone request can always start)."""
+        if not self.running:
+            return True
+        horizon = self.config.kv_admission_horizon_tokens
+        cache = self.cache
+        reserve = 0
+        for running in self.running:
+            room = running.sampling.max_tokens - running.num_output_tokens
+            reserve += cache.growth_blocks(running.num_tokens, min(room, horizon))
+        own = request.num_tokens - hit.num_tokens
+        need = cache.growth_blocks(hit.num_tokens, own + min(request.sampling.max_tokens, horizon))
+        return cache.num_free_blocks >= need + reserve
 
     def _granted(self, plan: PrefillPlan, request: Request, num_new: int) -> int:
         """A running partial prefill's tokens under the step's prefill plan."""
@@ -448,6 +516,7 @@ class Scheduler:
             kv_tokens_read=output.kv_tokens_read,
             duration_s=result.duration_s,
         )
+        self._step_end = self._now + result.duration_s
         outputs: list[RequestOutput] = []
         any_finished = False
         requests, sampled_ids = self.requests, result.sampled_token_ids
@@ -496,6 +565,19 @@ class Scheduler:
             self._keep_drafts(output, result.draft_token_ids)
         return outputs
 
+    def _pin_for_return(self, request: Request) -> None:
+        """Tool-call pinning: hold the finished turn's prefix for its session's next turn."""
+        session = request.session_id
+        assert session is not None
+        self.tool_gaps.on_finish(session, self._step_end)
+        self.cache.pin(
+            session,
+            request.block_hashes,
+            request.num_computed_tokens,
+            deadline=self._step_end + self.tool_gaps.ttl(session),
+            max_pinned_blocks=self.max_pinned_blocks,
+        )
+
     def _keep_drafts(self, output: SchedulerOutput, drafts: dict[str, tuple[int, ...]]) -> None:
         """Store the drafts for the next step of requests that sampled this step and still run
         (vLLM's `update_draft_token_ids`: a request in a partial prefill chunk drops them)."""
@@ -541,6 +623,8 @@ class Scheduler:
                 self.cache.cache_computed(
                     request.req_id, hashes, request.num_computed_tokens, len(token_ids)
                 )
+            if self.pinning and request.session_id is not None:
+                self._pin_for_return(request)
             self.cache.free(request.req_id)
             del self.requests[request.req_id]
             self._finished_pending.append(request.req_id)

@@ -612,6 +612,7 @@ def _make_request(
             arrival_time=state.engine.now(),
             priority=body.priority,
             cache_salt=cache_salt,
+            session_id=body.user or None,  # OpenAI's end-user id names the session
         )
     except RequestError as exc:
         param = prompt_field if exc.field == "prompt_token_ids" else exc.field

@@ -93,6 +93,7 @@ class Simulation:
                         prompt_token_ids=tuple(arrival.prompt),
                         sampling=SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
                         arrival_time=arrival.time_s,
+                        session_id=arrival.job_id,
                     )
                 )
             except RequestError as exc:
