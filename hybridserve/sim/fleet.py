@@ -1,0 +1,457 @@
+"""A simulated fleet: N replicas, each the production Engine + Scheduler + KVCacheManager on
+the simulated executor (`build_engine`), behind a router, in one deterministic event loop.
+
+The workload is the single-engine one (`make_simulation`: agents, a Mooncake or Azure trace,
+Poisson, fixed); the fleet loop drives its arrivals and answers instead of its own loop.
+
+Events at one simulated time resolve in a fixed order: the steps that end then deliver their
+outputs (replica order), then the arrivals due are routed and admitted (in arrival order), then
+every idle replica with work starts its next step. A step's timeline, GPU time and admissions are
+recorded when it starts (its plan is known then); its tokens are delivered when it ends. With one
+replica this is exactly the single-engine loop, so `--replicas 1 --router round-robin` gives the
+single-engine report bit for bit.
+
+The fleet report adds, over the measurement window: the reconciled hit rate against the global
+ideal (one infinite cache for the whole fleet: every block any replica computed, prompts and
+answers, kept forever, states at every block), and the load imbalance, max/mean over replicas of
+the time-averaged outstanding tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridserve.core.errors import ConfigError, RequestError
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine import Engine, EngineStep
+from hybridserve.kvcache import KVCacheManager
+from hybridserve.kvcache.hashing import BlockHash, BlockHasher
+from hybridserve.kvcache.spec import GroupKind
+from hybridserve.metrics.recorder import MetricsRecorder, RequestRecord
+from hybridserve.metrics.stats import percentile
+from hybridserve.scheduler import Scheduler
+from hybridserve.sim.loop import Simulation
+from hybridserve.sim.routers import (
+    ROUTERS,
+    VIEWS,
+    ApproximateView,
+    PreciseView,
+    ReplicaView,
+    Router,
+    RouteRequest,
+)
+from hybridserve.sim.run import (
+    QueueTrace,
+    SimConfig,
+    SimRun,
+    _require_completed,
+    build_engine,
+    group_hit_rates,
+    make_simulation,
+    time_breakdown,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FleetConfig:
+    replicas: int = 1
+    router: str = "round-robin"
+    view: str = "precise"  # precise | approximate (routers.py)
+    load_weight: float = 1.0  # the prefix routers' load term weight (routers.py)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError("replicas (--replicas)", self.replicas, "use 1 or more replicas")
+        if self.router not in ROUTERS:
+            raise ConfigError("router (--router)", self.router, f"use one of {', '.join(ROUTERS)}")
+        if not self.load_weight >= 0:
+            raise ConfigError(
+                "load_weight (--router-load-weight)", self.load_weight, "use 0 or more"
+            )
+        if self.view not in VIEWS:
+            raise ConfigError(
+                "router_view (--router-view)", self.view, f"use one of {', '.join(VIEWS)}"
+            )
+
+
+@dataclass(slots=True)
+class _Replica:
+    engine: Engine
+    scheduler: Scheduler
+    clock: float = 0.0  # when its running step ends (or ended)
+    pending: EngineStep | None = None  # the step in flight, delivered at `clock`
+    steps: int = 0
+    busy_s: float = 0.0  # GPU seconds of steps that end inside the window
+
+
+@dataclass(slots=True)
+class _InFlight:
+    replica: int
+    prompt: int  # prompt tokens still counted as outstanding (0 after the first token)
+    output: int  # output tokens still to come
+    hashes: list[BlockHash]
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRun:
+    """A finished fleet run: the fleet-wide summary (the single-engine keys) and the fleet
+    report (`fleet_report`)."""
+
+    run: SimRun
+    fleet: dict[str, Any]
+
+
+def state_grid(cache: KVCacheManager) -> int:
+    """Tokens between the positions a state group can resume at (0 without state groups)."""
+    layout = cache.layout
+    grids = [
+        math.lcm(layout.alignment_tokens, spec.block_size)
+        for spec in layout.groups
+        if spec.kind is GroupKind.MAMBA
+    ]
+    return max(grids, default=0)
+
+
+class FleetSimulation:
+    """Drives a workload's `Simulation` over several replicas (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        fleet: FleetConfig,
+        *,
+        progress: Callable[[float], None] | None = None,
+        cpu_clock: Callable[[], float] | None = None,
+    ) -> None:
+        if config.bound is not None:
+            raise ConfigError(
+                "bound (--bound)", config.bound, "bounds are single-engine: drop --bound"
+            )
+        self.config = config
+        self.fleet = fleet
+        self.progress = progress
+        self.ideal: dict[str, int] = {}
+        built = [
+            build_engine(config, cpu_clock=cpu_clock, ideal_prefix=self.ideal)
+            for _ in range(fleet.replicas)
+        ]
+        self.replicas = [_Replica(engine, scheduler) for engine, scheduler in built]
+        self.sim: Simulation = make_simulation(config, self.replicas[0].engine, lambda _s: None)
+        self.sim.ideal_prefix = self.ideal
+        self.recorder: MetricsRecorder = self.sim.recorder
+        caches = [r.scheduler.cache for r in self.replicas]
+        first = caches[0]
+        self.hasher: BlockHasher = first.hasher
+        views: list[ReplicaView]
+        if fleet.view == "precise":
+            views = [PreciseView(c) for c in caches]
+        else:
+            views = [
+                ApproximateView(
+                    capacity=c.layout.num_blocks,
+                    hash_block_size=c.layout.hash_block_size,
+                    state_grid=state_grid(c),
+                    alignment=c.layout.alignment_tokens,
+                )
+                for c in caches
+            ]
+        self.router = Router(fleet.router, views, load_weight=fleet.load_weight)
+        self.queue = QueueTrace(config.warmup_s)
+        self.now = 0.0
+        self.steps = 0
+        self.gpu_seconds = {"decode": 0.0, "prefill": 0.0, "mixed": 0.0}
+        self.replica_of: dict[str, int] = {}
+        self.job_replica: dict[str, int] = {}
+        self._inflight: dict[str, _InFlight] = {}
+        # Global ideal: every block hash any replica computed, and per request its ideal hit.
+        self._seen: set[BlockHash] = set()
+        self.global_ideal: dict[str, int] = {}
+        # Per session, the last prompt's tokens and hashes (an agent's prompt grows by appending).
+        self._session_hashes: dict[str, tuple[tuple[int, ...], list[BlockHash]]] = {}
+        # Outstanding tokens, time-integrated over the window, per replica.
+        self._area = [0.0] * fleet.replicas
+        self._last_change = [0.0] * fleet.replicas
+
+    # ----- the loop ---------------------------------------------------------------------------
+
+    def run(self, until_s: float) -> MetricsRecorder:
+        sim = self.sim
+        sim.start()
+        while self.now < until_s:
+            self._admit_arrivals()
+            self._start_steps()
+            ends = [r.clock for r in self.replicas if r.pending is not None]
+            upcoming = [*ends, *([sim._arrivals[0].time_s] if sim._arrivals else [])]
+            if not upcoming:
+                break
+            self.now = min(upcoming)
+            for index, replica in enumerate(self.replicas):
+                if replica.pending is not None and replica.clock <= self.now:
+                    self._deliver(index)
+        # Steps started before the end deliver their outputs, as the single-engine loop does.
+        for index, replica in sorted(enumerate(self.replicas), key=lambda item: item[1].clock):
+            if replica.pending is not None:
+                self.now = max(self.now, replica.clock)
+                self._deliver(index)
+        return self.recorder
+
+    def _hashes_of(self, prompt: tuple[int, ...], session: str | None) -> list[BlockHash]:
+        hashes: list[BlockHash] = []
+        if session is not None and session in self._session_hashes:
+            tokens, previous = self._session_hashes[session]
+            if prompt[: len(tokens)] == tokens:
+                hashes = list(previous)
+        self.hasher.extend(hashes, prompt)
+        if session is not None:
+            self._session_hashes[session] = (prompt, hashes)
+        return hashes
+
+    def _admit_arrivals(self) -> None:
+        sim = self.sim
+        while sim._arrivals and sim._arrivals[0].time_s <= self.now:
+            arrival = heapq.heappop(sim._arrivals)
+            prompt = tuple(arrival.prompt)
+            hashes = self._hashes_of(prompt, arrival.job_id)
+            route = RouteRequest(arrival.req_id, arrival.job_id, len(prompt), hashes)
+            index = self.router.choose(route)
+            replica = self.replicas[index]
+            try:
+                replica.engine.add_request(
+                    Request(
+                        req_id=arrival.req_id,
+                        prompt_token_ids=prompt,
+                        sampling=SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
+                        arrival_time=arrival.time_s,
+                    )
+                )
+            except RequestError as exc:
+                sim.rejected.append((arrival.req_id, len(prompt), str(exc)))
+                continue
+            self.router.routed(route, index)
+            self._change_load(index, len(prompt) + arrival.max_tokens)
+            self.replica_of[arrival.req_id] = index
+            if arrival.job_id is not None:
+                self.job_replica[arrival.job_id] = index
+            self._inflight[arrival.req_id] = _InFlight(
+                index, len(prompt), arrival.max_tokens, hashes, prompt
+            )
+            self._record_ideal(arrival.req_id, len(prompt), hashes)
+            sim._answers[arrival.req_id] = []
+            self.recorder.on_arrival(arrival.req_id, arrival.time_s, len(prompt), arrival.job_id)
+
+    def _record_ideal(self, req_id: str, num_tokens: int, hashes: list[BlockHash]) -> None:
+        cache = self.replicas[0].scheduler.cache
+        matched = 0
+        for block_hash in hashes:
+            if block_hash not in self._seen:
+                break
+            matched += 1
+        a = cache.layout.alignment_tokens
+        tokens = matched * cache.layout.hash_block_size // a * a
+        self.global_ideal[req_id] = min(tokens, cache.cacheable_tokens(num_tokens))
+        self._seen.update(hashes)
+
+    def _start_steps(self) -> None:
+        for index, replica in enumerate(self.replicas):
+            if replica.pending is not None or not replica.engine.has_requests():
+                continue
+            start = self.now  # an idle replica's last step ended at or before now
+            step = replica.engine.step(start)
+            end = start + max(step.result.duration_s, 1e-6)
+            self.steps += 1
+            replica.steps += 1
+            scheduled = step.scheduled
+            recorder = self.recorder
+            recorder.preemptions += len(scheduled.preempted)
+            if end >= self.config.warmup_s and (
+                scheduled.num_prefill_tokens or scheduled.num_decode_tokens
+            ):
+                if not scheduled.num_prefill_tokens:
+                    kind = "decode"
+                elif not scheduled.num_decode_tokens:
+                    kind = "prefill"
+                else:
+                    kind = "mixed"
+                self.gpu_seconds[kind] += end - start
+                replica.busy_s += end - start
+            recorder.timeline.on_step(
+                end,
+                duration_s=end - start,
+                prefill=scheduled.num_prefill_tokens,
+                decode=scheduled.num_decode_tokens,
+                kv_usage=scheduled.kv_usage,
+            )
+            for req_id, hit in scheduled.new_reqs:
+                recorder.on_admitted(req_id, hit)
+            others = sum(r.scheduler.num_waiting for i, r in enumerate(self.replicas) if i != index)
+            self.queue.on_step(step.now, scheduled.num_waiting + others)
+            if self.progress is not None and self.steps % 256 == 0:
+                self.progress(start)
+            replica.pending = step
+            replica.clock = end
+
+    def _deliver(self, index: int) -> None:
+        replica = self.replicas[index]
+        step, end = replica.pending, replica.clock
+        assert step is not None
+        replica.pending = None
+        sim, recorder = self.sim, self.recorder
+        for output in step.outputs:
+            req_id = output.req_id
+            recorder.on_delivery(req_id, end, len(output.new_token_ids))
+            sim._answers[req_id].extend(output.new_token_ids)
+            flight = self._inflight[req_id]
+            delta = flight.prompt + min(len(output.new_token_ids), flight.output)
+            flight.output -= min(len(output.new_token_ids), flight.output)
+            flight.prompt = 0
+            if output.finished:
+                delta += flight.output
+                flight.output = 0
+            self._change_load(index, -delta)
+            if output.finished:
+                recorder.on_finish(req_id, end)
+                answer = sim._answers.pop(req_id)
+                self._inflight.pop(req_id)
+                # An infinite cache keeps the answer's blocks too (its last token is never fed).
+                computed = (*flight.tokens, *answer[:-1])
+                self._seen.update(self.hasher.extend(list(flight.hashes), computed))
+                sim.finished(req_id, end, answer)
+
+    def _change_load(self, index: int, delta: int) -> None:
+        now = self.now
+        lo = max(self._last_change[index], self.config.warmup_s)
+        hi = min(now, self.config.duration_s)
+        if hi > lo:
+            self._area[index] += self.router.outstanding[index] * (hi - lo)
+        self._last_change[index] = max(self._last_change[index], now)
+        self.router.outstanding[index] += delta
+
+    # ----- the report -------------------------------------------------------------------------
+
+    def mean_outstanding(self, end_s: float) -> list[float]:
+        """Each replica's outstanding tokens averaged over [warmup, end_s]."""
+        span = end_s - self.config.warmup_s
+        out = []
+        for index in range(len(self.replicas)):
+            area = self._area[index]
+            lo = max(self._last_change[index], self.config.warmup_s)
+            if end_s > lo:
+                area += self.router.outstanding[index] * (end_s - lo)
+            out.append(area / span if span > 0 else 0.0)
+        return out
+
+
+def imbalance(loads: list[float]) -> float:
+    """max/mean of the replicas' loads: 1.0 when balanced (or when there is no load)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def _latency(records: list[RequestRecord]) -> dict[str, float]:
+    ttft = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
+    gaps = [g for r in records for g in r.gaps_s]
+    return {
+        "ttft_p50_ms": 1000 * percentile(ttft, 50),
+        "ttft_p99_ms": 1000 * percentile(ttft, 99),
+        "itl_p50_ms": 1000 * percentile(gaps, 50),
+        "itl_p99_ms": 1000 * percentile(gaps, 99),
+    }
+
+
+def _hit_rate(records: list[RequestRecord], hits: Mapping[str, int] | None = None) -> float:
+    prompt = sum(r.prompt_tokens for r in records)
+    if hits is None:
+        hit = sum(r.hit_tokens for r in records)
+    else:
+        hit = sum(hits.get(r.req_id, 0) for r in records)
+    return hit / prompt if prompt else 0.0
+
+
+def run_fleet(
+    config: SimConfig,
+    fleet: FleetConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+    cpu_clock: Callable[[], float] | None = None,
+) -> FleetRun:
+    """Run the workload on the fleet; the summary has the single-engine keys, fleet-wide."""
+    sim = FleetSimulation(config, fleet, progress=progress, cpu_clock=cpu_clock)
+    recorder = sim.run(config.duration_s)
+    start = config.warmup_s
+    end_s = sim.now if start < sim.now < config.duration_s else config.duration_s
+    summary = recorder.summary(window_start_s=start, window_end_s=end_s)
+    _require_completed(summary, config, end_s=end_s, ran_until_s=sim.now)
+    summary["steps"] = float(sim.steps)
+    summary["simulated_s"] = sim.now
+    summary["requests_rejected"] = float(len(sim.sim.rejected))
+    summary.update(sim.queue.summary(end_s))
+    summary.update(time_breakdown(recorder, sim.gpu_seconds, sim.ideal, start, end_s))
+    # GPU fractions are of the fleet's GPU time: N replicas give N x the window.
+    for key in [k for k in summary if k.startswith("gpu_") and k.endswith("_frac")]:
+        summary[key] /= fleet.replicas
+    caches = [r.scheduler.cache.metrics_snapshot() for r in sim.replicas]
+    cache = caches[0] if fleet.replicas == 1 else _merged_cache(caches)
+    summary.update(group_hit_rates(cache))
+    summary["kv_cache_blocks"] = float(
+        sum(r.scheduler.cache.layout.num_blocks for r in sim.replicas)
+    )
+    done = recorder.finished_in(start, end_s)
+    loads = sim.mean_outstanding(end_s)
+    hours = (end_s - start) / 3600.0
+    per_replica = []
+    for index, replica in enumerate(sim.replicas):
+        mine = [r for r in done if sim.replica_of.get(r.req_id) == index]
+        jobs = [
+            j
+            for j in recorder.jobs.values()
+            if j.finish_s is not None
+            and start <= j.finish_s <= end_s
+            and sim.job_replica.get(j.job_id) == index
+        ]
+        per_replica.append(
+            {
+                "replica": index,
+                "requests_completed": float(len(mine)),
+                "job_goodput_per_hour": len(jobs) / hours,
+                **_latency(mine),
+                "hit_rate": _hit_rate(mine),
+                "mean_outstanding_tokens": loads[index],
+                "gpu_busy_frac": replica.busy_s / (end_s - start),
+                "steps": float(replica.steps),
+            }
+        )
+    hit = _hit_rate(done)
+    ideal = _hit_rate(done, sim.global_ideal)
+    report = {
+        "replicas": fleet.replicas,
+        "router": fleet.router,
+        "router_view": fleet.view,
+        "load_weight": fleet.load_weight,
+        "hit_rate": hit,
+        "global_ideal_hit_rate": ideal,
+        "hit_rate_of_ideal": hit / ideal if ideal else math.nan,
+        "imbalance": imbalance(loads),
+        "per_replica": per_replica,
+    }
+    run = SimRun(config, summary, recorder, cache, rejected=tuple(sim.sim.rejected))
+    return FleetRun(run, report)
+
+
+def _merged_cache(caches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' cache counters summed (per group: offered hit tokens; queried tokens)."""
+    merged: dict[str, Any] = {
+        "queried_tokens": sum(c["queried_tokens"] for c in caches),
+        "groups": [
+            {
+                **group,
+                "offered_hit_tokens": sum(c["groups"][g]["offered_hit_tokens"] for c in caches),
+            }
+            for g, group in enumerate(caches[0]["groups"])
+        ],
+    }
+    return merged
