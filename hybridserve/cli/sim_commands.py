@@ -385,6 +385,16 @@ def simulate_cmd(
         float,
         typer.Option(help="Prefix routers: score = overlap tokens - weight x outstanding tokens."),
     ] = 1.0,
+    pd: Annotated[
+        str | None,
+        typer.Option(
+            help="Disaggregate: P:D prefill and decode replicas (P + D = --replicas, which it "
+            "implies); KV and state move over --pd-link."
+        ),
+    ] = None,
+    pd_link: Annotated[
+        str, typer.Option(help="The prefill-to-decode link: nvlink (the GPU's) or ib-ndr.")
+    ] = "nvlink",
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
     from hybridserve.sim.run import pool_report
@@ -414,8 +424,11 @@ def simulate_cmd(
         label = run_label(preset, config_file)
         pool = pool_report(config)
         fleet_report: dict[str, Any] | None = None
+        split = _pd_split(pd)
+        if split is not None and replicas is None:
+            replicas = sum(split)
         routed = (router, router_view, router_load_weight) != ("round-robin", "precise", 1.0)
-        if replicas is None and routed:
+        if replicas is None and (routed or pd_link != "nvlink"):
             raise ConfigError(
                 "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
             )
@@ -428,7 +441,8 @@ def simulate_cmd(
                 router=router,
                 view=router_view,
                 load_weight=router_load_weight,
-                quiet=as_json,
+                pd=split,
+                pd_link=pd_link,
             )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
@@ -478,15 +492,29 @@ def _run_fleet(
     router: str,
     view: str,
     load_weight: float,
-    quiet: bool,
+    pd: tuple[int, int] | None,
+    pd_link: str,
 ) -> tuple[SimRun, dict[str, Any]]:
     """A fleet run: its fleet-wide SimRun and its fleet report."""
     from hybridserve.sim.fleet import FleetConfig, run_fleet
 
-    fleet = FleetConfig(replicas=replicas, router=router, view=view, load_weight=load_weight)
+    fleet = FleetConfig(
+        replicas=replicas,
+        router=router,
+        view=view,
+        load_weight=load_weight,
+        pd=pd,
+        pd_link=pd_link,
+    )
     clock = time.perf_counter if config.include_scheduler_cpu else None
     done = run_fleet(config, fleet, cpu_clock=clock)
     return done.run, done.fleet
+
+
+def _pd_split(text: str | None) -> tuple[int, int] | None:
+    from hybridserve.sim.pd import parse_pd
+
+    return None if text is None else parse_pd(text)
 
 
 def _round(value: Any) -> Any:

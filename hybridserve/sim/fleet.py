@@ -22,10 +22,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.core.errors import ConfigError, RequestError
+from hybridserve.core.plan import StepPlan
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.kvcache import KVCacheManager
@@ -34,7 +35,11 @@ from hybridserve.kvcache.spec import GroupKind
 from hybridserve.metrics.recorder import MetricsRecorder, RequestRecord
 from hybridserve.metrics.stats import percentile
 from hybridserve.scheduler import Scheduler
+from hybridserve.sim.bounds import bounded_shape
+from hybridserve.sim.cost_model import RooflineCostModel
+from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.loop import Simulation
+from hybridserve.sim.pd import handoff_bytes, link_of
 from hybridserve.sim.routers import (
     ROUTERS,
     VIEWS,
@@ -45,13 +50,19 @@ from hybridserve.sim.routers import (
     RouteRequest,
 )
 from hybridserve.sim.run import (
+    TBT_SLO_S,
+    TTFT_SLO_S,
     QueueTrace,
     SimConfig,
     SimRun,
     _require_completed,
     build_engine,
+    draft_passes,
+    gpu_of,
     group_hit_rates,
+    loaded_model,
     make_simulation,
+    speculative_of,
     time_breakdown,
 )
 
@@ -62,8 +73,18 @@ class FleetConfig:
     router: str = "round-robin"
     view: str = "precise"  # precise | approximate (routers.py)
     load_weight: float = 1.0  # the prefix routers' load term weight (routers.py)
+    # Prefill/decode disaggregation (pd.py): P prefill and D decode replicas, P + D = replicas.
+    pd: tuple[int, int] | None = None
+    pd_link: str = "nvlink"
 
     def __post_init__(self) -> None:
+        if self.pd is not None and sum(self.pd) != self.replicas:
+            raise ConfigError(
+                "replicas (--replicas)",
+                self.replicas,
+                f"--pd {self.pd[0]}:{self.pd[1]} needs {sum(self.pd)} replicas: give that "
+                "or leave --replicas out",
+            )
         if self.replicas < 1:
             raise ConfigError("replicas (--replicas)", self.replicas, "use 1 or more replicas")
         if self.router not in ROUTERS:
@@ -92,9 +113,20 @@ class _Replica:
 class _InFlight:
     replica: int
     prompt: int  # prompt tokens still counted as outstanding (0 after the first token)
-    output: int  # output tokens still to come
+    output: int  # output tokens still to come on this replica
     hashes: list[BlockHash]
     tokens: tuple[int, ...]
+    max_tokens: int  # the request's whole answer
+    decoding: bool = False  # on a decode replica, after its handoff
+
+
+@dataclass(order=True, slots=True)
+class _Handoff:
+    time_s: float
+    seq: int
+    req_id: str = field(compare=False)
+    replica: int = field(compare=False)  # the decode replica (fleet index)
+    route: RouteRequest = field(compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +173,19 @@ class FleetSimulation:
             for _ in range(fleet.replicas)
         ]
         self.replicas = [_Replica(engine, scheduler) for engine, scheduler in built]
+        num_prefill = fleet.pd[0] if fleet.pd is not None else fleet.replicas
+        self.num_prefill = num_prefill
+        self.transferred: dict[str, int] = {}  # per request: KV tokens a decode replica received
+        if fleet.pd is not None:
+            if config.include_scheduler_cpu:
+                raise ConfigError(
+                    "include_scheduler_cpu (--include-scheduler-cpu)",
+                    True,
+                    "it is not modelled with --pd: drop one of them",
+                )
+            self.link = link_of(fleet.pd_link, gpu_of(config))
+            for replica in self.replicas[num_prefill:]:
+                _charge_only_untransferred(replica.engine, config, self.transferred)
         self.sim: Simulation = make_simulation(config, self.replicas[0].engine, lambda _s: None)
         self.sim.ideal_prefix = self.ideal
         self.recorder: MetricsRecorder = self.sim.recorder
@@ -160,7 +205,20 @@ class FleetSimulation:
                 )
                 for c in caches
             ]
-        self.router = Router(fleet.router, views, load_weight=fleet.load_weight)
+        # Arrivals go to the prefill replicas (all of them when colocated); handoffs to the
+        # decode replicas, by the same policy.
+        w = fleet.load_weight
+        self.router = Router(fleet.router, views[:num_prefill], load_weight=w)
+        self.decode_router = Router(fleet.router, views[num_prefill:] or views, load_weight=w)
+        self._slot: list[tuple[Router, int]] = [
+            (self.router, i) if i < num_prefill else (self.decode_router, i - num_prefill)
+            for i in range(fleet.replicas)
+        ]
+        self._handoffs: list[_Handoff] = []
+        self._handoff_seq = 0
+        self.decode_of: dict[str, int] = {}
+        self.transfer_s: list[float] = []
+        self.transfer_bytes = 0.0
         self.queue = QueueTrace(config.warmup_s)
         self.now = 0.0
         self.steps = 0
@@ -183,10 +241,13 @@ class FleetSimulation:
         sim = self.sim
         sim.start()
         while self.now < until_s:
+            self._admit_handoffs()
             self._admit_arrivals()
             self._start_steps()
             ends = [r.clock for r in self.replicas if r.pending is not None]
             upcoming = [*ends, *([sim._arrivals[0].time_s] if sim._arrivals else [])]
+            if self._handoffs:
+                upcoming.append(self._handoffs[0].time_s)
             if not upcoming:
                 break
             self.now = min(upcoming)
@@ -220,12 +281,14 @@ class FleetSimulation:
             route = RouteRequest(arrival.req_id, arrival.job_id, len(prompt), hashes)
             index = self.router.choose(route)
             replica = self.replicas[index]
+            # Disaggregated, the prefill replica answers the first token and hands off.
+            first = arrival.max_tokens if self.fleet.pd is None else 1
             try:
                 replica.engine.add_request(
                     Request(
                         req_id=arrival.req_id,
                         prompt_token_ids=prompt,
-                        sampling=SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
+                        sampling=SamplingParams(max_tokens=first, ignore_eos=True),
                         arrival_time=arrival.time_s,
                     )
                 )
@@ -233,12 +296,12 @@ class FleetSimulation:
                 sim.rejected.append((arrival.req_id, len(prompt), str(exc)))
                 continue
             self.router.routed(route, index)
-            self._change_load(index, len(prompt) + arrival.max_tokens)
+            self._change_load(index, len(prompt) + first)
             self.replica_of[arrival.req_id] = index
             if arrival.job_id is not None:
                 self.job_replica[arrival.job_id] = index
             self._inflight[arrival.req_id] = _InFlight(
-                index, len(prompt), arrival.max_tokens, hashes, prompt
+                index, len(prompt), first, hashes, prompt, arrival.max_tokens
             )
             self._record_ideal(arrival.req_id, len(prompt), hashes)
             sim._answers[arrival.req_id] = []
@@ -313,6 +376,10 @@ class FleetSimulation:
                 delta += flight.output
                 flight.output = 0
             self._change_load(index, -delta)
+            handing_off = self.fleet.pd is not None and not flight.decoding
+            if output.finished and handing_off and flight.max_tokens > 1:
+                self._hand_off(req_id, flight, end)
+                continue
             if output.finished:
                 recorder.on_finish(req_id, end)
                 answer = sim._answers.pop(req_id)
@@ -322,14 +389,76 @@ class FleetSimulation:
                 self._seen.update(self.hasher.extend(list(flight.hashes), computed))
                 sim.finished(req_id, end, answer)
 
+    def _hand_off(self, req_id: str, flight: _InFlight, end: float) -> None:
+        """The prefill replica answered the first token: move the KV and state not already on
+        the chosen decode replica, which resumes when the transfer lands."""
+        answer = self.sim._answers[req_id]
+        tokens = (*flight.tokens, *answer)
+        hashes = self.hasher.extend(list(flight.hashes), tokens)
+        route = RouteRequest(req_id, self._session_of(req_id), len(tokens), hashes)
+        local = self.decode_router.choose(route)
+        index = self.num_prefill + local
+        cache = self.replicas[index].scheduler.cache
+        resident = cache.find_hit(hashes, len(tokens)).num_tokens
+        moved = max(len(flight.tokens) - resident, 0)
+        num_bytes = handoff_bytes(
+            loaded_model(self.config),
+            moved_tokens=moved,
+            kv_dtype=self.config.kv_dtype,
+            tp=self.config.tp,
+        )
+        seconds = self.link.transfer_s(num_bytes)
+        if end >= self.config.warmup_s:
+            self.transfer_s.append(seconds)
+            self.transfer_bytes += num_bytes
+        heapq.heappush(
+            self._handoffs, _Handoff(end + seconds, self._handoff_seq, req_id, index, route)
+        )
+        self._handoff_seq += 1
+
+    def _session_of(self, req_id: str) -> str | None:
+        record = self.recorder.requests.get(req_id)
+        return record.job_id if record is not None else None
+
+    def _admit_handoffs(self) -> None:
+        while self._handoffs and self._handoffs[0].time_s <= self.now:
+            handoff = heapq.heappop(self._handoffs)
+            req_id, index = handoff.req_id, handoff.replica
+            flight = self._inflight[req_id]
+            answer = self.sim._answers[req_id]
+            tokens = (*flight.tokens, *answer)
+            remaining = flight.max_tokens - len(answer)
+            try:
+                self.replicas[index].engine.add_request(
+                    Request(
+                        req_id=req_id,
+                        prompt_token_ids=tokens,
+                        sampling=SamplingParams(max_tokens=remaining, ignore_eos=True),
+                        arrival_time=handoff.time_s,
+                    )
+                )
+            except RequestError as exc:
+                # No room to decode (the prompt filled the context): the answer ends here.
+                self.sim.rejected.append((req_id, len(tokens), str(exc)))
+                self._inflight.pop(req_id)
+                self.recorder.on_finish(req_id, self.now)
+                self.sim.finished(req_id, self.now, self.sim._answers.pop(req_id))
+                continue
+            self.transferred[req_id] = len(flight.tokens)
+            self.decode_router.routed(handoff.route, index - self.num_prefill)
+            flight.replica, flight.output, flight.decoding = index, remaining, True
+            self.decode_of[req_id] = index
+            self._change_load(index, remaining)
+
     def _change_load(self, index: int, delta: int) -> None:
         now = self.now
+        router, local = self._slot[index]
         lo = max(self._last_change[index], self.config.warmup_s)
         hi = min(now, self.config.duration_s)
         if hi > lo:
-            self._area[index] += self.router.outstanding[index] * (hi - lo)
+            self._area[index] += router.outstanding[local] * (hi - lo)
         self._last_change[index] = max(self._last_change[index], now)
-        self.router.outstanding[index] += delta
+        router.outstanding[local] += delta
 
     # ----- the report -------------------------------------------------------------------------
 
@@ -340,10 +469,38 @@ class FleetSimulation:
         for index in range(len(self.replicas)):
             area = self._area[index]
             lo = max(self._last_change[index], self.config.warmup_s)
+            router, local = self._slot[index]
             if end_s > lo:
-                area += self.router.outstanding[index] * (end_s - lo)
+                area += router.outstanding[local] * (end_s - lo)
             out.append(area / span if span > 0 else 0.0)
         return out
+
+
+def _charge_only_untransferred(
+    engine: Engine, config: SimConfig, transferred: Mapping[str, int]
+) -> None:
+    """A decode replica computes nothing it received: its steps are charged for the prompt
+    tokens past what the handoff moved (the first token), as the `ideal-hits` bound charges
+    for tokens past an ideal hit. Its cache still allocates and holds every block."""
+    executor = engine.executor
+    if not isinstance(executor, SimulatedExecutor):
+        raise TypeError("a decode replica runs on the simulated executor")
+    model = loaded_model(config)
+    cost = RooflineCostModel(
+        gpu_of(config),
+        model,
+        tp=config.tp,
+        dcp=config.dcp,
+        dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
+        efficiency=config.efficiency,
+        num_draft_passes=draft_passes(speculative_of(config)),
+    )
+
+    def step_time(plan: StepPlan) -> float:
+        return cost.step_cost(bounded_shape(plan, "ideal-hits", transferred)).total_s
+
+    executor.step_time = step_time
 
 
 def imbalance(loads: list[float]) -> float:
@@ -405,7 +562,9 @@ def run_fleet(
     hours = (end_s - start) / 3600.0
     per_replica = []
     for index, replica in enumerate(sim.replicas):
-        mine = [r for r in done if sim.replica_of.get(r.req_id) == index]
+        mine = [
+            r for r in done if index in (sim.replica_of.get(r.req_id), sim.decode_of.get(r.req_id))
+        ]
         jobs = [
             j
             for j in recorder.jobs.values()
@@ -416,6 +575,9 @@ def run_fleet(
         per_replica.append(
             {
                 "replica": index,
+                "role": "colocated"
+                if fleet.pd is None
+                else ("prefill" if index < sim.num_prefill else "decode"),
                 "requests_completed": float(len(mine)),
                 "job_goodput_per_hour": len(jobs) / hours,
                 **_latency(mine),
@@ -427,8 +589,11 @@ def run_fleet(
         )
     hit = _hit_rate(done)
     ideal = _hit_rate(done, sim.global_ideal)
-    report = {
+    gpus = fleet.replicas * config.tp
+    within = [r for r in done if _meets_slo(r)]
+    report: dict[str, Any] = {
         "replicas": fleet.replicas,
+        "gpus": gpus,
         "router": fleet.router,
         "router_view": fleet.view,
         "load_weight": fleet.load_weight,
@@ -436,10 +601,31 @@ def run_fleet(
         "global_ideal_hit_rate": ideal,
         "hit_rate_of_ideal": hit / ideal if ideal else math.nan,
         "imbalance": imbalance(loads),
+        # Requests within the SLO (TTFT <= 15 s, p99 gap <= 100 ms) per GPU-hour.
+        "slo_requests_per_gpu_hour": len(within) / hours / gpus,
+        "job_goodput_per_gpu_hour": summary["job_goodput_per_hour"] / gpus,
         "per_replica": per_replica,
     }
+    if fleet.pd is not None:
+        moves = sim.transfer_s
+        report["pd"] = {
+            "prefill": fleet.pd[0],
+            "decode": fleet.pd[1],
+            "link": sim.link.name,
+            "link_gb_per_s": sim.link.bytes_per_s / 1e9,
+            "handoffs": len(moves),
+            "transferred_gb_per_gpu": sim.transfer_bytes / 1e9,
+            "transfer_ms_mean": 1000 * sum(moves) / len(moves) if moves else math.nan,
+            "transfer_ms_p99": 1000 * percentile(moves, 99) if moves else math.nan,
+        }
     run = SimRun(config, summary, recorder, cache, rejected=tuple(sim.sim.rejected))
     return FleetRun(run, report)
+
+
+def _meets_slo(record: RequestRecord) -> bool:
+    if record.first_token_s is None or record.first_token_s - record.arrival_s > TTFT_SLO_S:
+        return False
+    return not record.gaps_s or percentile(record.gaps_s, 99) <= TBT_SLO_S
 
 
 def _merged_cache(caches: list[dict[str, Any]]) -> dict[str, Any]:

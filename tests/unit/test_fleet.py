@@ -17,7 +17,10 @@ from hybridserve.engine.offline import run_to_completion
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager, MambaSpec
 from hybridserve.scheduler import Scheduler
 from hybridserve.sim.executor import SimulatedExecutor
-from hybridserve.sim.fleet import FleetConfig, imbalance, run_fleet
+from hybridserve.sim.fleet import FleetConfig, FleetSimulation, imbalance, run_fleet
+from hybridserve.sim.gpus import get_gpu
+from hybridserve.sim.models import get_model
+from hybridserve.sim.pd import Link, handoff_bytes, link_of, parse_pd
 from hybridserve.sim.routers import ApproximateView, PreciseView, Router, RouteRequest
 from hybridserve.sim.run import SimConfig, run_simulation
 from hybridserve.sim.workload import AgentParams
@@ -234,3 +237,82 @@ def test_cli_router_options_without_replicas_are_refused() -> None:
     result = runner.invoke(app, [*CLI, "--router", "prefix-fa", "--json"])
     assert result.exit_code == 2
     assert "add --replicas N" in result.output
+
+
+# ----- prefill/decode disaggregation ------------------------------------------------------------
+
+
+def test_transfer_time_is_the_latency_plus_the_bytes_over_the_link() -> None:
+    link = Link("test", 50e9, 30e-6)
+    assert link.transfer_s(1e9) == pytest.approx(30e-6 + 0.02)
+    assert link.transfer_s(0) == 0.0  # nothing to move: no handoff cost
+    h200 = get_gpu("H200")
+    assert link_of("nvlink", h200).bytes_per_s == h200.link_bytes_per_s
+    assert link_of("ib-ndr", h200).bytes_per_s == 50e9  # NDR 400 Gb/s
+    with pytest.raises(ConfigError, match="pd_link"):
+        link_of("carrier-pigeon", h200)
+
+
+def test_handoff_bytes_follow_the_cache_layout() -> None:
+    llama = get_model("llama-3.1-8b")
+    # 32 layers x K and V x 8 KV heads x 128 dims x 2 bytes (bf16) per token; no state.
+    assert handoff_bytes(llama, moved_tokens=1_000) == 1_000 * 32 * 2 * 8 * 128 * 2
+    assert handoff_bytes(llama, moved_tokens=1_000, tp=2) == 1_000 * 32 * 2 * 4 * 128 * 2
+    assert handoff_bytes(llama, moved_tokens=0) == 0.0
+    qwen = get_model("qwen3-next-80b-a3b")
+    state = qwen.state_bytes_per_sequence()
+    assert state > 0
+    assert handoff_bytes(qwen, moved_tokens=0) == state  # the state moves whatever is resident
+    (full,) = [g for g in qwen.cache_groups() if isinstance(g, FullAttentionSpec)]
+    per_token = qwen.kv_bytes_per_token(full)
+    assert handoff_bytes(qwen, moved_tokens=12_000) == pytest.approx(12_000 * per_token + state)
+
+
+def test_pd_spec_is_parsed_and_a_bad_one_named() -> None:
+    assert parse_pd("3:5") == (3, 5)
+    for bad in ("3", "0:2", "a:b", "2:-1"):
+        with pytest.raises(ConfigError, match="pd"):
+            parse_pd(bad)
+    with pytest.raises(ConfigError, match="replicas"):
+        FleetConfig(replicas=3, pd=(1, 1))
+
+
+PD = FleetConfig(replicas=2, pd=(1, 1))
+
+
+def _first_gaps(link: Link | None) -> tuple[list[float], FleetSimulation]:
+    sim = FleetSimulation(SMALL, PD)
+    if link is not None:
+        sim.link = link
+    recorder = sim.run(SMALL.duration_s)
+    gaps = [r.gaps_s[0] for r in recorder.requests.values() if r.gaps_s]
+    return gaps, sim
+
+
+def test_disaggregated_requests_prefill_on_one_replica_and_decode_on_the_other() -> None:
+    gaps, sim = _first_gaps(None)
+    assert gaps and sim.transfer_s
+    decoded = set(sim.decode_of)
+    assert decoded and all(sim.replica_of[r] == 0 for r in decoded)
+    assert set(sim.decode_of.values()) == {1}
+    # The decode replica received every prompt token: its steps are charged only past them.
+    assert all(sim.transferred[r] == sim.recorder.requests[r].prompt_tokens for r in decoded)
+    assert sim.replicas[1].steps > sim.replicas[0].steps  # it runs the decodes
+
+
+def test_a_slower_link_delays_the_second_token_by_the_transfer() -> None:
+    fast, _ = _first_gaps(None)
+    slow_link = Link("slow", 1e9, 0.05)  # 1 GB/s and 50 ms a handoff
+    slow, sim = _first_gaps(slow_link)
+    assert min(sim.transfer_s) >= 0.05
+    assert sum(slow) / len(slow) > sum(fast) / len(fast) + 0.05
+
+
+def test_cli_pd_prints_the_handoffs_and_refuses_a_mismatched_replica_count() -> None:
+    payload = json.loads(_last_line(["--pd", "1:1", "--pd-link", "ib-ndr"]))
+    pd = payload["fleet"]["pd"]
+    assert pd["prefill"] == 1 and pd["decode"] == 1 and pd["link"] == "ib-ndr"
+    assert pd["handoffs"] > 0 and payload["fleet"]["gpus"] == 2
+    result = runner.invoke(app, [*CLI, "--pd", "1:1", "--replicas", "3", "--json"])
+    assert result.exit_code == 2
+    assert "--pd 1:1 needs 2 replicas" in result.output
