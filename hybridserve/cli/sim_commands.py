@@ -360,6 +360,41 @@ def simulate_cmd(
     ] = None,
     seed: SeedOption = 0,
     as_json: JsonOption = False,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Simulate a fleet of N replicas behind --router (adds a `fleet` report) "
+            "[default: one engine, no router]."
+        ),
+    ] = None,
+    router: Annotated[
+        str,
+        typer.Option(
+            help="Fleet router: round-robin, least-loaded, session, prefix-fa (full-attention "
+            "overlap) or prefix-hybrid (the reconciled hit)."
+        ),
+    ] = "round-robin",
+    router_view: Annotated[
+        str,
+        typer.Option(
+            help="What the router sees of a replica's cache: precise (the cache itself) or "
+            "approximate (its own routing history, in an LRU)."
+        ),
+    ] = "precise",
+    router_load_weight: Annotated[
+        float,
+        typer.Option(help="Prefix routers: score = overlap tokens - weight x outstanding tokens."),
+    ] = 1.0,
+    pd: Annotated[
+        str | None,
+        typer.Option(
+            help="Disaggregate: P:D prefill and decode replicas (P + D = --replicas, which it "
+            "implies); KV and state move over --pd-link."
+        ),
+    ] = None,
+    pd_link: Annotated[
+        str, typer.Option(help="The prefill-to-decode link: nvlink (the GPU's) or ib-ndr.")
+    ] = "nvlink",
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
     from hybridserve.sim.run import pool_report
@@ -388,7 +423,27 @@ def simulate_cmd(
         )
         label = run_label(preset, config_file)
         pool = pool_report(config)
-        run = _run_sim(config, label=f"simulate ({label})", quiet=as_json)
+        fleet_report: dict[str, Any] | None = None
+        split = _pd_split(pd)
+        if split is not None and replicas is None:
+            replicas = sum(split)
+        routed = (router, router_view, router_load_weight) != ("round-robin", "precise", 1.0)
+        if replicas is None and (routed or pd_link != "nvlink"):
+            raise ConfigError(
+                "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
+            )
+        if replicas is None:
+            run = _run_sim(config, label=f"simulate ({label})", quiet=as_json)
+        else:
+            run, fleet_report = _run_fleet(
+                config,
+                replicas=replicas,
+                router=router,
+                view=router_view,
+                load_weight=router_load_weight,
+                pd=split,
+                pd_link=pd_link,
+            )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
@@ -403,7 +458,10 @@ def simulate_cmd(
         report: dict[str, object] = {label: _metrics_json(summary), "pool": pool, "setup": setup}
         _write_report(out, report, {label: run})
     if as_json:
-        sys.stdout.write(json.dumps(_metrics_json(summary)) + "\n")
+        payload: dict[str, Any] = dict(_metrics_json(summary))
+        if fleet_report is not None:
+            payload["fleet"] = fleet_json(fleet_report)
+        sys.stdout.write(json.dumps(payload) + "\n")
         return
     where = f"{config.gpu} (tp={tp}, dcp={dcp}, {config.dtype})"
     extra = f", bound={bound}" if bound else ""
@@ -418,8 +476,95 @@ def simulate_cmd(
     if summary["requests_rejected"]:
         table.add_row("requests_rejected", f"{summary['requests_rejected']:,.0f}")
     console.print(table)
+    if fleet_report is not None:
+        console.print(fleet_table(fleet_report))
     for line in pool["vllm_log"]:
         console.print(f"vLLM would log: {line}")
+
+
+# ----- fleet (hybridserve.sim.fleet) -----------------------------------------------------------
+
+
+def _run_fleet(
+    config: SimConfig,
+    *,
+    replicas: int,
+    router: str,
+    view: str,
+    load_weight: float,
+    pd: tuple[int, int] | None,
+    pd_link: str,
+) -> tuple[SimRun, dict[str, Any]]:
+    """A fleet run: its fleet-wide SimRun and its fleet report."""
+    from hybridserve.sim.fleet import FleetConfig, run_fleet
+
+    fleet = FleetConfig(
+        replicas=replicas,
+        router=router,
+        view=view,
+        load_weight=load_weight,
+        pd=pd,
+        pd_link=pd_link,
+    )
+    clock = time.perf_counter if config.include_scheduler_cpu else None
+    done = run_fleet(config, fleet, cpu_clock=clock)
+    return done.run, done.fleet
+
+
+def _pd_split(text: str | None) -> tuple[int, int] | None:
+    from hybridserve.sim.pd import parse_pd
+
+    return None if text is None else parse_pd(text)
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float):
+        return None if math.isnan(value) else round(value, 4)
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_round(v) for v in value]
+    return value
+
+
+def fleet_json(report: dict[str, Any]) -> dict[str, Any]:
+    """The fleet report, rounded as the metrics are (an undefined value becomes null)."""
+    rounded: dict[str, Any] = _round(report)
+    return rounded
+
+
+def fleet_table(report: dict[str, Any]) -> Table:
+    """One row per replica and a fleet row."""
+    table = Table(
+        title=f"fleet: {report['replicas']} replicas, router {report['router']} "
+        f"({report['router_view']}); hit rate {report['hit_rate']:.3f} of a global ideal "
+        f"{report['global_ideal_hit_rate']:.3f}; imbalance {report['imbalance']:.2f}"
+    )
+    columns = (
+        "replica",
+        "requests_completed",
+        "job_goodput_per_hour",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p99_ms",
+        "hit_rate",
+        "mean_outstanding_tokens",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in report["per_replica"]:
+        cells = [row[c] for c in columns]
+        table.add_row(
+            *(
+                "-"
+                if isinstance(v, float) and math.isnan(v)
+                else f"{v:,.3f}"
+                if isinstance(v, float)
+                else str(v)
+                for v in cells
+            )
+        )
+    return table
 
 
 BREAKDOWN_ROWS = (

@@ -1,0 +1,643 @@
+"""A simulated fleet: N replicas, each the production Engine + Scheduler + KVCacheManager on
+the simulated executor (`build_engine`), behind a router, in one deterministic event loop.
+
+The workload is the single-engine one (`make_simulation`: agents, a Mooncake or Azure trace,
+Poisson, fixed); the fleet loop drives its arrivals and answers instead of its own loop.
+
+Events at one simulated time resolve in a fixed order: the steps that end then deliver their
+outputs (replica order), then the arrivals due are routed and admitted (in arrival order), then
+every idle replica with work starts its next step. A step's timeline, GPU time and admissions are
+recorded when it starts (its plan is known then); its tokens are delivered when it ends. With one
+replica this is exactly the single-engine loop, so `--replicas 1 --router round-robin` gives the
+single-engine report bit for bit.
+
+The fleet report adds, over the measurement window: the reconciled hit rate against the global
+ideal (one infinite cache for the whole fleet: every block any replica computed, prompts and
+answers, kept forever, states at every block), and the load imbalance, max/mean over replicas of
+the time-averaged outstanding tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridserve.core.errors import ConfigError, RequestError
+from hybridserve.core.plan import StepPlan
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine import Engine, EngineStep
+from hybridserve.kvcache import KVCacheManager
+from hybridserve.kvcache.hashing import BlockHash, BlockHasher
+from hybridserve.kvcache.spec import GroupKind
+from hybridserve.metrics.recorder import MetricsRecorder, RequestRecord
+from hybridserve.metrics.stats import percentile
+from hybridserve.scheduler import Scheduler
+from hybridserve.sim.bounds import bounded_shape
+from hybridserve.sim.cost_model import RooflineCostModel
+from hybridserve.sim.executor import SimulatedExecutor
+from hybridserve.sim.loop import Simulation
+from hybridserve.sim.pd import handoff_bytes, link_of
+from hybridserve.sim.routers import (
+    ROUTERS,
+    VIEWS,
+    ApproximateView,
+    PreciseView,
+    ReplicaView,
+    Router,
+    RouteRequest,
+)
+from hybridserve.sim.run import (
+    TBT_SLO_S,
+    TTFT_SLO_S,
+    QueueTrace,
+    SimConfig,
+    SimRun,
+    _require_completed,
+    build_engine,
+    draft_passes,
+    gpu_of,
+    group_hit_rates,
+    loaded_model,
+    make_simulation,
+    speculative_of,
+    time_breakdown,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FleetConfig:
+    replicas: int = 1
+    router: str = "round-robin"
+    view: str = "precise"  # precise | approximate (routers.py)
+    load_weight: float = 1.0  # the prefix routers' load term weight (routers.py)
+    # Prefill/decode disaggregation (pd.py): P prefill and D decode replicas, P + D = replicas.
+    pd: tuple[int, int] | None = None
+    pd_link: str = "nvlink"
+
+    def __post_init__(self) -> None:
+        if self.pd is not None and sum(self.pd) != self.replicas:
+            raise ConfigError(
+                "replicas (--replicas)",
+                self.replicas,
+                f"--pd {self.pd[0]}:{self.pd[1]} needs {sum(self.pd)} replicas: give that "
+                "or leave --replicas out",
+            )
+        if self.replicas < 1:
+            raise ConfigError("replicas (--replicas)", self.replicas, "use 1 or more replicas")
+        if self.router not in ROUTERS:
+            raise ConfigError("router (--router)", self.router, f"use one of {', '.join(ROUTERS)}")
+        if not self.load_weight >= 0:
+            raise ConfigError(
+                "load_weight (--router-load-weight)", self.load_weight, "use 0 or more"
+            )
+        if self.view not in VIEWS:
+            raise ConfigError(
+                "router_view (--router-view)", self.view, f"use one of {', '.join(VIEWS)}"
+            )
+
+
+@dataclass(slots=True)
+class _Replica:
+    engine: Engine
+    scheduler: Scheduler
+    clock: float = 0.0  # when its running step ends (or ended)
+    pending: EngineStep | None = None  # the step in flight, delivered at `clock`
+    steps: int = 0
+    busy_s: float = 0.0  # GPU seconds of steps that end inside the window
+
+
+@dataclass(slots=True)
+class _InFlight:
+    replica: int
+    prompt: int  # prompt tokens still counted as outstanding (0 after the first token)
+    output: int  # output tokens still to come on this replica
+    hashes: list[BlockHash]
+    tokens: tuple[int, ...]
+    max_tokens: int  # the request's whole answer
+    decoding: bool = False  # on a decode replica, after its handoff
+
+
+@dataclass(order=True, slots=True)
+class _Handoff:
+    time_s: float
+    seq: int
+    req_id: str = field(compare=False)
+    replica: int = field(compare=False)  # the decode replica (fleet index)
+    route: RouteRequest = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRun:
+    """A finished fleet run: the fleet-wide summary (the single-engine keys) and the fleet
+    report (`fleet_report`)."""
+
+    run: SimRun
+    fleet: dict[str, Any]
+
+
+def state_grid(cache: KVCacheManager) -> int:
+    """Tokens between the positions a state group can resume at (0 without state groups)."""
+    layout = cache.layout
+    grids = [
+        math.lcm(layout.alignment_tokens, spec.block_size)
+        for spec in layout.groups
+        if spec.kind is GroupKind.MAMBA
+    ]
+    return max(grids, default=0)
+
+
+class FleetSimulation:
+    """Drives a workload's `Simulation` over several replicas (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        fleet: FleetConfig,
+        *,
+        progress: Callable[[float], None] | None = None,
+        cpu_clock: Callable[[], float] | None = None,
+    ) -> None:
+        if config.bound is not None:
+            raise ConfigError(
+                "bound (--bound)", config.bound, "bounds are single-engine: drop --bound"
+            )
+        self.config = config
+        self.fleet = fleet
+        self.progress = progress
+        self.ideal: dict[str, int] = {}
+        built = [
+            build_engine(config, cpu_clock=cpu_clock, ideal_prefix=self.ideal)
+            for _ in range(fleet.replicas)
+        ]
+        self.replicas = [_Replica(engine, scheduler) for engine, scheduler in built]
+        num_prefill = fleet.pd[0] if fleet.pd is not None else fleet.replicas
+        self.num_prefill = num_prefill
+        self.transferred: dict[str, int] = {}  # per request: KV tokens a decode replica received
+        if fleet.pd is not None:
+            if config.include_scheduler_cpu:
+                raise ConfigError(
+                    "include_scheduler_cpu (--include-scheduler-cpu)",
+                    True,
+                    "it is not modelled with --pd: drop one of them",
+                )
+            self.link = link_of(fleet.pd_link, gpu_of(config))
+            for replica in self.replicas[num_prefill:]:
+                _charge_only_untransferred(replica.engine, config, self.transferred)
+        self.sim: Simulation = make_simulation(config, self.replicas[0].engine, lambda _s: None)
+        self.sim.ideal_prefix = self.ideal
+        self.recorder: MetricsRecorder = self.sim.recorder
+        caches = [r.scheduler.cache for r in self.replicas]
+        first = caches[0]
+        self.hasher: BlockHasher = first.hasher
+        views: list[ReplicaView]
+        if fleet.view == "precise":
+            views = [PreciseView(c) for c in caches]
+        else:
+            views = [
+                ApproximateView(
+                    capacity=c.layout.num_blocks,
+                    hash_block_size=c.layout.hash_block_size,
+                    state_grid=state_grid(c),
+                    alignment=c.layout.alignment_tokens,
+                )
+                for c in caches
+            ]
+        # Arrivals go to the prefill replicas (all of them when colocated); handoffs to the
+        # decode replicas, by the same policy.
+        w = fleet.load_weight
+        self.router = Router(fleet.router, views[:num_prefill], load_weight=w)
+        self.decode_router = Router(fleet.router, views[num_prefill:] or views, load_weight=w)
+        self._slot: list[tuple[Router, int]] = [
+            (self.router, i) if i < num_prefill else (self.decode_router, i - num_prefill)
+            for i in range(fleet.replicas)
+        ]
+        self._handoffs: list[_Handoff] = []
+        self._handoff_seq = 0
+        self.decode_of: dict[str, int] = {}
+        self.transfer_s: list[float] = []
+        self.transfer_bytes = 0.0
+        self.queue = QueueTrace(config.warmup_s)
+        self.now = 0.0
+        self.steps = 0
+        self.gpu_seconds = {"decode": 0.0, "prefill": 0.0, "mixed": 0.0}
+        self.replica_of: dict[str, int] = {}
+        self.job_replica: dict[str, int] = {}
+        self._inflight: dict[str, _InFlight] = {}
+        # Global ideal: every block hash any replica computed, and per request its ideal hit.
+        self._seen: set[BlockHash] = set()
+        self.global_ideal: dict[str, int] = {}
+        # Per session, the last prompt's tokens and hashes (an agent's prompt grows by appending).
+        self._session_hashes: dict[str, tuple[tuple[int, ...], list[BlockHash]]] = {}
+        # Outstanding tokens, time-integrated over the window, per replica.
+        self._area = [0.0] * fleet.replicas
+        self._last_change = [0.0] * fleet.replicas
+
+    # ----- the loop ---------------------------------------------------------------------------
+
+    def run(self, until_s: float) -> MetricsRecorder:
+        sim = self.sim
+        sim.start()
+        while self.now < until_s:
+            self._admit_handoffs()
+            self._admit_arrivals()
+            self._start_steps()
+            ends = [r.clock for r in self.replicas if r.pending is not None]
+            upcoming = [*ends, *([sim._arrivals[0].time_s] if sim._arrivals else [])]
+            if self._handoffs:
+                upcoming.append(self._handoffs[0].time_s)
+            if not upcoming:
+                break
+            self.now = min(upcoming)
+            for index, replica in enumerate(self.replicas):
+                if replica.pending is not None and replica.clock <= self.now:
+                    self._deliver(index)
+        # Steps started before the end deliver their outputs, as the single-engine loop does.
+        for index, replica in sorted(enumerate(self.replicas), key=lambda item: item[1].clock):
+            if replica.pending is not None:
+                self.now = max(self.now, replica.clock)
+                self._deliver(index)
+        return self.recorder
+
+    def _hashes_of(self, prompt: tuple[int, ...], session: str | None) -> list[BlockHash]:
+        hashes: list[BlockHash] = []
+        if session is not None and session in self._session_hashes:
+            tokens, previous = self._session_hashes[session]
+            if prompt[: len(tokens)] == tokens:
+                hashes = list(previous)
+        self.hasher.extend(hashes, prompt)
+        if session is not None:
+            self._session_hashes[session] = (prompt, hashes)
+        return hashes
+
+    def _admit_arrivals(self) -> None:
+        sim = self.sim
+        while sim._arrivals and sim._arrivals[0].time_s <= self.now:
+            arrival = heapq.heappop(sim._arrivals)
+            prompt = tuple(arrival.prompt)
+            hashes = self._hashes_of(prompt, arrival.job_id)
+            route = RouteRequest(arrival.req_id, arrival.job_id, len(prompt), hashes)
+            index = self.router.choose(route)
+            replica = self.replicas[index]
+            # Disaggregated, the prefill replica answers the first token and hands off.
+            first = arrival.max_tokens if self.fleet.pd is None else 1
+            try:
+                replica.engine.add_request(
+                    Request(
+                        req_id=arrival.req_id,
+                        prompt_token_ids=prompt,
+                        sampling=SamplingParams(max_tokens=first, ignore_eos=True),
+                        arrival_time=arrival.time_s,
+                    )
+                )
+            except RequestError as exc:
+                sim.rejected.append((arrival.req_id, len(prompt), str(exc)))
+                continue
+            self.router.routed(route, index)
+            self._change_load(index, len(prompt) + first)
+            self.replica_of[arrival.req_id] = index
+            if arrival.job_id is not None:
+                self.job_replica[arrival.job_id] = index
+            self._inflight[arrival.req_id] = _InFlight(
+                index, len(prompt), first, hashes, prompt, arrival.max_tokens
+            )
+            self._record_ideal(arrival.req_id, len(prompt), hashes)
+            sim._answers[arrival.req_id] = []
+            self.recorder.on_arrival(arrival.req_id, arrival.time_s, len(prompt), arrival.job_id)
+
+    def _record_ideal(self, req_id: str, num_tokens: int, hashes: list[BlockHash]) -> None:
+        cache = self.replicas[0].scheduler.cache
+        matched = 0
+        for block_hash in hashes:
+            if block_hash not in self._seen:
+                break
+            matched += 1
+        a = cache.layout.alignment_tokens
+        tokens = matched * cache.layout.hash_block_size // a * a
+        self.global_ideal[req_id] = min(tokens, cache.cacheable_tokens(num_tokens))
+        self._seen.update(hashes)
+
+    def _start_steps(self) -> None:
+        for index, replica in enumerate(self.replicas):
+            if replica.pending is not None or not replica.engine.has_requests():
+                continue
+            start = self.now  # an idle replica's last step ended at or before now
+            step = replica.engine.step(start)
+            end = start + max(step.result.duration_s, 1e-6)
+            self.steps += 1
+            replica.steps += 1
+            scheduled = step.scheduled
+            recorder = self.recorder
+            recorder.preemptions += len(scheduled.preempted)
+            if end >= self.config.warmup_s and (
+                scheduled.num_prefill_tokens or scheduled.num_decode_tokens
+            ):
+                if not scheduled.num_prefill_tokens:
+                    kind = "decode"
+                elif not scheduled.num_decode_tokens:
+                    kind = "prefill"
+                else:
+                    kind = "mixed"
+                self.gpu_seconds[kind] += end - start
+                replica.busy_s += end - start
+            recorder.timeline.on_step(
+                end,
+                duration_s=end - start,
+                prefill=scheduled.num_prefill_tokens,
+                decode=scheduled.num_decode_tokens,
+                kv_usage=scheduled.kv_usage,
+            )
+            for req_id, hit in scheduled.new_reqs:
+                recorder.on_admitted(req_id, hit)
+            others = sum(r.scheduler.num_waiting for i, r in enumerate(self.replicas) if i != index)
+            self.queue.on_step(step.now, scheduled.num_waiting + others)
+            if self.progress is not None and self.steps % 256 == 0:
+                self.progress(start)
+            replica.pending = step
+            replica.clock = end
+
+    def _deliver(self, index: int) -> None:
+        replica = self.replicas[index]
+        step, end = replica.pending, replica.clock
+        assert step is not None
+        replica.pending = None
+        sim, recorder = self.sim, self.recorder
+        for output in step.outputs:
+            req_id = output.req_id
+            recorder.on_delivery(req_id, end, len(output.new_token_ids))
+            sim._answers[req_id].extend(output.new_token_ids)
+            flight = self._inflight[req_id]
+            delta = flight.prompt + min(len(output.new_token_ids), flight.output)
+            flight.output -= min(len(output.new_token_ids), flight.output)
+            flight.prompt = 0
+            if output.finished:
+                delta += flight.output
+                flight.output = 0
+            self._change_load(index, -delta)
+            handing_off = self.fleet.pd is not None and not flight.decoding
+            if output.finished and handing_off and flight.max_tokens > 1:
+                self._hand_off(req_id, flight, end)
+                continue
+            if output.finished:
+                recorder.on_finish(req_id, end)
+                answer = sim._answers.pop(req_id)
+                self._inflight.pop(req_id)
+                # An infinite cache keeps the answer's blocks too (its last token is never fed).
+                computed = (*flight.tokens, *answer[:-1])
+                self._seen.update(self.hasher.extend(list(flight.hashes), computed))
+                sim.finished(req_id, end, answer)
+
+    def _hand_off(self, req_id: str, flight: _InFlight, end: float) -> None:
+        """The prefill replica answered the first token: move the KV and state not already on
+        the chosen decode replica, which resumes when the transfer lands."""
+        answer = self.sim._answers[req_id]
+        tokens = (*flight.tokens, *answer)
+        hashes = self.hasher.extend(list(flight.hashes), tokens)
+        route = RouteRequest(req_id, self._session_of(req_id), len(tokens), hashes)
+        local = self.decode_router.choose(route)
+        index = self.num_prefill + local
+        cache = self.replicas[index].scheduler.cache
+        resident = cache.find_hit(hashes, len(tokens)).num_tokens
+        moved = max(len(flight.tokens) - resident, 0)
+        num_bytes = handoff_bytes(
+            loaded_model(self.config),
+            moved_tokens=moved,
+            kv_dtype=self.config.kv_dtype,
+            tp=self.config.tp,
+        )
+        seconds = self.link.transfer_s(num_bytes)
+        if end >= self.config.warmup_s:
+            self.transfer_s.append(seconds)
+            self.transfer_bytes += num_bytes
+        heapq.heappush(
+            self._handoffs, _Handoff(end + seconds, self._handoff_seq, req_id, index, route)
+        )
+        self._handoff_seq += 1
+
+    def _session_of(self, req_id: str) -> str | None:
+        record = self.recorder.requests.get(req_id)
+        return record.job_id if record is not None else None
+
+    def _admit_handoffs(self) -> None:
+        while self._handoffs and self._handoffs[0].time_s <= self.now:
+            handoff = heapq.heappop(self._handoffs)
+            req_id, index = handoff.req_id, handoff.replica
+            flight = self._inflight[req_id]
+            answer = self.sim._answers[req_id]
+            tokens = (*flight.tokens, *answer)
+            remaining = flight.max_tokens - len(answer)
+            try:
+                self.replicas[index].engine.add_request(
+                    Request(
+                        req_id=req_id,
+                        prompt_token_ids=tokens,
+                        sampling=SamplingParams(max_tokens=remaining, ignore_eos=True),
+                        arrival_time=handoff.time_s,
+                    )
+                )
+            except RequestError as exc:
+                # No room to decode (the prompt filled the context): the answer ends here.
+                self.sim.rejected.append((req_id, len(tokens), str(exc)))
+                self._inflight.pop(req_id)
+                self.recorder.on_finish(req_id, self.now)
+                self.sim.finished(req_id, self.now, self.sim._answers.pop(req_id))
+                continue
+            self.transferred[req_id] = len(flight.tokens)
+            self.decode_router.routed(handoff.route, index - self.num_prefill)
+            flight.replica, flight.output, flight.decoding = index, remaining, True
+            self.decode_of[req_id] = index
+            self._change_load(index, remaining)
+
+    def _change_load(self, index: int, delta: int) -> None:
+        now = self.now
+        router, local = self._slot[index]
+        lo = max(self._last_change[index], self.config.warmup_s)
+        hi = min(now, self.config.duration_s)
+        if hi > lo:
+            self._area[index] += router.outstanding[local] * (hi - lo)
+        self._last_change[index] = max(self._last_change[index], now)
+        router.outstanding[local] += delta
+
+    # ----- the report -------------------------------------------------------------------------
+
+    def mean_outstanding(self, end_s: float) -> list[float]:
+        """Each replica's outstanding tokens averaged over [warmup, end_s]."""
+        span = end_s - self.config.warmup_s
+        out = []
+        for index in range(len(self.replicas)):
+            area = self._area[index]
+            lo = max(self._last_change[index], self.config.warmup_s)
+            router, local = self._slot[index]
+            if end_s > lo:
+                area += router.outstanding[local] * (end_s - lo)
+            out.append(area / span if span > 0 else 0.0)
+        return out
+
+
+def _charge_only_untransferred(
+    engine: Engine, config: SimConfig, transferred: Mapping[str, int]
+) -> None:
+    """A decode replica computes nothing it received: its steps are charged for the prompt
+    tokens past what the handoff moved (the first token), as the `ideal-hits` bound charges
+    for tokens past an ideal hit. Its cache still allocates and holds every block."""
+    executor = engine.executor
+    if not isinstance(executor, SimulatedExecutor):
+        raise TypeError("a decode replica runs on the simulated executor")
+    model = loaded_model(config)
+    cost = RooflineCostModel(
+        gpu_of(config),
+        model,
+        tp=config.tp,
+        dcp=config.dcp,
+        dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
+        efficiency=config.efficiency,
+        num_draft_passes=draft_passes(speculative_of(config)),
+    )
+
+    def step_time(plan: StepPlan) -> float:
+        return cost.step_cost(bounded_shape(plan, "ideal-hits", transferred)).total_s
+
+    executor.step_time = step_time
+
+
+def imbalance(loads: list[float]) -> float:
+    """max/mean of the replicas' loads: 1.0 when balanced (or when there is no load)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def _latency(records: list[RequestRecord]) -> dict[str, float]:
+    ttft = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
+    gaps = [g for r in records for g in r.gaps_s]
+    return {
+        "ttft_p50_ms": 1000 * percentile(ttft, 50),
+        "ttft_p99_ms": 1000 * percentile(ttft, 99),
+        "itl_p50_ms": 1000 * percentile(gaps, 50),
+        "itl_p99_ms": 1000 * percentile(gaps, 99),
+    }
+
+
+def _hit_rate(records: list[RequestRecord], hits: Mapping[str, int] | None = None) -> float:
+    prompt = sum(r.prompt_tokens for r in records)
+    if hits is None:
+        hit = sum(r.hit_tokens for r in records)
+    else:
+        hit = sum(hits.get(r.req_id, 0) for r in records)
+    return hit / prompt if prompt else 0.0
+
+
+def run_fleet(
+    config: SimConfig,
+    fleet: FleetConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+    cpu_clock: Callable[[], float] | None = None,
+) -> FleetRun:
+    """Run the workload on the fleet; the summary has the single-engine keys, fleet-wide."""
+    sim = FleetSimulation(config, fleet, progress=progress, cpu_clock=cpu_clock)
+    recorder = sim.run(config.duration_s)
+    start = config.warmup_s
+    end_s = sim.now if start < sim.now < config.duration_s else config.duration_s
+    summary = recorder.summary(window_start_s=start, window_end_s=end_s)
+    _require_completed(summary, config, end_s=end_s, ran_until_s=sim.now)
+    summary["steps"] = float(sim.steps)
+    summary["simulated_s"] = sim.now
+    summary["requests_rejected"] = float(len(sim.sim.rejected))
+    summary.update(sim.queue.summary(end_s))
+    summary.update(time_breakdown(recorder, sim.gpu_seconds, sim.ideal, start, end_s))
+    # GPU fractions are of the fleet's GPU time: N replicas give N x the window.
+    for key in [k for k in summary if k.startswith("gpu_") and k.endswith("_frac")]:
+        summary[key] /= fleet.replicas
+    caches = [r.scheduler.cache.metrics_snapshot() for r in sim.replicas]
+    cache = caches[0] if fleet.replicas == 1 else _merged_cache(caches)
+    summary.update(group_hit_rates(cache))
+    summary["kv_cache_blocks"] = float(
+        sum(r.scheduler.cache.layout.num_blocks for r in sim.replicas)
+    )
+    done = recorder.finished_in(start, end_s)
+    loads = sim.mean_outstanding(end_s)
+    hours = (end_s - start) / 3600.0
+    per_replica = []
+    for index, replica in enumerate(sim.replicas):
+        mine = [
+            r for r in done if index in (sim.replica_of.get(r.req_id), sim.decode_of.get(r.req_id))
+        ]
+        jobs = [
+            j
+            for j in recorder.jobs.values()
+            if j.finish_s is not None
+            and start <= j.finish_s <= end_s
+            and sim.job_replica.get(j.job_id) == index
+        ]
+        per_replica.append(
+            {
+                "replica": index,
+                "role": "colocated"
+                if fleet.pd is None
+                else ("prefill" if index < sim.num_prefill else "decode"),
+                "requests_completed": float(len(mine)),
+                "job_goodput_per_hour": len(jobs) / hours,
+                **_latency(mine),
+                "hit_rate": _hit_rate(mine),
+                "mean_outstanding_tokens": loads[index],
+                "gpu_busy_frac": replica.busy_s / (end_s - start),
+                "steps": float(replica.steps),
+            }
+        )
+    hit = _hit_rate(done)
+    ideal = _hit_rate(done, sim.global_ideal)
+    gpus = fleet.replicas * config.tp
+    within = [r for r in done if _meets_slo(r)]
+    report: dict[str, Any] = {
+        "replicas": fleet.replicas,
+        "gpus": gpus,
+        "router": fleet.router,
+        "router_view": fleet.view,
+        "load_weight": fleet.load_weight,
+        "hit_rate": hit,
+        "global_ideal_hit_rate": ideal,
+        "hit_rate_of_ideal": hit / ideal if ideal else math.nan,
+        "imbalance": imbalance(loads),
+        # Requests within the SLO (TTFT <= 15 s, p99 gap <= 100 ms) per GPU-hour.
+        "slo_requests_per_gpu_hour": len(within) / hours / gpus,
+        "job_goodput_per_gpu_hour": summary["job_goodput_per_hour"] / gpus,
+        "per_replica": per_replica,
+    }
+    if fleet.pd is not None:
+        moves = sim.transfer_s
+        report["pd"] = {
+            "prefill": fleet.pd[0],
+            "decode": fleet.pd[1],
+            "link": sim.link.name,
+            "link_gb_per_s": sim.link.bytes_per_s / 1e9,
+            "handoffs": len(moves),
+            "transferred_gb_per_gpu": sim.transfer_bytes / 1e9,
+            "transfer_ms_mean": 1000 * sum(moves) / len(moves) if moves else math.nan,
+            "transfer_ms_p99": 1000 * percentile(moves, 99) if moves else math.nan,
+        }
+    run = SimRun(config, summary, recorder, cache, rejected=tuple(sim.sim.rejected))
+    return FleetRun(run, report)
+
+
+def _meets_slo(record: RequestRecord) -> bool:
+    if record.first_token_s is None or record.first_token_s - record.arrival_s > TTFT_SLO_S:
+        return False
+    return not record.gaps_s or percentile(record.gaps_s, 99) <= TBT_SLO_S
+
+
+def _merged_cache(caches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' cache counters summed (per group: offered hit tokens; queried tokens)."""
+    merged: dict[str, Any] = {
+        "queried_tokens": sum(c["queried_tokens"] for c in caches),
+        "groups": [
+            {
+                **group,
+                "offered_hit_tokens": sum(c["groups"][g]["offered_hit_tokens"] for c in caches),
+            }
+            for g, group in enumerate(caches[0]["groups"])
+        ],
+    }
+    return merged

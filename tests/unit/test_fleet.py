@@ -1,0 +1,318 @@
+"""The simulated fleet: routers on hand-built states, the fleet loop's determinism, and its
+one-replica equivalence with the single-engine simulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridserve.cli import app
+from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine import Engine
+from hybridserve.engine.offline import run_to_completion
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager, MambaSpec
+from hybridserve.scheduler import Scheduler
+from hybridserve.sim.executor import SimulatedExecutor
+from hybridserve.sim.fleet import FleetConfig, FleetSimulation, imbalance, run_fleet
+from hybridserve.sim.gpus import get_gpu
+from hybridserve.sim.models import get_model
+from hybridserve.sim.pd import Link, handoff_bytes, link_of, parse_pd
+from hybridserve.sim.routers import ApproximateView, PreciseView, Router, RouteRequest
+from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.workload import AgentParams
+
+BLOCK = 32
+
+
+class _Load:
+    """A view with no cache: only load-based policies are asked of it."""
+
+    def fa_overlap(self, request: RouteRequest) -> int:
+        return 0
+
+    def hybrid_hit(self, request: RouteRequest) -> int:
+        return 0
+
+    def on_routed(self, request: RouteRequest) -> None:
+        pass
+
+
+class _Fixed(_Load):
+    def __init__(self, fa: int, hybrid: int) -> None:
+        self.fa, self.hybrid = fa, hybrid
+
+    def fa_overlap(self, request: RouteRequest) -> int:
+        return self.fa
+
+    def hybrid_hit(self, request: RouteRequest) -> int:
+        return self.hybrid
+
+
+def _request(session: str | None = None, num_tokens: int = 100) -> RouteRequest:
+    return RouteRequest("r", session, num_tokens, ())
+
+
+def test_round_robin_takes_the_replicas_in_turn() -> None:
+    router = Router("round-robin", [_Load(), _Load(), _Load()])
+    chosen = []
+    for _ in range(4):
+        request = _request()
+        replica = router.choose(request)
+        router.routed(request, replica)
+        chosen.append(replica)
+    assert chosen == [0, 1, 2, 0]
+
+
+def test_least_loaded_picks_the_fewest_outstanding_tokens() -> None:
+    router = Router("least-loaded", [_Load(), _Load(), _Load()])
+    router.outstanding[:] = [500, 120, 300]
+    assert router.choose(_request()) == 1
+    router.outstanding[:] = [100, 100, 300]
+    assert router.choose(_request()) == 0  # ties go to the lowest index
+
+
+def test_session_affinity_keeps_a_session_on_its_first_replica() -> None:
+    router = Router("session", [_Load(), _Load()])
+    router.outstanding[:] = [0, 10]
+    first = _request("job-a")
+    router.routed(first, router.choose(first))
+    router.outstanding[:] = [1_000, 10]
+    assert router.choose(_request("job-a")) == 0  # sticky despite the load
+    assert router.choose(_request("job-b")) == 1  # a new session: least loaded
+
+
+def test_prefix_routers_trade_overlap_against_the_weighted_load() -> None:
+    views = [_Fixed(fa=4_000, hybrid=0), _Fixed(fa=1_000, hybrid=1_000)]
+    fa = Router("prefix-fa", views, load_weight=1.0)
+    hybrid = Router("prefix-hybrid", views, load_weight=1.0)
+    assert fa.choose(_request()) == 0
+    assert hybrid.choose(_request()) == 1
+    fa.outstanding[:] = [5_000, 0]  # 4000 - 5000 < 1000 - 0: the load wins
+    assert fa.choose(_request()) == 1
+    heavy = Router("prefix-fa", views, load_weight=0.0)
+    heavy.outstanding[:] = [5_000, 0]
+    assert heavy.choose(_request()) == 0  # weight 0: overlap alone
+
+
+def _replica_cache() -> tuple[Engine, KVCacheManager]:
+    groups = (FullAttentionSpec(block_size=BLOCK), MambaSpec(block_size=BLOCK))
+    cache = KVCacheManager(CacheLayout(groups=groups, num_blocks=512))
+    scheduler = Scheduler(SchedulerConfig(max_model_len=4_096), cache)
+    executor = SimulatedExecutor(lambda plan: 0.01, seed=0)
+    return Engine(scheduler, executor), cache
+
+
+def _serve(engine: Engine, req_id: str, prompt: list[int]) -> None:
+    request = Request(
+        req_id=req_id,
+        prompt_token_ids=tuple(prompt),
+        sampling=SamplingParams(max_tokens=1, ignore_eos=True),
+    )
+    run_to_completion(engine, [request])
+
+
+def test_prefix_fa_picks_a_replica_whose_mamba_group_cannot_serve_and_prefix_hybrid_does_not() -> (
+    None
+):
+    shared = list(range(1_000, 1_000 + 20 * BLOCK))  # 640 tokens both replicas saw in part
+    engine_a, cache_a = _replica_cache()
+    engine_b, cache_b = _replica_cache()
+    # A computed all 640 shared tokens (its state sits at their end); B only the first 384
+    # plus a tail of its own, so B's state sits at 384.
+    _serve(engine_a, "a", shared)
+    _serve(engine_b, "b", [*shared[: 12 * BLOCK], *range(9_000, 9_016)])
+    # The new request shares 512 tokens: A holds them in full attention but has no state at
+    # 512 (nor anywhere before); B holds 384 with a state there.
+    prompt = [*shared[: 16 * BLOCK], *range(20_000, 20_100)]
+    hashes = cache_a.hasher.hash_tokens(prompt)
+    request = RouteRequest("new", None, len(prompt), hashes)
+    views = [PreciseView(cache_a), PreciseView(cache_b)]
+    assert views[0].fa_overlap(request) == 16 * BLOCK
+    assert views[1].fa_overlap(request) == 12 * BLOCK
+    assert views[0].hybrid_hit(request) == 0
+    assert views[1].hybrid_hit(request) == 12 * BLOCK
+    assert Router("prefix-fa", views, load_weight=0.0).choose(request) == 0
+    assert Router("prefix-hybrid", views, load_weight=0.0).choose(request) == 1
+    # Querying the views changed neither cache: the same answer again.
+    assert views[1].hybrid_hit(request) == 12 * BLOCK
+    cache_a.check_invariants()
+    cache_b.check_invariants()
+
+
+def test_approximate_view_counts_routed_blocks_and_states_only_at_routed_prompt_ends() -> None:
+    hasher_cache = _replica_cache()[1]
+    shared = list(range(1_000, 1_000 + 20 * BLOCK))
+    first = hasher_cache.hasher.hash_tokens(shared)
+    view = ApproximateView(capacity=64, hash_block_size=BLOCK, state_grid=BLOCK, alignment=BLOCK)
+    view.on_routed(RouteRequest("a", None, len(shared), first))
+    prompt = [*shared[: 16 * BLOCK], *range(20_000, 20_100)]
+    request = RouteRequest("n", None, len(prompt), hasher_cache.hasher.hash_tokens(prompt))
+    assert view.fa_overlap(request) == 16 * BLOCK
+    assert view.hybrid_hit(request) == 0  # the routed prompt's state is at 19 blocks, not 16
+    longer = [*shared, *range(30_000, 30_040)]
+    again = RouteRequest("m", None, len(longer), hasher_cache.hasher.hash_tokens(longer))
+    assert view.hybrid_hit(again) == 19 * BLOCK  # floor((640 - 1) / 32) * 32 = 608
+    small = ApproximateView(capacity=4, hash_block_size=BLOCK, state_grid=0, alignment=BLOCK)
+    small.on_routed(RouteRequest("a", None, len(shared), first))
+    assert small.fa_overlap(request) == 0  # the LRU kept only the last 4 blocks
+
+
+def test_imbalance_is_max_over_mean() -> None:
+    assert imbalance([100.0, 100.0]) == 1.0
+    assert imbalance([300.0, 100.0]) == pytest.approx(1.5)
+    assert imbalance([0.0, 0.0]) == 1.0
+
+
+def test_fleet_config_names_a_bad_router_and_view() -> None:
+    with pytest.raises(ConfigError, match="router"):
+        FleetConfig(replicas=2, router="random")
+    with pytest.raises(ConfigError, match="router_view"):
+        FleetConfig(replicas=2, view="psychic")
+    with pytest.raises(ConfigError, match="replicas"):
+        FleetConfig(replicas=0)
+
+
+SMALL = SimConfig(
+    agents=AgentParams(num_agents=3), duration_s=60.0, warmup_s=10.0, preset="baseline"
+)
+
+
+def test_one_replica_round_robin_reproduces_the_single_engine_summary() -> None:
+    single = run_simulation(SMALL).summary
+    fleet = run_fleet(SMALL, FleetConfig(replicas=1, router="round-robin"))
+    assert json.dumps(fleet.run.summary) == json.dumps(single)
+    assert fleet.fleet["imbalance"] == 1.0
+    assert fleet.fleet["hit_rate"] == pytest.approx(single["prefix_hit_rate"])
+
+
+def test_a_fleet_spreads_agents_over_its_replicas_and_repeats_on_a_seed() -> None:
+    first = run_fleet(SMALL, FleetConfig(replicas=2, router="least-loaded"))
+    again = run_fleet(SMALL, FleetConfig(replicas=2, router="least-loaded"))
+    assert json.dumps(first.fleet) == json.dumps(again.fleet)
+    assert json.dumps(first.run.summary) == json.dumps(again.run.summary)
+    served = [row["requests_completed"] for row in first.fleet["per_replica"]]
+    assert all(count > 0 for count in served)
+    assert first.fleet["hit_rate"] <= first.fleet["global_ideal_hit_rate"] + 1e-12
+
+
+runner = CliRunner()
+CLI = ["simulate", "--agents", "3", "--duration", "60", "--warmup", "10", "--preset", "baseline"]
+
+
+def _last_line(args: list[str]) -> str:
+    result = runner.invoke(app, [*CLI, *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_cli_one_replica_round_robin_prints_the_single_engine_json_plus_fleet() -> None:
+    single = _last_line([])
+    fleet_line = _last_line(["--replicas", "1", "--router", "round-robin"])
+    payload = json.loads(fleet_line)
+    fleet = payload.pop("fleet")
+    assert json.dumps(payload) == single  # byte for byte, less the fleet report
+    assert set(fleet) >= {"replicas", "router", "hit_rate", "global_ideal_hit_rate", "imbalance"}
+    assert fleet["replicas"] == 1 and len(fleet["per_replica"]) == 1
+
+
+def test_cli_same_seed_same_fleet_report_other_seed_another() -> None:
+    args = ["--replicas", "2", "--router", "prefix-hybrid", "--router-view", "approximate"]
+    first = _last_line(args)
+    assert first == _last_line(args)
+    assert first != _last_line([*args, "--seed", "1"])
+    assert json.loads(first)["fleet"]["router"] == "prefix-hybrid"
+
+
+def test_cli_names_a_bad_router() -> None:
+    result = runner.invoke(app, [*CLI, "--replicas", "2", "--router", "random", "--json"])
+    assert result.exit_code == 2
+    assert "router (--router)='random' is invalid" in result.output
+
+
+def test_cli_router_options_without_replicas_are_refused() -> None:
+    result = runner.invoke(app, [*CLI, "--router", "prefix-fa", "--json"])
+    assert result.exit_code == 2
+    assert "add --replicas N" in result.output
+
+
+# ----- prefill/decode disaggregation ------------------------------------------------------------
+
+
+def test_transfer_time_is_the_latency_plus_the_bytes_over_the_link() -> None:
+    link = Link("test", 50e9, 30e-6)
+    assert link.transfer_s(1e9) == pytest.approx(30e-6 + 0.02)
+    assert link.transfer_s(0) == 0.0  # nothing to move: no handoff cost
+    h200 = get_gpu("H200")
+    assert link_of("nvlink", h200).bytes_per_s == h200.link_bytes_per_s
+    assert link_of("ib-ndr", h200).bytes_per_s == 50e9  # NDR 400 Gb/s
+    with pytest.raises(ConfigError, match="pd_link"):
+        link_of("carrier-pigeon", h200)
+
+
+def test_handoff_bytes_follow_the_cache_layout() -> None:
+    llama = get_model("llama-3.1-8b")
+    # 32 layers x K and V x 8 KV heads x 128 dims x 2 bytes (bf16) per token; no state.
+    assert handoff_bytes(llama, moved_tokens=1_000) == 1_000 * 32 * 2 * 8 * 128 * 2
+    assert handoff_bytes(llama, moved_tokens=1_000, tp=2) == 1_000 * 32 * 2 * 4 * 128 * 2
+    assert handoff_bytes(llama, moved_tokens=0) == 0.0
+    qwen = get_model("qwen3-next-80b-a3b")
+    state = qwen.state_bytes_per_sequence()
+    assert state > 0
+    assert handoff_bytes(qwen, moved_tokens=0) == state  # the state moves whatever is resident
+    (full,) = [g for g in qwen.cache_groups() if isinstance(g, FullAttentionSpec)]
+    per_token = qwen.kv_bytes_per_token(full)
+    assert handoff_bytes(qwen, moved_tokens=12_000) == pytest.approx(12_000 * per_token + state)
+
+
+def test_pd_spec_is_parsed_and_a_bad_one_named() -> None:
+    assert parse_pd("3:5") == (3, 5)
+    for bad in ("3", "0:2", "a:b", "2:-1"):
+        with pytest.raises(ConfigError, match="pd"):
+            parse_pd(bad)
+    with pytest.raises(ConfigError, match="replicas"):
+        FleetConfig(replicas=3, pd=(1, 1))
+
+
+PD = FleetConfig(replicas=2, pd=(1, 1))
+
+
+def _first_gaps(link: Link | None) -> tuple[list[float], FleetSimulation]:
+    sim = FleetSimulation(SMALL, PD)
+    if link is not None:
+        sim.link = link
+    recorder = sim.run(SMALL.duration_s)
+    gaps = [r.gaps_s[0] for r in recorder.requests.values() if r.gaps_s]
+    return gaps, sim
+
+
+def test_disaggregated_requests_prefill_on_one_replica_and_decode_on_the_other() -> None:
+    gaps, sim = _first_gaps(None)
+    assert gaps and sim.transfer_s
+    decoded = set(sim.decode_of)
+    assert decoded and all(sim.replica_of[r] == 0 for r in decoded)
+    assert set(sim.decode_of.values()) == {1}
+    # The decode replica received every prompt token: its steps are charged only past them.
+    assert all(sim.transferred[r] == sim.recorder.requests[r].prompt_tokens for r in decoded)
+    assert sim.replicas[1].steps > sim.replicas[0].steps  # it runs the decodes
+
+
+def test_a_slower_link_delays_the_second_token_by_the_transfer() -> None:
+    fast, _ = _first_gaps(None)
+    slow_link = Link("slow", 1e9, 0.05)  # 1 GB/s and 50 ms a handoff
+    slow, sim = _first_gaps(slow_link)
+    assert min(sim.transfer_s) >= 0.05
+    assert sum(slow) / len(slow) > sum(fast) / len(fast) + 0.05
+
+
+def test_cli_pd_prints_the_handoffs_and_refuses_a_mismatched_replica_count() -> None:
+    payload = json.loads(_last_line(["--pd", "1:1", "--pd-link", "ib-ndr"]))
+    pd = payload["fleet"]["pd"]
+    assert pd["prefill"] == 1 and pd["decode"] == 1 and pd["link"] == "ib-ndr"
+    assert pd["handoffs"] > 0 and payload["fleet"]["gpus"] == 2
+    result = runner.invoke(app, [*CLI, "--pd", "1:1", "--replicas", "3", "--json"])
+    assert result.exit_code == 2
+    assert "--pd 1:1 needs 2 replicas" in result.output
