@@ -84,6 +84,7 @@ def test_server_takes_the_session_id_from_the_user_field() -> None:
     config = SchedulerConfig()
     state = SimpleNamespace(
         model_name="m",
+        model_names=("m",),
         max_model_len=100,
         settings=SimpleNamespace(default_max_tokens=8),
         tokenizer=SimpleNamespace(eos_token_ids=[0]),
