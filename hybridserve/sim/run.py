@@ -15,7 +15,6 @@ the agents, and summarise. The two presets are what `hybridserve bench` compares
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import statistics
 from collections.abc import Callable, Mapping
