@@ -14,6 +14,7 @@ the agents, and summarise. The two presets are what `hybridserve bench` compares
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Mapping
@@ -540,6 +541,9 @@ def run_simulation(
     cache = scheduler.cache.metrics_snapshot()
     summary.update(group_hit_rates(cache))
     summary["kv_cache_blocks"] = float(scheduler.cache.layout.num_blocks)
+    if scheduler.pinning:  # tool-call pinning's counters (only when it is on)
+        for name, value in dataclasses.asdict(scheduler.cache.pin_stats).items():
+            summary[f"kv_pins_{name}"] = float(value)
     return SimRun(config, summary, recorder, cache, rejected=tuple(sim.rejected))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -368,3 +369,15 @@ def test_kv_aware_admission_reduces_preemptions_in_overload() -> None:
     assert aware.preemptions < baseline.preemptions
     assert aware.preemptions == 0
     assert len(aware.admitted_at) == 16  # everything still runs
+
+
+def test_a_simulated_run_reports_pin_counters_only_when_pinning() -> None:
+    from hybridserve.sim.run import SimConfig, run_simulation
+    from hybridserve.sim.workload import AgentParams
+
+    base = SimConfig(duration_s=60.0, warmup_s=0.0, agents=AgentParams(num_agents=2))
+    off = run_simulation(base).summary
+    on = run_simulation(replace(base, controls=(("kv_pin_fraction", 0.2),))).summary
+    assert not any(key.startswith("kv_pins_") for key in off)
+    assert on["kv_pins_pinned"] > 0
+    assert on["kv_pins_released_on_return"] > 0
