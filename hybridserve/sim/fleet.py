@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,8 @@ from hybridserve.sim.run import (
     speculative_of,
     time_breakdown,
 )
+
+_RECENT_SESSIONS = 1_024  # sessions whose last prompt's hashes are kept for the next one
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,8 +232,11 @@ class FleetSimulation:
         # Global ideal: every block hash any replica computed, and per request its ideal hit.
         self._seen: set[BlockHash] = set()
         self.global_ideal: dict[str, int] = {}
-        # Per session, the last prompt's tokens and hashes (an agent's prompt grows by appending).
-        self._session_hashes: dict[str, tuple[tuple[int, ...], list[BlockHash]]] = {}
+        # Per recent session, the last prompt's tokens and hashes (an agent's prompt grows by
+        # appending, so its next prompt hashes only the new blocks).
+        self._session_hashes: OrderedDict[str, tuple[tuple[int, ...], list[BlockHash]]] = (
+            OrderedDict()
+        )
         # Outstanding tokens, time-integrated over the window, per replica.
         self._area = [0.0] * fleet.replicas
         self._last_change = [0.0] * fleet.replicas
@@ -270,6 +276,9 @@ class FleetSimulation:
         self.hasher.extend(hashes, prompt)
         if session is not None:
             self._session_hashes[session] = (prompt, hashes)
+            self._session_hashes.move_to_end(session)
+            if len(self._session_hashes) > _RECENT_SESSIONS:
+                self._session_hashes.popitem(last=False)
         return hashes
 
     def _admit_arrivals(self) -> None:
