@@ -5,7 +5,6 @@ The scheduler-facing API. It takes ids, hashes and lengths, never a Request.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -313,7 +312,7 @@ class KVCacheManager:
             return None
         copies = []
         if hit is not None:
-            self._begin_request(req_id, hit, num_prompt_tokens)
+            self._begin_request(req_id, hit, num_prompt_tokens, keep)
             # Hold every group's hit first: a new block must never be another group's hit.
             for gid, group in enumerate(self.groups):
                 group.add_hit(req_id, hit_blocks[gid], cows[gid])
@@ -327,9 +326,7 @@ class KVCacheManager:
                         )
                     )
         elif req_id not in self._requests:
-            self._begin_request(req_id, self._empty_hit(num_tokens, False), num_prompt_tokens)
-        if keep is None and self._checkpointing:
-            slots = dataclasses.replace(slots, keep=self._requests[req_id].keep)
+            self._begin_request(req_id, self._empty_hit(num_tokens, False), num_prompt_tokens, keep)
         new_ids = tuple(tuple(b.block_id for b in g.allocate(req_id, slots)) for g in self.groups)
         if self.enable_caching:
             self._register(req_id, block_hashes, total_computed, num_new_tokens, num_tokens)
@@ -349,13 +346,20 @@ class KVCacheManager:
             for gid, g in enumerate(self.groups)
         )
 
-    def _begin_request(self, req_id: str, hit: CacheHit, num_prompt_tokens: int | None) -> None:
+    def _begin_request(
+        self,
+        req_id: str,
+        hit: CacheHit,
+        num_prompt_tokens: int | None,
+        keep: KeepMask | None = None,
+    ) -> None:
+        """Record a new admission; `keep` is its retention mask when `allocate` built it."""
         if num_prompt_tokens is None:
             raise ValueError(f"request {req_id!r}: a new admission must give num_prompt_tokens")
         boundaries = self._boundaries(num_prompt_tokens, hit)
-        self._requests[req_id] = _RequestState(
-            num_prompt_tokens, boundaries, self._keep_mask(boundaries)
-        )
+        if keep is None:
+            keep = self._keep_mask(boundaries)
+        self._requests[req_id] = _RequestState(num_prompt_tokens, boundaries, keep)
 
     def _keep_mask(self, boundaries: Sequence[int]) -> KeepMask:
         layout = self.layout
