@@ -78,4 +78,5 @@ def test_a_bracketed_value_in_a_table_title_is_printed_as_given(tmp_path: Path) 
         app, ["cache-replay", "--trace", str(trace), "--model", "llama-3.1-8b"]
     )
     assert result.exit_code == 0, result.output
-    assert "trace[1].jsonl" in result.output
+    # A long temporary path may wrap anywhere; markup would have eaten the brackets.
+    assert "trace[1].jsonl" in re.sub(r"\s+", "", result.output)
