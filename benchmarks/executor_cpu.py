@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.cli.builtin_models import builtin_path
+from hybridserve.executor.torch.checkpoints import builtin_path
 from hybridserve.cli.torch_runtime import blocks_for, build_runtime, set_threads
 from hybridserve.core.request import Request, SamplingParams
 
