@@ -43,7 +43,7 @@ pytest: $(STAMP_TEST)
 # A failed download does not fail the build: the tests that need the weights then skip with the
 # reason.
 models: $(STAMP_TEST)
-	-$(BIN)/python -m hybridserve.cli.builtin_models
+	-$(BIN)/python -m hybridserve.executor.torch.checkpoints
 
 bench: $(STAMP_TEST)
 	$(BIN)/python benchmarks/cache_lookup.py

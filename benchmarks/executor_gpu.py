@@ -78,9 +78,9 @@ def main() -> None:
         print(json.dumps({"skipped": "CUDA is not available", "device": args.device}))
         return
 
-    from hybridserve.cli.builtin_models import resolve_model
     from hybridserve.cli.torch_runtime import set_threads
     from hybridserve.executor.torch.calibrate import StepTimer, executor_for, measure_steps
+    from hybridserve.executor.torch.checkpoints import resolve_model
     from hybridserve.executor.torch.loader import load_model
     from hybridserve.executor.torch.runner import compile_dense_layers
     from hybridserve.sim.cost_model import RooflineCostModel, StepShape

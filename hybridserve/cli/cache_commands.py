@@ -21,41 +21,51 @@ from hybridserve.profiles import get_profile, parse_groups
 from hybridserve.replay.runner import CacheReplay, ReplayResult
 from hybridserve.replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
 
+TraceOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Mooncake JSONL trace; default: the conversation trace in data/traces "
+        "(or $HYBRIDSERVE_DATA/traces), else a built-in synthetic agent trace."
+    ),
+]
+LayoutOption = Annotated[
+    str | None, typer.Option(help=f"Named cache layout: {listed(CACHE_LAYOUTS)}.")
+]
+GroupsOption = Annotated[
+    str | None,
+    typer.Option(help="Explicit groups, e.g. full:16,mamba:16 or full:16,swa:16:w=4096."),
+]
+AlignmentOption = Annotated[int, typer.Option(help="Alignment unit A in tokens (0 = the page P).")]
+HashBlockOption = Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")]
+SpecOption = Annotated[str, typer.Option(help=SPEC_HELP)]
+RetentionOption = Annotated[
+    str | None,
+    typer.Option(
+        help="dense|boundary|boundary+predecessor|interval:N; several comma-separated "
+        "run side by side (default: boundary,boundary+predecessor)."
+    ),
+]
+DcpOption = Annotated[int, typer.Option(help="Decode-context-parallel width.")]
+NumBlocksOption = Annotated[str, typer.Option(help="KV pool size in blocks, or inf.")]
+ConcurrencyOption = Annotated[int, typer.Option(help="Requests kept resident before finishing.")]
+LimitOption = Annotated[int | None, typer.Option(help="Replay only the first N requests.")]
+ReplayJsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
 
 @app.command("cache-replay")
 def cache_replay(
-    trace: Annotated[
-        Path | None,
-        typer.Option(
-            help="Mooncake JSONL trace; default: the conversation trace in data/traces "
-            "(or $HYBRIDSERVE_DATA/traces), else a built-in synthetic agent trace."
-        ),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(help=f"Named cache layout: {listed(CACHE_LAYOUTS)}."),
-    ] = None,
-    groups: Annotated[
-        str | None,
-        typer.Option(help="Explicit groups, e.g. full:16,mamba:16 or full:16,swa:16:w=4096."),
-    ] = None,
-    alignment: Annotated[
-        int, typer.Option(help="Alignment unit A in tokens (0 = the page P).")
-    ] = 0,
-    hash_block_size: Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")] = 0,
-    spec: Annotated[str, typer.Option(help=SPEC_HELP)] = "eagle",
-    retention: Annotated[
-        str | None,
-        typer.Option(
-            help="dense|boundary|boundary+predecessor|interval:N; several comma-separated "
-            "run side by side (default: boundary,boundary+predecessor)."
-        ),
-    ] = None,
-    dcp: Annotated[int, typer.Option(help="Decode-context-parallel width.")] = 1,
-    num_blocks: Annotated[str, typer.Option(help="KV pool size in blocks, or inf.")] = "inf",
-    concurrency: Annotated[int, typer.Option(help="Requests kept resident before finishing.")] = 16,
-    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    trace: TraceOption = None,
+    model: LayoutOption = None,
+    groups: GroupsOption = None,
+    alignment: AlignmentOption = 0,
+    hash_block_size: HashBlockOption = 0,
+    spec: SpecOption = "eagle",
+    retention: RetentionOption = None,
+    dcp: DcpOption = 1,
+    num_blocks: NumBlocksOption = "inf",
+    concurrency: ConcurrencyOption = 16,
+    limit: LimitOption = None,
+    as_json: ReplayJsonOption = False,
 ) -> None:
     """Replay a block-hash trace through the cache alone: per-group, reconciled, ideal hits."""
     try:

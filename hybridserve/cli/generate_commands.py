@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
-from hybridserve.cli.builtin_models import GEMMA_TERMS_NOTICE, gemma_terms_path, resolve_model
 from hybridserve.cli.torch_runtime import (
     blocks_for,
     build_runtime,
@@ -18,12 +17,321 @@ from hybridserve.cli.torch_runtime import (
     parse_spec,
     set_threads,
 )
+from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.tokenizer import TextTokenizer
+
+ModelOption = Annotated[
+    str,
+    typer.Option(
+        help="Checkpoint folder (config.json + safetensors), a .gguf file, or a built-in "
+        "alias: smollm2, gemma3-270m (fetch them with `make models`)."
+    ),
+]
+PromptsOption = Annotated[Path | None, typer.Option(help="Text prompts, one per line.")]
+TokenIdsOption = Annotated[
+    Path | None, typer.Option(help="JSONL prompts: one list of token ids per line.")
+]
+MaxTokensOption = Annotated[int, typer.Option(help="New tokens per prompt at most.")]
+SpecOption = Annotated[
+    str | None, typer.Option(help="Speculative decoding: ngram:K (K draft tokens).")
+]
+TemperatureOption = Annotated[float, typer.Option(help="0 = greedy.")]
+TopPOption = Annotated[float, typer.Option(help="Nucleus sampling mass.")]
+TopKOption = Annotated[int, typer.Option(help="0 = off.")]
+SeedOption = Annotated[int | None, typer.Option(help="Sampling seed (per request).")]
+RawOption = Annotated[
+    bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
+]
+DeviceOption = Annotated[str, typer.Option(help="cpu or cuda.")]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(help="Torch intra-op threads (default: every core this process may use)."),
+]
+BlockSizeOption = Annotated[int, typer.Option(help="Tokens per KV block.")]
+NumBlocksOption = Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")]
+BatchedTokensOption = Annotated[int, typer.Option(help="Token budget per step.")]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="One JSON object per prompt: token_ids, text.")
+]
+DcpOption = Annotated[
+    int,
+    typer.Option(
+        help="Decode context parallel ranks: full-attention KV sharded by token across N "
+        "processes (gloo on CPU, nccl on CUDA); rank 0 schedules. Under torchrun, every "
+        "process joins from the environment and WORLD_SIZE must equal N."
+    ),
+]
+DcpInterleaveOption = Annotated[
+    int, typer.Option(help="Consecutive tokens per rank in the DCP token round-robin.")
+]
+DcpTimeoutOption = Annotated[
+    float, typer.Option(help="Seconds a DCP run may take before its ranks are stopped.")
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateSettings:
+    """The flags of one `generate` run, checked by `check()` before the model loads."""
+
+    max_tokens: int = 64
+    spec: str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    raw: bool = False
+    device: str = "cpu"
+    threads: int | None = None
+    block_size: int = 16
+    num_blocks: int = 0
+    max_num_batched_tokens: int = 2048
+    as_json: bool = False
+    dcp: int = 1
+    dcp_interleave: int = 1
+    dcp_timeout: float = 3600.0
+
+    def check(self) -> None:
+        if self.block_size < 1:
+            raise fail(
+                f"--block-size={self.block_size} is invalid: use 1 or more tokens per KV block (16)"
+            )
+        if self.num_blocks < 0:
+            raise fail(f"--num-blocks={self.num_blocks} is invalid: use 0 (enough for all) or more")
+        if self.max_num_batched_tokens < 1:
+            raise fail(
+                f"--max-num-batched-tokens={self.max_num_batched_tokens} is invalid: use 1 or more"
+            )
+        if self.dcp < 1 or self.dcp_interleave < 1:
+            raise fail(f"--dcp={self.dcp}, --dcp-interleave={self.dcp_interleave}: use 1 or more")
+        if self.dcp > 1 and self.spec:
+            raise fail(
+                f"--spec={self.spec} with --dcp={self.dcp}: speculative decoding does not run "
+                "under DCP"
+            )
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+        )
+
+
+@app.command("generate")
+def generate(
+    model: ModelOption,
+    prompts: PromptsOption = None,
+    token_ids: TokenIdsOption = None,
+    max_tokens: MaxTokensOption = 64,
+    spec: SpecOption = None,
+    temperature: TemperatureOption = 0.0,
+    top_p: TopPOption = 1.0,
+    top_k: TopKOption = 0,
+    seed: SeedOption = None,
+    raw: RawOption = False,
+    device: DeviceOption = "cpu",
+    threads: ThreadsOption = None,
+    block_size: BlockSizeOption = 16,
+    num_blocks: NumBlocksOption = 0,
+    max_num_batched_tokens: BatchedTokensOption = 2048,
+    as_json: JsonOption = False,
+    dcp: DcpOption = 1,
+    dcp_interleave: DcpInterleaveOption = 1,
+    dcp_timeout: DcpTimeoutOption = 3600.0,
+) -> None:
+    """Generate continuations for a file of prompts (greedy unless sampling flags are given)."""
+    need_extra("models", *MODELS_EXTRA, what="hybridserve generate")
+    if (prompts is None) == (token_ids is None):
+        raise fail("give exactly one of --prompts FILE or --token-ids FILE")
+    settings = GenerateSettings(
+        max_tokens=max_tokens,
+        spec=spec,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        raw=raw,
+        device=device,
+        threads=threads,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        as_json=as_json,
+        dcp=dcp,
+        dcp_interleave=dcp_interleave,
+        dcp_timeout=dcp_timeout,
+    )
+    settings.check()
+    source = prompts or token_ids
+    assert source is not None
+    if not source.is_file():
+        raise fail(f"--{'prompts' if prompts else 'token-ids'}={source}: no such file")
+    try:
+        _generate(model, source, text=prompts is not None, settings=settings)
+    except HybridServeError as error:
+        raise fail(str(error)) from None
+
+
+def _generate(model: str, source: Path, *, text: bool, settings: GenerateSettings) -> None:
+    """Resolve the model, read the prompts, run on one process or a DCP group, print."""
+    from hybridserve.executor.torch.checkpoints import (
+        GEMMA_TERMS_NOTICE,
+        config_vocab_size,
+        gemma_terms_path,
+        resolve_model,
+    )
+
+    path = resolve_model(model)
+    if model == "gemma3-270m" or "gemma" in path.name.lower():
+        err.print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()), highlight=False)
+    # Validate the sampling flags before the (slow) model load.
+    sampling = settings.sampling()
+    speculative = parse_spec(settings.spec)
+    if settings.threads is not None and settings.threads < 1:
+        raise fail(f"--threads={settings.threads}: use 1 or more (or leave it out: all cores)")
+    texts = read_prompts(source) if text else None
+    ids = None if text else read_token_ids(source)
+    if not (texts or ids):
+        raise fail(f"{source}: no prompts in the file")
+    err.print(f"loading {path} ...", highlight=False)
+    lengths = [len(t) * 2 for t in texts] if texts else [len(i) for i in ids or ()]
+    blocks = settings.num_blocks or blocks_for(
+        lengths, max_tokens=settings.max_tokens, block_size=settings.block_size, num_groups=2
+    )
+    if settings.dcp > 1:
+        if ids is not None:
+            check_token_ids(ids, config_vocab_size(path), source)
+        _generate_dcp(
+            path,
+            texts=texts,
+            ids=ids,
+            raw=settings.raw,
+            as_json=settings.as_json,
+            sampling=sampling,
+            num_blocks=blocks,
+            block_size=settings.block_size,
+            device=settings.device,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            dcp=settings.dcp,
+            interleave=settings.dcp_interleave,
+            timeout_s=settings.dcp_timeout,
+        )
+        return
+    _generate_local(
+        path, texts=texts, ids=ids, source=source, sampling=sampling, blocks=blocks,
+        speculative=speculative, settings=settings,
+    )  # fmt: skip
+
+
+def _generate_local(
+    path: Path,
+    *,
+    texts: list[str] | None,
+    ids: list[list[int]] | None,
+    source: Path,
+    sampling: SamplingParams,
+    blocks: int,
+    speculative: SpeculativeConfig,
+    settings: GenerateSettings,
+) -> None:
+    """One process: build the runtime, run every prompt to completion, print."""
+    block_size, device = settings.block_size, settings.device
+    max_num_batched_tokens = settings.max_num_batched_tokens
+    set_threads(settings.threads)
+    runtime = build_runtime(
+        path,
+        num_blocks=blocks,
+        block_size=block_size,
+        device=device,
+        speculative=speculative,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    tokenizer = runtime.tokenizer
+    ids = _prompt_ids(tokenizer, path, texts, ids, raw=settings.raw)
+    check_token_ids(ids, runtime.executor.model.vocab_size, source)
+    sampling = replace(sampling, stop_token_ids=runtime.stop_token_ids)
+    requests = [
+        Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)
+        for i, p in enumerate(ids)
+    ]
+    outputs = _run(runtime, requests)
+    _print_outputs([outputs[r.req_id] for r in requests], tokenizer, as_json=settings.as_json)
+
+
+def _generate_dcp(
+    path: Path,
+    *,
+    texts: list[str] | None,
+    ids: list[list[int]] | None,
+    raw: bool,
+    as_json: bool,
+    sampling: SamplingParams,
+    num_blocks: int,
+    block_size: int,
+    device: str,
+    max_num_batched_tokens: int,
+    dcp: int,
+    interleave: int,
+    timeout_s: float,
+) -> None:
+    """Tokenize here, run the job on N ranks (spawned, or this process's torchrun rank), print
+    rank 0's outputs."""
+    from hybridserve.cli.torch_runtime import DcpJob, load_text_tokenizer, run_dcp_job
+    from hybridserve.executor.torch.dcp import run_on_group
+
+    tokenizer = load_text_tokenizer(path)
+    ids = _prompt_ids(tokenizer, path, texts, ids, raw=raw)
+    requests = tuple(
+        Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)
+        for i, p in enumerate(ids)
+    )
+    job = DcpJob(
+        model_path=str(path),
+        waves=(requests,),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        device=device,
+        max_num_batched_tokens=max_num_batched_tokens,
+        load_tokenizer=True,
+        show_progress=True,
+    )
+    outcome = run_on_group(
+        run_dcp_job,
+        job,
+        ranks=dcp,
+        device=device,
+        interleave=interleave,
+        timeout_s=timeout_s,
+        announce=lambda message: err.print(message, highlight=False),
+    )
+    if outcome is None:
+        return  # ranks 1..N-1 of a torchrun group print nothing
+    _print_outputs([outcome.tokens[r.req_id] for r in requests], tokenizer, as_json=as_json)
+
+
+def _prompt_ids(
+    tokenizer: TextTokenizer | None,
+    path: Path,
+    texts: list[str] | None,
+    ids: list[list[int]] | None,
+    *,
+    raw: bool,
+) -> list[list[int]]:
+    """The token ids of the prompts: `ids` as given, or `texts` encoded (through the chat
+    template unless `raw`)."""
+    if texts is None:
+        assert ids is not None
+        return ids
+    if tokenizer is None:
+        raise fail(f"{path} has no tokenizer; use --token-ids")
+    return [tokenizer.encode_prompt(text, chat=not raw) for text in texts]
 
 
 def read_token_ids(path: Path) -> list[list[int]]:
@@ -46,17 +354,6 @@ def read_token_ids(path: Path) -> list[list[int]]:
     return prompts
 
 
-def config_vocab_size(path: Path) -> int | None:
-    """The vocabulary size in a checkpoint folder's config.json (None for a GGUF or without)."""
-    config = path / "config.json"
-    if not config.is_file():
-        return None
-    data = json.loads(config.read_text())
-    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
-    size = text.get("vocab_size", data.get("vocab_size"))
-    return int(size) if isinstance(size, int) else None
-
-
 def check_token_ids(prompts: list[list[int]], vocab_size: int | None, source: Path) -> None:
     """Every id must be a token of the model: one outside [0, vocab_size) is refused with its
     line, never fed to the embedding."""
@@ -75,140 +372,6 @@ def read_prompts(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.strip()]
 
 
-@app.command("generate")
-def generate(
-    model: Annotated[
-        str,
-        typer.Option(
-            help="Checkpoint folder (config.json + safetensors), a .gguf file, or a built-in "
-            "alias: smollm2, gemma3-270m (fetch them with `make models`)."
-        ),
-    ],
-    prompts: Annotated[Path | None, typer.Option(help="Text prompts, one per line.")] = None,
-    token_ids: Annotated[
-        Path | None, typer.Option(help="JSONL prompts: one list of token ids per line.")
-    ] = None,
-    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt at most.")] = 64,
-    spec: Annotated[
-        str | None, typer.Option(help="Speculative decoding: ngram:K (K draft tokens).")
-    ] = None,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed (per request).")] = None,
-    raw: Annotated[
-        bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
-    ] = False,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    threads: Annotated[
-        int | None,
-        typer.Option(help="Torch intra-op threads (default: every core this process may use)."),
-    ] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
-    num_blocks: Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")] = 0,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="One JSON object per prompt: token_ids, text.")
-    ] = False,
-    dcp: Annotated[
-        int,
-        typer.Option(
-            help="Decode context parallel ranks: full-attention KV sharded by token across N "
-            "processes (gloo on CPU, nccl on CUDA); rank 0 schedules. Under torchrun, every "
-            "process joins from the environment and WORLD_SIZE must equal N."
-        ),
-    ] = 1,
-    dcp_interleave: Annotated[
-        int, typer.Option(help="Consecutive tokens per rank in the DCP token round-robin.")
-    ] = 1,
-    dcp_timeout: Annotated[
-        float, typer.Option(help="Seconds a DCP run may take before its ranks are stopped.")
-    ] = 3600.0,
-) -> None:
-    """Generate continuations for a file of prompts (greedy unless sampling flags are given)."""
-    need_extra("models", *MODELS_EXTRA, what="hybridserve generate")
-    if (prompts is None) == (token_ids is None):
-        raise fail("give exactly one of --prompts FILE or --token-ids FILE")
-    if block_size < 1:
-        raise fail(f"--block-size={block_size} is invalid: use 1 or more tokens per KV block (16)")
-    if num_blocks < 0:
-        raise fail(f"--num-blocks={num_blocks} is invalid: use 0 (enough for all) or more")
-    if max_num_batched_tokens < 1:
-        raise fail(f"--max-num-batched-tokens={max_num_batched_tokens} is invalid: use 1 or more")
-    if dcp < 1 or dcp_interleave < 1:
-        raise fail(f"--dcp={dcp}, --dcp-interleave={dcp_interleave}: use 1 or more")
-    if dcp > 1 and spec:
-        raise fail(f"--spec={spec} with --dcp={dcp}: speculative decoding does not run under DCP")
-    source = prompts or token_ids
-    assert source is not None
-    if not source.is_file():
-        raise fail(f"--{'prompts' if prompts else 'token-ids'}={source}: no such file")
-    try:
-        path = resolve_model(model)
-        if model == "gemma3-270m" or "gemma" in path.name.lower():
-            err.print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()), highlight=False)
-        # Validate the sampling flags before the (slow) model load.
-        sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-        )
-        speculative = parse_spec(spec)
-        if threads is not None and threads < 1:
-            raise fail(f"--threads={threads}: use 1 or more (or leave it out: all cores)")
-        texts = read_prompts(source) if prompts else None
-        ids = read_token_ids(source) if token_ids else None
-        if not (texts or ids):
-            raise fail(f"{source}: no prompts in the file")
-        err.print(f"loading {path} ...", highlight=False)
-        lengths = [len(t) * 2 for t in texts] if texts else [len(i) for i in ids or ()]
-        blocks = num_blocks or blocks_for(
-            lengths, max_tokens=max_tokens, block_size=block_size, num_groups=2
-        )
-        if dcp > 1:
-            if ids is not None:
-                check_token_ids(ids, config_vocab_size(path), source)
-            _generate_dcp(
-                path,
-                texts=texts,
-                ids=ids,
-                raw=raw,
-                as_json=as_json,
-                sampling=sampling,
-                num_blocks=blocks,
-                block_size=block_size,
-                device=device,
-                max_num_batched_tokens=max_num_batched_tokens,
-                dcp=dcp,
-                interleave=dcp_interleave,
-                timeout_s=dcp_timeout,
-            )
-            return
-        set_threads(threads)
-        runtime = build_runtime(
-            path,
-            num_blocks=blocks,
-            block_size=block_size,
-            device=device,
-            speculative=speculative,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
-        tokenizer = runtime.tokenizer
-        if texts is not None:
-            if tokenizer is None:
-                raise fail(f"{path} has no tokenizer; use --token-ids")
-            ids = [_encode(tokenizer, text, chat=not raw) for text in texts]
-        assert ids is not None
-        check_token_ids(ids, runtime.executor.model.vocab_size, source)
-        sampling = replace(sampling, stop_token_ids=runtime.stop_token_ids)
-        requests = [
-            Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)
-            for i, p in enumerate(ids)
-        ]
-        outputs = _run(runtime, requests)
-    except HybridServeError as error:
-        raise fail(str(error)) from None
-    _print_outputs([outputs[r.req_id] for r in requests], tokenizer, as_json=as_json)
-
-
 def _print_outputs(
     outputs: list[list[int]], tokenizer: TextTokenizer | None, *, as_json: bool
 ) -> None:
@@ -221,83 +384,6 @@ def _print_outputs(
             typer.echo(json.dumps(record))
         else:
             typer.echo(text if text is not None else " ".join(map(str, out)))
-
-
-def _generate_dcp(
-    path: Path,
-    *,
-    texts: list[str] | None,
-    ids: list[list[int]] | None,
-    raw: bool,
-    as_json: bool,
-    sampling: SamplingParams,
-    num_blocks: int,
-    block_size: int,
-    device: str,
-    max_num_batched_tokens: int,
-    dcp: int,
-    interleave: int,
-    timeout_s: float,
-) -> None:
-    """Tokenize here, run the job on N ranks (spawned, or this process's torchrun rank), print
-    rank 0's outputs."""
-    from hybridserve.cli.torch_runtime import DcpJob, load_text_tokenizer, run_dcp_job
-    from hybridserve.parallel.launch import (
-        init_from_env,
-        leave_group,
-        run_ranks,
-        torchrun_env_present,
-    )
-
-    tokenizer = load_text_tokenizer(path)
-    if texts is not None:
-        if tokenizer is None:
-            raise fail(f"{path} has no tokenizer; use --token-ids")
-        ids = [_encode(tokenizer, text, chat=not raw) for text in texts]
-    assert ids is not None
-    requests = tuple(
-        Request(req_id=str(i), prompt_token_ids=tuple(p), sampling=sampling)
-        for i, p in enumerate(ids)
-    )
-    job = DcpJob(
-        model_path=str(path),
-        waves=(requests,),
-        num_blocks=num_blocks,
-        block_size=block_size,
-        device=device,
-        max_num_batched_tokens=max_num_batched_tokens,
-        load_tokenizer=True,
-        show_progress=True,
-    )
-    if torchrun_env_present():
-        group = init_from_env(interleave=interleave, timeout_s=timeout_s)
-        try:
-            if group.world_size != dcp:
-                raise fail(f"--dcp={dcp} but torchrun started WORLD_SIZE={group.world_size}")
-            outcome = run_dcp_job(group, job)
-        finally:
-            leave_group()
-        if outcome is None:
-            return  # ranks 1..N-1 print nothing
-    else:
-        err.print(f"starting {dcp} DCP ranks ...", highlight=False)
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        results = run_ranks(
-            run_dcp_job, dcp, job, interleave=interleave, backend=backend, timeout_s=timeout_s
-        )
-        outcome = results[0]
-    _print_outputs([outcome.tokens[r.req_id] for r in requests], tokenizer, as_json=as_json)
-
-
-def _encode(tokenizer: object, text: str, *, chat: bool) -> list[int]:
-    from hybridserve.executor.torch.tokenizer import TextTokenizer
-
-    assert isinstance(tokenizer, TextTokenizer)
-    if chat and tokenizer.chat_template:
-        rendered = tokenizer.chat_prompt(text)
-        bos = tokenizer.bos_token
-        return tokenizer.encode(rendered, add_special_tokens=not (bos and rendered.startswith(bos)))
-    return tokenizer.encode(text)
 
 
 def _run(runtime: object, requests: list[Request]) -> dict[str, list[int]]:

@@ -220,7 +220,7 @@ def _simulated_model(config: SimConfig) -> tuple[str, str]:
 
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
     """report.json plus the PNG plots (skipped, with a note, when matplotlib is absent)."""
-    from hybridserve.cli.plots import plots_available, write_plots
+    from hybridserve.metrics.plots import plots_available, write_plots
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "report.json"

@@ -79,7 +79,7 @@ class TorchServingBackend:
         this process rank 0: its engine drives the group; call `close()` after serving."""
         import torch
 
-        from hybridserve.cli.builtin_models import resolve_model
+        from hybridserve.executor.torch.checkpoints import resolve_model
         from hybridserve.executor.torch.gguf_file import GGUFFile
         from hybridserve.executor.torch.gguf_loader import load_gguf_model
         from hybridserve.executor.torch.loader import load_model

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridserve.parallel.demo_models import TINY_MODELS, TinyDecoder
 from hybridserve.parallel.group import DcpGroup, all_gather_stacked
 from hybridserve.parallel.launch import init_from_env, run_ranks, torchrun_env_present
-from hybridserve.parallel.models import TINY_MODELS, TinyDecoder
 from hybridserve.parallel.runner import DecodeScenario, greedy_dense, run_scenario
 
 __all__ = ["main", "run_demo"]

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridserve.parallel.demo_models import TinyDecoder
 from hybridserve.parallel.group import DcpGroup
 from hybridserve.parallel.layer import AttentionRows
-from hybridserve.parallel.models import TinyDecoder
 
 __all__ = ["DecodeScenario", "PagedGenerator", "greedy_dense", "run_scenario"]
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.cli.calibrate_commands import run_calibration
+from hybridserve.executor.torch.calibrate import measure_device
 from hybridserve.sim.calibration import CalibrationProfile
 from hybridserve.sim.calibration_fit import Grid
+from hybridserve.sim.calibration_run import run_calibration
 
 # Prefill chunks with and without cached context, decode batches at three contexts: 15 shapes,
 # a third of them held out of the fit (seeded). Five interleaved rounds of two timed steps.
@@ -28,8 +29,8 @@ def profile(calib_checkpoint: Path) -> CalibrationProfile:
     # The thread's CPU time, not wall time: CI shares two cores with other jobs, whose load
     # would otherwise stretch some steps more than others.
     return run_calibration(
-        calib_checkpoint, gpu_name="cpu-test", device="cpu", grid=GRID, seed=0,
-        holdout_fraction=1 / 3, clock="cpu", num_threads=1,
+        calib_checkpoint, gpu_name="cpu-test", device="cpu", grid=GRID, measure=measure_device,
+        seed=0, holdout_fraction=1 / 3, clock="cpu", num_threads=1,
     )  # fmt: skip
 
 

@@ -207,7 +207,7 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only(
 
 
 def _smollm2() -> Path:
-    from hybridserve.cli.builtin_models import builtin_path
+    from hybridserve.executor.torch.checkpoints import builtin_path
 
     path = builtin_path("smollm2")
     if not path.is_file():

@@ -122,7 +122,7 @@ def _torch_ready() -> str | None:
         import transformers  # noqa: F401
     except ImportError:
         return "the torch executor needs the models extra (torch)"
-    from hybridserve.cli.builtin_models import builtin_path
+    from hybridserve.executor.torch.checkpoints import builtin_path
 
     path = builtin_path("smollm2")
     if not path.is_file():

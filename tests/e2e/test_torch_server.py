@@ -424,7 +424,7 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path: Path) -> N
 
 
 def test_the_smollm2_gguf_chat_template_renders_as_in_transformers() -> None:
-    from hybridserve.cli.builtin_models import builtin_path
+    from hybridserve.executor.torch.checkpoints import builtin_path
     from hybridserve.executor.torch.tokenizer import load_tokenizer
 
     path = builtin_path("smollm2")

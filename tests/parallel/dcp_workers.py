@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from hybridserve.parallel import AttentionRows, DcpGroup, dcp_attention
+from hybridserve.parallel.demo_models import TinyDecoder, TinyModelConfig
 from hybridserve.parallel.group import all_gather_heads
 from hybridserve.parallel.mla import MlaCaches, MlaConfig, MlaWeights, mla_attention, prepare_rows
-from hybridserve.parallel.models import TinyDecoder, TinyModelConfig
 from hybridserve.parallel.runner import DecodeScenario, run_scenario
 
 BLOCK_SIZE = 4

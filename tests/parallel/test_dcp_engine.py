@@ -204,6 +204,24 @@ def test_generate_cli_joins_a_torchrun_group(llama_path: Path, token_file: Path)
     assert _cli_outputs(done.stdout) == expected  # printed once, by rank 0
 
 
+def test_generate_under_torchrun_refuses_a_world_size_other_than_dcp(
+    llama_path: Path, token_file: Path
+):
+    args = ["generate", "--model", str(llama_path), "--token-ids", str(token_file), "--dcp", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    env |= {"WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--dcp=2 is invalid: torchrun started WORLD_SIZE=1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_rank_that_cannot_start_stops_every_rank_with_its_reason() -> None:
     started = time.monotonic()
     reports = run_ranks(w.report_ready, 2, 1, timeout_s=TIMEOUT_S)

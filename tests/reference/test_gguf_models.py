@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridserve.cli.builtin_models import GEMMA_TERMS_NOTICE, fetch, gemma_terms_path
+from hybridserve.executor.torch.checkpoints import GEMMA_TERMS_NOTICE, fetch, gemma_terms_path
 from tests.reference.helpers import hybrid_generate, transformers_greedy
 
 

@@ -15,6 +15,10 @@ sample of many shapes rather than every sample of one.
 `measure_peaks` is the "datasheet" of a device that is not in the GPU catalog (a CPU): the best
 FLOP/s of a large fp32 and bf16 matmul and the bytes/s of a large tensor copy (read + write).
 The fitted efficiencies are then fractions of these measured peaks.
+
+`measure_device` is the torch half of `hybridserve calibrate`: load a checkpoint, time every
+shape, measure the peaks when asked; `hybridserve.sim.calibration_run` checks the request
+before and fits the times after.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
+from hybridserve.executor.torch.loader import load_model
 from hybridserve.executor.torch.runner import TorchExecutor
 from hybridserve.kvcache.spec import MambaSpec
 
@@ -207,4 +213,71 @@ def measure_peaks(
         bf16_flops=flops[torch.bfloat16],
         copy_bytes_per_s=2 * elements * 4 / copy_s,
         memory_bytes=memory,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceMeasurement:
+    """What `measure_device` measured: seconds per shape (in order), the peaks (when asked)
+    and the torch it ran under."""
+
+    seconds: tuple[float, ...]
+    peaks: DevicePeaks | None
+    torch_version: str
+    num_threads: int
+
+
+def measure_device(
+    model_path: Path,
+    *,
+    device: str,
+    dtype: str,
+    clock: str,
+    num_threads: int | None,
+    requests: Sequence[Sequence[RequestTokens]],
+    rounds: int,
+    repeats: int,
+    vocab_size: int,
+    seed: int,
+    max_tokens: int,
+    max_requests: int,
+    with_peaks: bool,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> DeviceMeasurement:
+    """Load the checkpoint in `dtype` ("fp32", "bf16", "fp16") on `device`, time each step
+    shape of `requests` with `measure_steps`, and measure the device's peaks when `with_peaks`.
+
+    `clock` is "wall" (perf_counter) or "cpu" (this thread's CPU time: one torch thread only).
+    `num_threads` sets torch's intra-op threads (None: leave them). `progress(what, done,
+    total)` reports "peaks" then "steps". Raises ConfigError."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device", device, "CUDA is not available here; use --device cpu")
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    threads = torch.get_num_threads()
+    if clock == "cpu" and threads != 1:
+        raise ConfigError(
+            "--clock", clock, f"it counts one thread's time, torch runs {threads}; add --threads 1"
+        )
+    timer_clock = time.thread_time if clock == "cpu" else time.perf_counter
+    model = load_model(model_path, dtype=TORCH_DTYPES[dtype])
+    peaks = None
+    if with_peaks:
+        if progress is not None:
+            progress("peaks", 0, 1)
+        peaks = measure_peaks(device, clock=timer_clock)
+    executor = executor_for(model, max_tokens=max_tokens, max_requests=max_requests, device=device)
+    timer = StepTimer(executor, vocab_size=vocab_size, seed=seed, clock=timer_clock)
+    seconds = measure_steps(
+        timer,
+        requests,
+        rounds=rounds,
+        repeats=repeats,
+        progress=None if progress is None else lambda d, t: progress("steps", d, t),
+    )
+    return DeviceMeasurement(
+        seconds=tuple(seconds),
+        peaks=peaks,
+        torch_version=str(torch.__version__),
+        num_threads=torch.get_num_threads(),
     )

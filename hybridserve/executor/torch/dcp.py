@@ -13,24 +13,72 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.executor.torch.runner import TorchExecutor
 from hybridserve.parallel.group import DcpGroup
 from hybridserve.parallel.launch import (
     find_free_port,
+    init_from_env,
     join_local_group,
     leave_group,
     process_context,
+    run_ranks,
+    torchrun_env_present,
 )
 
-__all__ = ["DcpDriver", "LocalDcpRanks", "confirm_ready", "follow_plans"]
+__all__ = ["DcpDriver", "LocalDcpRanks", "confirm_ready", "follow_plans", "run_on_group"]
 
 logger = logging.getLogger(__name__)
+
+Job = TypeVar("Job")
+Outcome = TypeVar("Outcome")
+
+
+def run_on_group(
+    rank_main: Callable[[DcpGroup, Job], Outcome],
+    job: Job,
+    *,
+    ranks: int,
+    device: str = "cpu",
+    interleave: int = 1,
+    timeout_s: float = 3600.0,
+    announce: Callable[[str], None] | None = None,
+) -> Outcome:
+    """`rank_main(group, job)` on every rank of a DCP group of `ranks` ranks; returns rank 0's
+    result, or under torchrun this process's rank's (the world is the group).
+
+    Under torchrun the group is joined from the environment and left afterwards; WORLD_SIZE
+    must equal `ranks` (ConfigError otherwise). Else `ranks` local processes are spawned (gloo
+    on CPU, nccl on CUDA; `announce` is told first) and `rank_main` must be a module-level
+    function. Raises RuntimeError when a rank fails or the group outlives `timeout_s`."""
+    if torchrun_env_present():
+        group = init_from_env(interleave=interleave, timeout_s=timeout_s)
+        try:
+            if group.world_size != ranks:
+                raise ConfigError(
+                    "--dcp",
+                    ranks,
+                    f"torchrun started WORLD_SIZE={group.world_size}; give --dcp "
+                    f"{group.world_size} or start {ranks} processes",
+                )
+            return rank_main(group, job)
+        finally:
+            leave_group()
+    if announce is not None:
+        announce(f"starting {ranks} DCP ranks ...")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    results = run_ranks(
+        rank_main, ranks, job, interleave=interleave, backend=backend, timeout_s=timeout_s
+    )
+    outcome: Outcome = results[0]
+    return outcome
 
 
 def confirm_ready(dcp: DcpGroup, failure: str | None) -> None:

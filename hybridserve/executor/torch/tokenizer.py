@@ -70,6 +70,15 @@ class TextTokenizer:
         except ChatTemplateError as exc:
             raise ConfigError("chat_template", None, str(exc)) from None
 
+    def encode_prompt(self, text: str, *, chat: bool) -> list[int]:
+        """One prompt's token ids: as a user turn through the chat template when `chat` and
+        the model has one (no second BOS when the template writes it), else the text as is."""
+        if chat and self.chat_template:
+            rendered = self.chat_prompt(text)
+            bos = self.bos_token
+            return self.encode(rendered, add_special_tokens=not (bos and rendered.startswith(bos)))
+        return self.encode(text)
+
 
 class ChatTemplateError(HybridServeError):
     """A conversation cannot be rendered: no template, or the template refuses it."""

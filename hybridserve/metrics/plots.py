@@ -1,17 +1,18 @@
 """PNG plots of simulated runs (matplotlib, Agg backend): latency CDFs, goodput, a timeline.
 
 matplotlib is an optional dependency (the `sim` extra, installed by `make run` and `make test`);
-without it the commands still write report.json and say the plots were skipped.
+without it the commands still write report.json and say the plots were skipped. A run is
+anything shaped like `hybridserve.sim.run.SimRun` (`PlottedRun`): this layer does not import
+the simulator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from hybridserve.sim.run import SimRun
+from hybridserve.metrics.recorder import MetricsRecorder
 
 COLORS = {
     "baseline": "#7f7f7f",
@@ -19,6 +20,31 @@ COLORS = {
     "controls-only": "#1f77b4",
     "retention-only": "#2ca02c",
 }
+
+# The p99 ITL SLO the README's preset was selected under; marked on the ITL CDF.
+ITL_SLO_MS = 100.0
+
+
+class RunWindow(Protocol):
+    @property
+    def warmup_s(self) -> float: ...
+
+
+class PlottedRun(Protocol):
+    """What the plots read of a run: its window summary, recorder and warm-up."""
+
+    @property
+    def config(self) -> RunWindow: ...
+
+    @property
+    def summary(self) -> Mapping[str, float]: ...
+
+    @property
+    def recorder(self) -> MetricsRecorder: ...
+
+    def ttft_samples_s(self) -> list[float]: ...
+
+    def itl_samples_s(self) -> list[float]: ...
 
 
 def plots_available() -> bool:
@@ -29,12 +55,8 @@ def plots_available() -> bool:
     return True
 
 
-# The p99 ITL SLO the README's preset was selected under; marked on the ITL CDF.
-ITL_SLO_MS = 100.0
-
-
 def write_plots(
-    folder: Path, runs: Mapping[str, SimRun], *, itl_slo_ms: float | None = ITL_SLO_MS
+    folder: Path, runs: Mapping[str, PlottedRun], *, itl_slo_ms: float | None = ITL_SLO_MS
 ) -> list[Path]:
     """Write itl_cdf.png, ttft_cdf.png, goodput.png and timeline.png; return their paths."""
     import matplotlib
@@ -52,40 +74,43 @@ def write_plots(
         plt.close(fig)
         paths.append(path)
 
-    for name, title, unit, scale, samples, slo in (
-        (
-            "itl_cdf.png",
-            "Inter-token latency",
-            "ms",
-            1000.0,
-            {k: r.itl_samples_s() for k, r in runs.items()},
-            itl_slo_ms,
-        ),
-        (
-            "ttft_cdf.png",
-            "Time to first token",
-            "s",
-            1.0,
-            {k: r.ttft_samples_s() for k, r in runs.items()},
-            None,
-        ),
-    ):
-        fig, (whole, tail) = plt.subplots(1, 2, figsize=(11.0, 4.2))
-        for label, values in samples.items():
-            _cdf_panels(whole, tail, [scale * v for v in values], label, COLORS.get(label))
-        for ax, what in ((whole, "all samples"), (tail, "tail: p90 to p100")):
-            ax.set_xscale("log")
-            ax.set_xlabel(f"{title.lower()} ({unit}, log scale)")
-            ax.set_ylabel("fraction of samples")
-            ax.set_title(f"{title} CDF, {what}")
-            ax.grid(True, which="both", alpha=0.3)
-            if slo is not None:
-                ax.axvline(slo, color="black", ls="--", lw=1.0, label=f"SLO {slo:g} {unit}")
-        tail.set_ylim(0.9, 1.001)
-        whole.legend(fontsize="small", loc="lower right")
-        tail.legend(fontsize="small", loc="lower right")
-        save(fig, name)
+    itl = {k: r.itl_samples_s() for k, r in runs.items()}
+    ttft = {k: r.ttft_samples_s() for k, r in runs.items()}
+    save(_cdf_figure(plt, "Inter-token latency", "ms", 1000.0, itl, itl_slo_ms), "itl_cdf.png")
+    save(_cdf_figure(plt, "Time to first token", "s", 1.0, ttft, None), "ttft_cdf.png")
+    save(_goodput_figure(plt, runs), "goodput.png")
+    save(_timeline_figure(plt, runs), "timeline.png")
+    return paths
 
+
+def _cdf_figure(
+    plt: Any,
+    title: str,
+    unit: str,
+    scale: float,
+    samples: Mapping[str, Sequence[float]],
+    slo: float | None,
+) -> Any:
+    """Two panels: the whole CDF and its tail (p90 to p100), log x, the SLO marked if given."""
+    fig, (whole, tail) = plt.subplots(1, 2, figsize=(11.0, 4.2))
+    for label, values in samples.items():
+        _cdf_panels(whole, tail, [scale * v for v in values], label, COLORS.get(label))
+    for ax, what in ((whole, "all samples"), (tail, "tail: p90 to p100")):
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{title.lower()} ({unit}, log scale)")
+        ax.set_ylabel("fraction of samples")
+        ax.set_title(f"{title} CDF, {what}")
+        ax.grid(True, which="both", alpha=0.3)
+        if slo is not None:
+            ax.axvline(slo, color="black", ls="--", lw=1.0, label=f"SLO {slo:g} {unit}")
+    tail.set_ylim(0.9, 1.001)
+    whole.legend(fontsize="small", loc="lower right")
+    tail.legend(fontsize="small", loc="lower right")
+    return fig
+
+
+def _goodput_figure(plt: Any, runs: Mapping[str, PlottedRun]) -> Any:
+    """Job goodput per run (output tokens per second when no run completed a job)."""
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     labels = list(runs)
     jobs = any(runs[k].summary["job_goodput_per_hour"] for k in labels)
@@ -100,8 +125,11 @@ def write_plots(
         ax.annotate(f"{value:,.1f}", (x, value), ha="center", va="bottom")
     ax.set_ylabel(ylabel)
     ax.set_title(f"{ptitle} (measurement window)")
-    save(fig, "goodput.png")
+    return fig
 
+
+def _timeline_figure(plt: Any, runs: Mapping[str, PlottedRun]) -> Any:
+    """One panel per run: prefill and decode tokens per step, KV usage on the right axis."""
     fig, axes = plt.subplots(len(runs), 1, figsize=(9.0, 2.8 * len(runs)), sharex=True)
     axes_list: Sequence[Any] = axes if len(runs) > 1 else [axes]
     for ax, (label, run) in zip(axes_list, runs.items(), strict=True):
@@ -128,8 +156,7 @@ def write_plots(
         ax.set_title(f"{label}: prefill and decode per step, KV usage")
         ax.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize="small")
     axes_list[-1].set_xlabel("simulated seconds")
-    save(fig, "timeline.png")
-    return paths
+    return fig
 
 
 def _cdf_panels(

