@@ -308,7 +308,10 @@ class KVCacheManager:
         total = num_computed_tokens + num_new_tokens
         to_cache = total if total < num_tokens else num_tokens
         wanted = total + num_lookahead_tokens
-        return all(g.settled(req_id, wanted, to_cache, num_computed_tokens) for g in self.groups)
+        for group in self.groups:
+            if not group.settled(req_id, wanted, to_cache, num_computed_tokens):
+                return False
+        return True
 
     def _keep_for(
         self, req_id: str, num_prompt_tokens: int, hit: CacheHit | None

@@ -3,6 +3,11 @@ recompute, prefix hits at admission, and the finished-id flush one step later.
 
 With every control off the decisions are vLLM 0.33's exactly; `hybridserve replay-vllm` proves
 it step by step against recordings of the real scheduler.
+
+This module owns the requests and the order of a step; its halves are their own modules:
+`running` (running requests, preemption), `admission` (waiting requests), `chunks` (the step
+plan's chunks) and `sampled` (update()'s stop and draft rules). The prefill/decode controls are
+one policy, `controls`, which the loop asks at fixed points.
 """
 
 from __future__ import annotations
