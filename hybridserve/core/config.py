@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hybridserve.core.errors import ConfigError
+from hybridserve.core.errors import ConfigError, RequestError
 
 
 class SpecMethod(StrEnum):
@@ -278,6 +278,11 @@ class SchedulerConfig:
     @property
     def pins_kv(self) -> bool:
         return self.kv_pin_fraction > 0
+
+    def check_priority(self, priority: int) -> None:
+        """The one priority rule: the fcfs policy takes priority 0 only. Raises RequestError."""
+        if self.policy is SchedulingPolicy.FCFS and priority != 0:
+            raise RequestError("priority", priority, "the fcfs scheduler takes priority 0 only")
 
 
 def _require_strictly_positive(field: str, value: float) -> None:

@@ -191,6 +191,13 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """Where this request's prefill ends: the prompt's end or, for a request resumed after a
+        preemption, all its tokens but the last (the recompute; the last is the next decode's
+        input). A chunk starting before this position is a prefill chunk, one at it a decode."""
+        return max(self.num_prompt_tokens, len(self.token_ids) - 1)
+
+    @property
     def num_tokens_with_spec(self) -> int:
         return len(self.token_ids) + len(self.spec_token_ids)
 

@@ -97,25 +97,7 @@ class KVCacheManager:
             layout.hash_algo,
             lookahead=layout.speculative.hash_lookahead_tokens,
         )
-        h, a = layout.hash_block_size, layout.alignment_tokens
-        self.groups: list[GroupManager] = [
-            make_manager(
-                spec,
-                GroupContext(
-                    gid,
-                    unit,
-                    unit // h,
-                    a,
-                    layout.drops_tail(gid),
-                    layout.speculative.drops_target_tail,
-                    _admission_cap(spec, layout.max_in_flight_tokens),
-                    layout.partial_hash_hits and a < unit,
-                    math.lcm(*(g.block_size for g in layout.groups)),
-                ),
-                self.pool,
-            )
-            for gid, (spec, unit) in enumerate(zip(layout.groups, layout.units, strict=True))
-        ]
+        self.groups = _build_groups(layout, self.pool)
         self._drops = tuple(layout.drops_tail(g) for g in range(layout.num_groups))
         self._full_groups = [
             g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
@@ -130,19 +112,16 @@ class KVCacheManager:
         self._requests: dict[str, _RequestState] = {}
         self._no_change = Allocation(((),) * len(self.groups), ())
         # Positions a state or window group can resume at lie on lcm(A, its block size).
-        self._serving_grids = sorted(
-            {
-                math.lcm(layout.alignment_tokens, g.block_size)
-                for g in self.groups
-                if g.kind in (GroupKind.MAMBA, GroupKind.SWA, GroupKind.DRAFT)
-            }
+        self._serving_grids = _grids(
+            layout, [g.block_size for g in self.groups if g.kind in _SERVING_KINDS]
         )
-        self._state_grids = sorted(
-            {
-                math.lcm(layout.alignment_tokens, s.block_size)
+        self._state_grids = _grids(
+            layout,
+            [
+                s.block_size
                 for s in layout.groups
                 if isinstance(s, MambaSpec) and s.mode is MambaCacheMode.ALIGN
-            }
+            ],
         )
         self.metrics = CacheMetrics(tuple(s.kind.value for s in layout.groups))
         # Tool-call pins (off unless a scheduler pins): per session, and per block the number
@@ -276,28 +255,21 @@ class KVCacheManager:
         a window, old states) may still have been released. On success the hit's metrics
         sample is committed: a request that failed k times and is then admitted counts once.
         """
-        if hit is None and not full_sequence_must_fit:
-            total = num_computed_tokens + num_new_tokens
-            to_cache = total if total < num_tokens else num_tokens
-            wanted = total + num_lookahead_tokens
-            for group in self.groups:
-                if not group.settled(req_id, wanted, to_cache, num_computed_tokens):
-                    break
-            else:
-                return self._no_change
+        if (
+            hit is None
+            and not full_sequence_must_fit
+            and self._settled(
+                req_id, num_tokens, num_computed_tokens, num_new_tokens, num_lookahead_tokens
+            )
+        ):
+            return self._no_change
         if hit is not None and not hit.ready:
             return None
         hit_tokens = hit.num_tokens if hit is not None else 0
         total_computed = num_computed_tokens + hit_tokens
         hit_blocks = hit.group_blocks if hit is not None else ((),) * len(self.groups)
         cows = hit.cow_sources if hit is not None else (None,) * len(self.groups)
-        state = self._requests.get(req_id)
-        if state is not None:
-            keep: KeepMask | None = state.keep
-        elif self._checkpointing:
-            keep = self._keep_mask(self._boundaries(num_prompt_tokens or num_tokens, hit))
-        else:
-            keep = None
+        keep = self._keep_for(req_id, num_prompt_tokens or num_tokens, hit)
         if full_sequence_must_fit:
             whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens, keep, True)
             if not self.pool.has_room(self._blocks_needed(req_id, whole, hit_blocks, cows)):
@@ -310,21 +282,10 @@ class KVCacheManager:
         )
         if not self.pool.has_room(self._blocks_needed(req_id, slots, hit_blocks, cows)):
             return None
-        copies = []
+        copies: tuple[BlockCopy, ...] = ()
         if hit is not None:
             self._begin_request(req_id, hit, num_prompt_tokens, keep)
-            # Hold every group's hit first: a new block must never be another group's hit.
-            for gid, group in enumerate(self.groups):
-                group.add_hit(req_id, hit_blocks[gid], cows[gid])
-            for gid, group in enumerate(self.groups):
-                cow_src = cows[gid]
-                if cow_src is not None:
-                    cow_dst = group.add_copy_target(req_id)
-                    copies.append(
-                        BlockCopy(
-                            gid, cow_src.block_id, cow_dst.block_id, hit_tokens % group.block_size
-                        )
-                    )
+            copies = self._hold_hit(req_id, hit)
         elif req_id not in self._requests:
             self._begin_request(req_id, self._empty_hit(num_tokens, False), num_prompt_tokens, keep)
         new_ids = tuple(tuple(b.block_id for b in g.allocate(req_id, slots)) for g in self.groups)
@@ -332,7 +293,53 @@ class KVCacheManager:
             self._register(req_id, block_hashes, total_computed, num_new_tokens, num_tokens)
         if hit is not None and hit.sample is not None:
             self.metrics.commit(hit.sample)
-        return Allocation(new_ids, tuple(copies))
+        return Allocation(new_ids, copies)
+
+    def _settled(
+        self,
+        req_id: str,
+        num_tokens: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> bool:
+        """Every group already holds the blocks of this running request's next chunk and has
+        registered what it can: allocating would change nothing."""
+        total = num_computed_tokens + num_new_tokens
+        to_cache = total if total < num_tokens else num_tokens
+        wanted = total + num_lookahead_tokens
+        for group in self.groups:
+            if not group.settled(req_id, wanted, to_cache, num_computed_tokens):
+                return False
+        return True
+
+    def _keep_for(
+        self, req_id: str, num_prompt_tokens: int, hit: CacheHit | None
+    ) -> KeepMask | None:
+        """The retention mask an allocation places checkpoints by: the request's own once it is
+        admitted; for an admission built here when a group checkpoints; else None (built later
+        by `_begin_request`)."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            return state.keep
+        if self._checkpointing:
+            return self._keep_mask(self._boundaries(num_prompt_tokens, hit))
+        return None
+
+    def _hold_hit(self, req_id: str, hit: CacheHit) -> tuple[BlockCopy, ...]:
+        """Take every group's hit blocks for an admission, then the copy-on-write targets of
+        partial hit blocks: the copies to run before the step."""
+        # Hold every group's hit first: a new block must never be another group's hit.
+        for gid, group in enumerate(self.groups):
+            group.add_hit(req_id, hit.group_blocks[gid], hit.cow_sources[gid])
+        copies = []
+        for gid, group in enumerate(self.groups):
+            cow_src = hit.cow_sources[gid]
+            if cow_src is not None:
+                cow_dst = group.add_copy_target(req_id)
+                offset = hit.num_tokens % group.block_size
+                copies.append(BlockCopy(gid, cow_src.block_id, cow_dst.block_id, offset))
+        return tuple(copies)
 
     def _blocks_needed(
         self,
@@ -642,3 +649,34 @@ def _admission_cap(spec: object, max_in_flight_tokens: int) -> int:
     if not isinstance(spec, SlidingWindowSpec) or max_in_flight_tokens <= 0:
         return 0
     return -(-(spec.window - 1 + max_in_flight_tokens) // spec.block_size) + 1
+
+
+_SERVING_KINDS = (GroupKind.MAMBA, GroupKind.SWA, GroupKind.DRAFT)
+
+
+def _build_groups(layout: CacheLayout, pool: BlockPool) -> list[GroupManager]:
+    """One manager per group of the layout, over the shared pool."""
+    h, a = layout.hash_block_size, layout.alignment_tokens
+    return [
+        make_manager(
+            spec,
+            GroupContext(
+                gid,
+                unit,
+                unit // h,
+                a,
+                layout.drops_tail(gid),
+                layout.speculative.drops_target_tail,
+                _admission_cap(spec, layout.max_in_flight_tokens),
+                layout.partial_hash_hits and a < unit,
+                math.lcm(*(g.block_size for g in layout.groups)),
+            ),
+            pool,
+        )
+        for gid, (spec, unit) in enumerate(zip(layout.groups, layout.units, strict=True))
+    ]
+
+
+def _grids(layout: CacheLayout, block_sizes: Iterable[int]) -> list[int]:
+    """The sorted distinct grids lcm(A, block size) of these block sizes."""
+    return sorted({math.lcm(layout.alignment_tokens, b) for b in block_sizes})

@@ -50,7 +50,7 @@ class AlignSplitter:
 
     def split(self, request: Request, num_new: int, *, hit: int, junction: int) -> int:
         start = request.num_computed_tokens + hit
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        prefill_end = request.prefill_end
         if start >= prefill_end:
             return num_new  # decode
         block = self.block

@@ -1,45 +1,162 @@
 """Prefill/decode controls (SPEC.md 5.2) and the adaptive time budget (5.3). All off by default.
 
-The controller decides, before the running loop, the prefill shape of the step: whether local
-prefill runs at all (decode bursts, the oldest-waiter deadline), how many prefill tokens a mixed
-step may carry (token cap Cp, or a time target T through the step-time model), how those quanta
-rotate over running partial prefills, and what the head waiter may take. With every control at 0
-it returns the unlimited plan and the schedule is vLLM's.
+The policy is three pieces, each with one job; the scheduler asks them at fixed points of its
+loop, so a new control is a change here, never a branch in the loop:
+
+* `PrefillController` decides, before the running loop, the prefill shape of a step: whether
+  local prefill runs at all (decode bursts D, the oldest-waiter deadline W), how many prefill
+  tokens a mixed step may carry (token cap Cp, or a time target T through the step-time model),
+  how those quanta rotate over running partial prefills, what the head waiter may take, and the
+  bound Mp on partial prefills. It owns the state that carries over between steps.
+* `PrefillPlan` is that decision, frozen. With every control at 0 it is `UNLIMITED` and the
+  schedule is vLLM's.
+* `PrefillAllowance` is one step's use of its plan by the admissions and by the reclaim of the
+  quanta the head waiter could not use.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request
 from hybridserve.scheduler.step_model import StepTimeModel
 
+if TYPE_CHECKING:
+    from hybridserve.scheduler.step import StepState
+
 FALLBACK_ERROR = 0.25  # prediction error above which the adaptive grant falls back
 
 
 def is_decode(request: Request) -> bool:
     """The request has finished its prompt (and any recompute): its next token is a decode."""
-    return request.num_computed_tokens >= max(request.num_prompt_tokens, request.num_tokens - 1)
+    return request.num_computed_tokens >= request.prefill_end
 
 
-@dataclass(slots=True)
+def count_partials(running: Sequence[Request]) -> int:
+    """Running requests still short of their prefill end: the active partial prefills."""
+    return sum(1 for r in running if not is_decode(r))
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillPlan:
-    """The prefill shape of one step."""
+    """The prefill shape of one step, decided before the running loop and never changed after.
 
-    allow_prefill: bool = True  # False: a decode-only burst step
-    grants: dict[str, int] | None = None  # running partial prefill -> max tokens; None = any
-    waiter_tokens: int | None = None  # tokens admissions may take; None = the token budget
+    The limits: `allow_prefill` (False: a decode-only burst step), `grants` (running partial
+    prefill -> the most tokens it may take; None: no cap), `waiter_tokens` (what admissions may
+    take together; None: the token budget) and `max_partials` (Mp, the partial prefills an
+    admission may leave behind; 0: no bound). The rest records why, for `observe` and the
+    step's output, and what committing the plan advances the controller by: `rotation` (the
+    rotation pointer for the next plan; None: unchanged) and `adaptive_fallback`.
+    """
+
+    allow_prefill: bool = True
+    grants: Mapping[str, int] | None = None
+    waiter_tokens: int | None = None
+    max_partials: int = 0
     bypass: bool = False  # the oldest-waiter deadline opened this step
-    eligible_decode: bool = False
-    pending: bool = False
+    eligible_decode: bool = False  # a running request decodes this step
+    pending: bool = False  # prefill is waiting: a partial prefill runs or a request waits
     mixed_budget: int = 0  # Bp, the governed prefill tokens of a mixed step
+    rotation: int | None = None
+    adaptive_fallback: bool = False  # the time grant fell back: its prediction error is high
+
+    @property
+    def unlimited(self) -> bool:
+        """No control binds this step: every request takes what vLLM's loop gives it."""
+        return (
+            self.allow_prefill
+            and self.grants is None
+            and self.waiter_tokens is None
+            and not self.max_partials
+        )
+
+    def grant(self, req_id: str, num_new: int) -> int:
+        """The tokens of `num_new` a running partial prefill may take this step."""
+        if not self.allow_prefill:
+            return 0
+        grants = self.grants
+        if grants is None:
+            return num_new
+        return min(num_new, grants.get(req_id, 0))
 
 
-UNLIMITED = PrefillPlan()
+UNLIMITED = PrefillPlan()  # every control off; a plan is tested with `plan.unlimited`, never `is`
+
+
+# What the reclaim asks of the scheduler: (request, tokens already in the step, the total it may
+# now have) -> the extra tokens it took after alignment (0: none), or None when they do not fit.
+TakeMore = Callable[[Request, int, int], int | None]
+
+
+class PrefillAllowance:
+    """One step's use of its plan: the tokens the head waiter may still take and the partial
+    prefills this step's admissions started. Created per schedule() call; the plan is frozen."""
+
+    __slots__ = ("new_partials", "plan", "waiter_tokens")
+
+    def __init__(self, plan: PrefillPlan) -> None:
+        self.plan = plan
+        self.waiter_tokens = plan.waiter_tokens
+        self.new_partials = 0
+
+    def admission_tokens(self, num_new: int) -> int:
+        """What the next admission may take of `num_new` (0 or less: admissions stop)."""
+        left = self.waiter_tokens
+        return num_new if left is None else min(num_new, left)
+
+    def admits(self, *, completes: bool, running: Sequence[Request], step: StepState) -> bool:
+        """Mp: a waiter may join only if the partial prefills left after the step stay <= Mp;
+        a waiter that completes its prefill within its grant is always admissible."""
+        bound = self.plan.max_partials
+        if not bound or completes:
+            return True
+        return self._partials_after(running, step) + 1 <= bound
+
+    def _partials_after(self, running: Sequence[Request], step: StepState) -> int:
+        """Running requests still short of their prefill end once this step's tokens land."""
+        count = self.new_partials
+        scheduled, admitted = step.scheduled, step.admitted
+        for request in running:
+            if admitted and request.req_id in admitted:
+                continue  # counted in new_partials
+            done = request.num_computed_tokens + scheduled.get(request.req_id, 0)
+            if done < request.prefill_end:
+                count += 1
+        return count
+
+    def charge(self, num_new: int, *, completes: bool) -> None:
+        """An admission took `num_new` tokens; it is a new partial prefill unless it completes."""
+        if self.waiter_tokens is not None:
+            self.waiter_tokens -= num_new
+        if not completes:
+            self.new_partials += 1
+
+    def reclaim(self, running: Sequence[Request], step: StepState, take_more: TakeMore) -> None:
+        """Give the quanta the head waiter could not use back to the running partial prefills,
+        in running order, while tokens and budget last; `take_more` aligns and allocates."""
+        if self.plan.grants is None or not self.waiter_tokens:
+            return
+        left = self.waiter_tokens
+        for request in running:
+            if left <= 0 or step.budget <= 0:
+                break
+            if request.req_id in step.admitted or is_decode(request):
+                continue
+            already = step.scheduled.get(request.req_id, 0)
+            remaining = request.num_tokens - request.num_computed_tokens
+            extra = take_more(
+                request, already, min(already + left, remaining, already + step.budget)
+            )
+            if extra is None:
+                break
+            left -= extra
+        self.waiter_tokens = left
 
 
 @dataclass(slots=True)
@@ -81,6 +198,14 @@ class ControlStats:
 
 
 class PrefillController:
+    """The prefill/decode policy of one scheduler.
+
+    Its state changes in three calls only, once per step each: `plan` (the rotation pointer,
+    the grants and fallbacks it records), `observe` (the decode-burst count and the counters,
+    after the step is scheduled) and `learn` (the step-time model, after the step ran). `decide`
+    is the pure part of `plan`.
+    """
+
     def __init__(
         self, config: SchedulerConfig, *, quantum: int, step_model: StepTimeModel | None = None
     ) -> None:
@@ -114,58 +239,99 @@ class PrefillController:
         token_budget: int,
         seq_slot_free: bool,
     ) -> PrefillPlan:
+        """Decide the step's plan and commit it (this advances the rotation pointer, records the
+        grants and counts a fallback): call it once per step, before the running loop."""
+        if not self.enabled:
+            return UNLIMITED
+        plan = self.decide(
+            now=now,
+            running=running,
+            waiting=waiting,
+            token_budget=token_budget,
+            seq_slot_free=seq_slot_free,
+        )
+        self.commit(plan)
+        return plan
+
+    def decide(
+        self,
+        *,
+        now: float,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        token_budget: int,
+        seq_slot_free: bool,
+    ) -> PrefillPlan:
+        """The step's plan from the controller's current state. Pure: it changes nothing."""
         if not self.enabled:
             return UNLIMITED
         decodes = [r for r in running if is_decode(r)]
         partials = [r for r in running if not is_decode(r)]
         pending = bool(partials) or bool(waiting)
-        if not decodes:
-            return PrefillPlan(pending=pending)  # nothing to protect: the full budget
-        plan = PrefillPlan(eligible_decode=True, pending=pending)
+        bound = self.max_partials
+        if not decodes:  # nothing to protect: the full budget
+            return PrefillPlan(max_partials=bound, pending=pending)
+        bypass = False
         if self.min_decode_steps and pending and self.since < self.min_decode_steps:
-            if self.max_wait_s > 0 and _oldest_age(waiting, now) >= self.max_wait_s:
-                plan.bypass = True
-            else:
-                plan.allow_prefill = False
-                return plan
+            if not (self.max_wait_s > 0 and _oldest_age(waiting, now) >= self.max_wait_s):
+                return PrefillPlan(
+                    allow_prefill=False, max_partials=bound, eligible_decode=True, pending=pending
+                )
+            bypass = True
         decode_tokens = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
-        budget = self._mixed_budget(token_budget - decode_tokens, decodes, partials)
-        if budget is None:
-            return plan  # only Mp / D / W are on: no token cap
-        plan.mixed_budget = budget
-        quanta = budget // self.quantum
-        partial_free = not self.max_partials or len(partials) < self.max_partials
-        reserve = 1 if (waiting and seq_slot_free and partial_free and quanta > 0) else 0
-        plan.grants = self._rotate(partials, quanta - reserve)
-        unused = sum(
-            max(g - (r.num_tokens - r.num_computed_tokens), 0)
-            for r, g in ((r, plan.grants[r.req_id]) for r in partials)
+        budget, fallback = self._mixed_budget(token_budget - decode_tokens, decodes, partials)
+        if budget is None:  # only Mp / D / W are on: no token cap
+            return PrefillPlan(
+                max_partials=bound, bypass=bypass, eligible_decode=True, pending=pending
+            )
+        grants, rotation, waiter_tokens = self._share(budget, partials, waiting, seq_slot_free)
+        return PrefillPlan(
+            grants=MappingProxyType(grants),
+            waiter_tokens=waiter_tokens,
+            max_partials=bound,
+            bypass=bypass,
+            eligible_decode=True,
+            pending=pending,
+            mixed_budget=budget,
+            rotation=rotation,
+            adaptive_fallback=fallback,
         )
-        plan.waiter_tokens = reserve * self.quantum + unused // self.quantum * self.quantum
-        self.stats.last_grants = dict(plan.grants)
-        return plan
+
+    def commit(self, plan: PrefillPlan) -> None:
+        """Advance the controller by a plan `decide` returned, for the step that runs it."""
+        if plan.rotation is not None:
+            self.rot = plan.rotation
+        if plan.adaptive_fallback:
+            self.stats.adaptive_fallbacks += 1
+        if plan.grants is not None:
+            self.stats.last_grants = dict(plan.grants)
 
     def _mixed_budget(
         self, room: int, decodes: Sequence[Request], partials: Sequence[Request]
-    ) -> int | None:
-        """Bp: the token cap and/or the adaptive time grant, floored to the quantum."""
+    ) -> tuple[int | None, bool]:
+        """Bp (None: no cap is on), the token cap and/or the adaptive time grant floored to the
+        quantum; and whether the time grant fell back."""
         if not self.cap and not self.target_s:
-            return None
+            return None, False
         limit = max(room, 0)
         if self.cap:
             limit = min(limit, self.cap)
+        fallback = False
         if self.target_s:
             # At least one quantum: prefill never starves (a deadline bypass always moves),
             # and a mixed step exceeds T by at most one quantum's cost.
-            limit = min(limit, max(self._adaptive_grant(decodes, partials), self.quantum))
-        return limit // self.quantum * self.quantum
+            grant, fallback = self._adaptive_grant(decodes, partials)
+            limit = min(limit, max(grant, self.quantum))
+        return limit // self.quantum * self.quantum, fallback
 
-    def _adaptive_grant(self, decodes: Sequence[Request], partials: Sequence[Request]) -> int:
-        """The largest prefill (a multiple of q) predicted to keep the mixed step within T."""
+    def _adaptive_grant(
+        self, decodes: Sequence[Request], partials: Sequence[Request]
+    ) -> tuple[int, bool]:
+        """The largest prefill (a multiple of q) predicted to keep the mixed step within T, and
+        whether it fell back to the cap (or one quantum) because predictions are poor."""
         model = self.model
         if model.recent_error > FALLBACK_ERROR:
-            self.stats.adaptive_fallbacks += 1
-            return self.cap if self.cap else self.quantum
+            return (self.cap if self.cap else self.quantum), True
         n_decode = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
         kv_decode = sum(r.num_computed_tokens for r in decodes)
         base = model.predict(model.features(n_decode, 0, kv_decode))
@@ -174,35 +340,51 @@ class PrefillController:
         per_token = c[2] + c[3] * context
         slack = self.target_s - base
         if slack <= 0:
-            return 0
+            return 0, False
         tokens = slack / per_token if per_token > 0 else math.inf
         if not math.isfinite(tokens):
-            return 1 << 30  # no per-token cost learned: only the step cap binds
-        return int(tokens) // self.quantum * self.quantum
+            return 1 << 30, False  # no per-token cost learned: only the step cap binds
+        return int(tokens) // self.quantum * self.quantum, False
 
-    def _rotate(self, partials: Sequence[Request], quanta: int) -> dict[str, int]:
-        """Equal shares of the quanta; the remainder goes to consecutive requests from `rot`."""
+    def _share(
+        self,
+        budget: int,
+        partials: Sequence[Request],
+        waiting: Sequence[Request],
+        seq_slot_free: bool,
+    ) -> tuple[dict[str, int], int | None, int]:
+        """Bp in quanta: one reserved for the head waiter when it could start (a free sequence
+        slot, fewer than Mp partial prefills), the rest rotated over the partial prefills; the
+        waiter also gets the whole quanta they cannot use. (grants, rotation, waiter tokens)."""
+        quanta = budget // self.quantum
+        partial_free = not self.max_partials or len(partials) < self.max_partials
+        reserve = 1 if (waiting and seq_slot_free and partial_free and quanta > 0) else 0
+        grants, rotation = self._rotate(partials, quanta - reserve)
+        unused = sum(
+            max(grants[r.req_id] - (r.num_tokens - r.num_computed_tokens), 0) for r in partials
+        )
+        return grants, rotation, reserve * self.quantum + unused // self.quantum * self.quantum
+
+    def _rotate(
+        self, partials: Sequence[Request], quanta: int
+    ) -> tuple[dict[str, int], int | None]:
+        """Equal shares of the quanta; the remainder goes to consecutive requests from `rot`.
+        Also the pointer the next rotation starts from (None: it stays)."""
         if not partials or quanta <= 0:
-            return {r.req_id: 0 for r in partials}
+            return {r.req_id: 0 for r in partials}, None
         share, extra = divmod(quanta, len(partials))
         start = self.rot % len(partials)
         grants = {}
         for offset in range(len(partials)):
             request = partials[(start + offset) % len(partials)]
             grants[request.req_id] = (share + (1 if offset < extra else 0)) * self.quantum
-        self.rot = (start + (extra if extra else 1)) % len(partials)
-        return grants
-
-    # ----- admissions ---------------------------------------------------------------------------
-
-    def admits(self, *, partials_after: int, completes: bool) -> bool:
-        """Mp: a waiter may join only if the partial prefills left after the step stay <= Mp;
-        a waiter that completes its prefill within its grant is always admissible."""
-        return completes or not self.max_partials or partials_after + 1 <= self.max_partials
+        return grants, (start + (extra if extra else 1)) % len(partials)
 
     # ----- observe ------------------------------------------------------------------------------
 
     def observe(self, plan: PrefillPlan, *, prefill_tokens: int, partials_after: int) -> None:
+        """Advance the decode-burst count and the counters by a scheduled step: it ran `plan`,
+        carried `prefill_tokens` and left `partials_after` partial prefills."""
         if not self.enabled:
             return
         stats = self.stats

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridserve.kvcache import Allocation
-from hybridserve.scheduler.controls import PrefillPlan
+from hybridserve.scheduler.controls import PrefillAllowance, PrefillPlan
 
 
 class StepState:
@@ -13,24 +13,22 @@ class StepState:
         "admitted",
         "allocations",
         "budget",
-        "new_partials",
         "new_reqs",
         "num_running_scheduled",
         "plan",
         "preempted",
+        "prefill",
         "resumed",
         "running_prefill",
         "scheduled",
         "threshold",
-        "waiter_tokens",
     )
 
     def __init__(self, budget: int, threshold: int, plan: PrefillPlan) -> None:
         self.budget = budget
         self.threshold = threshold
         self.plan = plan
-        self.waiter_tokens = plan.waiter_tokens
-        self.new_partials = 0
+        self.prefill = PrefillAllowance(plan)  # the admissions' and the reclaim's use of it
         self.scheduled: dict[str, int] = {}
         self.allocations: dict[str, Allocation] = {}
         self.admitted: set[str] = set()

@@ -1,0 +1,138 @@
+"""The waiting half of a step: admissions from the head of the waiting queue, each with its
+prefix hit, until the budget, a sequence slot, a control or the blocks run out (head-of-line
+blocking: the first waiter that cannot start stops the admissions).
+
+Functions of the scheduler's state; `Scheduler.schedule` calls them after the running half.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridserve.core.request import Request, RequestStatus
+from hybridserve.kvcache import Allocation, CacheHit
+from hybridserve.scheduler.step import StepState
+
+if TYPE_CHECKING:
+    from hybridserve.scheduler.scheduler import Scheduler
+
+PLACEHOLDER_DRAFT = -1  # a padding draft row: never a real token, never accepted
+
+
+def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
+    """Admit waiters in queue order while budget and sequence slots last: each takes its
+    uncached tokens within the long-prefill threshold, the budget, the plan's waiter tokens and
+    the state grid, if the controls and (with KV-aware admission) the pool let it start."""
+    config, waiting, prefill = scheduler.config, scheduler.waiting, step.prefill
+    while waiting and step.budget > 0:
+        if len(scheduler.running) >= config.max_num_seqs:
+            break
+        request = waiting.peek()
+        resumed = request.status is RequestStatus.PREEMPTED
+        hit = scheduler.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
+        num_new = request.num_tokens - hit.num_tokens
+        if 0 < step.threshold < num_new:
+            num_new = step.threshold
+        if not config.enable_chunked_prefill and num_new > step.budget:
+            break
+        num_new = prefill.admission_tokens(min(num_new, step.budget))
+        if num_new <= 0:
+            break
+        if scheduler.align_block:
+            num_new = scheduler.splitter.split(
+                request, num_new, hit=hit.num_tokens, junction=hit.junction
+            )
+            if num_new <= 0:
+                break
+        num_new = pad_for_drafts(scheduler, step, request, hit, num_new)
+        if num_new <= 0:
+            break
+        completes = hit.num_tokens + num_new >= request.num_tokens
+        if not prefill.admits(completes=completes, running=scheduler.running, step=step):
+            break
+        if config.kv_aware_admission and not fits_without_preemption(
+            scheduler, request, hit, num_new
+        ):
+            break
+        allocation = admit(scheduler, request, hit, num_new)
+        if allocation is None:
+            break  # head-of-line blocking
+        (step.resumed if resumed else step.new_reqs).append((request.req_id, hit.num_tokens))
+        step.record(request.req_id, num_new, allocation, new_request=True)
+        prefill.charge(num_new, completes=completes)
+
+
+def pad_for_drafts(
+    scheduler: Scheduler, step: StepState, request: Request, hit: CacheHit, num_new: int
+) -> int:
+    """vLLM pads a one-token admission (a full hit, a resumed request) to the 1 + K rows of a
+    decode with K placeholder drafts when no running prefill chunk is in the step, or stops
+    admitting (0) when the budget lacks those rows. Otherwise `num_new` unchanged."""
+    lookahead = scheduler.num_lookahead_tokens
+    if (
+        lookahead
+        and num_new == 1
+        and request.num_tokens - hit.num_tokens == 1
+        and not step.running_prefill
+        and (step.num_running_scheduled or hit.num_tokens > 0)
+    ):
+        if step.budget < 1 + lookahead:
+            return 0
+        request.spec_token_ids[:] = [PLACEHOLDER_DRAFT] * lookahead
+        return 1 + lookahead
+    return num_new
+
+
+def admit(scheduler: Scheduler, request: Request, hit: CacheHit, num_new: int) -> Allocation | None:
+    """Allocate the head waiter's hit and first `num_new` tokens and move it to running; None
+    (nothing taken, still waiting) when its blocks do not fit even after releasing pins or its
+    hit is not ready."""
+    cache = scheduler.cache
+    while True:
+        allocation = cache.allocate(
+            request.req_id,
+            request.block_hashes,
+            num_tokens=request.num_tokens,
+            num_computed_tokens=0,
+            num_new_tokens=num_new,
+            num_lookahead_tokens=scheduler.num_lookahead_tokens,
+            hit=hit,
+            num_prompt_tokens=request.num_tokens,  # a resumed request replays its outputs
+            full_sequence_must_fit=scheduler.config.reserve_full_isl,
+        )
+        if allocation is not None:
+            break
+        if not hit.ready:
+            return None
+        # Pins never stall admission: release other sessions' pins, soonest TTL first.
+        # Releasing frees blocks without evicting any, so `hit` stays valid.
+        if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_id)):
+            return None
+    if scheduler.pinning and request.session_id is not None:
+        cache.unpin(request.session_id)  # back, holding its hit: the pin is done
+    scheduler.waiting.pop()
+    scheduler.running.append(request)
+    request.transition(RequestStatus.RUNNING)
+    request.num_computed_tokens = hit.num_tokens
+    request.prefix_junction = hit.junction
+    return allocation
+
+
+def fits_without_preemption(
+    scheduler: Scheduler, request: Request, hit: CacheHit, num_new: int
+) -> bool:
+    """KV-aware admission: admit only if, after this request's blocks, the free pool still
+    covers the growth of every running request (and this one) over its remaining output,
+    up to the horizon; otherwise admitting it would later force preemptions. Always true
+    with nothing running (a lone request can always start)."""
+    if not scheduler.running:
+        return True
+    horizon = scheduler.config.kv_admission_horizon_tokens
+    cache = scheduler.cache
+    reserve = 0
+    for running in scheduler.running:
+        room = running.sampling.max_tokens - running.num_output_tokens
+        reserve += cache.growth_blocks(running.num_tokens, min(room, horizon))
+    own = request.num_tokens - hit.num_tokens
+    need = cache.growth_blocks(hit.num_tokens, own + min(request.sampling.max_tokens, horizon))
+    return cache.num_free_blocks >= need + reserve
