@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
+
+import pytest
 
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.request import Request, SamplingParams
@@ -174,3 +178,13 @@ def test_wire_is_vllms_tagged_array_and_decodes_back() -> None:
     # vLLM's six-field BlockStored (no group): the rest take their defaults.
     old = batch_from_wire([0.0, [["BlockStored", [b"\x03"], None, [], 16, None, "GPU"]]])
     assert old.events == (BlockStored((b"\x03",), None, (), 16),)
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["hybridserve.kvcache.events", "hybridserve.sim.fleet", "hybridserve.server.kv_events"],
+)
+def test_the_event_types_and_the_simulator_import_without_zmq_or_msgpack(module: str) -> None:
+    code = f"import sys, {module}; print(sorted({{'zmq', 'msgpack'}} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
