@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import msgpack
@@ -18,6 +20,7 @@ from hybridserve.kvcache.events import BlockStored, KVEventBatch, batch_from_wir
 from hybridserve.kvcache.hashing import BlockHasher
 
 MODEL = "qwen3-next-80b-a3b"
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 BLOCK = 544  # the profile's block size in both groups (full attention, Mamba)
 
 
@@ -48,7 +51,16 @@ def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> N
     base_url = f"http://127.0.0.1:{port}"
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
+    readers: list[subprocess.Popen[str]] = []
     try:
+        # The README's subscriber, as written but for the port (ZMQ connects before the bind).
+        (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "SUB" in b]
+        snippet = snippet.replace("5557", str(events_port))
+        readers.append(
+            subprocess.Popen(
+                [sys.executable, "-u", "-c", snippet], stdout=subprocess.PIPE, text=True
+            )
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -59,7 +71,7 @@ def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> N
                 time.sleep(0.1)
         sub.connect(endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        time.sleep(0.5)  # the subscription reaches the publisher before anything is cached
+        time.sleep(1.0)  # both subscriptions reach the publisher before anything is cached
         shared = [(7 * i) % 250 + 1 for i in range(3 * BLOCK)]
         prompts = [[*shared, *range(1, 51)], [*shared, *range(100, 180)]]
         with httpx.Client(timeout=30.0) as http:
@@ -100,11 +112,17 @@ def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> N
         # Sequence numbers count the batches from 0, with no gap; timestamps do not go back.
         assert numbers == list(range(len(numbers)))
         assert [b.ts for b in batches] == sorted(b.ts for b in batches)
+        stdout = readers[0].stdout
+        assert stdout is not None
+        assert stdout.readline().startswith("0 ['BlockStored'")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
         assert process.stderr is not None
         assert "Traceback" not in process.stderr.read()
     finally:
+        for reader in readers:
+            reader.kill()
+            reader.wait()
         sub.close(0)
         context.term()
         process.kill()
