@@ -230,6 +230,9 @@ def serve_cmd(
         int | None,
         typer.Option(help="Torch: intra-op threads (default: every core this process may use)."),
     ] = None,
+    kv_events: Annotated[
+        str | None, typer.Option(help="Publish KV events (vLLM's format) at tcp://HOST:PORT.")
+    ] = None,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
     need_extra(
@@ -237,6 +240,7 @@ def serve_cmd(
     )
 
     from hybridserve.server.app import ServerSettings
+    from hybridserve.server.kv_events import attach_kv_events
     from hybridserve.server.runner import serve
 
     if executor not in ("sim", "torch"):
@@ -311,6 +315,7 @@ def serve_cmd(
             num_blocks=num_blocks,
             overrides=overrides,
         )
+        attach_kv_events(server_app, kv_events)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     banner = startup_banner(server_app.state.hybridserve, host=host, port=port)

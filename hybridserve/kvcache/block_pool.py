@@ -8,8 +8,12 @@ evictable cached block); handing it out again evicts it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from hybridserve.core.errors import CacheInvariantError
+
+if TYPE_CHECKING:
+    from hybridserve.kvcache.events import CacheEvents
 
 
 class Block:
@@ -113,6 +117,8 @@ class BlockPool:
         self._cached: dict[bytes, Block | dict[int, Block]] = {}
         self.num_evictions = 0
         self.evictions_by_group: dict[int, int] = {}
+        # KV events (events.py): None emits nothing; groups report registrations through it.
+        self.events: CacheEvents | None = None
 
     # ----- public API -------------------------------------------------------------------------
 
@@ -230,6 +236,20 @@ class BlockPool:
             entry[block.block_id] = block
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every registration (vLLM's reset_prefix_cache). Refused, returning False and
+        changing nothing, while any block is held: a running request's blocks stay valid."""
+        if any(b.ref_cnt for b in self.blocks[1:]):
+            return False
+        for block in self.blocks[1:]:
+            if block.key is not None:
+                block.key = None
+                block.group_id = -1
+        self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
+
     def unregister(self, block: Block) -> None:
         """Drop `block`'s registration (a partial tail superseded by its full block)."""
         if block.key is not None:
@@ -252,6 +272,8 @@ class BlockPool:
     def _drop_key(self, block: Block) -> None:
         key = block.key
         assert key is not None
+        if self.events is not None:
+            self.events.removed(key, block.group_id)
         entry = self._cached[key]
         if isinstance(entry, Block):
             del self._cached[key]

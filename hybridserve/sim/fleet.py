@@ -31,6 +31,7 @@ from hybridserve.core.plan import StepPlan
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.kvcache import KVCacheManager
+from hybridserve.kvcache.events import CacheMirror
 from hybridserve.kvcache.hashing import BlockHash, BlockHasher
 from hybridserve.kvcache.spec import GroupKind
 from hybridserve.metrics.recorder import MetricsRecorder, RequestRecord
@@ -196,8 +197,11 @@ class FleetSimulation:
         first = caches[0]
         self.hasher: BlockHasher = first.hasher
         views: list[ReplicaView]
+        self.mirrors: list[CacheMirror] = []
         if fleet.view == "precise":
-            views = [PreciseView(c) for c in caches]
+            # Each replica's KV events feed the router's mirror of its cache (routers.py).
+            self.mirrors = [CacheMirror.of(c) for c in caches]
+            views = [PreciseView(m.cache) for m in self.mirrors]
         else:
             views = [
                 ApproximateView(

@@ -18,8 +18,11 @@ index (so a seed fixes every choice). The policies:
 session sharing a system prompt onto one replica); a large weight turns it into least-loaded.
 One token of overlap and one outstanding token count the same at the default, 1.0.
 
-Two views of a replica's cache: `PreciseView` asks the replica's own KVCacheManager (read-only
-`find_hit`, what a router fed by the cache's KV events knows); `ApproximateView` keeps the
+Two views of a replica's cache: `PreciseView` asks a KVCacheManager read-only (`find_hit`); in
+the fleet that is the replica's `CacheMirror` (kvcache/events.py), rebuilt from the replica's
+KV events alone, the stream `serve --kv-events` publishes, with one index per group and the
+coordinator's own reconciliation over it, so the view scores exactly what the replica's cache
+would answer without ever querying it; `ApproximateView` keeps the
 router's own record of the block hashes it sent to the replica, in an LRU as large as the
 replica's pool (SGLang's approximate radix tree per worker). The approximate reconciled hit
 counts a prefix only up to the last state boundary the router itself saw sent: the end of a
@@ -68,7 +71,8 @@ class ReplicaView(Protocol):
 
 
 class PreciseView:
-    """The replica's real cache, queried read-only."""
+    """A cache queried read-only: the replica's event-fed mirror (or the replica's own cache,
+    which gives the same answers)."""
 
     def __init__(self, cache: KVCacheManager) -> None:
         self.cache = cache

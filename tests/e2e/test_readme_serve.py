@@ -53,7 +53,7 @@ def curl_snippet() -> str:
 
 
 def python_snippet() -> str:
-    (block,) = _blocks("python")
+    (block,) = [b for b in _blocks("python") if "OpenAI(" in b]
     return block
 
 

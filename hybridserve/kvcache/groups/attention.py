@@ -89,11 +89,12 @@ class FullAttentionManager(GroupManager):
             req_id, hashes, num_tokens_to_cache, chunk_end=chunk_end, keep=keep, base=base
         )
         if self.ctx.partial_hits and table and base:
-            count += self._register_partial(table, num_tokens_to_cache, keep, base)
+            count += self._register_partial(req_id, table, num_tokens_to_cache, keep, base)
         return count
 
     def _register_partial(
         self,
+        req_id: str,
         table: list[Block],
         num_tokens_to_cache: int,
         keep: KeepMask,
@@ -118,6 +119,7 @@ class FullAttentionManager(GroupManager):
             key = base[position // h - 1] + self.key_suffix
             if self.pool.register(table[index], key, self.ctx.group_id):
                 count += 1
+                self._partial_stored(req_id, position, base)
         self.num_registered += count
         return count
 

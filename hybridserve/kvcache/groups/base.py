@@ -207,7 +207,7 @@ class GroupManager:
         end = min(num_tokens_to_cache // self.block_size, len(table), len(hashes))
         if end <= start:
             return 0
-        null = self.pool.null_block
+        null, events, unit = self.pool.null_block, self.pool.events, self.block_size
         count = 0
         for index in range(start, end):
             block = table[index]
@@ -216,12 +216,41 @@ class GroupManager:
             if self.pool.register(block, hashes[index] + self.key_suffix, self.ctx.group_id):
                 count += 1
                 self._on_registered(hashes[index])
+                if events is not None:
+                    parent = hashes[index - 1] if index else None
+                    start_token = index * unit
+                    events.stored(
+                        self.ctx.group_id,
+                        hashes[index],
+                        parent,
+                        req_id,
+                        start_token,
+                        start_token + unit,
+                    )
         self.num_processed[req_id] = end
         self.num_registered += count
         return count
 
     def _should_register(self, req_id: str, index: int, chunk_end: int, keep: KeepMask) -> bool:
         return True
+
+    def _partial_stored(self, req_id: str, position: int, base: Sequence[BlockHash]) -> None:
+        """Report a partial tail registered at `position` (inside block position // unit) to
+        the KV events, if any: its tokens from the block's start, its parent the block before."""
+        events = self.pool.events
+        if events is None:
+            return
+        index, ratio = position // self.block_size, self.ctx.hash_ratio
+        h = self.block_size // ratio
+        parent = base[index * ratio - 1] if index else None
+        events.stored(
+            self.ctx.group_id,
+            base[position // h - 1],
+            parent,
+            req_id,
+            index * self.block_size,
+            position,
+        )
 
     def _on_registered(self, block_hash: BlockHash) -> None:
         return None

@@ -347,6 +347,7 @@ class MambaManager(GroupManager):
             if self.pool.register(block, key, self.ctx.group_id):
                 self.keys_this_step.add(key)
                 count += 1
+                self._partial_stored(req_id, position, base)
                 if running:
                     self.partial_state[req_id] = cdiv(position, bs) - 1
         self.num_registered += count

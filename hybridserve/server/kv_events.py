@@ -1,0 +1,165 @@
+"""`serve --kv-events tcp://HOST:PORT`: the cache's KV events on a ZMQ PUB socket, as vLLM's
+`ZmqEventPublisher` (vllm/distributed/kv_events.py) sends them.
+
+Each message is three frames: the topic (empty unless set), the batch's sequence number as 8
+big-endian bytes (0, 1, 2, ... per publisher), and the msgpack encoding of the batch,
+`[ts, [event, ...]]`, each event the tagged array of `hybridserve.kvcache.events.wire`
+(`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+lora_name, extra_keys, group_id, group_kind]`, `["BlockRemoved", block_hashes, medium,
+group_id]`, `["AllBlocksCleared"]`). Block hashes are bytes (msgpack bin).
+
+The engine thread only puts events on a bounded queue (never waits: when the queue is full an
+event is dropped and counted in `dropped`); a background thread takes what has accumulated,
+publishes it as one batch, and on `close` sends what is left before closing the socket.
+vLLM's replay socket (re-sending missed batches on request) is not provided: a subscriber that
+sees a gap in the sequence numbers knows it missed batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.kvcache.events import KVEvent, KVEventBatch, attach_events, batch_wire
+
+if TYPE_CHECKING:
+    import zmq
+
+logger = logging.getLogger(__name__)
+
+FLAG = "kv_events (--kv-events)"
+MAX_BATCH = 4_096  # events per published batch at most
+
+
+def check_endpoint(endpoint: str) -> str:
+    """`endpoint` if it is tcp://HOST:PORT with a port in 1-65535; else a ConfigError naming
+    --kv-events."""
+    fix = "use tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557"
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError:
+        raise ConfigError(FLAG, endpoint, fix) from None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or not 1 <= port <= 65535:
+        raise ConfigError(FLAG, endpoint, fix)
+    if parts.path or parts.query or parts.fragment:
+        raise ConfigError(FLAG, endpoint, fix)
+    return endpoint
+
+
+class ZmqEventPublisher:
+    """Publishes KV events on a ZMQ PUB socket bound to `endpoint` (see the module docstring).
+
+    Call it with each event (from one thread: the engine's). `close()` flushes and stops."""
+
+    def __init__(self, endpoint: str, *, topic: str = "", max_queue: int = 100_000) -> None:
+        check_endpoint(endpoint)
+        if max_queue < 1:
+            raise ConfigError("max_queue", max_queue, "use 1 or more events")
+        try:
+            import msgpack
+            import zmq
+        except ImportError as exc:
+            raise ConfigError(
+                FLAG,
+                endpoint,
+                f"it needs pyzmq and msgpack ({exc}): pip install 'hybridserve[server]'",
+            ) from None
+        self._packb = msgpack.packb
+        self.endpoint = endpoint
+        self._topic = topic.encode()
+        self._queue: queue.Queue[KVEvent] = queue.Queue(maxsize=max_queue)
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.LINGER, 1_000)  # ms to deliver what is sent on close
+        try:
+            self._socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._socket.close(0)
+            self._context.term()
+            raise ConfigError(
+                FLAG, endpoint, f"cannot bind it ({exc}): use a free local port"
+            ) from None
+        self.sequence = 0  # the next batch's number
+        self.dropped = 0  # events lost because the queue was full
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybridserve-kv-events", daemon=True)
+        self._thread.start()
+
+    def __call__(self, event: KVEvent) -> None:
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            if not self.dropped:
+                logger.warning("KV events: the queue is full; events are being dropped")
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while True:
+            try:
+                first = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            events = [first]
+            while len(events) < MAX_BATCH:
+                try:
+                    events.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._send(KVEventBatch(time.time(), tuple(events)))
+
+    def _send(self, batch: KVEventBatch) -> None:
+        payload = self._packb(batch_wire(batch), use_bin_type=True)
+        number = self.sequence.to_bytes(8, "big")
+        self._socket.send_multipart((self._topic, number, payload))
+        self.sequence += 1
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Publish what is queued, then close the socket. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self._socket.close()
+        self._context.term()
+
+
+def attach_kv_events(app: Any, endpoint: str | None) -> ZmqEventPublisher | None:
+    """Publish the served engine's KV events at `endpoint` (nothing when it is None): bind now
+    (a bad or busy endpoint fails before serving starts), attach to the cache, and close the
+    publisher once the app's lifespan has stopped the engine. `app` is from `create_app`."""
+    if endpoint is None:
+        return None
+    publisher = ZmqEventPublisher(endpoint)
+    state = app.state.hybridserve
+    requests = state.parts.scheduler.requests
+
+    def tokens_of(req_id: str) -> list[int]:
+        request = requests.get(req_id)
+        return request.token_ids if request is not None else []
+
+    attach_events(state.parts.cache, publisher, tokens_of=tokens_of)
+    app.router.lifespan_context = _closing(app.router.lifespan_context, publisher.close)
+    return publisher
+
+
+def _closing(lifespan: Callable[[Any], Any], close: Callable[[], None]) -> Callable[[Any], Any]:
+    @asynccontextmanager
+    async def wrapped(app: Any) -> AsyncIterator[Any]:
+        try:
+            async with lifespan(app) as value:
+                yield value
+        finally:
+            await asyncio.to_thread(close)
+
+    return wrapped

@@ -1,0 +1,142 @@
+"""`hybridserve serve --kv-events`: a real ZMQ subscriber receives the cache's events."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridserve.kvcache.events import BlockStored, KVEventBatch, batch_from_wire
+from hybridserve.kvcache.hashing import BlockHasher
+
+MODEL = "qwen3-next-80b-a3b"
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+BLOCK = 544  # the profile's block size in both groups (full attention, Mamba)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _registered(base_url: str) -> dict[int, float]:
+    """Per group, the blocks the server's cache registered (its /metrics counter)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "hybridserve:hybrid_group_registered_blocks_total":
+                out[int(sample.labels["group"])] = sample.value
+    return out
+
+
+def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> None:
+    port, events_port = _free_port(), _free_port()
+    endpoint = f"tcp://127.0.0.1:{events_port}"
+    command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
+    command += ["--port", str(port), "--sim-speed", "1000", "--kv-events", endpoint]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    readers: list[subprocess.Popen[str]] = []
+    try:
+        # The README's subscriber, as written but for the port (ZMQ connects before the bind).
+        (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "SUB" in b]
+        snippet = snippet.replace("5557", str(events_port))
+        readers.append(
+            subprocess.Popen(
+                [sys.executable, "-u", "-c", snippet], stdout=subprocess.PIPE, text=True
+            )
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(base_url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.1)
+        sub.connect(endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(1.0)  # both subscriptions reach the publisher before anything is cached
+        shared = [(7 * i) % 250 + 1 for i in range(3 * BLOCK)]
+        prompts = [[*shared, *range(1, 51)], [*shared, *range(100, 180)]]
+        with httpx.Client(timeout=30.0) as http:
+            for prompt in prompts:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                response = http.post(base_url + "/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+        registered = _registered(base_url)
+        numbers: list[int] = []
+        batches: list[KVEventBatch] = []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        deadline = time.monotonic() + 10
+        stored: list[BlockStored] = []
+        while time.monotonic() < deadline:
+            per_group = {g: sum(e.group_id == g for e in stored) for g in registered}
+            if registered and per_group == registered:
+                break
+            if poller.poll(200):
+                topic, number, payload = sub.recv_multipart()
+                assert topic == b""
+                numbers.append(int.from_bytes(number, "big"))
+                batch = batch_from_wire(msgpack.unpackb(payload))
+                batches.append(batch)
+                stored += [e for e in batch.events if isinstance(e, BlockStored)]
+        # What the subscriber received is what the cache registered, group by group.
+        assert {g: sum(e.group_id == g for e in stored) for g in registered} == registered
+        assert {e.group_kind for e in stored} == {"full", "mamba"}
+        # Both prompts share three blocks; the second hit them, so they were stored once.
+        hashes = BlockHasher(BLOCK).hash_tokens(shared)
+        full = [e for e in stored if e.group_id == 0]
+        assert [e.block_hashes[0] for e in full] == hashes
+        assert [e.parent_block_hash for e in full] == [None, *hashes[:-1]]
+        assert [e.token_ids for e in full] == [
+            tuple(shared[i * BLOCK : (i + 1) * BLOCK]) for i in range(3)
+        ]
+        assert all(e.block_size == BLOCK and e.medium == "GPU" for e in stored)
+        # Sequence numbers count the batches from 0, with no gap; timestamps do not go back.
+        assert numbers == list(range(len(numbers)))
+        assert [b.ts for b in batches] == sorted(b.ts for b in batches)
+        stdout = readers[0].stdout
+        assert stdout is not None
+        assert stdout.readline().startswith("0 ['BlockStored'")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        assert process.stderr is not None
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        for reader in readers:
+            reader.kill()
+            reader.wait()
+        sub.close(0)
+        context.term()
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["127.0.0.1:5557", "tcp://127.0.0.1", "udp://127.0.0.1:5557", "tcp://h:0"]
+)
+def test_a_bad_kv_events_endpoint_is_refused_naming_the_flag(endpoint: str) -> None:
+    from typer.testing import CliRunner
+
+    from hybridserve.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--kv-events", endpoint, "--port", "1"])
+    assert result.exit_code != 0
+    assert "--kv-events" in result.output and "tcp://HOST:PORT" in result.output
