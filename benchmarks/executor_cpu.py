@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from hybridserve.cli.builtin_models import builtin_path
-from hybridserve.cli.torch_runtime import blocks_for, build_runtime, set_threads
 from hybridserve.core.request import Request, SamplingParams
+from hybridserve.executor.torch.runtime import set_threads
+from hybridserve.offline.runtime import blocks_for, build_runtime
 
 
 def tiny_checkpoint(folder: Path) -> Any:

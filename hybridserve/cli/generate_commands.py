@@ -11,16 +11,10 @@ import typer
 
 from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
 from hybridserve.cli.builtin_models import GEMMA_TERMS_NOTICE, gemma_terms_path, resolve_model
-from hybridserve.cli.torch_runtime import (
-    blocks_for,
-    build_runtime,
-    generation_progress,
-    parse_spec,
-    set_threads,
-)
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
+from hybridserve.offline.runtime import blocks_for, build_runtime, generation_progress, parse_spec
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.tokenizer import TextTokenizer
@@ -182,6 +176,8 @@ def generate(
                 timeout_s=dcp_timeout,
             )
             return
+        from hybridserve.executor.torch.runtime import set_threads
+
         set_threads(threads)
         runtime = build_runtime(
             path,
@@ -241,7 +237,8 @@ def _generate_dcp(
 ) -> None:
     """Tokenize here, run the job on N ranks (spawned, or this process's torchrun rank), print
     rank 0's outputs."""
-    from hybridserve.cli.torch_runtime import DcpJob, load_text_tokenizer, run_dcp_job
+    from hybridserve.executor.torch.runtime import load_text_tokenizer
+    from hybridserve.offline.runtime import DcpJob, run_dcp_job
     from hybridserve.parallel.launch import (
         init_from_env,
         leave_group,
@@ -301,7 +298,7 @@ def _encode(tokenizer: object, text: str, *, chat: bool) -> list[int]:
 
 
 def _run(runtime: object, requests: list[Request]) -> dict[str, list[int]]:
-    from hybridserve.cli.torch_runtime import TorchRuntime
+    from hybridserve.offline.runtime import TorchRuntime
 
     assert isinstance(runtime, TorchRuntime)
     with generation_progress("generating") as progress:
@@ -313,6 +310,5 @@ def _run(runtime: object, requests: list[Request]) -> dict[str, list[int]]:
         return run_to_completion(
             runtime.engine,
             requests,
-            on_add=lambda r: runtime.executor.set_sampling(r.req_id, r.sampling),
             progress=report,
         )

@@ -7,6 +7,7 @@ it step by step against recordings of the real scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from hybridserve.core.config import ProgramPriority, SchedulerConfig, SchedulingPolicy
@@ -578,7 +579,7 @@ class Scheduler:
             max_pinned_blocks=self.max_pinned_blocks,
         )
 
-    def _keep_drafts(self, output: SchedulerOutput, drafts: dict[str, tuple[int, ...]]) -> None:
+    def _keep_drafts(self, output: SchedulerOutput, drafts: Mapping[str, tuple[int, ...]]) -> None:
         """Store the drafts for the next step of requests that sampled this step and still run
         (vLLM's `update_draft_token_ids`: a request in a partial prefill chunk drops them)."""
         requests, limit = self.requests, self.num_lookahead_tokens
