@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from hybridserve.core.request import SamplingParams
@@ -67,7 +66,24 @@ class TokenLogprob(NamedTuple):
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
-_NONE: Mapping[str, Any] = MappingProxyType({})
+class ReadOnlyDict(dict[str, Any]):
+    """A dict that refuses every change after it is built: a StepResult's mappings. Reads
+    are a dict's own (no proxy in the step's hot path)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a StepResult's mappings are read-only; build a new StepResult")
+
+    __setitem__ = __delitem__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+    __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type[ReadOnlyDict], tuple[dict[str, Any]]]:
+        return (ReadOnlyDict, (dict(self),))  # unpickled whole, never item by item
+
+
+_NONE: Mapping[str, Any] = ReadOnlyDict()
 
 
 def _none() -> Mapping[str, Any]:
@@ -76,9 +92,9 @@ def _none() -> Mapping[str, Any]:
 
 def _read_only(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
     """A read-only copy of `mapping` (the shared empty one when it is empty)."""
-    if type(mapping) is MappingProxyType:
+    if type(mapping) is ReadOnlyDict:
         return mapping
-    return MappingProxyType(dict(mapping)) if mapping else _NONE
+    return ReadOnlyDict(mapping) if mapping else _NONE
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,3 +117,12 @@ def test_step_result_mappings_cannot_be_changed_by_its_readers_or_its_maker() ->
     plan_free = FakeExecutor(lambda req_id, t: 0).execute(StepPlan(1, ()))
     with pytest.raises(TypeError):
         plan_free.sampled_token_ids["x"] = (0,)  # type: ignore[index]
+
+
+def test_step_result_survives_pickling_with_its_mappings_still_read_only() -> None:
+    import pickle
+
+    result = pickle.loads(pickle.dumps(StepResult(3, {"a": (1,)}, 0.5, {"a": (2,)})))
+    assert result.sampled_token_ids == {"a": (1,)} and result.draft_token_ids == {"a": (2,)}
+    with pytest.raises(TypeError):
+        result.sampled_token_ids.update({"b": (1,)})  # type: ignore[attr-defined]
