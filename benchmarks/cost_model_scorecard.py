@@ -42,7 +42,7 @@ from hybridserve.sim.cost_model import Efficiency, StepShape, kv_pool_blocks, sh
 from hybridserve.sim.fit import CostSetup, Sample
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.hf_config import load_model_profile
-from hybridserve.sim.run import SimConfig, build_engine, make_simulation
+from hybridserve.sim.run import SimConfig, make_simulation, simulated_engine
 
 ROOT = Path(__file__).resolve().parent
 CONFIGS = ROOT / "configs"
@@ -322,7 +322,7 @@ def offline_batch(row: Row) -> int:
 def run_row(row: Row, efficiency: Efficiency) -> RowRun:
     """Simulate `row`, keeping a sample of its step shapes for the fit."""
     config = sim_config(row, efficiency)
-    engine, _ = build_engine(config)
+    engine = simulated_engine(config).engine
     result = RowRun(summary={})
 
     def on_step(step: Any) -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.cli.torch_runtime import DcpJob, DcpOutcome, run_dcp_job
 from hybridserve.core.request import Request, SamplingParams
+from hybridserve.offline.runtime import DcpJob, DcpOutcome, run_dcp_job
 from hybridserve.parallel import DcpGroup
 from hybridserve.parallel.launch import run_ranks
 

@@ -58,10 +58,10 @@ class WholeDecoder:
 def serve(port: int, decoder: str, sim_speed: float) -> int:
     from hybridserve.cli.serve_commands import build_app
     from hybridserve.cli.sim_backend import SimServingBackend
-    from hybridserve.cli.torch_serving import TorchTokenizer
     from hybridserve.executor.torch.tokenizer import gguf_tokenizer
     from hybridserve.server.app import ServerSettings
     from hybridserve.server.runner import serve as run_server
+    from hybridserve.server.torch_backend import TorchTokenizer
 
     text = gguf_tokenizer(TOKENIZER)
 

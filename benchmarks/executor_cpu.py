@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from hybridserve.cli.torch_runtime import blocks_for, build_runtime, set_threads
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.executor.torch.checkpoints import builtin_path
+from hybridserve.executor.torch.runtime import set_threads
+from hybridserve.offline.runtime import blocks_for, build_runtime
 
 
 def tiny_checkpoint(folder: Path) -> Any:

@@ -78,11 +78,11 @@ def main() -> None:
         print(json.dumps({"skipped": "CUDA is not available", "device": args.device}))
         return
 
-    from hybridserve.cli.torch_runtime import set_threads
     from hybridserve.executor.torch.calibrate import StepTimer, executor_for, measure_steps
     from hybridserve.executor.torch.checkpoints import resolve_model
     from hybridserve.executor.torch.loader import load_model
     from hybridserve.executor.torch.runner import compile_dense_layers
+    from hybridserve.executor.torch.runtime import set_threads
     from hybridserve.sim.cost_model import RooflineCostModel, StepShape
     from hybridserve.sim.hf_config import profile_from_hf_config
 

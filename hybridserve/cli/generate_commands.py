@@ -10,17 +10,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
-from hybridserve.cli.torch_runtime import (
-    blocks_for,
-    build_runtime,
-    generation_progress,
-    parse_spec,
-    set_threads,
-)
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
+from hybridserve.offline.runtime import blocks_for, build_runtime, generation_progress, parse_spec
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.tokenizer import TextTokenizer
@@ -244,6 +238,8 @@ def _generate_local(
     """One process: build the runtime, run every prompt to completion, print."""
     block_size, device = settings.block_size, settings.device
     max_num_batched_tokens = settings.max_num_batched_tokens
+    from hybridserve.executor.torch.runtime import set_threads
+
     set_threads(settings.threads)
     runtime = build_runtime(
         path,
@@ -283,7 +279,8 @@ def _generate_dcp(
 ) -> None:
     """Tokenize here, run the job on N ranks (spawned, or this process's torchrun rank), print
     rank 0's outputs."""
-    from hybridserve.cli.torch_runtime import DcpJob, load_text_tokenizer, run_dcp_job
+    from hybridserve.executor.torch.runtime import load_text_tokenizer
+    from hybridserve.offline.runtime import DcpJob, run_dcp_job
     from hybridserve.executor.torch.dcp import run_on_group
 
     tokenizer = load_text_tokenizer(path)
@@ -387,7 +384,7 @@ def _print_outputs(
 
 
 def _run(runtime: object, requests: list[Request]) -> dict[str, list[int]]:
-    from hybridserve.cli.torch_runtime import TorchRuntime
+    from hybridserve.offline.runtime import TorchRuntime
 
     assert isinstance(runtime, TorchRuntime)
     with generation_progress("generating") as progress:
@@ -399,6 +396,5 @@ def _run(runtime: object, requests: list[Request]) -> dict[str, list[int]]:
         return run_to_completion(
             runtime.engine,
             requests,
-            on_add=lambda r: runtime.executor.set_sampling(r.req_id, r.sampling),
             progress=report,
         )

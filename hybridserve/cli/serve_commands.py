@@ -1,14 +1,8 @@
 """`hybridserve serve`: the OpenAI-compatible server on the simulated or the torch executor.
 
-Scheduler settings resolve in three layers: the preset (as in `hybridserve simulate`), then
-`--config FILE.toml`, then the flags given on the command line. The TOML file takes top-level
-`preset` and `retention` and a `[scheduler]` table of SchedulerConfig fields:
-
-    preset = "baseline"
-    retention = "boundary+predecessor"
-    [scheduler]
-    max_num_seqs = 128
-    target_mixed_step_ms = 40.0
+Scheduler settings and retention resolve as in `hybridserve simulate`: the preset, then
+`--config FILE.toml` (the one settings file, `hybridserve.engine.settings`), then the flags
+given on the command line.
 """
 
 from __future__ import annotations
@@ -16,88 +10,54 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import tomllib
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import MODELS_EXTRA, app, fail, install_hint, need_extra
+from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, install_hint, need_extra
 from hybridserve.cli.choices import MODEL_HELP, SPEC_HELP
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
-from hybridserve.core.config import SchedulerConfig, SchedulingPolicy
-from hybridserve.core.errors import ConfigError, HybridServeError
+from hybridserve.core.errors import HybridServeError
 
 if TYPE_CHECKING:
+    from hybridserve.engine.settings import SettingsFile
     from hybridserve.server.app import ServerSettings
     from hybridserve.server.backend import ServingBackend
 
 TORCH_MODEL_ALIASES = ("smollm2", "gemma3-270m")
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
-_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
-
-
-def scheduler_settings(
-    *,
-    groups_quantum: int,
-    max_model_len: int,
-    preset_name: str,
-    config_file: Path | None,
-    overrides: dict[str, Any],
-) -> tuple[SchedulerConfig, str]:
-    """(SchedulerConfig, retention policy text): preset, then the TOML file, then flags."""
-    from hybridserve.sim.run import preset
-
-    table: dict[str, Any] = {}
-    retention: str | None = None
-    if config_file is not None:
-        try:
-            document = tomllib.loads(config_file.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError("config", str(config_file), f"cannot read it: {exc}") from None
-        unknown = set(document) - {"preset", "retention", "scheduler"}
-        if unknown:
-            raise ConfigError("config", sorted(unknown), "use preset, retention, [scheduler]")
-        preset_name = document.get("preset", preset_name)
-        retention = document.get("retention")
-        table = dict(document.get("scheduler", {}))
-        bad = set(table) - _SCHEDULER_FIELDS
-        if bad:
-            raise ConfigError("config.scheduler", sorted(bad), f"use {sorted(_SCHEDULER_FIELDS)}")
-    chosen = preset(preset_name, quantum=groups_quantum, max_model_len=max_model_len)
-    merged = {**table, **{k: v for k, v in overrides.items() if v is not None}}
-    if "policy" in merged:
-        try:
-            merged["policy"] = SchedulingPolicy(merged["policy"])
-        except ValueError:
-            choices = [p.value for p in SchedulingPolicy]
-            raise ConfigError("scheduler.policy", merged["policy"], f"use {choices}") from None
-    scheduler = replace(chosen.scheduler, **merged)
-    return scheduler, retention or chosen.retention.kind.value
 
 
 def _torch_backend(
-    model: str, *, device: str, max_model_len: int | None, dcp: int = 1, dcp_interleave: int = 1
+    model: str,
+    *,
+    device: str,
+    max_model_len: int | None,
+    dcp: int = 1,
+    dcp_interleave: int = 1,
+    threads: int | None = None,
 ) -> ServingBackend:
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
         raise fail(f"--model {model!r}: use {' or '.join(TORCH_MODEL_ALIASES)} or a local path")
     need_extra("models", *MODELS_EXTRA, what="serve --executor torch")
     try:
         importlib.import_module("hybridserve.executor.torch")
-        module = importlib.import_module("hybridserve.cli.torch_serving")
+        runtime = importlib.import_module("hybridserve.executor.torch.runtime")
+        module = importlib.import_module("hybridserve.server.torch_backend")
+        from hybridserve.executor.torch.checkpoints import resolve_model
     except ImportError as exc:
         raise fail(
             f"--executor torch needs the hybridserve.executor.torch package, which cannot be "
             f"imported here ({exc}). Install a build that includes it with its models extra "
             f"({install_hint('models')}), or serve synthetic tokens with --executor sim."
         ) from None
-    factory = getattr(module, "serving_backend", None)
-    if factory is None:
-        raise fail("hybridserve.cli.torch_serving has no serving_backend(); it cannot be served")
     try:
-        backend: ServingBackend = factory(
-            model,
+        runtime.set_threads(threads)
+        backend: ServingBackend = module.serving_backend(
+            resolve_model(model),
+            name=model if model in TORCH_MODEL_ALIASES else None,
             device=device,
             max_model_len=max_model_len,
             dcp=dcp,
@@ -108,220 +68,324 @@ def _torch_backend(
     return backend
 
 
+ExecutorOpt = Annotated[str, typer.Option(help="sim (synthetic tokens) or torch.")]
+ModelProfileOpt = Annotated[str, typer.Option(help=f"Sim: the model. {MODEL_HELP}")]
+TorchModelOpt = Annotated[
+    str, typer.Option(help="Torch: smollm2, gemma3-270m or a local checkpoint path.")
+]
+DeviceOpt = Annotated[
+    str, typer.Option(help="Torch: auto (CUDA when available), cpu, cuda, cuda:N.")
+]
+ServeSpecOpt = Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")]
+SimSpeedOpt = Annotated[
+    float, typer.Option(help="Sim: wall time of a step = modelled time / this (1 = real).")
+]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="baseline, legacy, hybridserve, controls-only or retention-only [default: the "
+        "--config file's preset, else hybridserve]."
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(help="TOML settings file: preset, [scheduler] fields, [cache] retention."),
+]
+RetentionOpt = Annotated[
+    str | None, typer.Option(help="Mamba retention: boundary, boundary+predecessor, ...")
+]
+NumBlocksOpt = Annotated[int | None, typer.Option(help="Cap the KV pool (blocks).")]
+MaxModelLenOpt = Annotated[int | None, typer.Option(help="Context limit (tokens).")]
+MaxNumSeqsOpt = Annotated[int | None, typer.Option(help="Running requests limit.")]
+BatchedTokensOpt = Annotated[int | None, typer.Option(help="Tokens per step.")]
+PolicyOpt = Annotated[str | None, typer.Option(help="Waiting-queue order: fcfs, priority.")]
+ChunkedOpt = Annotated[bool | None, typer.Option(help="Split long prefills across steps.")]
+LongPrefillOpt = Annotated[int | None, typer.Option(help="Cap a long prefill's chunk (0 = off).")]
+PrefillTokensOpt = Annotated[
+    int | None, typer.Option(help="Control: prefill tokens per mixed step (0 = off).")
+]
+PartialsOpt = Annotated[
+    int | None, typer.Option(help="Control: concurrent partial prefills (0 = off).")
+]
+DecodeStepsOpt = Annotated[
+    int | None, typer.Option(help="Control: decode-only steps between prefills (0 = off).")
+]
+MaxWaitOpt = Annotated[
+    float | None, typer.Option(help="Control: oldest-waiter deadline in ms (0 = off).")
+]
+TargetStepOpt = Annotated[
+    float | None, typer.Option(help="Control: adaptive mixed-step time target (0 = off).")
+]
+HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
+PortOpt = Annotated[int, typer.Option(help="Port to bind.")]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Require 'Authorization: Bearer KEY' (not on /health). Other local users can "
+        "read a command line: prefer --api-key-file or $HYBRIDSERVE_API_KEY."
+    ),
+]
+ApiKeyFileOpt = Annotated[
+    Path | None, typer.Option(help="Read the API key from this file (one line).")
+]
+OriginOpt = Annotated[
+    list[str] | None,
+    typer.Option(help="A browser origin allowed to call the API (CORS); repeatable."),
+]
+RequestBytesOpt = Annotated[int, typer.Option(help="Largest request body.")]
+MaxWaitingOpt = Annotated[
+    int,
+    typer.Option(
+        help="Requests waiting for admission (1 or more) beyond which new ones get 503 + "
+        "Retry-After."
+    ),
+]
+FailedStepsOpt = Annotated[
+    int, typer.Option(help="Failed executor steps in a row before the server exits (status 1).")
+]
+DefaultMaxTokensOpt = Annotated[
+    int,
+    typer.Option(
+        help="max_tokens of a chat request that sets none (at most the room under "
+        "--max-model-len); completions default to 16, as in OpenAI's API."
+    ),
+]
+EosProbabilityOpt = Annotated[
+    float,
+    typer.Option(
+        help="Sim: probability that each generated token is <eos> (answers of mean length "
+        "1/P; 0 = only max_tokens or a stop ends them)."
+    ),
+]
+ShutdownOpt = Annotated[
+    float, typer.Option(help="Seconds running requests get to finish on shutdown.")
+]
+ServeDcpOpt = Annotated[
+    int,
+    typer.Option(
+        help="Torch: decode context parallel ranks (local processes; this one is rank 0 "
+        "and schedules). Full-attention KV is sharded by token across them."
+    ),
+]
+InterleaveOpt = Annotated[
+    int, typer.Option(help="Torch: consecutive tokens per rank in the DCP round-robin.")
+]
+ServedNameOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="The model id clients put in requests (repeatable: each is accepted, responses "
+        "name the first). Default: the model's own name (the sim profile, the torch alias "
+        "or the checkpoint folder's name)."
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(help="Torch: intra-op threads (default: every core this process may use)."),
+]
+KvEventsOpt = Annotated[
+    str | None, typer.Option(help="Publish KV events (vLLM's format) at tcp://HOST:PORT.")
+]
+
+# The serve flags that are SchedulerConfig fields (None: not given).
+SCHEDULER_FLAGS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "policy",
+    "enable_chunked_prefill",
+    "long_prefill_token_threshold",
+    "max_num_prefill_tokens_per_step",
+    "max_num_partial_prefills",
+    "decode_prefill_min_decode_steps",
+    "decode_prefill_max_wait_ms",
+    "target_mixed_step_ms",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeFlags:
+    """Every `serve` flag, as given."""
+
+    executor: str
+    model_profile: str
+    model: str
+    device: str
+    gpu: str
+    tp: int
+    dtype: str
+    spec: str
+    seed: int
+    sim_speed: float
+    preset: str | None
+    config: Path | None
+    retention: str | None
+    num_blocks: int | None
+    max_model_len: int | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    policy: str | None
+    enable_chunked_prefill: bool | None
+    long_prefill_token_threshold: int | None
+    max_num_prefill_tokens_per_step: int | None
+    max_num_partial_prefills: int | None
+    decode_prefill_min_decode_steps: int | None
+    decode_prefill_max_wait_ms: float | None
+    target_mixed_step_ms: float | None
+    host: str
+    port: int
+    api_key: str | None
+    api_key_file: Path | None
+    allow_origin: list[str] | None
+    max_request_bytes: int
+    max_waiting: int
+    max_failed_steps: int
+    default_max_tokens: int
+    sim_eos_probability: float
+    shutdown_timeout: float
+    dcp: int
+    dcp_interleave: int
+    served_model_name: list[str] | None
+    threads: int | None
+    kv_events: str | None
+
+    def scheduler_flags(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SCHEDULER_FLAGS}
+
+
 @app.command("serve")
 def serve_cmd(
-    executor: Annotated[str, typer.Option(help="sim (synthetic tokens) or torch.")] = "sim",
-    model_profile: Annotated[
-        str, typer.Option(help=f"Sim: the model. {MODEL_HELP}")
-    ] = "qwen3-next-80b-a3b",
-    model: Annotated[
-        str, typer.Option(help="Torch: smollm2, gemma3-270m or a local checkpoint path.")
-    ] = "smollm2",
-    device: Annotated[
-        str, typer.Option(help="Torch: auto (CUDA when available), cpu, cuda, cuda:N.")
-    ] = "auto",
+    executor: ExecutorOpt = "sim",
+    model_profile: ModelProfileOpt = "qwen3-next-80b-a3b",
+    model: TorchModelOpt = "smollm2",
+    device: DeviceOpt = "auto",
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
-    spec: Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")] = "none",
+    spec: ServeSpecOpt = "none",
     seed: SeedOption = 0,
-    sim_speed: Annotated[
-        float, typer.Option(help="Sim: wall time of a step = modelled time / this (1 = real).")
-    ] = 1.0,
-    preset: Annotated[
-        str, typer.Option(help="baseline, hybridserve, controls-only or retention-only.")
-    ] = "hybridserve",
-    config: Annotated[
-        Path | None, typer.Option(help="TOML file: preset, retention and a scheduler table.")
-    ] = None,
-    retention: Annotated[
-        str | None, typer.Option(help="Mamba retention: boundary, boundary+predecessor, ...")
-    ] = None,
-    num_blocks: Annotated[int | None, typer.Option(help="Cap the KV pool (blocks).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Context limit (tokens).")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Running requests limit.")] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Tokens per step.")] = None,
-    policy: Annotated[str | None, typer.Option(help="Waiting-queue order: fcfs, priority.")] = None,
-    enable_chunked_prefill: Annotated[
-        bool | None, typer.Option(help="Split long prefills across steps.")
-    ] = None,
-    long_prefill_token_threshold: Annotated[
-        int | None, typer.Option(help="Cap a long prefill's chunk (0 = off).")
-    ] = None,
-    max_num_prefill_tokens_per_step: Annotated[
-        int | None, typer.Option(help="Control: prefill tokens per mixed step (0 = off).")
-    ] = None,
-    max_num_partial_prefills: Annotated[
-        int | None, typer.Option(help="Control: concurrent partial prefills (0 = off).")
-    ] = None,
-    decode_prefill_min_decode_steps: Annotated[
-        int | None, typer.Option(help="Control: decode-only steps between prefills (0 = off).")
-    ] = None,
-    decode_prefill_max_wait_ms: Annotated[
-        float | None, typer.Option(help="Control: oldest-waiter deadline in ms (0 = off).")
-    ] = None,
-    target_mixed_step_ms: Annotated[
-        float | None, typer.Option(help="Control: adaptive mixed-step time target (0 = off).")
-    ] = None,
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            help="Require 'Authorization: Bearer KEY' (not on /health). Other local users can "
-            "read a command line: prefer --api-key-file or $HYBRIDSERVE_API_KEY."
-        ),
-    ] = None,
-    api_key_file: Annotated[
-        Path | None, typer.Option(help="Read the API key from this file (one line).")
-    ] = None,
-    allow_origin: Annotated[
-        list[str] | None,
-        typer.Option(help="A browser origin allowed to call the API (CORS); repeatable."),
-    ] = None,
-    max_request_bytes: Annotated[int, typer.Option(help="Largest request body.")] = 1 << 20,
-    max_waiting: Annotated[
-        int,
-        typer.Option(
-            help="Requests waiting for admission (1 or more) beyond which new ones get 503 + "
-            "Retry-After."
-        ),
-    ] = 1024,
-    max_failed_steps: Annotated[
-        int,
-        typer.Option(help="Failed executor steps in a row before the server exits (status 1)."),
-    ] = 3,
-    default_max_tokens: Annotated[
-        int,
-        typer.Option(
-            help="max_tokens of a chat request that sets none (at most the room under "
-            "--max-model-len); completions default to 16, as in OpenAI's API."
-        ),
-    ] = 2048,
-    sim_eos_probability: Annotated[
-        float,
-        typer.Option(
-            help="Sim: probability that each generated token is <eos> (answers of mean length "
-            "1/P; 0 = only max_tokens or a stop ends them)."
-        ),
-    ] = 1 / 256,
-    shutdown_timeout: Annotated[
-        float, typer.Option(help="Seconds running requests get to finish on shutdown.")
-    ] = 30.0,
-    dcp: Annotated[
-        int,
-        typer.Option(
-            help="Torch: decode context parallel ranks (local processes; this one is rank 0 "
-            "and schedules). Full-attention KV is sharded by token across them."
-        ),
-    ] = 1,
-    dcp_interleave: Annotated[
-        int, typer.Option(help="Torch: consecutive tokens per rank in the DCP round-robin.")
-    ] = 1,
-    served_model_name: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="The model id clients put in requests (repeatable: each is accepted, responses "
-            "name the first). Default: the model's own name (the sim profile, the torch alias "
-            "or the checkpoint folder's name)."
-        ),
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(help="Torch: intra-op threads (default: every core this process may use)."),
-    ] = None,
-    kv_events: Annotated[
-        str | None, typer.Option(help="Publish KV events (vLLM's format) at tcp://HOST:PORT.")
-    ] = None,
+    sim_speed: SimSpeedOpt = 1.0,
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    retention: RetentionOpt = None,
+    num_blocks: NumBlocksOpt = None,
+    max_model_len: MaxModelLenOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None,
+    max_num_batched_tokens: BatchedTokensOpt = None,
+    policy: PolicyOpt = None,
+    enable_chunked_prefill: ChunkedOpt = None,
+    long_prefill_token_threshold: LongPrefillOpt = None,
+    max_num_prefill_tokens_per_step: PrefillTokensOpt = None,
+    max_num_partial_prefills: PartialsOpt = None,
+    decode_prefill_min_decode_steps: DecodeStepsOpt = None,
+    decode_prefill_max_wait_ms: MaxWaitOpt = None,
+    target_mixed_step_ms: TargetStepOpt = None,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8000,
+    api_key: ApiKeyOpt = None,
+    api_key_file: ApiKeyFileOpt = None,
+    allow_origin: OriginOpt = None,
+    max_request_bytes: RequestBytesOpt = 1 << 20,
+    max_waiting: MaxWaitingOpt = 1024,
+    max_failed_steps: FailedStepsOpt = 3,
+    default_max_tokens: DefaultMaxTokensOpt = 2048,
+    sim_eos_probability: EosProbabilityOpt = 1 / 256,
+    shutdown_timeout: ShutdownOpt = 30.0,
+    dcp: ServeDcpOpt = 1,
+    dcp_interleave: InterleaveOpt = 1,
+    served_model_name: ServedNameOpt = None,
+    threads: ThreadsOpt = None,
+    kv_events: KvEventsOpt = None,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
+    code = _serve(ServeFlags(**locals()))
+    if code:
+        raise typer.Exit(code)
+
+
+def _serve(flags: ServeFlags) -> int:
+    """Build the app the flags describe and serve it until shutdown; the exit code."""
     need_extra(
         "server", "uvicorn", "fastapi", "pydantic", "prometheus_client", what="hybridserve serve"
     )
-
-    from hybridserve.server.app import ServerSettings
     from hybridserve.server.kv_events import attach_kv_events
     from hybridserve.server.runner import serve
 
-    if executor not in ("sim", "torch"):
-        raise fail(f"--executor {executor!r}: use sim or torch")
-    if dcp != 1 and executor != "torch":
-        raise fail(f"--dcp={dcp}: decode context parallel runs with --executor torch")
-    _check_serve_flags(port=port, max_waiting=max_waiting, default_max_tokens=default_max_tokens)
-    if threads is not None and executor != "torch":
-        raise fail(f"--threads={threads}: sets the torch executor's threads; use --executor torch")
-    overrides = {
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "policy": policy,
-        "enable_chunked_prefill": enable_chunked_prefill,
-        "long_prefill_token_threshold": long_prefill_token_threshold,
-        "max_num_prefill_tokens_per_step": max_num_prefill_tokens_per_step,
-        "max_num_partial_prefills": max_num_partial_prefills,
-        "decode_prefill_min_decode_steps": decode_prefill_min_decode_steps,
-        "decode_prefill_max_wait_ms": decode_prefill_max_wait_ms,
-        "target_mixed_step_ms": target_mixed_step_ms,
-    }
-    if max_failed_steps < 1:
-        raise fail(f"--max-failed-steps={max_failed_steps}: use 1 or more")
-    if shutdown_timeout < 0:
-        raise fail(f"--shutdown-timeout={shutdown_timeout}: use 0 or more seconds")
-    names = tuple(dict.fromkeys(served_model_name or ()))
-    if any(not name.strip() for name in names):
-        raise fail("--served-model-name: give a non-empty name")
-    settings = ServerSettings(
-        served_model_names=names,
-        api_key=resolve_api_key(api_key, api_key_file, os.environ.get(API_KEY_ENV)),
-        max_request_bytes=max_request_bytes,
-        max_waiting=max_waiting,
-        max_failed_steps=max_failed_steps,
-        shutdown_timeout_s=shutdown_timeout,
-        allow_origins=tuple(allow_origin or ()),
-        default_max_tokens=default_max_tokens,
-    )
+    settings = _server_settings(flags)
     try:
-        if executor == "torch":
-            from hybridserve.cli.torch_runtime import set_threads
-
-            set_threads(threads)
-            backend = _torch_backend(
-                model,
-                device=device,
-                max_model_len=max_model_len,
-                dcp=dcp,
-                dcp_interleave=dcp_interleave,
-            )
-        else:
-            from hybridserve.cli.sim_backend import DEFAULT_MAX_MODEL_LEN, SimServingBackend
-
-            backend = SimServingBackend(
-                model_profile=model_profile,
-                gpu=gpu,
-                tp=tp,
-                dtype=dtype,
-                spec=spec,
-                seed=seed,
-                sim_speed=sim_speed,
-                max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
-                eos_probability=sim_eos_probability,
-            )
         server_app = build_app(
-            backend,
+            _backend(flags),
             settings,
-            preset_name=preset,
-            config_file=config,
-            retention=retention,
-            num_blocks=num_blocks,
-            overrides=overrides,
+            preset_name=flags.preset,
+            config_file=flags.config,
+            retention=flags.retention,
+            num_blocks=flags.num_blocks,
+            overrides=flags.scheduler_flags(),
         )
-        attach_kv_events(server_app, kv_events)
+        attach_kv_events(server_app, flags.kv_events)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
-    banner = startup_banner(server_app.state.hybridserve, host=host, port=port)
-    code = serve(server_app, host=host, port=port, banner=banner)
-    if code:
-        raise typer.Exit(code)
+    banner = startup_banner(server_app.state.hybridserve, host=flags.host, port=flags.port)
+    return serve(server_app, host=flags.host, port=flags.port, banner=banner)
+
+
+def _server_settings(flags: ServeFlags) -> ServerSettings:
+    """The server's own settings, after refusing the flags it could only fail on later."""
+    from hybridserve.server.app import ServerSettings
+
+    if flags.executor not in ("sim", "torch"):
+        raise fail(f"--executor {flags.executor!r}: use sim or torch")
+    if flags.dcp != 1 and flags.executor != "torch":
+        raise fail(f"--dcp={flags.dcp}: decode context parallel runs with --executor torch")
+    _check_serve_flags(
+        port=flags.port, max_waiting=flags.max_waiting, default_max_tokens=flags.default_max_tokens
+    )
+    if flags.threads is not None and flags.executor != "torch":
+        raise fail(
+            f"--threads={flags.threads}: sets the torch executor's threads; use --executor torch"
+        )
+    if flags.max_failed_steps < 1:
+        raise fail(f"--max-failed-steps={flags.max_failed_steps}: use 1 or more")
+    if flags.shutdown_timeout < 0:
+        raise fail(f"--shutdown-timeout={flags.shutdown_timeout}: use 0 or more seconds")
+    names = tuple(dict.fromkeys(flags.served_model_name or ()))
+    if any(not name.strip() for name in names):
+        raise fail("--served-model-name: give a non-empty name")
+    return ServerSettings(
+        served_model_names=names,
+        api_key=resolve_api_key(flags.api_key, flags.api_key_file, os.environ.get(API_KEY_ENV)),
+        max_request_bytes=flags.max_request_bytes,
+        max_waiting=flags.max_waiting,
+        max_failed_steps=flags.max_failed_steps,
+        shutdown_timeout_s=flags.shutdown_timeout,
+        allow_origins=tuple(flags.allow_origin or ()),
+        default_max_tokens=flags.default_max_tokens,
+    )
+
+
+def _backend(flags: ServeFlags) -> ServingBackend:
+    """The model side `--executor` names: a real model on torch, or the simulator."""
+    if flags.executor == "torch":
+        return _torch_backend(
+            flags.model,
+            device=flags.device,
+            max_model_len=flags.max_model_len,
+            dcp=flags.dcp,
+            dcp_interleave=flags.dcp_interleave,
+            threads=flags.threads,
+        )
+    from hybridserve.cli.sim_backend import DEFAULT_MAX_MODEL_LEN, SimServingBackend
+
+    return SimServingBackend(
+        model_profile=flags.model_profile,
+        gpu=flags.gpu,
+        tp=flags.tp,
+        dtype=flags.dtype,
+        spec=flags.spec,
+        seed=flags.seed,
+        sim_speed=flags.sim_speed,
+        max_model_len=flags.max_model_len or DEFAULT_MAX_MODEL_LEN,
+        eos_probability=flags.sim_eos_probability,
+    )
 
 
 def startup_banner(state: Any, *, host: str, port: int) -> str:
@@ -397,28 +461,38 @@ def build_app(
     backend: ServingBackend,
     settings: ServerSettings,
     *,
-    preset_name: str = "hybridserve",
+    preset_name: str | None = None,
     config_file: Path | None = None,
     retention: str | None = None,
     num_blocks: int | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Any:
-    """The FastAPI app over `backend` with the resolved scheduler settings."""
-    from hybridserve.kvcache import RetentionPolicy
-    from hybridserve.kvcache.spec import state_quantum
+    """The FastAPI app over `backend` with the settings resolved as every command resolves
+    them (`hybridserve.engine.settings`: preset, then the file, then the flags)."""
     from hybridserve.server.app import ServerState, create_app
-    from hybridserve.server.backend import build_engine
+    from hybridserve.server.backend import serve_settings, serving_engine
 
-    overrides = dict(overrides or {})
-    if overrides.get("max_model_len") is None:
-        overrides["max_model_len"] = backend.max_model_len
-    scheduler, retention_text = scheduler_settings(
-        groups_quantum=state_quantum(backend.cache_groups()),
-        max_model_len=backend.max_model_len,
+    file = read_settings_file(config_file)
+    chosen = serve_settings(
+        backend,
         preset_name=preset_name,
-        config_file=config_file,
-        overrides=overrides,
+        file=file,
+        flags=overrides or {},
+        retention_flag=retention,
     )
-    policy = RetentionPolicy.parse(retention or retention_text)
-    parts = build_engine(backend, scheduler, retention=policy, num_blocks=num_blocks)
+    parts = serving_engine(
+        backend, chosen.scheduler, retention=chosen.retention, num_blocks=num_blocks
+    )
     return create_app(ServerState(backend, parts, settings))
+
+
+def read_settings_file(path: Path | None) -> SettingsFile | None:
+    """The `--config` file, its deprecated spellings reported on stderr as warnings."""
+    from hybridserve.engine.settings import load_settings_file
+
+    if path is None:
+        return None
+    file = load_settings_file(path)
+    for message in file.deprecations:
+        err.print(f"warning: {path}: {message}", soft_wrap=True, highlight=False)
+    return file

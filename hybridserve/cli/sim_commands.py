@@ -6,7 +6,8 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -65,14 +66,36 @@ def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> SimRun:
         )
 
 
-def _file_options(config_file: Path | None) -> dict[str, Any]:
-    """SimConfig overrides from a --config TOML file (scheduler fields and cache retention)."""
-    if config_file is None:
-        return {}
-    from hybridserve.sim.config_file import load_config_file
+def _file_options(config_file: Path | None, *, preset: str | None = None) -> dict[str, Any]:
+    """SimConfig fields of a --config settings file (scheduler fields, cache retention) and
+    of --preset: the flag's preset, else the file's, else hybridserve."""
+    from hybridserve.engine.settings import load_settings_file, preset_name
 
-    loaded = load_config_file(config_file)
-    return {"controls": loaded.scheduler, "retention": loaded.retention}
+    if config_file is None:
+        return {"preset": preset_name(preset, None)}
+    loaded = load_settings_file(config_file)
+    for message in loaded.deprecations:
+        err.print(f"warning: {config_file}: {message}", soft_wrap=True, highlight=False)
+    return {
+        "preset": preset_name(preset, loaded),
+        "controls": loaded.scheduler,
+        "retention": loaded.retention,
+    }
+
+
+def _bench_file_options(config_file: Path | None) -> dict[str, Any]:
+    """A --config file's scheduler fields and retention for bench's hybridserve side (bench
+    picks the presets it compares itself)."""
+    options = _file_options(config_file)
+    if config_file is not None and options["preset"] != "hybridserve":
+        raise ConfigError(
+            "preset",
+            options["preset"],
+            f"bench compares the presets itself; drop `preset` from {config_file} (or run "
+            "`hybridserve simulate --config` on it)",
+        )
+    del options["preset"]
+    return options
 
 
 def _model_options(model_config: Path | None) -> dict[str, Any]:
@@ -312,6 +335,134 @@ CpuOption = Annotated[
 ]
 
 
+SimPresetOption = Annotated[
+    str | None,
+    typer.Option(
+        help="baseline, legacy, hybridserve, controls-only or retention-only [default: the "
+        "--config file's preset, else hybridserve]."
+    ),
+]
+SimWarmupOption = Annotated[
+    float | None,
+    typer.Option(
+        help="Seconds excluded from the metrics [default: 300, or 0 for a workload with a "
+        "fixed number of requests: a trace, poisson, fixed with requests=N]."
+    ),
+]
+WorkloadOption = Annotated[
+    str,
+    typer.Option(
+        help="agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N, "
+        "fixed:input=I,output=O,concurrency=C[,requests=N] (closed loop) or "
+        "fixed:input=I,output=O,rate=R[,requests=N] (Poisson)"
+    ),
+]
+TimeScaleOption = Annotated[float, typer.Option(help="Multiply trace arrival times.")]
+LimitOption = Annotated[int | None, typer.Option(help="Keep the first N trace requests.")]
+SimMaxModelLenOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Context limit in tokens; longer trace requests are rejected and counted "
+        "[default: 131073, the agents' context limit + 1]."
+    ),
+]
+OutOption = Annotated[
+    Path | None, typer.Option(help="Also write report.json and plots to this folder.")
+]
+ReplicasOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Simulate a fleet of N replicas behind --router (adds a `fleet` report) "
+        "[default: one engine, no router]."
+    ),
+]
+RouterOption = Annotated[
+    str,
+    typer.Option(
+        help="Fleet router: round-robin, least-loaded, session, prefix-fa (full-attention "
+        "overlap) or prefix-hybrid (the reconciled hit)."
+    ),
+]
+RouterViewOption = Annotated[
+    str,
+    typer.Option(
+        help="What the router sees of a replica's cache: precise (the cache itself) or "
+        "approximate (its own routing history, in an LRU)."
+    ),
+]
+LoadWeightOption = Annotated[
+    float,
+    typer.Option(help="Prefix routers: score = overlap tokens - weight x outstanding tokens."),
+]
+PdOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Disaggregate: P:D prefill and decode replicas (P + D = --replicas, which it "
+        "implies); KV and state move over --pd-link."
+    ),
+]
+PdLinkOption = Annotated[
+    str, typer.Option(help="The prefill-to-decode link: nvlink (the GPU's) or ib-ndr.")
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SimulateFlags:
+    """Every `simulate` flag, as given."""
+
+    model: str
+    gpu: str | None
+    tp: int | None
+    dtype: str | None
+    dcp: int
+    bound: str | None
+    preset: str | None
+    agents: int
+    duration: float
+    warmup: float | None
+    spec: str
+    workload: str
+    time_scale: float
+    limit: int | None
+    max_model_len: int | None
+    config_file: Path | None
+    include_scheduler_cpu: bool
+    model_config: Path | None
+    kv_dtype: str | None
+    calibration: Path | None
+    out: Path | None
+    seed: int
+    as_json: bool
+    replicas: int | None
+    router: str
+    router_view: str
+    router_load_weight: float
+    pd: str | None
+    pd_link: str
+
+    def config(self) -> SimConfig:
+        """The run's SimConfig: the flags, the device, the model and the settings file."""
+        return _sim_config(
+            model=self.model,
+            tp=self.tp if self.tp is not None else self.dcp,
+            dcp=self.dcp,
+            bound=self.bound,
+            num_agents=self.agents,
+            duration_s=self.duration,
+            warmup_s=_default_warmup(self.workload) if self.warmup is None else self.warmup,
+            spec=self.spec,
+            seed=self.seed,
+            workload=self.workload,
+            time_scale=self.time_scale,
+            limit=self.limit,
+            max_model_len=self.max_model_len,
+            include_scheduler_cpu=self.include_scheduler_cpu,
+            **_model_options(self.model_config),
+            **_device_options(self.gpu, self.dtype, self.kv_dtype, self.calibration),
+            **_file_options(self.config_file, preset=self.preset),
+        )
+
+
 @app.command("simulate")
 def simulate_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
@@ -320,157 +471,115 @@ def simulate_cmd(
     dtype: SimDtypeOption = None,
     dcp: DcpOption = 1,
     bound: BoundOption = None,
-    preset: Annotated[
-        str, typer.Option(help="baseline, hybridserve, controls-only or retention-only.")
-    ] = "hybridserve",
+    preset: SimPresetOption = None,
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
-    warmup: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds excluded from the metrics [default: 300, or 0 for a workload with a "
-            "fixed number of requests: a trace, poisson, fixed with requests=N]."
-        ),
-    ] = None,
+    warmup: SimWarmupOption = None,
     spec: SpecOption = "auto",
-    workload: Annotated[
-        str,
-        typer.Option(
-            help="agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N, "
-            "fixed:input=I,output=O,concurrency=C[,requests=N] (closed loop) or "
-            "fixed:input=I,output=O,rate=R[,requests=N] (Poisson)"
-        ),
-    ] = "agents",
-    time_scale: Annotated[float, typer.Option(help="Multiply trace arrival times.")] = 1.0,
-    limit: Annotated[int | None, typer.Option(help="Keep the first N trace requests.")] = None,
-    max_model_len: Annotated[
-        int | None,
-        typer.Option(
-            help="Context limit in tokens; longer trace requests are rejected and counted "
-            "[default: 131073, the agents' context limit + 1]."
-        ),
-    ] = None,
+    workload: WorkloadOption = "agents",
+    time_scale: TimeScaleOption = 1.0,
+    limit: LimitOption = None,
+    max_model_len: SimMaxModelLenOption = None,
     config_file: ConfigOption = None,
     include_scheduler_cpu: CpuOption = False,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     calibration: CalibrationOption = None,
-    out: Annotated[
-        Path | None, typer.Option(help="Also write report.json and plots to this folder.")
-    ] = None,
+    out: OutOption = None,
     seed: SeedOption = 0,
     as_json: JsonOption = False,
-    replicas: Annotated[
-        int | None,
-        typer.Option(
-            help="Simulate a fleet of N replicas behind --router (adds a `fleet` report) "
-            "[default: one engine, no router]."
-        ),
-    ] = None,
-    router: Annotated[
-        str,
-        typer.Option(
-            help="Fleet router: round-robin, least-loaded, session, prefix-fa (full-attention "
-            "overlap) or prefix-hybrid (the reconciled hit)."
-        ),
-    ] = "round-robin",
-    router_view: Annotated[
-        str,
-        typer.Option(
-            help="What the router sees of a replica's cache: precise (the cache itself) or "
-            "approximate (its own routing history, in an LRU)."
-        ),
-    ] = "precise",
-    router_load_weight: Annotated[
-        float,
-        typer.Option(help="Prefix routers: score = overlap tokens - weight x outstanding tokens."),
-    ] = 1.0,
-    pd: Annotated[
-        str | None,
-        typer.Option(
-            help="Disaggregate: P:D prefill and decode replicas (P + D = --replicas, which it "
-            "implies); KV and state move over --pd-link."
-        ),
-    ] = None,
-    pd_link: Annotated[
-        str, typer.Option(help="The prefill-to-decode link: nvlink (the GPU's) or ib-ndr.")
-    ] = "nvlink",
+    replicas: ReplicasOption = None,
+    router: RouterOption = "round-robin",
+    router_view: RouterViewOption = "precise",
+    router_load_weight: LoadWeightOption = 1.0,
+    pd: PdOption = None,
+    pd_link: PdLinkOption = "nvlink",
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
-    from hybridserve.sim.run import pool_report
-
-    tp = tp if tp is not None else dcp
+    flags = SimulateFlags(**locals())
     try:
-        config = _sim_config(
-            model=model,
-            tp=tp,
-            dcp=dcp,
-            bound=bound,
-            preset=preset,
-            num_agents=agents,
-            duration_s=duration,
-            warmup_s=_default_warmup(workload) if warmup is None else warmup,
-            spec=spec,
-            seed=seed,
-            workload=workload,
-            time_scale=time_scale,
-            limit=limit,
-            max_model_len=max_model_len,
-            include_scheduler_cpu=include_scheduler_cpu,
-            **_model_options(model_config),
-            **_device_options(gpu, dtype, kv_dtype, calibration),
-            **_file_options(config_file),
-        )
-        label = run_label(preset, config_file)
-        pool = pool_report(config)
-        fleet_report: dict[str, Any] | None = None
-        split = _pd_split(pd)
-        if split is not None and replicas is None:
-            replicas = sum(split)
-        routed = (router, router_view, router_load_weight) != ("round-robin", "precise", 1.0)
-        if replicas is None and (routed or pd_link != "nvlink"):
-            raise ConfigError(
-                "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
-            )
-        if replicas is None:
-            run = _run_sim(config, label=f"simulate ({label})", quiet=as_json)
-        else:
-            run, fleet_report = _run_fleet(
-                config,
-                replicas=replicas,
-                router=router,
-                view=router_view,
-                load_weight=router_load_weight,
-                pd=split,
-                pd_link=pd_link,
-            )
+        config, pool, run, fleet_report = _simulate(flags)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise interrupted("the run did not finish; nothing was written") from None
+    _report_simulation(flags, config, run, pool, fleet_report)
+
+
+Simulated = tuple["SimConfig", dict[str, Any], "SimRun", dict[str, Any] | None]
+
+
+def _simulate(flags: SimulateFlags) -> Simulated:
+    """One engine, or a fleet behind a router: the config, its pool, the run and, for a
+    fleet, its report."""
+    from hybridserve.sim.run import pool_report
+
+    config = flags.config()
+    pool = pool_report(config)  # a pool that does not fit fails before anything runs
+    replicas, split = flags.replicas, _pd_split(flags.pd)
+    if split is not None and replicas is None:
+        replicas = sum(split)
+    routed = (flags.router, flags.router_view, flags.router_load_weight) != (
+        "round-robin",
+        "precise",
+        1.0,
+    )
+    if replicas is None and (routed or flags.pd_link != "nvlink"):
+        raise ConfigError(
+            "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
+        )
+    if replicas is None:
+        label = run_label(config.preset, flags.config_file)
+        return (
+            config,
+            pool,
+            _run_sim(config, label=f"simulate ({label})", quiet=flags.as_json),
+            None,
+        )
+    run, fleet_report = _run_fleet(
+        config,
+        replicas=replicas,
+        router=flags.router,
+        view=flags.router_view,
+        load_weight=flags.router_load_weight,
+        pd=split,
+        pd_link=flags.pd_link,
+    )
+    return config, pool, run, fleet_report
+
+
+def _report_simulation(
+    flags: SimulateFlags,
+    config: SimConfig,
+    run: SimRun,
+    pool: dict[str, Any],
+    fleet_report: dict[str, Any] | None,
+) -> None:
+    """The run's metrics: as JSON, or as a table (and report.json plus plots with --out)."""
     summary = dict(run.summary)
     summary["kv_cache_tokens"] = float(pool["kv_cache_tokens"])
     summary["max_concurrency"] = float(pool["max_concurrency"])
     _warn_about_run(run)
     name, method = _simulated_model(config)
-    if out is not None:
-        setup = {"model": name, "spec": method, "gpu": config.gpu, "workload": workload}
+    label = run_label(config.preset, flags.config_file)
+    if flags.out is not None:
+        setup = {"model": name, "spec": method, "gpu": config.gpu, "workload": flags.workload}
         report: dict[str, object] = {label: _metrics_json(summary), "pool": pool, "setup": setup}
-        _write_report(out, report, {label: run})
-    if as_json:
+        _write_report(flags.out, report, {label: run})
+    if flags.as_json:
         payload: dict[str, Any] = dict(_metrics_json(summary))
         if fleet_report is not None:
             payload["fleet"] = fleet_json(fleet_report)
         sys.stdout.write(json.dumps(payload) + "\n")
         return
-    where = f"{config.gpu} (tp={tp}, dcp={dcp}, {config.dtype})"
-    extra = f", bound={bound}" if bound else ""
+    where = f"{config.gpu} (tp={config.tp}, dcp={config.dcp}, {config.dtype})"
+    extra = f", bound={flags.bound}" if flags.bound else ""
     console = out_console()
     console.print(f"simulate: {name} (spec {method}) on {where}, {label}{extra}")
     table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in (*shown_keys(workload), *BREAKDOWN_ROWS):
+    for key in (*shown_keys(flags.workload), *BREAKDOWN_ROWS):
         value = summary.get(key, math.nan)
         table.add_row(key, "-" if math.isnan(value) else f"{value:,.3f}")
     if summary["requests_rejected"]:
@@ -581,6 +690,77 @@ BREAKDOWN_ROWS = (
 )
 
 
+BaselineOption = Annotated[
+    str, typer.Option(help="What hybridserve is compared with: vllm, vllm-tuned or legacy.")
+]
+SeedsOption = Annotated[
+    int,
+    typer.Option(help="Paired seeds (seed, seed+1, ...): every configuration sees the same jobs."),
+]
+FirstSeedOption = Annotated[int, typer.Option(help="The first seed.")]
+WorkersOption = Annotated[int, typer.Option(help="Local worker processes.")]
+TunedOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="--baseline vllm-tuned: the search result to use (the JSON of `sweep --space "
+        "vllm --json` or of an earlier bench) instead of searching now."
+    ),
+]
+TuneTrialsOption = Annotated[
+    int, typer.Option(help="--baseline vllm-tuned: random vLLM settings to try.")
+]
+TuneSloOption = Annotated[
+    float, typer.Option(help="--baseline vllm-tuned: the p99 ITL SLO of the search.")
+]
+BoundsOption = Annotated[
+    bool, typer.Option(help="Also run the three upper bounds (on the baseline).")
+]
+NameOption = Annotated[
+    str | None,
+    typer.Option(help="Run name: files go under runs/NAME/ [default: a new runs/e1-DATE-TIME/]."),
+]
+AblationsOption = Annotated[bool, typer.Option(help="Also run controls-only and retention-only.")]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchFlags:
+    """Every `bench` flag, as given."""
+
+    model: str
+    gpu: str | None
+    tp: int | None
+    dtype: str | None
+    spec: str
+    dcp: int
+    baseline: str
+    agents: int
+    seeds: int
+    duration: float
+    warmup: float
+    seed: int
+    workers: int
+    tuned: Path | None
+    tune_trials: int
+    itl_slo_ms: float
+    bounds: bool
+    config_file: Path | None
+    model_config: Path | None
+    kv_dtype: str | None
+    calibration: Path | None
+    name: str | None
+    ablations: bool
+    as_json: bool
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.seed, self.seed + self.seeds))
+
+    @property
+    def labels(self) -> list[str]:
+        extra = ["controls-only", "retention-only"] if self.ablations else []
+        return ["baseline", "hybridserve", *extra]
+
+
 @app.command("bench")
 def bench_cmd(
     model: SimOption = "qwen3-next-80b-a3b",
@@ -589,131 +769,145 @@ def bench_cmd(
     dtype: SimDtypeOption = None,
     spec: SpecOption = "auto",
     dcp: DcpOption = 1,
-    baseline: Annotated[
-        str,
-        typer.Option(help="What hybridserve is compared with: vllm, vllm-tuned or legacy."),
-    ] = "vllm",
+    baseline: BaselineOption = "vllm",
     agents: AgentsOption = 20,
-    seeds: Annotated[
-        int,
-        typer.Option(
-            help="Paired seeds (seed, seed+1, ...): every configuration sees the same jobs."
-        ),
-    ] = 3,
+    seeds: SeedsOption = 3,
     duration: DurationOption = 480.0,
     warmup: WarmupOption = 120.0,
-    seed: Annotated[int, typer.Option(help="The first seed.")] = 0,
-    workers: Annotated[int, typer.Option(help="Local worker processes.")] = 2,
-    tuned: Annotated[
-        Path | None,
-        typer.Option(
-            help="--baseline vllm-tuned: the search result to use (the JSON of `sweep --space "
-            "vllm --json` or of an earlier bench) instead of searching now."
-        ),
-    ] = None,
-    tune_trials: Annotated[
-        int, typer.Option(help="--baseline vllm-tuned: random vLLM settings to try.")
-    ] = 16,
-    itl_slo_ms: Annotated[
-        float, typer.Option(help="--baseline vllm-tuned: the p99 ITL SLO of the search.")
-    ] = 100.0,
-    bounds: Annotated[
-        bool, typer.Option(help="Also run the three upper bounds (on the baseline).")
-    ] = True,
+    seed: FirstSeedOption = 0,
+    workers: WorkersOption = 2,
+    tuned: TunedOption = None,
+    tune_trials: TuneTrialsOption = 16,
+    itl_slo_ms: TuneSloOption = 100.0,
+    bounds: BoundsOption = True,
     config_file: ConfigOption = None,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
     calibration: CalibrationOption = None,
-    name: Annotated[
-        str | None,
-        typer.Option(
-            help="Run name: files go under runs/NAME/ [default: a new runs/e1-DATE-TIME/]."
-        ),
-    ] = None,
-    ablations: Annotated[
-        bool, typer.Option(help="Also run controls-only and retention-only.")
-    ] = False,
+    name: NameOption = None,
+    ablations: AblationsOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Experiment E1: a baseline against hybridserve on paired seeds, with 95% intervals, the
     upper bounds and where the time goes."""
+    flags = BenchFlags(**locals())
     from hybridserve.sim.bounds import BOUNDS
-    from hybridserve.sim.experiment import baseline_preset, paired_report, run_configs
-    from hybridserve.sim.run import pool_report, with_preset
 
     if seeds < 1 or workers < 1:
         raise fail(f"--seeds={seeds} --workers={workers}; use 1 or more of each")
-    tp = tp if tp is not None else dcp
-    seed_list = list(range(seed, seed + seeds))
     folder = bench_folder(name)
     finished: dict[str, dict[int, dict[str, float]]] = {}
     try:
-        base_preset = baseline_preset(baseline)
-        config = _sim_config(
-            model=model,
-            tp=tp,
-            spec=spec,
-            dcp=dcp,
-            num_agents=agents,
-            duration_s=duration,
-            warmup_s=warmup,
-            seed=seed,
-            **_model_options(model_config),
-            **_device_options(gpu, dtype, kv_dtype, calibration),
-        )
-        labels = ["baseline", "hybridserve"] + (
-            ["controls-only", "retention-only"] if ablations else []
-        )
-        presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
-        presets.update({p: p for p in labels[2:]})
-        configs = {}
-        for label in labels:
-            # A --config file shapes the hybridserve side only: the baseline stays what it is.
-            extra = _file_options(config_file) if label != "baseline" else {}
-            configs[label] = replace(with_preset(config, presets[label]), **extra)
-        search: dict[str, Any] | None = None
-        if baseline == "vllm-tuned":
-            configs["baseline"], search = _tuned_baseline(
-                configs["baseline"], tuned, trials=tune_trials, slo=itl_slo_ms, workers=workers
-            )
-            if not as_json:
-                err.print(f"vllm-tuned: {search['best']}", highlight=False)
-        if bounds:
-            for bound in BOUNDS:
-                configs[bound] = replace(configs["baseline"], bound=bound)
-        pools = {label: pool_report(configs[label]) for label in labels}
-        log = None if as_json else (lambda line: err.print(line, highlight=False))
-        simulated = _simulated_model(config)
-        results, kept = run_configs(
-            configs,
-            seed_list,
-            workers=workers,
-            keep_seed=seed_list[0],
-            log=log,
-            finished=finished,
-        )
+        report, results, kept = _bench(flags, finished)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise _bench_interrupted(finished, folder) from None
+    plotted = {label: kept[label] for label in flags.labels if label in kept}
+    files = _write_report(folder, report, plotted)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return
+    _print_bench(report, flags.labels, [b for b in BOUNDS if b in results], files)
+
+
+def _bench_configs(flags: BenchFlags) -> tuple[SimConfig, dict[str, SimConfig], str]:
+    """The common config, each label's config and the baseline's preset."""
+    from hybridserve.sim.experiment import baseline_preset
+    from hybridserve.sim.run import with_preset
+
+    base_preset = baseline_preset(flags.baseline)
+    config = _sim_config(
+        model=flags.model,
+        tp=flags.tp if flags.tp is not None else flags.dcp,
+        spec=flags.spec,
+        dcp=flags.dcp,
+        num_agents=flags.agents,
+        duration_s=flags.duration,
+        warmup_s=flags.warmup,
+        seed=flags.seed,
+        **_model_options(flags.model_config),
+        **_device_options(flags.gpu, flags.dtype, flags.kv_dtype, flags.calibration),
+    )
+    presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
+    presets.update({p: p for p in flags.labels[2:]})
+    # A --config file shapes the hybridserve side only: the baseline stays what it is.
+    extra = _bench_file_options(flags.config_file)
+    configs = {
+        label: replace(
+            with_preset(config, presets[label]), **(extra if label != "baseline" else {})
+        )
+        for label in flags.labels
+    }
+    return config, configs, base_preset
+
+
+def _bench(
+    flags: BenchFlags, finished: dict[str, dict[int, dict[str, float]]]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, SimRun]]:
+    """Run every configuration on the paired seeds: the report, the results, the kept runs."""
+    from hybridserve.sim.bounds import BOUNDS
+    from hybridserve.sim.experiment import paired_report, run_configs
+    from hybridserve.sim.run import pool_report
+
+    config, configs, base_preset = _bench_configs(flags)
+    search: dict[str, Any] | None = None
+    if flags.baseline == "vllm-tuned":
+        configs["baseline"], search = _tuned_baseline(
+            configs["baseline"],
+            flags.tuned,
+            trials=flags.tune_trials,
+            slo=flags.itl_slo_ms,
+            workers=flags.workers,
+        )
+        if not flags.as_json:
+            err.print(f"vllm-tuned: {search['best']}", highlight=False)
+    if flags.bounds:
+        for bound in BOUNDS:
+            configs[bound] = replace(configs["baseline"], bound=bound)
+    pools = {label: pool_report(configs[label]) for label in flags.labels}
+    log = None if flags.as_json else (lambda line: err.print(line, highlight=False))
+    simulated = _simulated_model(config)
+    seed_list = flags.seed_list
+    results, kept = run_configs(
+        configs,
+        seed_list,
+        workers=flags.workers,
+        keep_seed=seed_list[0],
+        log=log,
+        finished=finished,
+    )
     report = paired_report(results, baseline="baseline", ours="hybridserve")
     report["pool"] = pools
-    report["setup"] = {
+    report["setup"] = _bench_setup(flags, config, simulated, base_preset, search)
+    return report, results, kept
+
+
+def _bench_setup(
+    flags: BenchFlags,
+    config: SimConfig,
+    simulated: tuple[str, str],
+    base_preset: str,
+    search: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The report's `setup`: what was compared, on what, for how long."""
+    config_file, labels = flags.config_file, flags.labels
+    return {
         "model": simulated[0],
         "spec": simulated[1],
         "gpu": config.gpu,
-        "tp": tp,
-        "dcp": dcp,
+        "tp": config.tp,
+        "dcp": flags.dcp,
         "dtype": config.dtype,
         "kv_dtype": config.kv_dtype,
-        "baseline": baseline,
+        "baseline": flags.baseline,
         "baseline_preset": base_preset,
-        "model_config": None if model_config is None else str(model_config),
-        "calibration": None if calibration is None else str(calibration),
-        "agents": agents,
-        "duration_s": duration,
-        "warmup_s": warmup,
-        "seeds": seed_list,
+        "model_config": None if flags.model_config is None else str(flags.model_config),
+        "calibration": None if flags.calibration is None else str(flags.calibration),
+        "agents": flags.agents,
+        "duration_s": flags.duration,
+        "warmup_s": flags.warmup,
+        "seeds": flags.seed_list,
         "vllm_tuned": search,
         "config": None if config_file is None else str(config_file),
         # A --config file shapes the hybridserve side only: the baseline stays what it is.
@@ -722,12 +916,6 @@ def bench_cmd(
             for label in labels
         },
     }
-    plotted = {label: kept[label] for label in labels if label in kept}
-    files = _write_report(folder, report, plotted)
-    if as_json:
-        sys.stdout.write(json.dumps(report) + "\n")
-        return
-    _print_bench(report, labels, [b for b in BOUNDS if b in results], files)
 
 
 def _tuned_baseline(
@@ -752,12 +940,28 @@ def _tuned_baseline(
     return tuned_config(config, controls, retention), {**found, "from": str(tuned)}
 
 
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def _print_bench(
     report: dict[str, Any], labels: list[str], bounds: list[str], files: list[Path]
 ) -> None:
-    setup = report["setup"]
     console = out_console()
     console.width = max(console.width, 150)
+    console.print(_bench_table(report, labels, bounds))
+    _print_ratios(console, report)
+    console.print(_time_table(report, labels))
+    for label in labels:
+        log = "; ".join(report["pool"][label]["vllm_log"])
+        console.print(f"{label} pool (vLLM would log): {log}", highlight=False)
+    console.print("files: " + ", ".join(str(f) for f in files))
+
+
+def _bench_table(report: dict[str, Any], labels: list[str], bounds: list[str]) -> Table:
+    """One row per configuration (and bound): goodput, its share of each bound, latency."""
+    setup = report["setup"]
+    cell = _cell
     where = f"{setup['gpu']} (tp={setup['tp']}, dcp={setup['dcp']}, {setup['dtype']})"
     n = len(setup["seeds"])
     table = Table(
@@ -770,10 +974,6 @@ def _print_bench(
     columns += ["p99 ITL ms", "p99 TTFT ms", "hit rate", "preempt", "SLO met"]
     for column in columns:
         table.add_column(column, justify="left" if column == "configuration" else "right")
-
-    def cell(value: Any, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
     for label in [*labels, *bounds]:
         m = report[label]
         fractions = report["fraction_of_bound"].get(label, {})
@@ -796,7 +996,13 @@ def _print_bench(
             cell(m["preemptions"], ".1f"),
             cell(m["slo_attainment"], ".2f"),
         )
-    console.print(table)
+    return table
+
+
+def _print_ratios(console: Any, report: dict[str, Any]) -> None:
+    """hybridserve over the baseline per metric, with its interval and per-seed values."""
+    setup = report["setup"]
+    n = len(setup["seeds"])
     base = setup["baseline"]
     for name, ratio in report["ratios"].items():
         ci = ratio["ci95"]
@@ -816,6 +1022,11 @@ def _print_bench(
             "benchmarks/e1_matrix.py.",
             highlight=False,
         )
+
+
+def _time_table(report: dict[str, Any], labels: list[str]) -> Table:
+    """Where the time goes, per configuration (means over seeds)."""
+    cell = _cell
     time_table = Table(title="where the time goes (means over seeds)")
     time_table.add_column("configuration")
     for column in (
@@ -837,26 +1048,35 @@ def _print_bench(
             *[cell(m[k], ".2f") for k in BREAKDOWN_ROWS[1:8]],
             *[cell(m[k], ",.0f") for k in BREAKDOWN_ROWS[8:]],
         )
-    console.print(time_table)
-    for label in labels:
-        log = "; ".join(report["pool"][label]["vllm_log"])
-        console.print(f"{label} pool (vLLM would log): {log}", highlight=False)
-    console.print("files: " + ", ".join(str(f) for f in files))
+    return time_table
+
+
+SweepTrialsOption = Annotated[
+    int, typer.Option(help="Random control settings to try (plus all-off).")
+]
+RayOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="Run trials on a Ray cluster: auto, ray://HOST:10001, or local (needs the ray extra).",
+    ),
+]
+SloOption = Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")]
+SpaceOption = Annotated[
+    str,
+    typer.Option(
+        help="hybridserve: its controls over predecessor retention; vllm: vLLM's own knobs "
+        "(token budget, long-prefill threshold, max_num_seqs, retention) on the baseline."
+    ),
+]
 
 
 @app.command("sweep")
 def sweep_cmd(
-    trials: Annotated[int, typer.Option(help="Random control settings to try (plus all-off).")] = 8,
-    workers: Annotated[int, typer.Option(help="Local worker processes.")] = 1,
-    ray: Annotated[
-        str | None,
-        typer.Option(
-            "--ray",
-            help="Run trials on a Ray cluster: auto, ray://HOST:10001, or local (needs the "
-            "ray extra).",
-        ),
-    ] = None,
-    itl_slo_ms: Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")] = 150.0,
+    trials: SweepTrialsOption = 8,
+    workers: WorkersOption = 1,
+    ray: RayOption = None,
+    itl_slo_ms: SloOption = 150.0,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
@@ -869,27 +1089,17 @@ def sweep_cmd(
     duration: DurationOption = 900.0,
     warmup: WarmupOption = 150.0,
     seed: SeedOption = 0,
-    space: Annotated[
-        str,
-        typer.Option(
-            help="hybridserve: its controls over predecessor retention; vllm: vLLM's own knobs "
-            "(token budget, long-prefill threshold, max_num_seqs, retention) on the baseline."
-        ),
-    ] = "hybridserve",
+    space: SpaceOption = "hybridserve",
     as_json: JsonOption = False,
 ) -> None:
     """Search the scheduler controls for the best job goodput under a p99 ITL SLO."""
-    from hybridserve.sim.run import model_profile, state_quantum
-    from hybridserve.sim.sweep import best, sweep, vllm_sweep
-
     if trials < 1 or workers < 1:
         raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
     finished: list[Trial] = []
-    tp = tp if tp is not None else dcp
     try:
         config = _sim_config(
             model=model,
-            tp=tp,
+            tp=tp if tp is not None else dcp,
             spec=spec,
             dcp=dcp,
             num_agents=agents,
@@ -899,38 +1109,62 @@ def sweep_cmd(
             **_model_options(model_config),
             **_device_options(gpu, dtype, kv_dtype, None),
         )
-        quantum = state_quantum(model_profile(config))
-        if space == "vllm":
-            if ray is not None:
-                raise ConfigError("--ray", ray, "the vllm space runs in local processes")
-            results = vllm_sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)
-        elif space == "hybridserve":
-            results = sweep(
-                config,
-                trials=trials,
-                quantum=quantum,
-                workers=workers,
-                seed=seed,
-                ray_address=ray,
-                on_trial=finished.append,
-            )
-        else:
-            raise ConfigError("--space", space, "use hybridserve or vllm")
+        results = _sweep_trials(
+            config, space, trials=trials, workers=workers, ray=ray, on_trial=finished.append
+        )
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise _sweep_interrupted(finished, trials + 1, itl_slo_ms) from None
+    _report_sweep(results, space, itl_slo_ms, as_json=as_json)
+
+
+def _sweep_trials(
+    config: SimConfig,
+    space: str,
+    *,
+    trials: int,
+    workers: int,
+    ray: str | None,
+    on_trial: Callable[[Trial], None],
+) -> list[Trial]:
+    """The trials of the `space` search (each also passed to `on_trial` as it finishes)."""
+    from hybridserve.sim.run import model_profile, state_quantum
+    from hybridserve.sim.sweep import sweep, vllm_sweep
+
+    quantum = state_quantum(model_profile(config))
+    if space == "vllm":
+        if ray is not None:
+            raise ConfigError("--ray", ray, "the vllm space runs in local processes")
+        return vllm_sweep(config, trials=trials, quantum=quantum, workers=workers, seed=config.seed)
+    if space == "hybridserve":
+        return sweep(
+            config,
+            trials=trials,
+            quantum=quantum,
+            workers=workers,
+            seed=config.seed,
+            ray_address=ray,
+            on_trial=on_trial,
+        )
+    raise ConfigError("--space", space, "use hybridserve or vllm")
+
+
+def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_json: bool) -> None:
+    """The trials and the best one under the SLO: as JSON, or as a table."""
+    from hybridserve.sim.sweep import best
+
     winner = best(results, itl_slo_ms=itl_slo_ms)
-    rows = [
-        {
-            "controls": dict(t.controls),
-            "retention": t.retention,
-            **_metrics_json(t.metrics),
-            "meets_slo": t.meets(itl_slo_ms),
-        }
-        for t in results
-    ]
     if as_json:
+        rows = [
+            {
+                "controls": dict(t.controls),
+                "retention": t.retention,
+                **_metrics_json(t.metrics),
+                "meets_slo": t.meets(itl_slo_ms),
+            }
+            for t in results
+        ]
         chosen: dict[str, Any] = dict(winner.controls)
         if space == "vllm":
             chosen = {"controls": dict(winner.controls), "retention": winner.retention}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hybridserve.core.request import SamplingParams
 
@@ -65,20 +66,56 @@ class TokenLogprob(NamedTuple):
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
+class ReadOnlyDict(dict[str, Any]):
+    """A dict that refuses every change after it is built: a StepResult's mappings. Reads
+    are a dict's own (no proxy in the step's hot path)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a StepResult's mappings are read-only; build a new StepResult")
+
+    __setitem__ = __delitem__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+    __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type[ReadOnlyDict], tuple[dict[str, Any]]]:
+        return (ReadOnlyDict, (dict(self),))  # unpickled whole, never item by item
+
+
+_NONE: Mapping[str, Any] = ReadOnlyDict()
+
+
+def _none() -> Mapping[str, Any]:
+    return _NONE
+
+
+def _read_only(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A read-only copy of `mapping` (the shared empty one when it is empty)."""
+    if type(mapping) is ReadOnlyDict:
+        return mapping
+    return ReadOnlyDict(mapping) if mapping else _NONE
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What the executor produced for a StepPlan."""
+    """What the executor produced for a StepPlan. Its mappings are read-only copies of what
+    the executor passed in: no one downstream can change what another reads."""
 
     step_id: int
     # req_id -> tokens emitted this step (accepted drafts plus the bonus token), in order.
-    sampled_token_ids: dict[str, tuple[int, ...]]
+    sampled_token_ids: Mapping[str, tuple[int, ...]]
     duration_s: float  # wall (torch) or modelled (simulator) time of the step
     # req_id -> draft tokens proposed for the next step (speculative decoding), if any.
-    draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    draft_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=_none)
     # req_id -> one entry per emitted token, for requests whose sampling asks for `logprobs`.
     # Executors without a model leave it empty.
-    logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    logprobs: Mapping[str, tuple[TokenLogprob, ...]] = field(default_factory=_none)
     # req_id -> log-probabilities of prompt tokens computed this step, for requests asking for
     # `prompt_logprobs`: consecutive positions, continuing where the last step's ended (the
     # first prompt token has none; a request's entries total its prompt length - 1).
-    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    prompt_logprobs: Mapping[str, tuple[TokenLogprob, ...]] = field(default_factory=_none)
+
+    def __post_init__(self) -> None:
+        for name in ("sampled_token_ids", "draft_token_ids", "logprobs", "prompt_logprobs"):
+            object.__setattr__(self, name, _read_only(getattr(self, name)))

@@ -1,5 +1,5 @@
 """The engine loop: schedule -> execute -> update -> outputs."""
 
-from hybridserve.engine.engine import Engine, EngineStep, RequestFailure, StepFailed
+from hybridserve.engine.engine import Admission, Engine, EngineStep, RequestFailure, StepFailed
 
-__all__ = ["Engine", "EngineStep", "RequestFailure", "StepFailed"]
+__all__ = ["Admission", "Engine", "EngineStep", "RequestFailure", "StepFailed"]

@@ -17,10 +17,18 @@ from typing import NamedTuple
 
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.core.request import Request
+from hybridserve.core.request import Request, RequestStatus
 from hybridserve.executor.api import Executor
 from hybridserve.scheduler import Scheduler, SchedulerOutput
 from hybridserve.scheduler.scheduler import RequestOutput
+
+
+class Admission(NamedTuple):
+    """A request admitted for the first time this step (not a resumption)."""
+
+    req_id: str
+    arrival_time: float
+    num_prompt_tokens: int
 
 
 class RequestFailure(NamedTuple):
@@ -37,6 +45,7 @@ class EngineStep:
     result: StepResult
     outputs: list[RequestOutput]
     failed: tuple[RequestFailure, ...] = ()  # aborted this step; no output in `outputs`
+    admitted: tuple[Admission, ...] = ()  # `scheduled.new_reqs`, with what a server reports
 
 
 class StepFailed(HybridServeError):
@@ -70,10 +79,41 @@ class Engine:
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
 
+    # ----- read-only queries (what a server needs between steps) ------------------------------
+
+    def has_request(self, req_id: str) -> bool:
+        """True while `req_id` is waiting or running (not yet finished or aborted)."""
+        return req_id in self.scheduler.requests
+
+    def request_ids(self) -> tuple[str, ...]:
+        """The ids of every waiting or running request, in arrival order."""
+        return tuple(self.scheduler.requests)
+
+    def unstarted_request_ids(self) -> tuple[str, ...]:
+        """The requests not running that produced no token yet (what a drain may drop)."""
+        return tuple(
+            request.req_id
+            for request in self.scheduler.requests.values()
+            if request.status is not RequestStatus.RUNNING and not request.num_output_tokens
+        )
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def control_samples(self) -> list[tuple[str, str, float]]:
+        """The scheduler controls' counters and gauges as (Prometheus name, kind, value)."""
+        return self.scheduler.controls.stats.samples()
+
     def step(self, now: float = 0.0) -> EngineStep:
         """One step. Raises StepFailed, with the step's requests aborted, if the executor
         raises; the engine stays consistent and can step again."""
         scheduled = self.scheduler.schedule(now)
+        admitted = self._admitted(scheduled) if scheduled.new_reqs else ()
         plan = scheduled.plan
         if self._unsent_finished:
             finished = (*self._unsent_finished, *plan.finished_req_ids)
@@ -88,7 +128,14 @@ class Engine:
         for failure in failed:
             if failure.req_id in self.scheduler.requests:
                 self.scheduler.abort(failure.req_id)
-        return EngineStep(now, scheduled, result, outputs, failed)
+        return EngineStep(now, scheduled, result, outputs, failed, admitted)
+
+    def _admitted(self, scheduled: SchedulerOutput) -> tuple[Admission, ...]:
+        requests = self.scheduler.requests
+        return tuple(
+            Admission(req_id, requests[req_id].arrival_time, requests[req_id].num_prompt_tokens)
+            for req_id, _ in scheduled.new_reqs
+        )
 
     def _fail_step(self, plan: StepPlan) -> StepFailed:
         self._unsent_finished = plan.finished_req_ids

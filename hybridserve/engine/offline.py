@@ -20,9 +20,9 @@ def run_to_completion(
 ) -> dict[str, list[int]]:
     """Add `requests`, step until none is left, return each request's output token ids.
 
-    `on_add` runs before each request is queued (an executor registers its sampling settings
-    there). Raises RuntimeError if `max_steps` pass without finishing or a request fails, and
-    StepFailed if the executor raises.
+    `on_add` runs before each request is queued (sampling settings need no registering: the
+    plan carries them to the executor). Raises RuntimeError if `max_steps` pass without
+    finishing or a request fails, and StepFailed if the executor raises.
     """
     outputs: dict[str, list[int]] = {r.req_id: [] for r in requests}
     for request in requests:

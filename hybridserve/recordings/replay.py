@@ -6,16 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.engine import Engine
+from hybridserve.engine.assembly import EngineParts, build_engine
 from hybridserve.executor.fake import FakeExecutor
-from hybridserve.kvcache import KVCacheManager
+from hybridserve.kvcache import CacheLayout, KVCacheManager
 from hybridserve.recordings.trace import (
     RecordedRequest,
     Recording,
     cache_layout,
     scheduler_config,
 )
-from hybridserve.scheduler import Scheduler
 
 COMPARED = (
     "scheduled",
@@ -83,23 +82,39 @@ class RecordedSampler:
         return StepResult(plan.step_id, sampled, 0.0, drafts)
 
 
-def replay_recording(recording: Recording, *, check_invariants: bool = False) -> ReplayReport:
+def recorded_engine(recording: Recording) -> EngineParts:
+    """The baseline engine in the recording's configuration, over the recorder's fake model
+    runner (its sampler when the recording speculates)."""
     layout = cache_layout(recording.header)
-    cache = KVCacheManager(
-        layout, enable_caching=recording.header["engine"].get("enable_prefix_caching", True)
-    )
-    num_drafts = layout.speculative.num_speculative_tokens
-    scheduler = Scheduler(
-        scheduler_config(recording.header), cache, num_speculative_tokens=num_drafts
-    )
     by_id = {r.req_id: r for r in recording.requests}
     sampler = recording.spec_sampler
-    executor: FakeExecutor | RecordedSampler
-    if sampler is not None and num_drafts > 0:
-        executor = RecordedSampler(by_id, sampler, num_drafts)
-    else:
-        executor = FakeExecutor(lambda req_id, t: by_id[req_id].output_token(t))
-    engine = Engine(scheduler, executor)
+    num_drafts = layout.speculative.num_speculative_tokens
+
+    def executor(layout: CacheLayout) -> FakeExecutor | RecordedSampler:
+        if sampler is not None and num_drafts > 0:
+            return RecordedSampler(by_id, sampler, num_drafts)
+        return FakeExecutor(lambda req_id, t: by_id[req_id].output_token(t))
+
+    return build_engine(
+        groups=layout.groups,
+        num_blocks=layout.num_blocks,
+        hash_block_size=layout.hash_block_size,
+        alignment_tokens=layout.alignment_tokens,
+        speculative=layout.speculative,
+        retention=layout.retention,
+        eagle_groups=layout.eagle_groups,
+        partial_hash_hits=layout.partial_hash_hits,
+        max_in_flight_tokens=layout.max_in_flight_tokens,
+        dcp=layout.dcp,
+        enable_caching=recording.header["engine"].get("enable_prefix_caching", True),
+        scheduler_config=scheduler_config(recording.header),
+        executor_factory=executor,
+    )
+
+
+def replay_recording(recording: Recording, *, check_invariants: bool = False) -> ReplayReport:
+    parts = recorded_engine(recording)
+    engine, cache = parts.engine, parts.cache
     pending = sorted(recording.requests, key=lambda r: (r.arrival_step, r.index))
     cursor = step = identical = 0
     first: dict[str, Any] | None = None

@@ -39,8 +39,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hybridserve.core.errors import HybridServeError, RequestError
 from hybridserve.core.plan import TokenLogprob
 from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.assembly import EngineParts
 from hybridserve.server.async_engine import AsyncEngine, RequestStream, shutdown_error
-from hybridserve.server.backend import EngineParts, ServingBackend
+from hybridserve.server.backend import ServingBackend
 from hybridserve.server.generation import Piece, generate
 from hybridserve.server.metrics import Sample, ServerMetrics
 from hybridserve.server.protocol import (
@@ -114,14 +115,14 @@ class ServerState:
     def engine_samples(self) -> list[Sample]:
         """Scheduler and cache state for /metrics, read under the engine lock."""
         with self.engine.lock:
-            scheduler, cache = self.parts.scheduler, self.parts.cache
-            controls = scheduler.controls.stats.samples()
+            engine, cache = self.parts.engine, self.parts.cache
+            controls = engine.control_samples()
             cache_samples = cache.metrics.samples(
                 registered=cache.registered_blocks(), evicted=cache.evicted_blocks()
             )
             gauges = [
-                ("hybridserve:num_requests_running", float(len(scheduler.running))),
-                ("hybridserve:num_requests_waiting", float(scheduler.num_waiting)),
+                ("hybridserve:num_requests_running", float(engine.num_running)),
+                ("hybridserve:num_requests_waiting", float(engine.num_waiting)),
                 ("hybridserve:kv_cache_usage_perc", cache.usage()),
                 ("hybridserve:kv_cache_free_blocks", float(cache.num_free_blocks)),
             ]

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from hybridserve.core.errors import RequestError
 from hybridserve.core.plan import StepResult, TokenLogprob
-from hybridserve.core.request import Request, RequestStatus
+from hybridserve.core.request import Request
 from hybridserve.engine import EngineStep, StepFailed
-from hybridserve.server.backend import EngineParts
+from hybridserve.engine.assembly import EngineParts
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.protocol import ApiError, new_error_id
 
@@ -280,18 +280,18 @@ class AsyncEngine:
     def _apply(
         self, commands: list[tuple[str, Request | str | None]], batch: list[tuple[str, Delivery]]
     ) -> None:
-        scheduler = self.parts.scheduler
+        engine = self.parts.engine
         for kind, payload in commands:
             if isinstance(payload, Request):
                 self._num_pending_adds -= 1
                 try:
-                    self.parts.engine.add_request(payload)
+                    engine.add_request(payload)
                 except RequestError as exc:
                     param = "prompt" if exc.field == "prompt_token_ids" else exc.field
                     error = ApiError(400, str(exc), param=param)
                     batch.append((payload.req_id, Delivery((), True, "abort", error)))
-            elif kind == "abort" and payload in scheduler.requests:
-                self.parts.engine.abort(payload)
+            elif kind == "abort" and isinstance(payload, str) and engine.has_request(payload):
+                engine.abort(payload)
             elif kind == "drain":
                 self._abort_unstarted(batch)
             elif kind == "cut":
@@ -299,23 +299,22 @@ class AsyncEngine:
                     "the server shut down before this request finished", self.retry_after_s
                 )
                 self._abort_all(batch, Delivery((), True, "abort", error, graceful=True))
-        self._num_waiting = scheduler.num_waiting
+        self._num_waiting = engine.num_waiting
 
     def _abort_unstarted(self, batch: list[tuple[str, Delivery]]) -> None:
         error = shutdown_error(
             "the server is shutting down; this request was not started", self.retry_after_s
         )
         delivery = Delivery((), True, "abort", error)
-        for request in list(self.parts.scheduler.requests.values()):
-            if request.status is not RequestStatus.RUNNING and not request.num_output_tokens:
-                self.parts.engine.abort(request.req_id)
-                batch.append((request.req_id, delivery))
+        for req_id in self.parts.engine.unstarted_request_ids():
+            self.parts.engine.abort(req_id)
+            batch.append((req_id, delivery))
 
     def _abort_all(
         self, batch: list[tuple[str, Delivery]], delivery: Delivery | None = None
     ) -> None:
         delivery = delivery or Delivery((), True, "abort")
-        for req_id in list(self.parts.scheduler.requests):
+        for req_id in self.parts.engine.request_ids():
             self.parts.engine.abort(req_id)
             batch.append((req_id, delivery))
         self._num_waiting = 0
@@ -343,7 +342,7 @@ class AsyncEngine:
         )
         for req_id in exc.req_ids:
             batch.append((req_id, Delivery((), True, "abort", error)))
-        self._num_waiting = self.parts.scheduler.num_waiting
+        self._num_waiting = self.parts.engine.num_waiting
         if self._failed_in_a_row >= self.max_failed_steps:
             return (
                 f"the engine stopped after {self._failed_in_a_row} failed steps in a row "
@@ -358,7 +357,6 @@ class AsyncEngine:
         self.stats.step_s += step_s
         self.stats.step_cpu_s += step_cpu_s
         scheduled = step.scheduled
-        requests = self.parts.scheduler.requests
         num_generated = 0
         result = step.result
         for req_id, entries in result.prompt_logprobs.items():
@@ -367,9 +365,9 @@ class AsyncEngine:
             num_generated += len(out.new_token_ids)
             # The scheduler may keep fewer tokens than were sampled (a stop, max_tokens).
             logprobs = result.logprobs.get(out.req_id, ())[: len(out.new_token_ids)]
-            delivery = Delivery(
-                out.new_token_ids, out.finished, out.finish_reason, logprobs=logprobs
-            )
+            # A plain string or a FinishReason (a StrEnum): the server speaks its value.
+            reason = None if out.finish_reason is None else str(out.finish_reason)
+            delivery = Delivery(out.new_token_ids, out.finished, reason, logprobs=logprobs)
             batch.append((out.req_id, delivery))
         for req_id, reason in step.failed:
             error_id = new_error_id()
@@ -381,13 +379,8 @@ class AsyncEngine:
                 code="executor_error",
             )
             batch.append((req_id, Delivery((), True, "abort", error)))
-        new_arrivals = []
-        num_prompt = 0
-        for req_id, _ in scheduled.new_reqs:
-            request = requests.get(req_id)
-            if request is not None:
-                new_arrivals.append(request.arrival_time)
-                num_prompt += request.num_prompt_tokens
+        new_arrivals = [admission.arrival_time for admission in step.admitted]
+        num_prompt = sum(admission.num_prompt_tokens for admission in step.admitted)
         self.metrics.on_step(
             now=step.now,
             step_s=step_s,
@@ -398,7 +391,7 @@ class AsyncEngine:
             num_generation_tokens=num_generated,
             num_preemptions=len(scheduled.preempted),
         )
-        self._num_waiting = self.parts.scheduler.num_waiting
+        self._num_waiting = self.parts.engine.num_waiting
         if self._debug_checks:
             self.parts.cache.check_invariants()
 

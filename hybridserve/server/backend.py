@@ -4,25 +4,28 @@ A backend owns the model side (tokenizer, cache geometry, the executor); the ser
 scheduler configuration. Every type in the protocol lives below the server layer, so an
 executor package can implement it without importing the server.
 
-`hybridserve serve --executor torch` calls `hybridserve.cli.torch_serving.serving_backend(model,
-*, device, max_model_len, dcp, dcp_interleave)`, where `model` is a built-in alias (`smollm2`,
-`gemma3-270m`) or a local checkpoint path, `device` is `auto` (CUDA when available), `cpu`,
-`cuda` or `cuda:N`, `max_model_len` is None unless `--max-model-len` was given, and `dcp` > 1
-starts that many decode-context-parallel ranks; it
-returns an object satisfying ServingBackend, with a `Tokenizer` (server/tokenizer.py).
+`hybridserve serve --executor torch` calls `hybridserve.server.torch_backend.serving_backend(path,
+*, name, device, max_model_len, dcp, dcp_interleave)`, where `path` is a checkpoint folder or
+GGUF file (the command line resolves a built-in alias such as `smollm2` to its file, and passes
+the alias as `name`), `device` is `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`,
+`max_model_len` is None unless `--max-model-len` was given, and `dcp` > 1 starts that many
+decode-context-parallel ranks; it returns an object satisfying ServingBackend, with a
+`Tokenizer` (server/tokenizer.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.plan import StepResult
-from hybridserve.engine import Engine
+from hybridserve.engine import assembly, settings
+from hybridserve.engine.assembly import EngineParts
+from hybridserve.engine.settings import Preset, SettingsFile, resolve_settings
 from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout, GroupSpec, KVCacheManager, RetentionPolicy
-from hybridserve.scheduler import Scheduler
+from hybridserve.kvcache import CacheLayout, GroupSpec, RetentionPolicy
+from hybridserve.kvcache.spec import state_quantum
 from hybridserve.server.tokenizer import Tokenizer
 
 
@@ -87,36 +90,49 @@ class ServingBackend(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class EngineParts:
-    engine: Engine
-    scheduler: Scheduler
-    cache: KVCacheManager
+def serve_settings(
+    backend: ServingBackend,
+    *,
+    preset_name: str | None,
+    file: SettingsFile | None,
+    flags: Mapping[str, Any],
+    retention_flag: str | None = None,
+) -> Preset:
+    """The scheduler settings and retention `serve` runs with: the preset (the flag's, else the
+    file's), then the file, then the flags (SchedulerConfig fields; None = not given). The
+    scheduler's `max_model_len` is the backend's unless `--max-model-len` says otherwise."""
+    given = dict(flags)
+    if given.get("max_model_len") is None:
+        given["max_model_len"] = backend.max_model_len
+    return resolve_settings(
+        settings.preset_name(preset_name, file),
+        quantum=state_quantum(backend.cache_groups()),
+        max_model_len=backend.max_model_len,
+        scheduler=file.scheduler if file is not None else (),
+        retention=file.retention if file is not None else None,
+        flags=given,
+        retention_flag=retention_flag,
+    )
 
 
-def build_engine(
+def serving_engine(
     backend: ServingBackend,
     scheduler_config: SchedulerConfig,
     *,
     retention: RetentionPolicy,
     num_blocks: int | None = None,
 ) -> EngineParts:
-    """An engine over the backend's executor. `num_blocks` caps the backend's pool size; a
-    token id the executor returns outside the tokenizer's vocabulary fails its request."""
+    """An engine over the backend's executor (assembled by `hybridserve.engine.assembly`).
+    `num_blocks` caps the backend's pool size; a token id the executor returns outside the
+    tokenizer's vocabulary fails its request."""
     blocks = backend.num_blocks() if num_blocks is None else min(num_blocks, backend.num_blocks())
-    layout = CacheLayout(
+    return assembly.build_engine(
         groups=backend.cache_groups(),
         num_blocks=blocks,
         speculative=backend.speculative,
+        scheduler_config=scheduler_config,
         retention=retention,
         dcp=backend.dcp_width,
+        executor_factory=backend.make_executor,
+        vocab_size=backend.tokenizer.vocab_size,
     )
-    cache = KVCacheManager(layout)
-    scheduler = Scheduler(
-        scheduler_config,
-        cache,
-        num_speculative_tokens=backend.speculative.num_speculative_tokens,
-    )
-    executor = backend.make_executor(layout)
-    engine = Engine(scheduler, executor, vocab_size=backend.tokenizer.vocab_size)
-    return EngineParts(engine, scheduler, cache)

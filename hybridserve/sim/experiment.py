@@ -17,8 +17,9 @@ from dataclasses import replace
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.engine.settings import PRESETS
 from hybridserve.sim.bounds import BOUNDS
-from hybridserve.sim.run import PRESETS, SimConfig, SimRun, run_simulation
+from hybridserve.sim.run import SimConfig, SimRun, run_simulation
 from hybridserve.sim.stats import paired_ratio
 
 # `--baseline NAME` -> the preset that stands for it.

@@ -1,5 +1,5 @@
 """A simulated fleet: N replicas, each the production Engine + Scheduler + KVCacheManager on
-the simulated executor (`build_engine`), behind a router, in one deterministic event loop.
+the simulated executor (`simulated_engine`), behind a router, in one deterministic event loop.
 
 The workload is the single-engine one (`make_simulation`: agents, a Mooncake or Azure trace,
 Poisson, fixed); the fleet loop drives its arrivals and answers instead of its own loop.
@@ -58,12 +58,12 @@ from hybridserve.sim.run import (
     SimConfig,
     SimRun,
     _require_completed,
-    build_engine,
     draft_passes,
     gpu_of,
     group_hit_rates,
     loaded_model,
     make_simulation,
+    simulated_engine,
     speculative_of,
     time_breakdown,
 )
@@ -173,10 +173,10 @@ class FleetSimulation:
         self.progress = progress
         self.ideal: dict[str, int] = {}
         built = [
-            build_engine(config, cpu_clock=cpu_clock, ideal_prefix=self.ideal)
+            simulated_engine(config, cpu_clock=cpu_clock, ideal_prefix=self.ideal)
             for _ in range(fleet.replicas)
         ]
-        self.replicas = [_Replica(engine, scheduler) for engine, scheduler in built]
+        self.replicas = [_Replica(parts.engine, parts.scheduler) for parts in built]
         num_prefill = fleet.pd[0] if fleet.pd is not None else fleet.replicas
         self.num_prefill = num_prefill
         self.transferred: dict[str, int] = {}  # per request: KV tokens a decode replica received

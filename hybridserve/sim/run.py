@@ -1,15 +1,6 @@
 """One simulated run of experiment E1: build the engine from a model, a GPU and a preset, run
-the agents, and summarise. The two presets are what `hybridserve bench` compares.
-
-* `baseline`: vLLM 0.33 exactly - every scheduler control off, vLLM's `boundary` retention,
-  lookahead block hashes under EAGLE/MTP (no block dropped).
-* `legacy`: the pre-0.33 engine of the E1 story - every control off, EAGLE/MTP drop the last
-  matched block of a prefix hit instead of hashing a lookahead, and Mamba states are kept only at
-  floor((L-1)/A)*A (`boundary-only`), so a dropped lookup finds no state.
-* `hybridserve`: the controls the README's selection picked (a sweep screened settings for job
-  goodput under a 100 ms p99 ITL SLO, 20 agents, Qwen3-Next on H200; its SLO-meeting leaders
-  were rerun on three seeds at full length): Cp = 16 quanta, Mp = 2, D = 4, T = 60 ms (no
-  deadline); plus `boundary+predecessor` retention.
+the agents, and summarise. The presets (`hybridserve.engine.settings`) are what `hybridserve
+bench` compares.
 """
 
 from __future__ import annotations
@@ -22,21 +13,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.core.plan import StepPlan
 from hybridserve.engine import Engine, EngineStep
-from hybridserve.kvcache import CacheLayout, KVCacheManager, RetentionPolicy
+from hybridserve.engine.assembly import CpuMeter, EngineParts, build_engine
+from hybridserve.engine.settings import Preset, preset_uses_lookahead, resolve_settings
+from hybridserve.kvcache import CacheLayout
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.metrics.stats import percentile
-from hybridserve.scheduler import Scheduler, SchedulerOutput
-from hybridserve.scheduler.scheduler import RequestOutput
 from hybridserve.sim.bounds import bounded_shape, check_bound, infinite_engine_recorder
 from hybridserve.sim.cost_model import (
     Efficiency,
     RooflineCostModel,
-    StepShape,
     kv_pool_blocks,
     shape_from_plan,
 )
@@ -55,50 +45,6 @@ from hybridserve.sim.memory import (
 from hybridserve.sim.models import ModelProfile, get_model
 from hybridserve.sim.traces import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.workload import AgentParams, AgentWorkload
-
-PRESETS = ("baseline", "legacy", "hybridserve", "controls-only", "retention-only")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Preset:
-    scheduler: SchedulerConfig
-    retention: RetentionPolicy
-    # False: EAGLE/MTP use the legacy one-block drop instead of lookahead block hashes.
-    lookahead_block_hashes: bool = True
-
-
-def preset_uses_lookahead(name: str) -> bool:
-    """False for the `legacy` preset: EAGLE/MTP drop a block instead of hashing a lookahead."""
-    return name != "legacy"
-
-
-def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
-    """The named configuration; controls in multiples of the quantum (the state block).
-
-    `controls-only` and `retention-only` are the two ablations of `hybridserve`. A model without
-    state groups has q = 1 (SPEC.md 5.2); its mixed-prefill cap is then 8,192 tokens, about
-    what 16 quanta are on the hybrid model the preset was selected on (8,704).
-    """
-    if name not in PRESETS:
-        raise ConfigError("preset", name, f"use one of {PRESETS}")
-    controls = name in ("hybridserve", "controls-only")
-    predecessor = name in ("hybridserve", "retention-only")
-    scheduler = SchedulerConfig(max_model_len=max_model_len)
-    if controls:
-        scheduler = SchedulerConfig(
-            max_model_len=max_model_len,
-            max_num_prefill_tokens_per_step=16 * quantum if quantum > 1 else 8_192,
-            max_num_partial_prefills=2,
-            decode_prefill_min_decode_steps=4,
-            target_mixed_step_ms=60.0,
-        )
-    if predecessor:
-        retention = RetentionPolicy.parse("boundary+predecessor")
-    elif name == "legacy":
-        retention = RetentionPolicy.parse("boundary-only")
-    else:
-        retention = RetentionPolicy.parse("boundary")
-    return Preset(scheduler=scheduler, retention=retention, lookahead_block_hashes=name != "legacy")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,33 +227,6 @@ def model_profile(config: SimConfig) -> ModelProfile:
     return get_model(config.model)
 
 
-class TimedScheduler(Scheduler):
-    """A Scheduler whose schedule() and update() time is measured with an injected clock, so
-    the simulator can add it to the step (`--include-scheduler-cpu`). The clock comes from the
-    caller: the simulator itself never reads one. Measured time makes a run irreproducible."""
-
-    def __init__(self, *args: Any, cpu_clock: Callable[[], float], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._cpu_clock = cpu_clock
-        self.pending_cpu_s = 0.0  # update() of the previous step + schedule() of this one
-
-    def schedule(self, now: float = 0.0) -> SchedulerOutput:
-        start = self._cpu_clock()
-        out = super().schedule(now)
-        self.pending_cpu_s += self._cpu_clock() - start
-        return out
-
-    def update(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        start = self._cpu_clock()
-        outputs = super().update(scheduled, result)
-        self.pending_cpu_s += self._cpu_clock() - start
-        return outputs
-
-    def take_cpu_s(self) -> float:
-        taken, self.pending_cpu_s = self.pending_cpu_s, 0.0
-        return taken
-
-
 def speculative_of(config: SimConfig) -> SpeculativeConfig:
     """The run's speculation: the model's own method under `auto`; the `legacy` preset takes
     the one-block drop instead of lookahead block hashes."""
@@ -333,15 +252,15 @@ def loaded_model(config: SimConfig) -> ModelProfile:
 
 
 def scheduler_preset(config: SimConfig, model: ModelProfile) -> Preset:
-    """The preset's scheduler and retention with the run's overrides applied."""
-    quantum = state_quantum(model)
-    chosen = preset(config.preset, quantum=quantum, max_model_len=config.context_limit)
-    scheduler, retention = chosen.scheduler, chosen.retention
-    if config.controls:
-        scheduler = replace(scheduler, **dict(config.controls))
-    if config.retention is not None:
-        retention = RetentionPolicy.parse(config.retention)
-    return replace(chosen, scheduler=scheduler, retention=retention)
+    """The preset's scheduler and retention with the run's overrides (a `--config` file, a
+    sweep trial) applied, in the order every command resolves them."""
+    return resolve_settings(
+        config.preset,
+        quantum=state_quantum(model),
+        max_model_len=config.context_limit,
+        scheduler=config.controls,
+        retention=config.retention,
+    )
 
 
 def pool_budget(config: SimConfig) -> KvBudget:
@@ -393,12 +312,12 @@ def pool_report(config: SimConfig) -> dict[str, Any]:
     }
 
 
-def build_engine(
+def simulated_engine(
     config: SimConfig,
     *,
     cpu_clock: Callable[[], float] | None = None,
     ideal_prefix: Mapping[str, int] | None = None,
-) -> tuple[Engine, Scheduler]:
+) -> EngineParts:
     """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
     `config.include_scheduler_cpu`; `ideal_prefix` (per request, the prompt tokens an ideal
     cache holds) is what the `ideal-hits` bound reads."""
@@ -430,50 +349,43 @@ def build_engine(
         max_num_batched_tokens=chosen.scheduler.max_num_batched_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
-    layout = CacheLayout(
-        groups=model.kv_cache_groups(),
-        num_blocks=num_blocks,
-        speculative=speculative,
-        retention=chosen.retention,
-        dcp=config.dcp,
-        max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,
-    )
-    manager = KVCacheManager(layout)
-    spec_tokens = speculative.num_speculative_tokens
     bound, ideal = config.bound, ideal_prefix if ideal_prefix is not None else {}
-
-    def shape_of(plan: StepPlan, cpu_s: float) -> StepShape:
-        if bound is None:
-            return shape_from_plan(plan, scheduler_cpu_s=cpu_s)
-        return bounded_shape(plan, bound, ideal, scheduler_cpu_s=cpu_s)
-
+    meter: CpuMeter | None = None
     if config.include_scheduler_cpu:
         if cpu_clock is None:
             raise ConfigError(
                 "include_scheduler_cpu", True, "pass a cpu_clock (e.g. time.perf_counter)"
             )
-        timed = TimedScheduler(
-            chosen.scheduler, manager, num_speculative_tokens=spec_tokens, cpu_clock=cpu_clock
+        meter = CpuMeter(cpu_clock)
+
+    def step_time(plan: StepPlan) -> float:
+        cpu_s = meter.take_s() if meter is not None else 0.0
+        if bound is None:
+            shape = shape_from_plan(plan, scheduler_cpu_s=cpu_s)
+        else:
+            shape = bounded_shape(plan, bound, ideal, scheduler_cpu_s=cpu_s)
+        return cost.step_cost(shape).total_s
+
+    def executor(layout: CacheLayout) -> SimulatedExecutor:
+        return SimulatedExecutor(
+            step_time,
+            seed=config.seed,
+            num_speculative_tokens=layout.speculative.num_speculative_tokens,
+            acceptance_rate=config.acceptance_rate,
+            acceptance_decay_per_doubling=config.acceptance_decay_per_doubling,
         )
 
-        def step_time(plan: StepPlan) -> float:
-            return cost.step_cost(shape_of(plan, timed.take_cpu_s())).total_s
-
-        scheduler: Scheduler = timed
-    else:
-        scheduler = Scheduler(chosen.scheduler, manager, num_speculative_tokens=spec_tokens)
-
-        def step_time(plan: StepPlan) -> float:
-            return cost.step_cost(shape_of(plan, 0.0)).total_s
-
-    executor = SimulatedExecutor(
-        step_time,
-        seed=config.seed,
-        num_speculative_tokens=speculative.num_speculative_tokens,
-        acceptance_rate=config.acceptance_rate,
-        acceptance_decay_per_doubling=config.acceptance_decay_per_doubling,
+    return build_engine(
+        groups=model.kv_cache_groups(),
+        num_blocks=num_blocks,
+        speculative=speculative,
+        scheduler_config=chosen.scheduler,
+        retention=chosen.retention,
+        dcp=config.dcp,
+        max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,
+        executor_factory=executor,
+        scheduler_factory=meter.scheduler if meter is not None else None,
     )
-    return Engine(scheduler, executor), scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,7 +428,8 @@ def run_simulation(
     holder: list[Simulation] = []
     queue = QueueTrace(config.warmup_s)
     ideal: dict[str, int] = {}
-    engine, scheduler = build_engine(config, cpu_clock=cpu_clock, ideal_prefix=ideal)
+    parts = simulated_engine(config, cpu_clock=cpu_clock, ideal_prefix=ideal)
+    engine, scheduler = parts.engine, parts.scheduler
 
     def on_step(step: EngineStep) -> None:
         queue.on_step(step.now, step.scheduled.num_waiting)

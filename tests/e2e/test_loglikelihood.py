@@ -127,7 +127,7 @@ def _check(server: LiveServer, reference: Any, encode: Any, batch_size: int) -> 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, Any]]:
-    from hybridserve.cli.torch_serving import TorchServingBackend
+    from hybridserve.server.torch_backend import TorchServingBackend
     from tests.e2e.test_torch_server import _write_checkpoint
 
     torch.set_num_threads(1)
@@ -222,14 +222,18 @@ def test_smollm2_multiple_choice_scores_equal_transformers() -> None:
     pytest.importorskip("gguf", reason="transformers reads GGUF with the gguf package")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridserve.cli.torch_serving import TorchServingBackend
+    from hybridserve.server.torch_backend import TorchServingBackend
 
     torch.set_num_threads(1)
     reference = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    backend = TorchServingBackend("smollm2", device="cpu", max_model_len=512)
+    from hybridserve.executor.torch.checkpoints import resolve_model
+
+    backend = TorchServingBackend(
+        resolve_model("smollm2"), name="smollm2", device="cpu", max_model_len=512
+    )
     server = serve_in_thread(build_app(backend, ServerSettings(), preset_name="baseline"))
     try:
 

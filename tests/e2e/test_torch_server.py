@@ -82,7 +82,7 @@ def _write_checkpoint(folder: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def torch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any]]:
-    from hybridserve.cli.torch_serving import TorchServingBackend
+    from hybridserve.server.torch_backend import TorchServingBackend
 
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("tiny-llama")
@@ -337,7 +337,7 @@ def test_torch_batched_prompts_answer_as_separate_requests(torch_server) -> None
 
 
 def _backend_for(folder: Path) -> Any:
-    from hybridserve.cli.torch_serving import TorchServingBackend
+    from hybridserve.server.torch_backend import TorchServingBackend
 
     return TorchServingBackend(str(folder), device="cpu", max_model_len=128)
 

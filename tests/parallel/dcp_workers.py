@@ -166,7 +166,7 @@ def fail_on_rank_one(dcp: DcpGroup) -> int:
 
 def run_engine_jobs(dcp: DcpGroup, jobs: dict[str, object]) -> dict[str, object]:
     """Each named DcpJob on the same group, in turn (rank 0's outcomes; None elsewhere)."""
-    from hybridserve.cli.torch_runtime import DcpJob, run_dcp_job
+    from hybridserve.offline.runtime import DcpJob, run_dcp_job
 
     outcomes = {}
     for name, job in jobs.items():

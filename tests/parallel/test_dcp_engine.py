@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.cli.torch_runtime import DcpJob, DcpOutcome, run_dcp_job
 from hybridserve.core.request import Request, SamplingParams
+from hybridserve.offline.runtime import DcpJob, DcpOutcome, run_dcp_job
 from hybridserve.parallel import DcpGroup
 from hybridserve.parallel.launch import find_free_port, run_ranks
 from tests.parallel import dcp_workers as w

@@ -125,7 +125,6 @@ def hybrid_generate(
     groups = [[r] for r in requests] if sequential else [requests]
     for group in groups:
         for request in group:
-            executor.set_sampling(request.req_id, request.sampling)
             engine.add_request(request)
             run.tokens[request.req_id] = []
         for _ in range(100_000):

@@ -11,11 +11,11 @@ import torch
 from typer.testing import CliRunner
 
 from hybridserve.cli import app
-from hybridserve.cli.torch_runtime import set_threads
 from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import load_model
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.runner import compile_dense_layers
+from hybridserve.executor.torch.runtime import set_threads
 from tests.reference.helpers import hybrid_generate, make_checkpoint
 
 

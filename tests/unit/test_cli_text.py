@@ -63,10 +63,10 @@ def test_help_lists_the_catalogs_the_same_in_every_command() -> None:
 
 def test_an_error_message_keeps_its_square_brackets(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
-    config.write_text("[cache]\nretention = 'dense'\n")
+    config.write_text("[engine]\nsize = 1\n")
     result = CliRunner().invoke(app, ["serve", "--executor", "sim", "--config", str(config)])
     assert result.exit_code == 2
-    assert "use preset, retention, [scheduler]" in _flat(result.output)
+    assert "the tables [scheduler] and [cache]" in _flat(result.output)
 
 
 def test_a_bracketed_value_in_a_table_title_is_printed_as_given(tmp_path: Path) -> None:

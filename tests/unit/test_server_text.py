@@ -1,17 +1,13 @@
-"""The server's text path: byte tokenizer, incremental decoding, stop strings, serve settings."""
+"""The server's text path: byte tokenizer, incremental decoding, stop strings."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from hybridserve.cli import app
-from hybridserve.cli.serve_commands import scheduler_settings
-from hybridserve.core.config import SchedulingPolicy
-from hybridserve.core.errors import ConfigError
 from hybridserve.server.generation import StopMatcher
 from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer, ChatMessage, OffsetDecoder
 
@@ -52,39 +48,6 @@ def test_held_back_text_is_released_at_the_end() -> None:
 
 def test_earliest_of_several_stop_strings_wins() -> None:
     assert StopMatcher(["zz", "b"]).feed("abzz", final=True) == ("a", True)
-
-
-def test_serve_settings_apply_preset_then_file_then_flags(tmp_path: Path) -> None:
-    config = tmp_path / "serve.toml"
-    config.write_text(
-        'preset = "baseline"\nretention = "dense"\n'
-        '[scheduler]\nmax_num_seqs = 64\nmax_num_batched_tokens = 4096\npolicy = "priority"\n'
-    )
-    scheduler, retention = scheduler_settings(
-        groups_quantum=16,
-        max_model_len=8192,
-        preset_name="hybridserve",
-        config_file=config,
-        overrides={"max_num_seqs": 8, "target_mixed_step_ms": None},
-    )
-    assert scheduler.max_num_prefill_tokens_per_step == 0  # baseline from the file
-    assert scheduler.max_num_batched_tokens == 4096  # from the file
-    assert scheduler.max_num_seqs == 8  # the flag wins
-    assert scheduler.policy is SchedulingPolicy.PRIORITY
-    assert retention == "dense"
-
-
-def test_serve_settings_reject_an_unknown_scheduler_key(tmp_path: Path) -> None:
-    config = tmp_path / "serve.toml"
-    config.write_text("[scheduler]\nmax_seqs = 64\n")
-    with pytest.raises(ConfigError, match="max_seqs"):
-        scheduler_settings(
-            groups_quantum=1,
-            max_model_len=4096,
-            preset_name="baseline",
-            config_file=config,
-            overrides={},
-        )
 
 
 def test_serve_with_torch_executor_fails_clearly_when_it_is_not_importable(

@@ -16,7 +16,7 @@ from hybridserve.cli.sim_backend import PrintableTokens
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.server.tokenizer import BYTE_EOS_ID
-from hybridserve.sim.run import QueueTrace, SimConfig, build_engine, simulate
+from hybridserve.sim.run import QueueTrace, SimConfig, simulate, simulated_engine
 from hybridserve.sim.workload import AgentParams
 
 FIXED = "fixed:input=1000,output=100,concurrency=8,requests=100"
@@ -54,14 +54,16 @@ def test_negative_warmup_blames_the_warmup() -> None:
     [("llama-3.1-8b", "none", 0), ("qwen3-next-80b-a3b", "mtp", 2), ("deepseek-v3", "mtp", 2)],
 )
 def test_speculation_defaults_to_what_the_model_has(model: str, method: str, drafts: int) -> None:
-    _, scheduler = build_engine(SimConfig(model=model, tp=8 if model == "deepseek-v3" else 1))
+    scheduler = simulated_engine(
+        SimConfig(model=model, tp=8 if model == "deepseek-v3" else 1)
+    ).scheduler
     assert scheduler.cache.layout.speculative.method.value == method
     assert scheduler.num_lookahead_tokens == drafts
 
 
 def test_mtp_on_a_model_without_mtp_layers_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"llama-3\.1-8b has no MTP layers"):
-        build_engine(SimConfig(model="llama-3.1-8b", spec="mtp"))
+        simulated_engine(SimConfig(model="llama-3.1-8b", spec="mtp"))
 
 
 def test_bench_names_the_model_and_method_it_simulated(tmp_path: Path) -> None:

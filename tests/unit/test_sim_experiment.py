@@ -12,6 +12,7 @@ import pytest
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
+from hybridserve.engine.settings import PRESETS
 from hybridserve.sim.bounds import bounded_shape, infinite_engine_recorder
 from hybridserve.sim.cost_model import RooflineCostModel, StepShape
 from hybridserve.sim.executor import SimulatedExecutor
@@ -27,7 +28,7 @@ from hybridserve.sim.memory import (
     vllm_log_lines,
 )
 from hybridserve.sim.models import get_model
-from hybridserve.sim.run import PRESETS, SimConfig, build_engine, pool_budget, run_simulation
+from hybridserve.sim.run import SimConfig, pool_budget, run_simulation, simulated_engine
 from hybridserve.sim.stats import paired_ratio, t975
 from hybridserve.sim.sweep import VLLM_GRID, draw_vllm_setting, vllm_sweep
 from hybridserve.sim.workload import AgentParams, AgentWorkload, LogNormal
@@ -233,11 +234,11 @@ def test_the_breakdown_accounts_for_the_whole_job_time() -> None:
 
 
 def test_dcp_looks_up_full_attention_in_block_size_times_n_and_replicates_state() -> None:
-    _, scheduler = build_engine(short(tp=4, dcp=4))
+    scheduler = simulated_engine(short(tp=4, dcp=4)).scheduler
     layout = scheduler.cache.layout
     assert layout.dcp == 4
     assert layout.units == (544 * 4, 544, 544, 544)
-    _, plain = build_engine(short(tp=4))
+    plain = simulated_engine(short(tp=4)).scheduler
     assert plain.cache.layout.units == (544, 544, 544, 544)
     # Per rank: the 2 KV heads are no longer duplicated across 4 TP ranks (each rank keeps
     # both heads of its quarter of the tokens), and the state page is split by TP alone.

@@ -244,8 +244,8 @@ def test_sweep_draws_valid_settings_and_picks_the_best_under_the_slo(tmp_path) -
 
 def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hybridserve.core.errors import ConfigError
-    from hybridserve.sim.config_file import load_config_file
-    from hybridserve.sim.run import SimConfig, build_engine
+    from hybridserve.engine.settings import load_settings_file
+    from hybridserve.sim.run import SimConfig, simulated_engine
 
     path = tmp_path / "run.toml"
     path.write_text(
@@ -253,9 +253,9 @@ def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # t
         "decode_prefill_min_decode_steps = 2\n"
         "decode_prefill_max_wait_ms = 500\n[cache]\nretention = 'dense'\n"
     )
-    loaded = load_config_file(path)
+    loaded = load_settings_file(path)
     config = SimConfig(preset="baseline", controls=loaded.scheduler, retention=loaded.retention)
-    _, scheduler = build_engine(config)
+    scheduler = simulated_engine(config).scheduler
     assert scheduler.config.max_num_prefill_tokens_per_step == 1088
     assert scheduler.config.decode_prefill_max_wait_ms == 500.0
     assert scheduler.cache.layout.retention.kind.value == "dense"
@@ -268,7 +268,7 @@ def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # t
     ):
         path.write_text(text)
         with pytest.raises(ConfigError, match=field):
-            load_config_file(path)
+            load_settings_file(path)
 
 
 def test_measured_scheduler_cpu_time_lengthens_every_step() -> None:

@@ -190,11 +190,6 @@ class TorchExecutor:
         }
         return CacheLayout(**fields)  # type: ignore[arg-type]
 
-    def set_sampling(self, req_id: str, params: SamplingParams) -> None:
-        """Sampling parameters of a request (greedy when never set). Kept until it finishes.
-        The scheduler's plan also carries them with a request's first chunk."""
-        self._sampling[req_id] = params
-
     # ----- the step -------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -49,9 +49,10 @@ How to add an architecture
 
 What the executor does around a model: it mirrors block tables from the plan (whole table for a
 new request, appended or placed blocks otherwise; see `state_tables.py`), runs copy-on-write
-`block_copies`, samples (sampling settings come from `TorchExecutor.set_sampling`, as the plan
-carries none), verifies drafts, and proposes the next drafts (n-gram, or the draft head of
-`draft_head.py`, whose K/V is one more layer of the full-attention group).
+`block_copies`, samples (with the sampling settings the plan carries on a request's first
+chunk, `ScheduledChunk.sampling`, kept until the request finishes), verifies drafts, and
+proposes the next drafts (n-gram, or the draft head of `draft_head.py`, whose K/V is one more
+layer of the full-attention group).
 """
 
 from __future__ import annotations

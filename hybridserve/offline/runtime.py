@@ -1,4 +1,8 @@
-"""Assembling an Engine over the TorchExecutor from a model path (torch is imported lazily)."""
+"""An Engine over the TorchExecutor from a model path, and the DCP generation job.
+
+Importing this module imports no torch: the torch side (`hybridserve.executor.torch.runtime`)
+is loaded when a runtime is built. The engine itself is assembled by
+`hybridserve.engine.assembly`, as every engine is."""
 
 from __future__ import annotations
 
@@ -11,9 +15,9 @@ from typing import TYPE_CHECKING
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request
+from hybridserve.engine.assembly import build_engine
 from hybridserve.engine.engine import Engine
-from hybridserve.kvcache import KVCacheManager
-from hybridserve.scheduler import Scheduler
+from hybridserve.executor.api import Executor
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -73,13 +77,16 @@ def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
     `hybridserve.parallel.run_ranks` and `init_from_env`). Rank 0 schedules and returns the
     outcome; the other ranks execute rank 0's plans and return None."""
     from hybridserve.executor.torch.dcp import confirm_ready, follow_plans
+    from hybridserve.executor.torch.runtime import local_cuda_device
 
     try:
         runtime = build_runtime(
             Path(job.model_path),
             num_blocks=job.num_blocks,
             block_size=job.block_size,
-            device=job.device if not job.device.startswith("cuda") else f"cuda:{_local_device()}",
+            device=job.device
+            if not job.device.startswith("cuda")
+            else f"cuda:{local_cuda_device()}",
             max_num_seqs=job.max_num_seqs,
             max_num_batched_tokens=job.max_num_batched_tokens,
             max_model_len=job.max_model_len,
@@ -137,12 +144,6 @@ def _run_with_progress(runtime: TorchRuntime, job: DcpJob, outcome: DcpOutcome) 
             )
 
 
-def _local_device() -> int:
-    import torch
-
-    return torch.cuda.current_device()
-
-
 def _run_wave(
     runtime: TorchRuntime,
     wave: tuple[Request, ...],
@@ -164,7 +165,6 @@ def _run_wave(
             priority=asked.priority,
             cache_salt=asked.cache_salt,
         )
-        runtime.executor.set_sampling(request.req_id, request.sampling)
         engine.add_request(request)
         outcome.tokens[request.req_id] = []
     while engine.has_requests():
@@ -211,33 +211,18 @@ def build_runtime(
     load_tokenizer: bool = True,
     dcp: DcpGroup | None = None,
 ) -> TorchRuntime:
-    """Load the model (and its tokenizer) and wire scheduler, cache and executor together.
+    """Load the model (and its tokenizer) and assemble scheduler, cache and executor.
 
     With a `dcp` group of N > 1 ranks, the executor holds this rank's KV shard and, on rank 0,
     the engine drives the group through a `DcpDriver` (call `runtime.close()` when done)."""
-    import torch
-
-    from hybridserve.executor.torch.gguf_file import GGUFFile
-    from hybridserve.executor.torch.loader import load_model
     from hybridserve.executor.torch.runner import TorchExecutor
-    from hybridserve.executor.torch.tokenizer import gguf_tokenizer
-    from hybridserve.executor.torch.tokenizer import load_tokenizer as folder_tokenizer
+    from hybridserve.executor.torch.runtime import load_checkpoint, resolve_device
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device", device, "CUDA is not available here; use cpu")
     speculative = speculative or SpeculativeConfig()
-    tokenizer = None
-    if model_path.is_file() and model_path.suffix == ".gguf":
-        from hybridserve.executor.torch.gguf_loader import load_gguf_model
-
-        file = GGUFFile(model_path)
-        model = load_gguf_model(model_path, file=file)
-        tokenizer = gguf_tokenizer(model_path, file) if load_tokenizer else None
-    else:
-        model = load_model(model_path)
-        tokenizer = folder_tokenizer(model_path) if load_tokenizer else None
+    device = resolve_device(device)
+    loaded = load_checkpoint(model_path, with_tokenizer=load_tokenizer)
     executor = TorchExecutor(
-        model,
+        loaded.model,
         num_blocks=num_blocks,
         block_size=block_size,
         device=device,
@@ -245,55 +230,25 @@ def build_runtime(
         max_num_seqs=max_num_seqs,
         dcp=dcp,
     )
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-    )
-    scheduler = Scheduler(
-        config,
-        KVCacheManager(executor.cache_layout()),
-        num_speculative_tokens=speculative.num_speculative_tokens,
-    )
-    stops = set(model.eos_token_ids())
-    if tokenizer is not None:
-        for name in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
-            token_id = tokenizer.backend.token_to_id(name)
-            if token_id is not None:
-                stops.add(int(token_id))
     driver = None
     if dcp is not None and dcp.world_size > 1 and dcp.rank == 0:
         from hybridserve.executor.torch.dcp import DcpDriver
 
         driver = DcpDriver(executor)
-    engine = Engine(scheduler, driver or executor)
-    return TorchRuntime(engine, executor, tokenizer, tuple(sorted(stops)), driver)
-
-
-def load_text_tokenizer(model_path: Path) -> TextTokenizer | None:
-    """The tokenizer of a checkpoint folder or GGUF file, without loading the weights."""
-    from hybridserve.executor.torch.gguf_file import GGUFFile
-    from hybridserve.executor.torch.tokenizer import gguf_tokenizer
-    from hybridserve.executor.torch.tokenizer import load_tokenizer as folder_tokenizer
-
-    if model_path.is_file() and model_path.suffix == ".gguf":
-        return gguf_tokenizer(model_path, GGUFFile(model_path))
-    return folder_tokenizer(model_path)
-
-
-def set_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op threads for the torch executor: `num_threads`, or (None) every core
-    this process may run on (`os.sched_getaffinity`). Returns the count. Raises ConfigError."""
-    import os
-
-    import torch
-
-    if num_threads is None:
-        num_threads = len(os.sched_getaffinity(0))
-    if num_threads < 1:
-        raise ConfigError("--threads", num_threads, "use 1 or more (or leave it out: all cores)")
-    torch.set_num_threads(num_threads)
-    return num_threads
+    engine_executor: Executor = driver or executor
+    parts = build_engine(
+        groups=executor.groups.specs,
+        num_blocks=executor.num_blocks,
+        speculative=executor.speculative,
+        dcp=executor.dcp.world_size,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        executor_factory=lambda layout: engine_executor,
+    )
+    return TorchRuntime(parts.engine, executor, loaded.tokenizer, loaded.stop_token_ids, driver)
 
 
 def blocks_for(lengths: list[int], *, max_tokens: int, block_size: int, num_groups: int) -> int:

@@ -1,7 +1,8 @@
-"""The `--executor torch` serving backend: a real model (built-in GGUF alias or a local
-checkpoint) on the TorchExecutor, its tokenizer and chat template behind the server's Tokenizer.
+"""The `--executor torch` serving backend: a real model (a checkpoint folder or a GGUF file)
+on the TorchExecutor, its tokenizer and chat template behind the server's Tokenizer.
 
-Imported only when `hybridserve serve --executor torch` runs; it imports torch.
+Imported only when `hybridserve serve --executor torch` runs; it imports torch. The command line
+resolves a built-in alias (`smollm2`, `gemma3-270m`) to its file and passes the path.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.server.tokenizer import OffsetDecoder
 
 if TYPE_CHECKING:
+    from hybridserve.executor.torch.dcp import DcpDriver, LocalDcpRanks
     from hybridserve.executor.torch.runner import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8_192
 logger = logging.getLogger(__name__)
-# Stop tokens chat models end a turn with, besides the model's own EOS ids.
-_TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
 
 
 class TorchTokenizer:
@@ -68,70 +68,63 @@ class TorchServingBackend:
 
     def __init__(
         self,
-        model: str,
+        path: Path | str,
         *,
+        name: str | None = None,
         device: str = "auto",
         max_model_len: int | None = None,
         dcp: int = 1,
         dcp_interleave: int = 1,
     ) -> None:
-        """`dcp` > 1 starts ranks 1..N-1 as local processes (each loads the model) and makes
-        this process rank 0: its engine drives the group; call `close()` after serving."""
-        import torch
+        """`name` is the model id clients use (default: the file or folder's name). `dcp` > 1
+        starts ranks 1..N-1 as local processes (each loads the model) and makes this process
+        rank 0: its engine drives the group; call `close()` after serving."""
+        from hybridserve.executor.torch.runtime import load_checkpoint, resolve_device
 
-        from hybridserve.executor.torch.checkpoints import resolve_model
-        from hybridserve.executor.torch.gguf_file import GGUFFile
-        from hybridserve.executor.torch.gguf_loader import load_gguf_model
-        from hybridserve.executor.torch.loader import load_model
-        from hybridserve.executor.torch.runner import TorchExecutor
-        from hybridserve.executor.torch.tokenizer import gguf_tokenizer, load_tokenizer
-
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("--device", device, "CUDA is not available here; use cpu or auto")
-        path = resolve_model(model)
-        if path.is_file() and path.suffix == ".gguf":
-            file = GGUFFile(path)
-            loaded = load_gguf_model(path, file=file)
-            text = gguf_tokenizer(path, file)
-        else:
-            loaded = load_model(path)
-            text = load_tokenizer(path)  # type: ignore[assignment]
-        if text is None:
-            raise ConfigError("--model", model, "serving text needs a tokenizer.json beside it")
-        stops = set(loaded.eos_token_ids())
-        for name in _TURN_ENDS:
-            token_id = text.backend.token_to_id(name)
-            if token_id is not None:
-                stops.add(int(token_id))
-        self._name = model if model in ("smollm2", "gemma3-270m") else Path(model).name
-        self._source = f"{model} ({path})" if model in ("smollm2", "gemma3-270m") else str(path)
-        self._tokenizer = TorchTokenizer(text, tuple(sorted(stops)))
+        path = Path(path)
+        device = resolve_device(device)
+        if dcp < 1 or dcp_interleave < 1:
+            raise ConfigError("--dcp", (dcp, dcp_interleave), "use 1 or more (and interleave)")
+        loaded = load_checkpoint(path)
+        if loaded.tokenizer is None:
+            raise ConfigError("--model", str(path), "serving text needs a tokenizer.json beside it")
+        self._name = name or path.name
+        self._source = str(path) if self._name == path.name else f"{self._name} ({path})"
+        self._tokenizer = TorchTokenizer(loaded.tokenizer, loaded.stop_token_ids)
         self._max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
         # Room for four requests at the longest context (--num-blocks caps it); the cache
         # layout (groups, block size) comes from the model itself.
         self._num_blocks = max(256, 4 * -(-self._max_model_len // 16))
-        if dcp < 1 or dcp_interleave < 1:
-            raise ConfigError("--dcp", (dcp, dcp_interleave), "use 1 or more (and interleave)")
-        self._ranks = None
-        self._driver = None
-        group = None
-        if dcp > 1:
-            from hybridserve.executor.torch.dcp import DcpDriver, LocalDcpRanks
-
-            self._ranks = LocalDcpRanks()
-            group = self._ranks.start(
-                str(path),
-                dcp,
-                executor_options={"num_blocks": self._num_blocks, "device": device},
-                interleave=dcp_interleave,
-            )
-        if group is None:
-            self._executor = TorchExecutor(loaded, num_blocks=self._num_blocks, device=device)
+        self._ranks: LocalDcpRanks | None = None
+        self._driver: DcpDriver | None = None
+        if dcp == 1:
+            self._executor = self._single_executor(loaded.model, device)
         else:
-            self._executor = self._rank_zero_executor(loaded, device, group)
-            self._driver = DcpDriver(self._executor)
+            self._executor = self._dcp_executor(
+                loaded.model, str(path), device, dcp, dcp_interleave
+            )
+
+    def _single_executor(self, model: Any, device: str) -> TorchExecutor:
+        from hybridserve.executor.torch.runner import TorchExecutor
+
+        return TorchExecutor(model, num_blocks=self._num_blocks, device=device)
+
+    def _dcp_executor(
+        self, model: Any, path: str, device: str, dcp: int, interleave: int
+    ) -> TorchExecutor:
+        """Start ranks 1..dcp-1 and rank 0's executor, driven by a DcpDriver."""
+        from hybridserve.executor.torch.dcp import DcpDriver, LocalDcpRanks
+
+        self._ranks = LocalDcpRanks()
+        group = self._ranks.start(
+            path,
+            dcp,
+            executor_options={"num_blocks": self._num_blocks, "device": device},
+            interleave=interleave,
+        )
+        executor = self._rank_zero_executor(model, device, group)
+        self._driver = DcpDriver(executor)
+        return executor
 
     def _rank_zero_executor(self, loaded: Any, device: str, group: Any) -> TorchExecutor:
         """Rank 0's executor; every rank then confirms it started, or all of them stop."""
@@ -219,13 +212,19 @@ class TorchServingBackend:
 
 
 def serving_backend(
-    model: str,
+    path: Path,
     *,
+    name: str | None = None,
     device: str = "auto",
     max_model_len: int | None = None,
     dcp: int = 1,
     dcp_interleave: int = 1,
 ) -> TorchServingBackend:
     return TorchServingBackend(
-        model, device=device, max_model_len=max_model_len, dcp=dcp, dcp_interleave=dcp_interleave
+        path,
+        name=name,
+        device=device,
+        max_model_len=max_model_len,
+        dcp=dcp,
+        dcp_interleave=dcp_interleave,
     )

@@ -1,0 +1,90 @@
+"""What running a real model needs besides the executor: loading a checkpoint (folder or GGUF)
+with its tokenizer, its stop tokens, torch's threads and device, and a pool size.
+
+Nothing here builds an Engine (that is `hybridserve.engine.assembly`, above this layer).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch.gguf_file import GGUFFile
+from hybridserve.executor.torch.gguf_loader import load_gguf_model
+from hybridserve.executor.torch.loader import load_model
+from hybridserve.executor.torch.models.base import CausalLM
+from hybridserve.executor.torch.tokenizer import TextTokenizer, gguf_tokenizer
+from hybridserve.executor.torch.tokenizer import load_tokenizer as folder_tokenizer
+
+# Stop tokens chat models end a turn with, besides the model's own EOS ids.
+TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>")
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A loaded model, its tokenizer (None when not asked for, or a folder without one) and
+    its stop ids: the model's EOS ids plus the tokenizer's end-of-turn tokens."""
+
+    model: CausalLM
+    tokenizer: TextTokenizer | None
+    stop_token_ids: tuple[int, ...]
+
+
+def load_checkpoint(path: Path, *, with_tokenizer: bool = True) -> Checkpoint:
+    """The model of a checkpoint folder or a `.gguf` file, with its tokenizer."""
+    tokenizer: TextTokenizer | None = None
+    if path.is_file() and path.suffix == ".gguf":
+        file = GGUFFile(path)
+        model = load_gguf_model(path, file=file)
+        tokenizer = gguf_tokenizer(path, file) if with_tokenizer else None
+    else:
+        model = load_model(path)
+        tokenizer = folder_tokenizer(path) if with_tokenizer else None
+    return Checkpoint(model, tokenizer, stop_token_ids(model, tokenizer))
+
+
+def stop_token_ids(model: CausalLM, tokenizer: TextTokenizer | None) -> tuple[int, ...]:
+    """The model's EOS ids and the tokenizer's end-of-turn tokens (`TURN_ENDS`), sorted."""
+    stops = set(model.eos_token_ids())
+    if tokenizer is not None:
+        for name in TURN_ENDS:
+            token_id = tokenizer.backend.token_to_id(name)
+            if token_id is not None:
+                stops.add(int(token_id))
+    return tuple(sorted(stops))
+
+
+def load_text_tokenizer(model_path: Path) -> TextTokenizer | None:
+    """The tokenizer of a checkpoint folder or GGUF file, without loading the weights."""
+    if model_path.is_file() and model_path.suffix == ".gguf":
+        return gguf_tokenizer(model_path, GGUFFile(model_path))
+    return folder_tokenizer(model_path)
+
+
+def resolve_device(device: str, *, field: str = "--device") -> str:
+    """`auto` is CUDA when available, else cpu; a CUDA device where there is none is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(field, device, "CUDA is not available here; use cpu or auto")
+    return device
+
+
+def local_cuda_device() -> int:
+    """The CUDA device index this process uses."""
+    return int(torch.cuda.current_device())
+
+
+def set_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op threads for the torch executor: `num_threads`, or (None) every core
+    this process may run on (`os.sched_getaffinity`). Returns the count. Raises ConfigError."""
+    if num_threads is None:
+        num_threads = len(os.sched_getaffinity(0))
+    if num_threads < 1:
+        raise ConfigError("--threads", num_threads, "use 1 or more (or leave it out: all cores)")
+    torch.set_num_threads(num_threads)
+    return num_threads

@@ -1,0 +1,146 @@
+"""The one settings file (`--config`): its schema, its errors, and the order preset -> file ->
+flags, the same for `serve` and `simulate`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from hybridserve.cli.serve_commands import build_app, read_settings_file
+from hybridserve.cli.sim_backend import SimServingBackend
+from hybridserve.cli.sim_commands import _bench_file_options, _file_options
+from hybridserve.core.config import SchedulingPolicy
+from hybridserve.core.errors import ConfigError
+from hybridserve.engine.settings import load_settings_file, preset, resolve_settings
+from hybridserve.server.app import ServerSettings
+from hybridserve.server.backend import serve_settings
+from hybridserve.sim.run import SimConfig, simulated_engine
+
+SHARED = """\
+preset = "baseline"
+
+[scheduler]
+max_num_seqs = 96
+max_num_batched_tokens = 4096
+max_num_prefill_tokens_per_step = 1088
+max_num_partial_prefills = 1
+decode_prefill_min_decode_steps = 2
+policy = "priority"
+
+[cache]
+retention = "boundary+predecessor"
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    return path
+
+
+def test_serve_and_simulate_apply_the_same_file_identically(tmp_path: Path) -> None:
+    path = _write(tmp_path, SHARED)
+    # serve: the app factory over the simulated backend, as `hybridserve serve --config` builds it.
+    backend = SimServingBackend(max_model_len=32_768)
+    served = build_app(backend, ServerSettings(), config_file=path).state.hybridserve.parts
+    # simulate: the SimConfig fields `hybridserve simulate --config` takes from the file.
+    options = _file_options(path)
+    config = SimConfig(workload="poisson:rate=1", spec="none", max_model_len=32_768, **options)
+    simulated = simulated_engine(config)
+    assert options["preset"] == "baseline"
+    assert asdict(served.scheduler.config) == asdict(simulated.scheduler.config)
+    assert served.scheduler.config.max_num_seqs == 96
+    assert served.scheduler.config.policy is SchedulingPolicy.PRIORITY
+    assert served.scheduler.config.target_mixed_step_ms == 0.0  # the baseline preset's
+    assert served.layout.retention == simulated.layout.retention
+    assert served.layout.retention.kind.value == "boundary+predecessor"
+
+
+def test_settings_resolve_preset_then_file_then_flags(tmp_path: Path) -> None:
+    path = _write(tmp_path, SHARED)
+    file = load_settings_file(path)
+    backend = SimServingBackend(max_model_len=8192)
+    chosen = serve_settings(
+        backend,
+        preset_name=None,
+        file=file,
+        flags={"max_num_seqs": 8, "target_mixed_step_ms": None},
+        retention_flag="dense",
+    )
+    assert chosen.scheduler.max_num_prefill_tokens_per_step == 1088  # the file over the preset
+    assert chosen.scheduler.max_num_batched_tokens == 4096  # the file
+    assert chosen.scheduler.max_num_seqs == 8  # the flag over the file
+    assert chosen.scheduler.max_model_len == 8192  # the backend's context limit
+    assert chosen.retention.kind.value == "dense"  # the flag over the file
+    hybrid = serve_settings(backend, preset_name="hybridserve", file=file, flags={})
+    assert hybrid.scheduler.target_mixed_step_ms == 60.0  # --preset beats the file's preset
+
+
+def test_policy_given_by_name_is_coerced_to_the_enum() -> None:
+    chosen = resolve_settings(
+        "baseline", quantum=1, max_model_len=4096, scheduler=(("policy", "priority"),)
+    )
+    assert chosen.scheduler.policy is SchedulingPolicy.PRIORITY
+    with pytest.raises(ConfigError, match=r"scheduler\.policy"):
+        resolve_settings("baseline", quantum=1, max_model_len=4096, flags={"policy": "lifo"})
+
+
+def test_no_file_and_no_flags_is_the_preset_itself() -> None:
+    expected = preset("hybridserve", quantum=544, max_model_len=4096)
+    assert resolve_settings("hybridserve", quantum=544, max_model_len=4096) == expected
+
+
+def test_top_level_retention_is_accepted_with_a_deprecation_naming_the_new_spelling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, 'preset = "baseline"\nretention = "dense"\n')
+    loaded = load_settings_file(path)
+    assert loaded.retention == "dense"
+    assert len(loaded.deprecations) == 1
+    assert "[cache]" in loaded.deprecations[0] and "retention = 'dense'" in loaded.deprecations[0]
+    read_settings_file(path)
+    assert "deprecated" in capsys.readouterr().err
+    backend = SimServingBackend(max_model_len=4096)
+    served = build_app(backend, ServerSettings(), config_file=path).state.hybridserve.parts
+    assert served.layout.retention.kind.value == "dense"
+
+
+def test_top_level_and_cache_retention_together_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'retention = "dense"\n[cache]\nretention = "boundary"\n')
+    with pytest.raises(ConfigError, match="keep only that one"):
+        load_settings_file(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[scheduler]\nmax_seqs = 64\n", "scheduler.max_seqs"),
+        ("[scheduler]\nmax_num_seqs = 'many'\n", "scheduler.max_num_seqs"),
+        ("[scheduler]\nenable_chunked_prefill = 1\n", "scheduler.enable_chunked_prefill"),
+        ("[scheduler]\ntarget_mixed_step_ms = 'fast'\n", "scheduler.target_mixed_step_ms"),
+        ("[scheduler]\npolicy = 'lifo'\n", "scheduler.policy"),
+        ("[cache]\nretention = 'sometimes'\n", "retention"),
+        ("[cache]\nretention = 3\n", "cache.retention"),
+        ("[cache]\nsize = 3\n", "cache.size"),
+        ('preset = "fastest"\n', "preset"),
+        ("scheduler = 3\n", "scheduler"),
+        ("[engine]\nx = 1\n", "config"),
+        ("[scheduler\n", "config"),
+    ],
+)
+def test_a_bad_settings_file_names_the_key_and_the_fix(
+    tmp_path: Path, text: str, field: str
+) -> None:
+    with pytest.raises(ConfigError, match=field) as caught:
+        load_settings_file(_write(tmp_path, text))
+    assert "is invalid:" in str(caught.value)
+
+
+def test_bench_refuses_a_file_that_picks_a_preset(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'preset = "baseline"\n[scheduler]\nmax_num_seqs = 8\n')
+    with pytest.raises(ConfigError, match="bench compares the presets itself"):
+        _bench_file_options(path)
+    plain = _write(tmp_path, "[scheduler]\nmax_num_seqs = 8\n")
+    assert _bench_file_options(plain) == {"controls": (("max_num_seqs", 8),), "retention": None}
