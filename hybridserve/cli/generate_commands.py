@@ -279,9 +279,9 @@ def _generate_dcp(
 ) -> None:
     """Tokenize here, run the job on N ranks (spawned, or this process's torchrun rank), print
     rank 0's outputs."""
+    from hybridserve.executor.torch.dcp import run_on_group
     from hybridserve.executor.torch.runtime import load_text_tokenizer
     from hybridserve.offline.runtime import DcpJob, run_dcp_job
-    from hybridserve.executor.torch.dcp import run_on_group
 
     tokenizer = load_text_tokenizer(path)
     ids = _prompt_ids(tokenizer, path, texts, ids, raw=raw)
