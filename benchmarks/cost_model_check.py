@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hybridserve.kvcache.spec import FullAttentionSpec
 from hybridserve.sim.cost_model import RequestShape, RooflineCostModel, StepShape, kv_pool_blocks
 from hybridserve.sim.gpus import get_gpu
-from hybridserve.sim.models import AttentionDims, ModelProfile, get_model
+from hybridserve.sim.model_profiles import AttentionDims, ModelProfile, get_model
 
 
 def llama2(size: str) -> ModelProfile:

@@ -44,7 +44,7 @@ from typing import Any
 from hybridserve.core.paths import data_path
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import CacheLayout, KVCacheManager
-from hybridserve.recordings.trace import (
+from hybridserve.recordings.recording import (
     Recording,
     RecordingError,
     cache_layout,

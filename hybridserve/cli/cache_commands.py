@@ -12,14 +12,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from hybridserve.cache_replay.runner import CacheReplay, ReplayResult
+from hybridserve.cache_replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
 from hybridserve.cli.app import app, default_trace_path, err, fail, out_console
 from hybridserve.cli.choices import CACHE_LAYOUTS, SPEC_HELP, listed
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.kvcache import CacheLayout, MambaSpec, RetentionPolicy
-from hybridserve.profiles import get_profile, parse_groups
-from hybridserve.replay.runner import CacheReplay, ReplayResult
-from hybridserve.replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
+from hybridserve.layouts import get_layout, parse_groups
 
 TraceOption = Annotated[
     Path | None,
@@ -132,7 +132,7 @@ def _build_layouts(
     if groups:
         group_specs, name = parse_groups(groups), groups
     else:
-        profile = get_profile(model or "qwen3-next-80b-a3b")
+        profile = get_layout(model or "qwen3-next-80b-a3b")
         group_specs, name = profile.groups, profile.name
     blocks = num_blocks.strip().lower()
     if blocks == "inf":
@@ -235,8 +235,8 @@ def replay_vllm(
 
     Exits 0 only if every step of every file is identical.
     """
+    from hybridserve.recordings.recording import load_recording
     from hybridserve.recordings.replay import replay_recording
-    from hybridserve.recordings.trace import load_recording
 
     all_identical = True
     for path in files:

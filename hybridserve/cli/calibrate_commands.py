@@ -14,7 +14,7 @@ from hybridserve.cli.choices import GPU_NAMES, listed
 from hybridserve.core.errors import HybridServeError
 
 if TYPE_CHECKING:
-    from hybridserve.sim.calibration import CalibrationProfile, ErrorSummary
+    from hybridserve.sim.calibration import Calibration, ErrorSummary
 
 ModelOption = Annotated[Path, typer.Option(help="Checkpoint folder (config.json + safetensors).")]
 GpuNameOption = Annotated[
@@ -45,7 +45,7 @@ ClockOption = Annotated[
 ]
 
 
-def _summary_tables(profile: CalibrationProfile) -> tuple[Table, Table]:
+def _summary_tables(profile: Calibration) -> tuple[Table, Table]:
     eff, gpu = profile.efficiency, profile.gpu
     fp32 = "-" if gpu.fp32_flops is None else f"{gpu.fp32_flops / 1e12:.3f} TFLOP/s"
     summary = Table(title=f"calibration: {profile.model} ({profile.dtype}) on {profile.device}")

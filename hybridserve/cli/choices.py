@@ -4,14 +4,14 @@ same models, GPUs and speculative methods, taken from the catalogs themselves.""
 from __future__ import annotations
 
 from hybridserve.core.config import SPEC_NAMES
-from hybridserve.profiles import PROFILES
+from hybridserve.layouts import LAYOUTS
 from hybridserve.sim.gpus import GPUS
-from hybridserve.sim.models import MODELS
+from hybridserve.sim.model_profiles import MODELS
 
 SIM_MODELS = tuple(sorted(MODELS))
 GPU_NAMES = tuple(GPUS)
 SPEC_METHODS = SPEC_NAMES
-CACHE_LAYOUTS = tuple(sorted(PROFILES))
+CACHE_LAYOUTS = tuple(sorted(LAYOUTS))
 
 
 def listed(values: tuple[str, ...]) -> str:

@@ -21,7 +21,7 @@ from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
 from hybridserve.sim.cost_model import RooflineCostModel, kv_pool_blocks, shape_from_plan
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.gpus import get_gpu
-from hybridserve.sim.models import get_model
+from hybridserve.sim.model_profiles import get_model
 from hybridserve.sim.run import check_tensor_parallel
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."

@@ -106,14 +106,14 @@ def _model_options(model_config: Path | None) -> dict[str, Any]:
 def _device_options(
     gpu: str | None, dtype: str | None, kv_dtype: str | None, calibration: Path | None
 ) -> dict[str, Any]:
-    """SimConfig fields of --gpu, --dtype, --kv-dtype and --calibration. A calibration profile
+    """SimConfig fields of --gpu, --dtype, --kv-dtype and --calibration. A calibration
     sets the device (its GpuSpec), the Efficiency constants and, unless given, the dtypes it
     was measured in; a --gpu naming another device is an error."""
     if calibration is None:
         return {"gpu": gpu or "H200", "dtype": dtype or "fp8", "kv_dtype": kv_dtype or "bf16"}
-    from hybridserve.sim.calibration import CalibrationProfile
+    from hybridserve.sim.calibration import Calibration
 
-    profile = CalibrationProfile.load(calibration)
+    profile = Calibration.load(calibration)
     if gpu is not None and gpu != profile.device:
         raise ConfigError(
             "--gpu",

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from hybridserve.parallel.demo_models import TINY_MODELS, TinyDecoder
+from hybridserve.parallel.demo_runner import DecodeScenario, greedy_dense, run_scenario
 from hybridserve.parallel.group import DcpGroup, all_gather_stacked
 from hybridserve.parallel.launch import init_from_env, run_ranks, torchrun_env_present
-from hybridserve.parallel.runner import DecodeScenario, greedy_dense, run_scenario
 
 __all__ = ["main", "run_demo"]
 

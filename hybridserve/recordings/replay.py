@@ -9,7 +9,7 @@ from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine.assembly import EngineParts, build_engine
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import CacheLayout, KVCacheManager
-from hybridserve.recordings.trace import (
+from hybridserve.recordings.recording import (
     RecordedRequest,
     Recording,
     cache_layout,

@@ -1,8 +1,8 @@
-"""Calibration profiles: cost-model constants fitted on step times measured on one device.
+"""Calibrations: cost-model constants fitted on step times measured on one device.
 
 `hybridserve calibrate` measures the torch executor over a grid of step shapes, fits the
 `Efficiency` constants on part of them (hybridserve.sim.calibration_fit; the rest is held out
-to report an honest error) and writes a `CalibrationProfile` as JSON; `hybridserve simulate
+to report an honest error) and writes a `Calibration` as JSON; `hybridserve simulate
 --calibration FILE` loads it and uses its `GpuSpec` and `Efficiency`.
 
 A device in the GPU catalog keeps its datasheet peaks (`peaks="datasheet"`). Any other device (a
@@ -109,7 +109,7 @@ class ErrorSummary:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CalibrationProfile:
+class Calibration:
     """What `hybridserve calibrate` measured and fitted on one device; saved as JSON."""
 
     device: str  # the --gpu-name: a catalog GPU, or any name for a measured device
@@ -168,7 +168,7 @@ class CalibrationProfile:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: Path) -> CalibrationProfile:
+    def load(cls, path: Path) -> Calibration:
         """Read a profile written by `save`. Raises ConfigError naming the file or the field."""
         try:
             data = json.loads(path.read_text())
@@ -183,7 +183,7 @@ class CalibrationProfile:
         return cls.from_json(data)
 
     @classmethod
-    def from_json(cls, data: object) -> CalibrationProfile:
+    def from_json(cls, data: object) -> Calibration:
         if not isinstance(data, Mapping):
             raise ConfigError("calibration", type(data).__name__, "give a JSON object")
         version = data.get("schema_version")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.calibration import CLOCKS, CalibrationProfile
+from hybridserve.sim.calibration import CLOCKS, Calibration
 from hybridserve.sim.calibration_fit import (
     Grid,
     fit_measurements,
@@ -130,7 +130,7 @@ def run_calibration(
     clock: str = "wall",
     num_threads: int | None = None,
     progress: Progress | None = None,
-) -> CalibrationProfile:
+) -> Calibration:
     """Time `grid` on `device` with `measure`, fit, and return the profile. A catalog GPU
     keeps its datasheet peaks; any other name gets the measured ones. `num_threads` sets
     torch's intra-op threads (None: leave them). Raises ConfigError."""
@@ -171,7 +171,7 @@ def run_calibration(
         holdout_fraction=holdout_fraction,
         seed=seed,
     )
-    return CalibrationProfile(
+    return Calibration(
         device=gpu_name,
         gpu=gpu,
         peaks="datasheet" if in_catalog else "measured",

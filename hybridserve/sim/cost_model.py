@@ -16,7 +16,7 @@ from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
 from hybridserve.sim.gpus import GpuSpec, dtype_bytes
 from hybridserve.sim.memory import GIB, vllm_kv_budget
 from hybridserve.sim.memory import bytes_per_block as bytes_per_block  # re-exported
-from hybridserve.sim.models import ModelProfile, embedding_dtype
+from hybridserve.sim.model_profiles import ModelProfile, embedding_dtype
 
 _ACT_BYTES = 2.0  # activations, attention math and recurrent state stay in bf16
 _FULL = FullAttentionSpec(block_size=16)  # block size is irrelevant for per-token bytes

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.cost_model import Efficiency, RooflineCostModel, StepShape
 from hybridserve.sim.gpus import GpuSpec
-from hybridserve.sim.models import ModelProfile
+from hybridserve.sim.model_profiles import ModelProfile
 
 FRACTIONS = ("gemm", "attention", "hbm", "link")
 LATENCIES = ("collective_latency_s", "step_overhead_s")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine import Engine, EngineStep
+from hybridserve.sim.arrivals import poisson_arrivals
 from hybridserve.sim.loop import OpenLoopSimulation, Simulation
-from hybridserve.sim.traces import poisson_arrivals
 
 _UNIQUE_BASE = 1 << 41  # above the Poisson/trace ranges, so workloads never share a token
 _USAGE = "fixed:input=I,output=O,concurrency=C[,requests=N] or fixed:input=I,output=O,rate=R"

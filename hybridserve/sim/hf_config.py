@@ -23,7 +23,7 @@ from hybridserve.kvcache.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from hybridserve.sim.models import (
+from hybridserve.sim.model_profiles import (
     AttentionDims,
     GdnDims,
     Mamba2Dims,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
 from hybridserve.sim.gpus import GpuSpec
-from hybridserve.sim.models import ModelProfile
+from hybridserve.sim.model_profiles import ModelProfile
 
 GIB = float(1 << 30)
 SAMPLER_BYTES_PER_SEQ_VOCAB = 38.2  # fitted: dummy sampler run over max_num_seqs logits rows

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import MambaSpec, SlidingWindowSpec
 from hybridserve.sim.gpus import GpuSpec
-from hybridserve.sim.models import ModelProfile
+from hybridserve.sim.model_profiles import ModelProfile
 
 _G = 1e9
 LINKS = ("nvlink", "ib-ndr")

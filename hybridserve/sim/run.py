@@ -23,6 +23,7 @@ from hybridserve.kvcache import CacheLayout
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.metrics.stats import percentile
+from hybridserve.sim.arrivals import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.bounds import bounded_shape, check_bound, infinite_engine_recorder
 from hybridserve.sim.cost_model import (
     Efficiency,
@@ -42,8 +43,7 @@ from hybridserve.sim.memory import (
     vllm_kv_budget,
     vllm_log_lines,
 )
-from hybridserve.sim.models import ModelProfile, get_model
-from hybridserve.sim.traces import azure_arrivals, mooncake_arrivals, poisson_arrivals
+from hybridserve.sim.model_profiles import ModelProfile, get_model
 from hybridserve.sim.workload import AgentParams, AgentWorkload
 
 
@@ -71,7 +71,7 @@ class SimConfig:
     model_config: str | None = None  # a Hugging Face config.json (or its folder); beats `model`
     kv_dtype: str = "bf16"  # KV cache and recurrent state dtype
     efficiency: Efficiency = field(default_factory=Efficiency)  # cost-model constants
-    # A device outside the catalog (a calibration profile's measured peaks); beats `gpu`.
+    # A device outside the catalog (a calibration's measured peaks); beats `gpu`.
     gpu_spec: GpuSpec | None = None
     # The context limit; None: the agents' context limit + 1. Longer trace prompts are rejected.
     max_model_len: int | None = None

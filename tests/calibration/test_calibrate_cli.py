@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from hybridserve.cli import app
-from hybridserve.sim.calibration import CalibrationProfile
+from hybridserve.sim.calibration import Calibration
 from hybridserve.sim.cost_model import Efficiency, StepShape
 from hybridserve.sim.fit import CostSetup
 from hybridserve.sim.gpus import get_gpu
@@ -39,7 +39,7 @@ def test_quick_calibration_writes_a_profile_and_prints_the_fit(
 ) -> None:
     path, output = quick_profile
     assert path.is_file(), output
-    profile = CalibrationProfile.load(path)
+    profile = Calibration.load(path)
     assert profile.device == "cpu-ci" and profile.peaks == "measured"
     assert len(profile.samples) == 12 and profile.held_out is not None
     assert "held-out |error|" in output and "step_overhead" in output
@@ -49,7 +49,7 @@ def test_simulate_prices_steps_with_the_calibration(
     quick_profile: tuple[Path, str], calib_checkpoint: Path
 ) -> None:
     path, _ = quick_profile
-    profile = CalibrationProfile.load(path)
+    profile = Calibration.load(path)
     sim = [*SIM, "--model-config", str(calib_checkpoint)]
     result = CliRunner().invoke(app, [*sim, "--calibration", str(path)])
     assert result.exit_code == 0, result.output

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.executor.torch.calibrate import measure_device
-from hybridserve.sim.calibration import CalibrationProfile
+from hybridserve.sim.calibration import Calibration
 from hybridserve.sim.calibration_fit import Grid
 from hybridserve.sim.calibration_run import run_calibration
 
@@ -25,7 +25,7 @@ GRID = Grid(
 
 
 @pytest.fixture(scope="module")
-def profile(calib_checkpoint: Path) -> CalibrationProfile:
+def profile(calib_checkpoint: Path) -> Calibration:
     # The thread's CPU time, not wall time: CI shares two cores with other jobs, whose load
     # would otherwise stretch some steps more than others.
     return run_calibration(
@@ -35,7 +35,7 @@ def profile(calib_checkpoint: Path) -> CalibrationProfile:
 
 
 def test_fit_predicts_held_back_cpu_step_times_within_30_percent(
-    profile: CalibrationProfile,
+    profile: Calibration,
 ) -> None:
     held = [s for s in profile.samples if s.held_out]
     assert len(held) == 5 and profile.held_out is not None
@@ -45,7 +45,7 @@ def test_fit_predicts_held_back_cpu_step_times_within_30_percent(
     assert profile.held_out.median == pytest.approx(statistics.median(errors))
 
 
-def test_fit_beats_predicting_the_mean_step_time(profile: CalibrationProfile) -> None:
+def test_fit_beats_predicting_the_mean_step_time(profile: Calibration) -> None:
     """The measured times span several-fold (about 9-12x on the 2-core CI machine), so a
     constant cannot do well: the constants must capture how compute, weight and K/V reads grow
     with the shape."""
@@ -59,7 +59,7 @@ def test_fit_beats_predicting_the_mean_step_time(profile: CalibrationProfile) ->
 
 
 def test_profile_records_measured_peaks_and_fractions_of_them(
-    profile: CalibrationProfile, tmp_path: Path
+    profile: Calibration, tmp_path: Path
 ) -> None:
     assert profile.peaks == "measured" and profile.dtype == "fp32"
     assert profile.gpu.fp32_flops is not None and profile.gpu.fp32_flops > 1e9
@@ -69,4 +69,4 @@ def test_profile_records_measured_peaks_and_fractions_of_them(
     assert all(0 < f <= 1 for f in (eff.gemm, eff.attention, eff.hbm))
     path = tmp_path / "cpu.json"
     profile.save(path)
-    assert CalibrationProfile.load(path) == profile
+    assert Calibration.load(path) == profile

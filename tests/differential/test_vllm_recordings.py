@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridserve.cli import app
+from hybridserve.recordings.recording import RecordingError, generate_prompt, load_recording
 from hybridserve.recordings.replay import replay_recording
-from hybridserve.recordings.trace import RecordingError, generate_prompt, load_recording
 from tests.conftest import require_data
 
 IDENTICAL = [

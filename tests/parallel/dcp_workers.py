@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 from hybridserve.parallel import AttentionRows, DcpGroup, dcp_attention
 from hybridserve.parallel.demo_models import TinyDecoder, TinyModelConfig
+from hybridserve.parallel.demo_runner import DecodeScenario, run_scenario
 from hybridserve.parallel.group import all_gather_heads
 from hybridserve.parallel.mla import MlaCaches, MlaConfig, MlaWeights, mla_attention, prepare_rows
-from hybridserve.parallel.runner import DecodeScenario, run_scenario
 
 BLOCK_SIZE = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8

@@ -7,9 +7,9 @@ import torch
 
 from hybridserve.parallel import DcpGroup
 from hybridserve.parallel.demo_models import TinyDecoder
+from hybridserve.parallel.demo_runner import DecodeScenario, greedy_dense
 from hybridserve.parallel.launch import run_ranks
 from hybridserve.parallel.mla import mla_attention_dense
-from hybridserve.parallel.runner import DecodeScenario, greedy_dense
 from tests.parallel import dcp_workers as w
 
 TIMEOUT_S = 120

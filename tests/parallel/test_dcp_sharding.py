@@ -8,7 +8,7 @@ import torch
 from hybridserve.kvcache.dcp import dcp_local_seq_lens, dcp_rank_of_token
 from hybridserve.parallel import DcpGroup, local_seq_lens
 from hybridserve.parallel.demo_models import TINY_MODELS, TinyDecoder
-from hybridserve.parallel.runner import PagedGenerator
+from hybridserve.parallel.demo_runner import PagedGenerator
 from hybridserve.parallel.sharding import (
     global_positions,
     local_positions,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from hybridserve.cache_replay.trace import TraceError, TraceRecord, load_mooncake
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
-from hybridserve.profiles import PROFILES, parse_groups
-from hybridserve.replay.trace import TraceError, TraceRecord, load_mooncake
+from hybridserve.layouts import LAYOUTS, parse_groups
 from tests.conftest import require_data
 
 runner = CliRunner()
@@ -74,7 +74,7 @@ def test_group_strings_parse_into_specs_and_errors_name_the_fix() -> None:
 
 
 def test_qwen3_next_profile_uses_the_544_token_hybrid_page() -> None:
-    groups = PROFILES["qwen3-next-80b-a3b"].groups
+    groups = LAYOUTS["qwen3-next-80b-a3b"].groups
     assert [g.block_size for g in groups] == [544, 544]
 
 

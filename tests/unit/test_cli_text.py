@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.core.config import SpecMethod
-from hybridserve.profiles import PROFILES
+from hybridserve.layouts import LAYOUTS
 from hybridserve.sim.gpus import GPUS
-from hybridserve.sim.models import MODELS
+from hybridserve.sim.model_profiles import MODELS
 
 COMMAND: Any = typer.main.get_command(app)
 COMMANDS = sorted(COMMAND.commands)
@@ -58,7 +58,7 @@ def test_help_lists_the_catalogs_the_same_in_every_command() -> None:
         for method in SpecMethod:
             assert method.value in shown, (command, method)
     replay = _help("cache-replay")
-    assert all(layout in replay for layout in PROFILES)
+    assert all(layout in replay for layout in LAYOUTS)
 
 
 def test_an_error_message_keeps_its_square_brackets(tmp_path: Path) -> None:

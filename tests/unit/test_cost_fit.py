@@ -8,7 +8,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.sim.cost_model import Efficiency, StepShape
 from hybridserve.sim.fit import CostSetup, Sample, fit_efficiency, nelder_mead, objective
 from hybridserve.sim.gpus import get_gpu
-from hybridserve.sim.models import get_model
+from hybridserve.sim.model_profiles import get_model
 
 TRUE = Efficiency(gemm=0.55, attention=0.35, hbm=0.72, step_overhead_s=2.5e-3)
 SETUP = CostSetup(gpu=get_gpu("H100-SXM"), model=get_model("llama-3.1-8b"))

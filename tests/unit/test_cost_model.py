@@ -10,7 +10,7 @@ import pytest
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
-from hybridserve.profiles import get_profile
+from hybridserve.layouts import get_layout
 from hybridserve.sim.cost_model import (
     Efficiency,
     RequestShape,
@@ -24,7 +24,7 @@ from hybridserve.sim.cost_model import (
 )
 from hybridserve.sim.gpus import GPUS, get_gpu
 from hybridserve.sim.memory import vllm_kv_budget
-from hybridserve.sim.models import MODELS, get_model, hybrid_block_size
+from hybridserve.sim.model_profiles import MODELS, get_model, hybrid_block_size
 
 H100 = get_gpu("H100-SXM")
 H200 = get_gpu("H200")
@@ -229,7 +229,7 @@ def test_kv_pool_rejects_a_model_that_does_not_fit() -> None:
 
 def test_cache_groups_match_the_named_profiles() -> None:
     for name in ("llama-3.1-8b", "gemma-3-27b", "qwen3-next-80b-a3b"):
-        assert get_model(name).cache_groups() == get_profile(name).groups
+        assert get_model(name).cache_groups() == get_layout(name).groups
 
 
 def test_kv_cache_groups_split_each_kind_into_equal_layer_groups_as_vllm_does() -> None:
@@ -290,7 +290,8 @@ def test_efficiency_fractions_are_validated() -> None:
 
 def test_cost_model_import_leaves_torch_and_numpy_out() -> None:
     code = (
-        "import sys, hybridserve.sim.cost_model, hybridserve.sim.models, hybridserve.sim.gpus; "
+        "import sys, hybridserve.sim.cost_model, hybridserve.sim.model_profiles, "
+        "hybridserve.sim.gpus; "
         "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

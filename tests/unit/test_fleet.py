@@ -19,7 +19,7 @@ from hybridserve.scheduler import Scheduler
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.fleet import FleetConfig, FleetSimulation, imbalance, run_fleet
 from hybridserve.sim.gpus import get_gpu
-from hybridserve.sim.models import get_model
+from hybridserve.sim.model_profiles import get_model
 from hybridserve.sim.pd import Link, handoff_bytes, link_of, parse_pd
 from hybridserve.sim.routers import ApproximateView, PreciseView, Router, RouteRequest
 from hybridserve.sim.run import SimConfig, run_simulation

@@ -15,7 +15,7 @@ from hybridserve.sim.hf_config import (
     load_model_profile,
     profile_from_hf_config,
 )
-from hybridserve.sim.models import MODELS
+from hybridserve.sim.model_profiles import MODELS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 

@@ -27,7 +27,7 @@ from hybridserve.sim.memory import (
     vllm_kv_budget,
     vllm_log_lines,
 )
-from hybridserve.sim.models import get_model
+from hybridserve.sim.model_profiles import get_model
 from hybridserve.sim.run import SimConfig, pool_budget, run_simulation, simulated_engine
 from hybridserve.sim.stats import paired_ratio, t975
 from hybridserve.sim.sweep import VLLM_GRID, draw_vllm_setting, vllm_sweep

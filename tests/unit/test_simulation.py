@@ -166,7 +166,7 @@ def test_simulate_and_bench_commands_report_the_documented_keys(tmp_path, monkey
 def test_mooncake_replay_keeps_the_trace_arrival_times_and_lengths(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    from hybridserve.sim.traces import mooncake_arrivals
+    from hybridserve.sim.arrivals import mooncake_arrivals
 
     rows = [
         {"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [1, 2]},
@@ -181,7 +181,7 @@ def test_mooncake_replay_keeps_the_trace_arrival_times_and_lengths(tmp_path) -> 
 
 
 def test_poisson_and_azure_workloads_have_the_declared_shape(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from hybridserve.sim.traces import azure_arrivals, poisson_arrivals
+    from hybridserve.sim.arrivals import azure_arrivals, poisson_arrivals
 
     arrivals = list(
         poisson_arrivals(rate_per_s=4.0, num_requests=4000, input_tokens=8, output_tokens=3, seed=1)
@@ -197,8 +197,8 @@ def test_poisson_and_azure_workloads_have_the_declared_shape(tmp_path) -> None: 
 
 
 def test_open_loop_simulation_serves_every_trace_request() -> None:
+    from hybridserve.sim.arrivals import poisson_arrivals
     from hybridserve.sim.loop import OpenLoopSimulation
-    from hybridserve.sim.traces import poisson_arrivals
 
     cache = KVCacheManager(CacheLayout(groups=(FullAttentionSpec(block_size=16),), num_blocks=2048))
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=1024), cache)

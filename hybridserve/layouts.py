@@ -23,7 +23,7 @@ from hybridserve.kvcache.spec import (
 
 
 @dataclass(frozen=True, slots=True)
-class CacheProfile:
+class NamedLayout:
     name: str
     groups: tuple[GroupSpec, ...]
     description: str
@@ -44,15 +44,15 @@ def _qwen3_next_block_size() -> int:
 
 _QWEN3_NEXT_BLOCK = _qwen3_next_block_size()
 
-PROFILES: dict[str, CacheProfile] = {
+LAYOUTS: dict[str, NamedLayout] = {
     p.name: p
     for p in (
-        CacheProfile(
+        NamedLayout(
             "llama-3.1-8b",
             (FullAttentionSpec(block_size=16),),
             "Llama 3.1 8B: 32 full-attention layers (one group), 16-token blocks",
         ),
-        CacheProfile(
+        NamedLayout(
             "gemma-3-27b",
             (
                 SlidingWindowSpec(block_size=16, window=1024),
@@ -60,7 +60,7 @@ PROFILES: dict[str, CacheProfile] = {
             ),
             "Gemma 3 27B: 5 sliding-window (1024) layers per global layer, 16-token blocks",
         ),
-        CacheProfile(
+        NamedLayout(
             "qwen3-next-80b-a3b",
             (
                 FullAttentionSpec(block_size=_QWEN3_NEXT_BLOCK),
@@ -73,11 +73,11 @@ PROFILES: dict[str, CacheProfile] = {
 }
 
 
-def get_profile(name: str) -> CacheProfile:
+def get_layout(name: str) -> NamedLayout:
     try:
-        return PROFILES[name]
+        return LAYOUTS[name]
     except KeyError:
-        raise ConfigError("model", name, f"use one of {sorted(PROFILES)}") from None
+        raise ConfigError("model", name, f"use one of {sorted(LAYOUTS)}") from None
 
 
 def parse_groups(text: str) -> tuple[GroupSpec, ...]:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.calibration import CalibrationProfile, describe
+from hybridserve.sim.calibration import Calibration, describe
 from hybridserve.sim.calibration_fit import (
     Grid,
     fit_measurements,
@@ -49,9 +49,9 @@ def _measurements(efficiency: Efficiency = TRUE) -> list[tuple[StepShape, float]
 
 
 @functools.cache
-def _fitted() -> CalibrationProfile:
+def _fitted() -> Calibration:
     fit = fit_measurements(_measurements(), setup=SETUP, holdout_fraction=0.25, seed=0)
-    return CalibrationProfile(
+    return Calibration(
         device=CPU.name, gpu=CPU, peaks="measured", efficiency=fit.efficiency,
         model="small-llama", dtype="fp32", kv_dtype="fp32", torch_version="2.13.0",
         torch_device="cpu", num_threads=1, clock="cpu", seed=0, holdout_fraction=0.25,
@@ -59,7 +59,7 @@ def _fitted() -> CalibrationProfile:
     )  # fmt: skip
 
 
-def _profile(**changes: Any) -> CalibrationProfile:
+def _profile(**changes: Any) -> Calibration:
     return replace(_fitted(), **changes)
 
 
@@ -92,7 +92,7 @@ def test_profile_round_trips_through_json(tmp_path: Path) -> None:
     profile = _profile()
     path = tmp_path / "sub" / "cpu.json"
     profile.save(path)
-    loaded = CalibrationProfile.load(path)
+    loaded = Calibration.load(path)
     assert loaded == profile
     for row in loaded.samples:  # the rows rebuild the measured shapes
         predicted = SETUP.cost_model(loaded.efficiency).step_cost(row.shape()).total_s
@@ -123,16 +123,16 @@ def _write(tmp_path: Path, mutate: Any) -> Path:
 )  # fmt: skip
 def test_bad_profiles_name_the_field(tmp_path: Path, mutate: Any, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
-        CalibrationProfile.load(_write(tmp_path, mutate))
+        Calibration.load(_write(tmp_path, mutate))
 
 
 def test_missing_and_malformed_files_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="hybridserve calibrate"):
-        CalibrationProfile.load(tmp_path / "absent.json")
+        Calibration.load(tmp_path / "absent.json")
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="fix the JSON"):
-        CalibrationProfile.load(broken)
+        Calibration.load(broken)
 
 
 SIM = ["simulate", "--spec", "none", "--duration", "60", "--warmup", "0", "--workload",

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
+from hybridserve.cache_replay.trace import TraceError, load_mooncake
 from hybridserve.core.errors import ConfigError
-from hybridserve.replay.trace import TraceError, load_mooncake
 
 ArrivalTuple = tuple[float, str, list[int], int]
 _UNIQUE_BASE = 1 << 40

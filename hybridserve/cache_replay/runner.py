@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from hybridserve.cache_replay.trace import TraceRecord
 from hybridserve.kvcache import CacheHit, CacheLayout, KVCacheManager
 from hybridserve.kvcache.hashing import BlockHash
-from hybridserve.replay.trace import TraceRecord
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import FullAttentionSpec, GroupSpec, MambaCacheMode, MambaSpec
-from hybridserve.profiles import get_profile
+from hybridserve.layouts import get_layout
 from hybridserve.sim.gpus import dtype_bytes
 
 
@@ -333,7 +333,7 @@ def embedding_dtype(dtype: str) -> str:
 
 def hybrid_block_size(state_bytes_per_layer: float, kv_bytes_per_token_per_layer: float) -> int:
     """vLLM's hybrid block size: the attention page grows until it holds one state page,
-    rounded up to a multiple of 16 tokens (as hybridserve.profiles derives Qwen3-Next's 544)."""
+    rounded up to a multiple of 16 tokens (as hybridserve.layouts derives Qwen3-Next's 544)."""
     tokens = -(-int(state_bytes_per_layer) // int(kv_bytes_per_token_per_layer))
     return -(-tokens // 16) * 16
 
@@ -358,7 +358,7 @@ MODELS: dict[str, ModelProfile] = {
             "8 KV heads, head_dim 128, intermediate 14336, vocab 128256, untied",
             hidden_size=4096,
             vocab_size=128256,
-            groups=get_profile("llama-3.1-8b").groups,
+            groups=get_layout("llama-3.1-8b").groups,
             num_full_layers=32,
             num_dense_mlp_layers=32,
             attention=AttentionDims(num_heads=32, num_kv_heads=8, head_dim=128),
@@ -372,7 +372,7 @@ MODELS: dict[str, ModelProfile] = {
             hidden_size=5376,
             vocab_size=262208,
             tie_word_embeddings=True,
-            groups=get_profile("gemma-3-27b").groups,
+            groups=get_layout("gemma-3-27b").groups,
             num_full_layers=10,
             num_swa_layers=52,
             num_dense_mlp_layers=62,
@@ -389,7 +389,7 @@ MODELS: dict[str, ModelProfile] = {
             "untied, 1 MTP layer",
             hidden_size=2048,
             vocab_size=151936,
-            groups=get_profile("qwen3-next-80b-a3b").groups,
+            groups=get_layout("qwen3-next-80b-a3b").groups,
             num_full_layers=12,
             num_recurrent_layers=36,
             num_moe_layers=48,
