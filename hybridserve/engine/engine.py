@@ -97,6 +97,15 @@ class Engine:
             if request.status is not RequestStatus.RUNNING and not request.num_output_tokens
         )
 
+    def token_ids(self, req_id: str) -> list[int]:
+        """The prompt and output tokens of a waiting or running request ([] once it is gone)."""
+        request = self.scheduler.requests.get(req_id)
+        return request.token_ids if request is not None else []
+
+    def check_priority(self, priority: int) -> None:
+        """The scheduler's priority rule (fcfs takes 0 only). Raises RequestError."""
+        self.scheduler.config.check_priority(priority)
+
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting

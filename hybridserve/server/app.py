@@ -615,13 +615,12 @@ def _make_request(
             cache_salt=cache_salt,
             session_id=body.user or None,  # OpenAI's end-user id names the session
         )
+        state.parts.engine.check_priority(body.priority)
     except RequestError as exc:
         param = prompt_field if exc.field == "prompt_token_ids" else exc.field
         if param == "max_tokens":
             param = limit_field
         raise ApiError(400, str(exc), param=param) from None
-    if body.priority != 0 and state.parts.scheduler.config.policy.value == "fcfs":
-        raise ApiError(400, "priority: the fcfs scheduler takes priority 0 only", param="priority")
     return request, body.stop_list()
 
 

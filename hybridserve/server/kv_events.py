@@ -142,13 +142,7 @@ def attach_kv_events(app: Any, endpoint: str | None) -> ZmqEventPublisher | None
         return None
     publisher = ZmqEventPublisher(endpoint)
     state = app.state.hybridserve
-    requests = state.parts.scheduler.requests
-
-    def tokens_of(req_id: str) -> list[int]:
-        request = requests.get(req_id)
-        return request.token_ids if request is not None else []
-
-    attach_events(state.parts.cache, publisher, tokens_of=tokens_of)
+    attach_events(state.parts.cache, publisher, tokens_of=state.parts.engine.token_ids)
     app.router.lifespan_context = _closing(app.router.lifespan_context, publisher.close)
     return publisher
 
