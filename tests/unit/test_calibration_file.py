@@ -1,4 +1,4 @@
-"""Calibration profiles without torch: the held-out fit, the JSON file and its errors."""
+"""Calibration files without torch: the held-out fit, the JSON file and its errors."""
 
 from __future__ import annotations
 
