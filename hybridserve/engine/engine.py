@@ -102,10 +102,6 @@ class Engine:
         request = self.scheduler.requests.get(req_id)
         return request.token_ids if request is not None else []
 
-    def check_priority(self, priority: int) -> None:
-        """The scheduler's priority rule (fcfs takes 0 only). Raises RequestError."""
-        self.scheduler.config.check_priority(priority)
-
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting

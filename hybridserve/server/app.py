@@ -615,7 +615,7 @@ def _make_request(
             cache_salt=cache_salt,
             session_id=body.user or None,  # OpenAI's end-user id names the session
         )
-        state.parts.engine.check_priority(body.priority)
+        state.parts.scheduler.config.check_priority(body.priority)  # the one priority rule
     except RequestError as exc:
         param = prompt_field if exc.field == "prompt_token_ids" else exc.field
         if param == "max_tokens":
