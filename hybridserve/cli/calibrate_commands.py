@@ -94,7 +94,7 @@ def calibrate_cmd(
     threads: ThreadsOption = None,
     clock: ClockOption = "wall",
 ) -> None:
-    """Measure step times on a device, fit the cost model's constants, write a profile for
+    """Measure step times on a device, fit the cost model's constants, write a calibration file for
     `hybridserve simulate --calibration FILE`."""
     from hybridserve.sim.calibration_fit import QUICK_GRID, Grid
 
@@ -135,4 +135,4 @@ def calibrate_cmd(
     console = out_console()
     for table in _summary_tables(profile):
         console.print(table)
-    console.print(f"profile: {path}")
+    console.print(f"calibration: {path}")

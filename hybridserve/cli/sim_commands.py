@@ -119,7 +119,7 @@ def _device_options(
             "--gpu",
             gpu,
             f"--calibration {calibration} was measured on {profile.device}; drop --gpu "
-            "(the profile sets the device)",
+            "(the calibration sets the device)",
         )
     return {
         "gpu": profile.device,
@@ -308,7 +308,7 @@ CalibrationOption = Annotated[
     Path | None,
     typer.Option(
         "--calibration",
-        help="A profile from `hybridserve calibrate`: its device and fitted cost-model "
+        help="A calibration file from `hybridserve calibrate`: its device and fitted cost-model "
         "constants (conflicts with a different --gpu).",
     ),
 ]

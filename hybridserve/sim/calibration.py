@@ -27,7 +27,7 @@ SCHEMA_VERSION = 1
 PEAK_SOURCES = ("datasheet", "measured")
 # wall: time.perf_counter; cpu: the measuring thread's CPU time (one torch thread on a CPU).
 CLOCKS = ("wall", "cpu")
-_RERUN = "rerun `hybridserve calibrate` to write a valid profile"
+_RERUN = "rerun `hybridserve calibrate` to write a valid calibration file"
 
 
 def describe(shape: StepShape) -> str:
