@@ -23,7 +23,6 @@ from hybridserve.cli.sim_commands import (
     LimitOption,
     LoadWeightOption,
     PdLinkOption,
-    RayOption,
     RouterViewOption,
     SeedOption,
     SimDtypeOption,
@@ -55,7 +54,9 @@ RoutersOption = Annotated[
 PdListOption = Annotated[
     str,
     typer.Option(
-        "--pd", help="Disaggregated splits P:D, comma-separated, each run at P + D replicas."
+        "--pd",
+        help="Disaggregated splits P:D, comma-separated, each run at P + D replicas "
+        "[default: none].",
     ),
 ]
 PresetsOption = Annotated[
@@ -68,6 +69,14 @@ AgentsPerGpuOption = Annotated[
     int | None,
     typer.Option(
         help="Agents per GPU: the load grows with the fleet [default: --agents at every point]."
+    ),
+]
+FleetRayOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="Run the points as tasks on a Ray cluster: auto, ray://HOST:10001, or local "
+        "(needs the ray extra).",
     ),
 ]
 FleetWarmupOption = Annotated[
@@ -128,7 +137,7 @@ def fleet_sweep_cmd(
     router_load_weight: LoadWeightOption = 1.0,
     pd_link: PdLinkOption = "nvlink",
     workers: WorkersOption = 1,
-    ray: RayOption = None,
+    ray: FleetRayOption = None,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
