@@ -1241,6 +1241,7 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
         )
     console = out_console()
     if on_fleet:
+        console.width = max(console.width, 140)
         fleet = results[0].fleet or {}
         console.print(
             f"every trial on a fleet: {fleet['replicas']} replicas, router {fleet['router']} "

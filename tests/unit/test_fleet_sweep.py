@@ -108,3 +108,14 @@ def test_a_fleet_sweep_on_ray_gives_the_local_rows(tmp_path: Path) -> None:
     assert [r["layout"] for r in remote["rows"]] == ["colocated", "1:1"]
     assert json.dumps(remote["rows"]) == json.dumps(local["rows"])
     assert (tmp_path / "ray" / "fleet_sweep.png").is_file()
+
+
+def test_the_table_has_a_row_per_point_and_names_the_files(tmp_path: Path) -> None:
+    args = ["fleet-sweep", "--replicas", "2", "--routers", "session", "--pd", "1:1"]
+    args += ["--agents", "2", "--duration", "40", "--warmup", "5", "--out", str(tmp_path)]
+    result = runner.invoke(app, args, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if "session" in line]
+    assert len(rows) == 2 and "colocated" in rows[0] and "1:1" in rows[1]
+    flat = " ".join(result.stdout.split())  # the console may wrap the line
+    assert f"files: {tmp_path / 'fleet_sweep.json'}, {tmp_path / 'fleet_sweep.png'}" in flat
