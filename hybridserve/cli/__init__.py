@@ -3,6 +3,7 @@
 from hybridserve.cli import (
     cache_commands,
     calibrate_commands,
+    fleet_commands,
     generate_commands,
     parallel_commands,
     serve_commands,
@@ -14,6 +15,7 @@ __all__ = [
     "app",
     "cache_commands",
     "calibrate_commands",
+    "fleet_commands",
     "generate_commands",
     "main",
     "parallel_commands",

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,6 +20,7 @@ from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, SPEC_HELP
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
+    from hybridserve.sim.fleet import FleetConfig
     from hybridserve.sim.run import SimConfig, SimRun
     from hybridserve.sim.sweep import Trial
 
@@ -514,38 +515,11 @@ def _simulate(flags: SimulateFlags) -> Simulated:
     fleet, its report."""
     from hybridserve.sim.run import pool_report
 
-    config = flags.config()
+    config = replace(flags.config(), fleet=fleet_option(flags))
     pool = pool_report(config)  # a pool that does not fit fails before anything runs
-    replicas, split = flags.replicas, _pd_split(flags.pd)
-    if split is not None and replicas is None:
-        replicas = sum(split)
-    routed = (flags.router, flags.router_view, flags.router_load_weight) != (
-        "round-robin",
-        "precise",
-        1.0,
-    )
-    if replicas is None and (routed or flags.pd_link != "nvlink"):
-        raise ConfigError(
-            "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
-        )
-    if replicas is None:
-        label = run_label(config.preset, flags.config_file)
-        return (
-            config,
-            pool,
-            _run_sim(config, label=f"simulate ({label})", quiet=flags.as_json),
-            None,
-        )
-    run, fleet_report = _run_fleet(
-        config,
-        replicas=replicas,
-        router=flags.router,
-        view=flags.router_view,
-        load_weight=flags.router_load_weight,
-        pd=split,
-        pd_link=flags.pd_link,
-    )
-    return config, pool, run, fleet_report
+    label = run_label(config.preset, flags.config_file)
+    run = _run_sim(config, label=f"simulate ({label})", quiet=flags.as_json)
+    return config, pool, run, run.fleet
 
 
 def _report_simulation(
@@ -594,52 +568,53 @@ def _report_simulation(
 # ----- fleet (hybridserve.sim.fleet) -----------------------------------------------------------
 
 
-def _run_fleet(
-    config: SimConfig,
-    *,
-    replicas: int,
-    router: str,
-    view: str,
-    load_weight: float,
-    pd: tuple[int, int] | None,
-    pd_link: str,
-) -> tuple[SimRun, dict[str, Any]]:
-    """A fleet run: its fleet-wide SimRun and its fleet report."""
-    from hybridserve.sim.fleet import FleetConfig, run_fleet
+class FleetFlags(Protocol):
+    """The fleet options, as `simulate`, `bench` and `sweep` take them."""
 
-    fleet = FleetConfig(
-        replicas=replicas,
-        router=router,
-        view=view,
-        load_weight=load_weight,
-        pd=pd,
-        pd_link=pd_link,
+    @property
+    def replicas(self) -> int | None: ...
+    @property
+    def router(self) -> str: ...
+    @property
+    def router_view(self) -> str: ...
+    @property
+    def router_load_weight(self) -> float: ...
+    @property
+    def pd(self) -> str | None: ...
+    @property
+    def pd_link(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _FleetFlags:
+    replicas: int | None
+    router: str
+    router_view: str
+    router_load_weight: float
+    pd: str | None
+    pd_link: str
+
+
+def fleet_option(flags: FleetFlags) -> FleetConfig | None:
+    """The fleet the options ask for, or None for one engine (hybridserve.sim.fleet.fleet_of)."""
+    from hybridserve.sim.fleet import fleet_of
+
+    return fleet_of(
+        replicas=flags.replicas,
+        router=flags.router,
+        view=flags.router_view,
+        load_weight=flags.router_load_weight,
+        pd=flags.pd,
+        pd_link=flags.pd_link,
     )
-    clock = time.perf_counter if config.include_scheduler_cpu else None
-    done = run_fleet(config, fleet, cpu_clock=clock)
-    return done.run, done.fleet
-
-
-def _pd_split(text: str | None) -> tuple[int, int] | None:
-    from hybridserve.sim.pd import parse_pd
-
-    return None if text is None else parse_pd(text)
-
-
-def _round(value: Any) -> Any:
-    if isinstance(value, float):
-        return None if math.isnan(value) else round(value, 4)
-    if isinstance(value, dict):
-        return {k: _round(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_round(v) for v in value]
-    return value
 
 
 def fleet_json(report: dict[str, Any]) -> dict[str, Any]:
     """The fleet report, rounded as the metrics are (an undefined value becomes null)."""
-    rounded: dict[str, Any] = _round(report)
-    return rounded
+    from hybridserve.sim.fleet import rounded
+
+    out: dict[str, Any] = rounded(report)
+    return out
 
 
 def fleet_table(report: dict[str, Any]) -> Table:
@@ -713,7 +688,11 @@ TuneSloOption = Annotated[
     float, typer.Option(help="--baseline vllm-tuned: the p99 ITL SLO of the search.")
 ]
 BoundsOption = Annotated[
-    bool, typer.Option(help="Also run the three upper bounds (on the baseline).")
+    bool | None,
+    typer.Option(
+        help="Also run the three upper bounds (on the baseline) [default: on one engine; "
+        "bounds are single-engine, so not with a fleet]."
+    ),
 ]
 NameOption = Annotated[
     str | None,
@@ -742,7 +721,7 @@ class BenchFlags:
     tuned: Path | None
     tune_trials: int
     itl_slo_ms: float
-    bounds: bool
+    bounds: bool | None
     config_file: Path | None
     model_config: Path | None
     kv_dtype: str | None
@@ -750,6 +729,12 @@ class BenchFlags:
     name: str | None
     ablations: bool
     as_json: bool
+    replicas: int | None
+    router: str
+    router_view: str
+    router_load_weight: float
+    pd: str | None
+    pd_link: str
 
     @property
     def seed_list(self) -> list[int]:
@@ -779,7 +764,7 @@ def bench_cmd(
     tuned: TunedOption = None,
     tune_trials: TuneTrialsOption = 16,
     itl_slo_ms: TuneSloOption = 100.0,
-    bounds: BoundsOption = True,
+    bounds: BoundsOption = None,
     config_file: ConfigOption = None,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
@@ -787,9 +772,16 @@ def bench_cmd(
     name: NameOption = None,
     ablations: AblationsOption = False,
     as_json: JsonOption = False,
+    replicas: ReplicasOption = None,
+    router: RouterOption = "round-robin",
+    router_view: RouterViewOption = "precise",
+    router_load_weight: LoadWeightOption = 1.0,
+    pd: PdOption = None,
+    pd_link: PdLinkOption = "nvlink",
 ) -> None:
     """Experiment E1: a baseline against hybridserve on paired seeds, with 95% intervals, the
-    upper bounds and where the time goes."""
+    upper bounds and where the time goes (on one engine, or every configuration on the fleet
+    --replicas/--pd name)."""
     flags = BenchFlags(**locals())
     from hybridserve.sim.bounds import BOUNDS
 
@@ -826,6 +818,7 @@ def _bench_configs(flags: BenchFlags) -> tuple[SimConfig, dict[str, SimConfig], 
         duration_s=flags.duration,
         warmup_s=flags.warmup,
         seed=flags.seed,
+        fleet=fleet_option(flags),
         **_model_options(flags.model_config),
         **_device_options(flags.gpu, flags.dtype, flags.kv_dtype, flags.calibration),
     )
@@ -847,10 +840,14 @@ def _bench(
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, SimRun]]:
     """Run every configuration on the paired seeds: the report, the results, the kept runs."""
     from hybridserve.sim.bounds import BOUNDS
-    from hybridserve.sim.experiment import paired_report, run_configs
+    from hybridserve.sim.experiment import fleet_block, paired_report, run_configs
     from hybridserve.sim.run import pool_report
 
     config, configs, base_preset = _bench_configs(flags)
+    if flags.bounds and config.fleet is not None:
+        raise ConfigError(
+            "--bounds", True, "bounds are single-engine: drop --bounds or the fleet options"
+        )
     search: dict[str, Any] | None = None
     if flags.baseline == "vllm-tuned":
         configs["baseline"], search = _tuned_baseline(
@@ -862,13 +859,14 @@ def _bench(
         )
         if not flags.as_json:
             err.print(f"vllm-tuned: {search['best']}", highlight=False)
-    if flags.bounds:
+    if flags.bounds is not False and config.fleet is None:
         for bound in BOUNDS:
             configs[bound] = replace(configs["baseline"], bound=bound)
     pools = {label: pool_report(configs[label]) for label in flags.labels}
     log = None if flags.as_json else (lambda line: err.print(line, highlight=False))
     simulated = _simulated_model(config)
     seed_list = flags.seed_list
+    fleets: dict[str, dict[int, dict[str, Any]]] = {}
     results, kept = run_configs(
         configs,
         seed_list,
@@ -876,8 +874,11 @@ def _bench(
         keep_seed=seed_list[0],
         log=log,
         finished=finished,
+        fleets=fleets,
     )
     report = paired_report(results, baseline="baseline", ours="hybridserve")
+    if fleets:
+        report["fleet"] = fleet_block({k: [v[s] for s in seed_list] for k, v in fleets.items()})
     report["pool"] = pools
     report["setup"] = _bench_setup(flags, config, simulated, base_preset, search)
     return report, results, kept
@@ -952,6 +953,8 @@ def _print_bench(
     console.print(_bench_table(report, labels, bounds))
     _print_ratios(console, report)
     console.print(_time_table(report, labels))
+    if "fleet" in report:
+        console.print(_bench_fleet_table(report["fleet"], labels))
     for label in labels:
         log = "; ".join(report["pool"][label]["vllm_log"])
         console.print(f"{label} pool (vLLM would log): {log}", highlight=False)
@@ -996,6 +999,37 @@ def _bench_table(report: dict[str, Any], labels: list[str], bounds: list[str]) -
             cell(m["preemptions"], ".1f"),
             cell(m["slo_attainment"], ".2f"),
         )
+    return table
+
+
+def _bench_fleet_table(fleet: dict[str, Any], labels: list[str]) -> Table:
+    """The fleet block: per configuration, hit rate against the global ideal, imbalance and
+    goodput per GPU (means over seeds)."""
+    layout = (
+        "colocated"
+        if fleet["pd"] is None
+        else f"P:D {fleet['pd']['prefill']}:"
+        + (f"{fleet['pd']['decode']} over {fleet['pd']['link']}")
+    )
+    table = Table(
+        title=f"fleet: {fleet['replicas']} replicas ({fleet['gpus']} GPUs, {layout}), router "
+        f"{fleet['router']} ({fleet['router_view']}, load weight {fleet['load_weight']:g}); "
+        "means over seeds"
+    )
+    columns = {
+        "hit rate": ("hit_rate", ".3f"),
+        "global ideal": ("global_ideal_hit_rate", ".3f"),
+        "of ideal": ("hit_rate_of_ideal", ".0%"),
+        "imbalance": ("imbalance", ".2f"),
+        "SLO req/GPU-h": ("slo_requests_per_gpu_hour", ",.1f"),
+        "jobs/GPU-h": ("job_goodput_per_gpu_hour", ",.1f"),
+    }
+    table.add_column("configuration")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for label in labels:
+        m = fleet["configurations"][label]
+        table.add_row(label, *[_cell(m[key], fmt) for key, fmt in columns.values()])
     return table
 
 
@@ -1091,13 +1125,22 @@ def sweep_cmd(
     seed: SeedOption = 0,
     space: SpaceOption = "hybridserve",
     as_json: JsonOption = False,
+    replicas: ReplicasOption = None,
+    router: RouterOption = "round-robin",
+    router_view: RouterViewOption = "precise",
+    router_load_weight: LoadWeightOption = 1.0,
+    pd: PdOption = None,
+    pd_link: PdLinkOption = "nvlink",
 ) -> None:
-    """Search the scheduler controls for the best job goodput under a p99 ITL SLO."""
+    """Search the scheduler controls for the best job goodput under a p99 ITL SLO (on one
+    engine, or every trial on the fleet --replicas/--pd name)."""
     if trials < 1 or workers < 1:
         raise fail(f"--trials={trials} --workers={workers}; use 1 or more of each")
     finished: list[Trial] = []
+    fleet_flags = _FleetFlags(replicas, router, router_view, router_load_weight, pd, pd_link)
     try:
         config = _sim_config(
+            fleet=fleet_option(fleet_flags),
             model=model,
             tp=tp if tp is not None else dcp,
             spec=spec,
@@ -1150,11 +1193,15 @@ def _sweep_trials(
     raise ConfigError("--space", space, "use hybridserve or vllm")
 
 
+_SWEEP_FLEET_CELLS = (("hit_rate", ".3f"), ("hit_rate_of_ideal", ".0%"), ("imbalance", ".2f"))
+
+
 def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_json: bool) -> None:
     """The trials and the best one under the SLO: as JSON, or as a table."""
     from hybridserve.sim.sweep import best
 
     winner = best(results, itl_slo_ms=itl_slo_ms)
+    on_fleet = results[0].fleet is not None
     if as_json:
         rows = [
             {
@@ -1162,6 +1209,7 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
                 "retention": t.retention,
                 **_metrics_json(t.metrics),
                 "meets_slo": t.meets(itl_slo_ms),
+                **({"fleet": fleet_json(t.fleet)} if t.fleet is not None else {}),
             }
             for t in results
         ]
@@ -1172,20 +1220,33 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     table = Table(title=f"sweep: {len(results)} trials, p99 ITL SLO {itl_slo_ms:.0f} ms")
-    for column in ("controls", "job goodput/h", "p99 ITL ms", "TTFT p50 ms", "SLO"):
+    columns = ["controls", "job goodput/h", "p99 ITL ms", "TTFT p50 ms", "SLO"]
+    if on_fleet:
+        columns += ["fleet hit rate", "of ideal", "imbalance"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "controls" else "right")
     for trial in sorted(results, key=lambda t: -t.metrics["job_goodput_per_hour"]):
         label = ", ".join(f"{k}={v:g}" for k, v in trial.controls if v) or "all off"
         if trial.retention:
             label += f", retention={trial.retention}"
-        m = trial.metrics
+        m, f = trial.metrics, fleet_json(trial.fleet or {})
+        extra = [_cell(f.get(k), fmt) for k, fmt in _SWEEP_FLEET_CELLS] if on_fleet else []
         table.add_row(
             label,
             f"{m['job_goodput_per_hour']:.1f}",
             f"{m['itl_p99_ms']:.1f}",
             f"{m['ttft_p50_ms']:.0f}",
             "yes" if trial.meets(itl_slo_ms) else "no",
+            *extra,
         )
     console = out_console()
+    if on_fleet:
+        console.width = max(console.width, 140)
+        fleet = results[0].fleet or {}
+        console.print(
+            f"every trial on a fleet: {fleet['replicas']} replicas, router {fleet['router']} "
+            f"({fleet['router_view']})",
+            highlight=False,
+        )
     console.print(table)
     console.print(f"best under the SLO: {dict(winner.controls) or 'all off'}")

@@ -179,3 +179,80 @@ def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     ordered = sorted(v for v in values if v > 0)
     n = len(ordered)
     return ordered, [(i + 1) / n for i in range(n)]
+
+
+def write_fleet_sweep_plot(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """fleet_sweep.png from a fleet sweep's rows (hybridserve.sim.fleet_sweep.row): on the
+    left, goodput at the SLO per GPU against GPUs, a line per router (one colour each) and
+    layout (colocated solid; disaggregated dashed, each point's P:D marked) and preset; on the
+    right, each router's hit rate at the colocated points against GPUs, the global ideal
+    dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (goodput, hits) = plt.subplots(1, 2, figsize=(12.0, 6.0))
+    routers = list(dict.fromkeys(r["router"] for r in rows))
+    colour = {name: f"C{i % 10}" for i, name in enumerate(routers)}
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    lines: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        kind = "colocated" if r["layout"] == "colocated" else "disaggregated"
+        lines.setdefault((r["router"], kind, r["preset"]), []).append(r)
+    for (router, kind, preset), points in lines.items():
+        points = sorted(points, key=lambda r: r["gpus"])
+        label = f"{router}, {kind}" + (f", {preset}" if len(presets) > 1 else "")
+        marker = "o" if kind == "colocated" else "s"
+        dash = ("-" if kind == "colocated" else "--") if presets.index(preset) == 0 else ":"
+        xs = [r["gpus"] for r in points]
+        ys = [_value(r["slo_requests_per_gpu_hour"]) for r in points]
+        goodput.plot(xs, ys, marker=marker, ls=dash, color=colour[router], label=label)
+        if kind == "disaggregated":
+            for r, x, y in zip(points, xs, ys, strict=True):
+                goodput.annotate(
+                    r["layout"],
+                    (x, y),
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                    fontsize="x-small",
+                    color=colour[router],
+                )
+    gpus = sorted({r["gpus"] for r in rows})
+    goodput.set_xticks(gpus)
+    goodput.set_xlabel("GPUs (replicas x TP)")
+    goodput.set_ylabel("requests within the SLO per GPU-hour")
+    goodput.set_title("Goodput per GPU at the SLO (TTFT <= 15 s, p99 gap <= 100 ms)")
+    goodput.set_ylim(bottom=0)
+    goodput.grid(True, alpha=0.3)
+    goodput.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    colocated = [r for r in rows if r["layout"] == "colocated" and r["preset"] == presets[0]]
+    for router in dict.fromkeys(r["router"] for r in colocated):
+        points = sorted((r for r in colocated if r["router"] == router), key=lambda r: r["gpus"])
+        xs = [r["gpus"] for r in points]
+        ys = [_value(r["hit_rate"]) for r in points]
+        hits.plot(xs, ys, "-o", color=colour[router], label=router)
+    by_gpus: dict[int, list[float]] = {}
+    for r in colocated:
+        by_gpus.setdefault(r["gpus"], []).append(_value(r["global_ideal_hit_rate"]))
+    if by_gpus:
+        xs = sorted(by_gpus)
+        ideal = [sum(by_gpus[x]) / len(by_gpus[x]) for x in xs]
+        hits.plot(xs, ideal, "k--", label="global ideal (one infinite cache)")
+        hits.set_xticks(xs)
+    hits.set_xlabel("GPUs (replicas x TP), colocated")
+    hits.set_ylabel("prompt tokens hit / prompt tokens")
+    suffix = f" ({presets[0]})" if len(presets) > 1 else ""
+    hits.set_title(f"Hit rate per router against the global ideal{suffix}")
+    hits.grid(True, alpha=0.3)
+    hits.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _value(value: Any) -> float:
+    """A row's value as a float (an undefined one, None, is NaN: a gap in the line)."""
+    return float("nan") if value is None else float(value)

@@ -50,6 +50,15 @@ BREAKDOWN_KEYS = (
     "recomputed_prompt_tokens_per_turn",
     "ideal_prompt_tokens_per_turn",
 )
+# The fleet report's numbers a bench averages over seeds (hybridserve.sim.fleet.run_fleet).
+FLEET_MEAN_KEYS = (
+    "hit_rate",
+    "global_ideal_hit_rate",
+    "hit_rate_of_ideal",
+    "imbalance",
+    "slo_requests_per_gpu_hour",
+    "job_goodput_per_gpu_hour",
+)
 # ratio name -> metric: hybridserve / baseline per seed.
 RATIOS = {
     "job_goodput": "job_goodput_per_hour",
@@ -112,9 +121,11 @@ def tuned_config(config: SimConfig, controls: Mapping[str, Any], retention: str)
     )
 
 
-def _run_one(config: SimConfig, keep: bool) -> tuple[dict[str, float], SimRun | None]:
+def _run_one(
+    config: SimConfig, keep: bool
+) -> tuple[dict[str, float], dict[str, Any] | None, SimRun | None]:
     run = run_simulation(config)
-    return run.summary, (run if keep else None)
+    return run.summary, run.fleet, (run if keep else None)
 
 
 def run_configs(
@@ -125,19 +136,30 @@ def run_configs(
     keep_seed: int | None = None,
     log: Callable[[str], None] | None = None,
     finished: dict[str, dict[int, dict[str, float]]] | None = None,
+    fleets: dict[str, dict[int, dict[str, Any]]] | None = None,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, SimRun]]:
     """Every configuration on every seed. Returns, per label, the summaries in seed order, and
     the full runs of `keep_seed` (for plots). `workers` > 1 runs them in local processes (which
     ignore Ctrl-C; an interrupt cancels what has not run). `finished`, when given, is filled
-    run by run (label -> seed -> summary), so an interrupted caller keeps what finished."""
+    run by run (label -> seed -> summary), so an interrupted caller keeps what finished;
+    `fleets`, when given, gets the fleet report (label -> seed -> report) of every run on a
+    fleet (`SimConfig.fleet`)."""
     jobs = [(label, seed) for seed in seeds for label in configs]
     results = finished if finished is not None else {}
     for label in configs:
         results.setdefault(label, {})
     kept: dict[str, SimRun] = {}
 
-    def record(label: str, seed: int, summary: dict[str, float], run: SimRun | None) -> None:
+    def record(
+        label: str,
+        seed: int,
+        summary: dict[str, float],
+        fleet: dict[str, Any] | None,
+        run: SimRun | None,
+    ) -> None:
         results[label][seed] = summary
+        if fleets is not None and fleet is not None:
+            fleets.setdefault(label, {})[seed] = fleet
         if run is not None:
             kept[label] = run
         if log is not None:
@@ -217,3 +239,21 @@ def paired_report(
         }
     report["fraction_of_bound"] = fractions
     return report
+
+
+def fleet_block(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """A bench's `fleet`: the fleet every configuration ran on (replicas, GPUs, router, view,
+    load weight, P:D) and, per configuration, the means over seeds of its fleet report's
+    numbers (FLEET_MEAN_KEYS) and every seed's report, rounded."""
+    from hybridserve.sim.fleet import rounded
+
+    first = next(iter(reports.values()))[0]
+    pd = first.get("pd")
+    return {
+        **{k: first[k] for k in ("replicas", "gpus", "router", "router_view", "load_weight")},
+        "pd": None if pd is None else {k: pd[k] for k in ("prefill", "decode", "link")},
+        "configurations": {
+            label: {**mean_metrics(rows, FLEET_MEAN_KEYS), "per_seed": rounded(list(rows))}
+            for label, rows in reports.items()
+        },
+    }

@@ -23,7 +23,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridserve.core.errors import ConfigError, RequestError
@@ -41,7 +41,7 @@ from hybridserve.sim.bounds import bounded_shape
 from hybridserve.sim.cost_model import RooflineCostModel
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.loop import Simulation
-from hybridserve.sim.pd import handoff_bytes, link_of
+from hybridserve.sim.pd import handoff_bytes, link_of, parse_pd
 from hybridserve.sim.routers import (
     ROUTERS,
     VIEWS,
@@ -101,6 +101,38 @@ class FleetConfig:
             raise ConfigError(
                 "router_view (--router-view)", self.view, f"use one of {', '.join(VIEWS)}"
             )
+
+
+def fleet_of(
+    *,
+    replicas: int | None,
+    router: str = "round-robin",
+    view: str = "precise",
+    load_weight: float = 1.0,
+    pd: str | None = None,
+    pd_link: str = "nvlink",
+) -> FleetConfig | None:
+    """The fleet the command-line options ask for (`simulate`, `bench` and `sweep` take the
+    same): None, one engine, unless `--replicas` or `--pd` is given (`--pd P:D` implies P + D
+    replicas). Router or link options without a fleet are an error, not silently ignored."""
+    split = None if pd is None else parse_pd(pd)
+    if split is not None and replicas is None:
+        replicas = sum(split)
+    if replicas is None:
+        given = (router, view, load_weight, pd_link) != ("round-robin", "precise", 1.0, "nvlink")
+        if given:
+            raise ConfigError(
+                "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
+            )
+        return None
+    return FleetConfig(
+        replicas=replicas,
+        router=router,
+        view=view,
+        load_weight=load_weight,
+        pd=split,
+        pd_link=pd_link,
+    )
 
 
 @dataclass(slots=True)
@@ -550,6 +582,7 @@ def run_fleet(
     cpu_clock: Callable[[], float] | None = None,
 ) -> FleetRun:
     """Run the workload on the fleet; the summary has the single-engine keys, fleet-wide."""
+    config = replace(config, fleet=fleet)
     sim = FleetSimulation(config, fleet, progress=progress, cpu_clock=cpu_clock)
     recorder = sim.run(config.duration_s)
     start = config.warmup_s
@@ -631,8 +664,19 @@ def run_fleet(
             "transfer_ms_mean": 1000 * sum(moves) / len(moves) if moves else math.nan,
             "transfer_ms_p99": 1000 * percentile(moves, 99) if moves else math.nan,
         }
-    run = SimRun(config, summary, recorder, cache, rejected=tuple(sim.sim.rejected))
+    run = SimRun(config, summary, recorder, cache, rejected=tuple(sim.sim.rejected), fleet=report)
     return FleetRun(run, report)
+
+
+def rounded(value: Any) -> Any:
+    """A report rounded as the metrics are (4 places; an undefined value, NaN, becomes None)."""
+    if isinstance(value, float):
+        return None if math.isnan(value) else round(value, 4)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
 
 
 def _meets_slo(record: RequestRecord) -> bool:

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridserve.core.config import SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
@@ -45,6 +45,9 @@ from hybridserve.sim.memory import (
 )
 from hybridserve.sim.model_profiles import ModelProfile, get_model
 from hybridserve.sim.workload import AgentParams, AgentWorkload
+
+if TYPE_CHECKING:
+    from hybridserve.sim.fleet import FleetConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +84,8 @@ class SimConfig:
     bound: str | None = None  # an upper bound (hybridserve.sim.bounds): free-prefill, ...
     acceptance_decay_per_doubling: float = 0.0  # draft acceptance falling with context
     gpu_memory_utilization: float = 0.9
+    # A fleet of replicas behind a router (hybridserve.sim.fleet); None: one engine.
+    fleet: FleetConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.warmup_s >= 0:
@@ -105,6 +110,13 @@ class SimConfig:
             )
         if self.max_model_len is not None:
             _check_max_model_len(self.max_model_len, self.workload, self.agents)
+        if self.fleet is not None and self.bound is not None:
+            raise ConfigError(
+                "bound (--bound)",
+                self.bound,
+                "bounds are single-engine: drop --bound (bench: --no-bounds) or the fleet "
+                "options (--replicas, --pd)",
+            )
 
     @property
     def context_limit(self) -> int:
@@ -398,6 +410,7 @@ class SimRun:
     recorder: MetricsRecorder
     cache: dict[str, Any]
     rejected: tuple[tuple[str, int, str], ...] = ()  # arrivals refused: id, length, reason
+    fleet: dict[str, Any] | None = None  # a fleet's report (hybridserve.sim.fleet.run_fleet)
 
     def ttft_samples_s(self) -> list[float]:
         return self.recorder.ttft_samples_s(self.config.warmup_s, self.config.duration_s)
@@ -412,7 +425,12 @@ def run_simulation(
     progress: Callable[[float], None] | None = None,
     cpu_clock: Callable[[], float] | None = None,
 ) -> SimRun:
-    """Run the workload; `progress(simulated_s)` is called after every 256 steps."""
+    """Run the workload; `progress(simulated_s)` is called after every 256 steps. With
+    `config.fleet`, the workload runs on the fleet (`SimRun.fleet` is its report)."""
+    if config.fleet is not None:
+        from hybridserve.sim.fleet import run_fleet
+
+        return run_fleet(config, config.fleet, progress=progress, cpu_clock=cpu_clock).run
     if config.bound == "infinite-engine":
         recorder = infinite_engine_recorder(
             config.agents, seed=config.seed, until_s=config.duration_s

@@ -1,9 +1,11 @@
 """Search the scheduler controls for the best job goodput under a p99 ITL SLO.
 
 Trials are random draws (seeded) from a grid of control values, each a full simulated run on
-the same workload and seed; they run in local worker processes, or as Ray tasks on a cluster
-(`ray_address`; Ray is the optional `ray` extra). The best trial is the one with the highest
-job goodput among those that meet the SLO (if none does, the lowest p99 ITL).
+the same workload and seed (on one engine, or on the fleet `SimConfig.fleet` names); they run
+in local worker processes, or as Ray tasks on a cluster (`ray_address`; Ray is the optional
+`ray` extra). The best trial is the one with the highest job goodput among those that meet the
+SLO (if none does, the lowest p99 ITL). `run_map` is that machinery alone: the fleet sweep
+(hybridserve.sim.fleet_sweep) runs its grid through it too.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import random
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.run import SimConfig, simulate
+from hybridserve.sim.run import SimConfig, run_simulation
+
+R = TypeVar("R")
 
 # Control values tried; Cp is counted in quanta (the state block size, 1 without one).
 GRID: dict[str, tuple[float, ...]] = {
@@ -44,6 +48,7 @@ class Trial:
     controls: tuple[tuple[str, float], ...]
     metrics: dict[str, float]
     retention: str | None = None  # a retention override (the vLLM search), None = the preset's
+    fleet: dict[str, Any] | None = None  # the fleet report, when the trial ran on a fleet
 
     def meets(self, itl_slo_ms: float) -> bool:
         return self.metrics["itl_p99_ms"] <= itl_slo_ms
@@ -69,7 +74,8 @@ def draw_controls(rng: random.Random, quantum: int) -> tuple[tuple[str, float], 
 
 
 def _run_trial(config: SimConfig) -> Trial:
-    return Trial(config.controls, simulate(config), config.retention)
+    run = run_simulation(config)
+    return Trial(config.controls, run.summary, config.retention, run.fleet)
 
 
 def draw_vllm_setting(
@@ -108,7 +114,7 @@ def vllm_sweep(
         )
         for c, r in settings
     ]
-    return _local_map(configs, workers, None)
+    return run_map(_run_trial, configs, workers=workers)
 
 
 def sweep(
@@ -136,43 +142,68 @@ def sweep(
             settings.append(candidate)
     # Predecessor retention with controls off, plus each trial's controls.
     configs = [replace(base, preset="retention-only", controls=c) for c in settings]
+    return run_map(_run_trial, configs, workers=workers, ray_address=ray_address, on_done=on_trial)
+
+
+def run_map(
+    run: Callable[[SimConfig], R],
+    configs: list[SimConfig],
+    *,
+    workers: int = 1,
+    ray_address: str | None = None,
+    on_done: Callable[[R], None] | None = None,
+) -> list[R]:
+    """`run` on every config, results in the order of `configs`: here (`workers` 1), in
+    `workers` local processes, or as Ray tasks (`ray_address`, as `sweep` takes it). `run` must
+    be a module-level function (it is pickled by name). `on_done` hears of each result as it
+    finishes, so an interrupted caller still has the finished ones and can show progress."""
     if ray_address is not None:
-        return _ray_map(configs, ray_address)
-    return _local_map(configs, workers, on_trial)
+        return _ray_map(run, configs, ray_address, on_done)
+    return _local_map(run, configs, workers, on_done)
 
 
 def _local_map(
-    configs: list[SimConfig], workers: int, on_trial: Callable[[Trial], None] | None
-) -> list[Trial]:
-    """Run the trials here or in `workers` processes, in order of `configs`; `on_trial` hears of
-    each as it finishes, so an interrupted sweep still has its finished trials. Workers ignore
-    SIGINT (no tracebacks from them); leaving the pool terminates them."""
-    results: list[Trial | None] = [None] * len(configs)
+    run: Callable[[SimConfig], R],
+    configs: list[SimConfig],
+    workers: int,
+    on_done: Callable[[R], None] | None,
+) -> list[R]:
+    """Here or in `workers` processes, in order of `configs`. Workers ignore SIGINT (no
+    tracebacks from them); leaving the pool terminates them."""
+    results: list[R | None] = [None] * len(configs)
 
-    def keep(index: int, trial: Trial) -> None:
-        results[index] = trial
-        if on_trial is not None:
-            on_trial(trial)
+    def keep(index: int, result: R) -> None:
+        results[index] = result
+        if on_done is not None:
+            on_done(result)
 
     if workers <= 1:
         for index, config in enumerate(configs):
-            keep(index, _run_trial(config))
+            keep(index, run(config))
     else:
+        items = [(run, index, config) for index, config in enumerate(configs)]
         with multiprocessing.Pool(workers, initializer=_ignore_sigint) as pool:
-            for index, trial in pool.imap_unordered(_run_indexed, enumerate(configs)):
-                keep(index, trial)
-    return [t for t in results if t is not None]
+            for index, result in pool.imap_unordered(_run_indexed, items):
+                keep(index, result)
+    return [r for r in results if r is not None]
 
 
-def _run_indexed(item: tuple[int, SimConfig]) -> tuple[int, Trial]:
-    return item[0], _run_trial(item[1])
+def _run_indexed(item: tuple[Callable[[SimConfig], R], int, SimConfig]) -> tuple[int, R]:
+    run, index, config = item
+    return index, run(config)
 
 
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _ray_map(configs: list[SimConfig], address: str) -> list[Trial]:
+def _ray_map(
+    run: Callable[[SimConfig], R],
+    configs: list[SimConfig],
+    address: str,
+    on_done: Callable[[R], None] | None,
+) -> list[R]:
+    """Each config as a Ray task; results gathered as they finish, kept in config order."""
     try:
         import ray
     except ImportError:
@@ -184,9 +215,19 @@ def _ray_map(configs: list[SimConfig], address: str) -> list[Trial]:
         if address == "connected":
             raise ConfigError("ray", address, "call ray.init() first, or give an address")
         _ray_connect(ray_mod, address)
-    task = ray_mod.remote(_run_trial)
-    results: list[Trial] = ray_mod.get([task.remote(c) for c in configs])
-    return results
+    task = ray_mod.remote(run)
+    refs = [task.remote(c) for c in configs]
+    where = {ref: index for index, ref in enumerate(refs)}
+    results: list[R | None] = [None] * len(configs)
+    pending = list(refs)
+    while pending:
+        done, pending = ray_mod.wait(pending, num_returns=1)
+        for ref in done:
+            result: R = ray_mod.get(ref)
+            results[where[ref]] = result
+            if on_done is not None:
+                on_done(result)
+    return [r for r in results if r is not None]
 
 
 def _ray_connect(ray_mod: Any, address: str) -> None:

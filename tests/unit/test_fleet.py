@@ -4,6 +4,9 @@ one-replica equivalence with the single-engine simulator."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -316,3 +319,79 @@ def test_cli_pd_prints_the_handoffs_and_refuses_a_mismatched_replica_count() -> 
     result = runner.invoke(app, [*CLI, "--pd", "1:1", "--replicas", "3", "--json"])
     assert result.exit_code == 2
     assert "--pd 1:1 needs 2 replicas" in result.output
+
+
+# ----- the fleet options of bench and sweep ----------------------------------------------------
+
+
+def test_a_config_with_a_fleet_runs_on_the_fleet_and_refuses_a_bound() -> None:
+    fleet = FleetConfig(replicas=2, router="session")
+    run = run_simulation(replace(SMALL, fleet=fleet))
+    direct = run_fleet(SMALL, fleet)
+    assert run.fleet is not None and run.fleet["replicas"] == 2
+    assert json.dumps(run.fleet) == json.dumps(direct.fleet)
+    assert json.dumps(run.summary) == json.dumps(direct.run.summary)
+    with pytest.raises(ConfigError, match="bounds are single-engine"):
+        replace(SMALL, fleet=fleet, bound="free-prefill")
+
+
+BENCH = ["bench", "--agents", "2", "--seeds", "1", "--duration", "40", "--warmup", "5"]
+BENCH += ["--workers", "1", "--json"]
+
+
+def _bench(args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.chdir(tmp_path)  # bench writes runs/NAME/ under the working directory
+    result = runner.invoke(app, [*BENCH, "--name", "fleet", *args])
+    assert result.exit_code == 0, result.output
+    payload: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return payload
+
+
+def test_bench_runs_every_configuration_on_the_fleet_and_reports_its_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = _bench(["--replicas", "2", "--router", "session"], tmp_path, monkeypatch)
+    fleet = report["fleet"]
+    assert (fleet["replicas"], fleet["gpus"], fleet["router"]) == (2, 2, "session")
+    assert fleet["pd"] is None
+    assert set(fleet["configurations"]) == {"baseline", "hybridserve"}
+    for block in fleet["configurations"].values():
+        (seed_report,) = block["per_seed"]
+        assert len(seed_report["per_replica"]) == 2
+        assert block["hit_rate"] == seed_report["hit_rate"]
+        assert block["global_ideal_hit_rate"] >= block["hit_rate"]
+    assert report["bounds"] == {}  # bounds are single-engine: not run on a fleet
+    written = json.loads((tmp_path / "runs" / "fleet" / "report.json").read_text())
+    assert written["fleet"] == fleet
+
+
+def test_bench_pd_disaggregates_every_configuration_and_refuses_bounds_with_a_fleet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = _bench(["--pd", "1:1", "--pd-link", "ib-ndr"], tmp_path, monkeypatch)
+    assert report["fleet"]["pd"] == {"prefill": 1, "decode": 1, "link": "ib-ndr"}
+    roles = [
+        r["role"]
+        for r in report["fleet"]["configurations"]["hybridserve"]["per_seed"][0]["per_replica"]
+    ]
+    assert roles == ["prefill", "decode"]
+    result = runner.invoke(app, [*BENCH, "--replicas", "2", "--bounds"])
+    assert result.exit_code == 2
+    assert "--bounds" in result.output and "single-engine" in result.output
+    result = runner.invoke(app, [*BENCH, "--router", "prefix-fa"])
+    assert result.exit_code == 2 and "add --replicas N" in result.output
+
+
+def test_sweep_runs_every_trial_on_the_fleet() -> None:
+    args = ["sweep", "--trials", "1", "--agents", "2", "--duration", "40", "--warmup", "5"]
+    result = runner.invoke(app, [*args, "--replicas", "2", "--router", "least-loaded", "--json"])
+    assert result.exit_code == 0, result.output
+    trials = json.loads(result.stdout.strip().splitlines()[-1])["trials"]
+    assert len(trials) == 2
+    for trial in trials:
+        assert trial["fleet"]["replicas"] == 2 and trial["fleet"]["router"] == "least-loaded"
+        assert len(trial["fleet"]["per_replica"]) == 2
+    plain = runner.invoke(app, [*args, "--json"])
+    assert all(
+        "fleet" not in t for t in json.loads(plain.stdout.strip().splitlines()[-1])["trials"]
+    )
