@@ -18,24 +18,14 @@ from rich.table import Table
 from hybridserve.cli.app import app, err, fail, install_hint, out_console
 from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, SPEC_HELP
 from hybridserve.core.errors import ConfigError, HybridServeError
+from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 
 if TYPE_CHECKING:
     from hybridserve.sim.fleet import FleetConfig
     from hybridserve.sim.run import SimConfig, SimRun
     from hybridserve.sim.sweep import Trial
 
-REPORT_KEYS = (
-    "job_goodput_per_hour",
-    "jobs_completed",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "prefix_hit_rate",
-    "preemptions",
-    "output_tokens_per_s",
-    "tpot_mean_ms",
-)
+REPORT_KEYS = RUN_KEYS
 
 
 def _sim_config(*, num_agents: int, **options: Any) -> SimConfig:
@@ -651,18 +641,7 @@ def fleet_table(report: dict[str, Any]) -> Table:
     return table
 
 
-BREAKDOWN_ROWS = (
-    "slo_attainment",
-    "gpu_busy_frac",
-    "gpu_decode_frac",
-    "gpu_prefill_frac",
-    "gpu_mixed_frac",
-    "job_decode_frac",
-    "job_tool_frac",
-    "job_queue_ttft_frac",
-    "recomputed_prompt_tokens_per_turn",
-    "ideal_prompt_tokens_per_turn",
-)
+BREAKDOWN_ROWS = ("slo_attainment", *BREAKDOWN_KEYS)
 
 
 BaselineOption = Annotated[

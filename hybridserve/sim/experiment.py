@@ -18,6 +18,7 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.settings import PRESETS
+from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 from hybridserve.sim.bounds import BOUNDS
 from hybridserve.sim.run import SimConfig, SimRun, run_simulation
 from hybridserve.sim.stats import paired_ratio
@@ -26,30 +27,7 @@ from hybridserve.sim.stats import paired_ratio
 BASELINES = ("vllm", "vllm-tuned", "legacy")
 
 # Metrics every configuration reports (means over seeds).
-METRIC_KEYS = (
-    "job_goodput_per_hour",
-    "jobs_completed",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "prefix_hit_rate",
-    "preemptions",
-    "output_tokens_per_s",
-    "tpot_mean_ms",
-    "slo_attainment",
-)
-BREAKDOWN_KEYS = (
-    "gpu_busy_frac",
-    "gpu_decode_frac",
-    "gpu_prefill_frac",
-    "gpu_mixed_frac",
-    "job_decode_frac",
-    "job_tool_frac",
-    "job_queue_ttft_frac",
-    "recomputed_prompt_tokens_per_turn",
-    "ideal_prompt_tokens_per_turn",
-)
+METRIC_KEYS = (*RUN_KEYS, "slo_attainment")
 # The fleet report's numbers a bench averages over seeds (hybridserve.sim.fleet.run_fleet).
 FLEET_MEAN_KEYS = (
     "hit_rate",
