@@ -21,9 +21,16 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from hybridserve.sim.bounds import BOUNDS
-from hybridserve.sim.experiment import baseline_preset, paired_report, run_configs
+from hybridserve.sim.experiment import (
+    baseline_preset,
+    paired_report,
+    read_tuned,
+    run_configs,
+    tune_vllm,
+)
 from hybridserve.sim.run import SimConfig, with_preset
 from hybridserve.sim.workload import AgentParams
 
@@ -34,6 +41,20 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10, help="paired seeds 0..N-1")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--baseline", default="vllm", help="vllm, vllm-tuned or legacy")
+    parser.add_argument(
+        "--tuned",
+        type=Path,
+        default=None,
+        help="--baseline vllm-tuned: the search to use (`hybridserve sweep --space vllm --json`); "
+        "without it, 16 draws are searched per agent count on --tune-seed",
+    )
+    parser.add_argument(
+        "--tune-seed",
+        type=int,
+        default=100,
+        help="--baseline vllm-tuned: the seed the search runs on, outside the paired seeds",
+    )
+    parser.add_argument("--itl-slo-ms", type=float, default=100.0, help="the search's p99 ITL SLO")
     parser.add_argument("--ablations", action="store_true", help="also run the two ablations")
     parser.add_argument("--no-bounds", action="store_true", help="skip the three bounds")
     parser.add_argument("--tp", type=int, default=None)
@@ -50,6 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.seeds < 2:
         parser.error("--seeds: a paired interval needs at least 2 seeds")
+    if args.tuned is not None and args.baseline != "vllm-tuned":
+        parser.error("--tuned: only with --baseline vllm-tuned")
     controls = tuple(sorted(json.loads(args.controls).items()))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     tp = args.tp if args.tp is not None else args.dcp
@@ -82,6 +105,9 @@ def main() -> None:
             if controls and name in ("hybridserve", "controls-only"):
                 config = replace(config, controls=controls)
             configs[label] = config
+        if args.baseline == "vllm-tuned":
+            configs["baseline"], search = _tuned(configs["baseline"], args)
+            out.setdefault("vllm_tuned", {})[str(agents)] = search  # type: ignore[union-attr]
         if not args.no_bounds:
             for bound in BOUNDS:
                 configs[bound] = replace(configs["baseline"], bound=bound)
@@ -99,6 +125,20 @@ def main() -> None:
             ]
         out["by_agents"][str(agents)] = report  # type: ignore[index]
     print(json.dumps(out))
+
+
+def _tuned(config: SimConfig, args: argparse.Namespace) -> tuple[SimConfig, dict[str, object]]:
+    """The vllm-tuned baseline: the stored search, or 16 draws on the held-out seed."""
+    if args.tuned is not None:
+        return read_tuned(config, args.tuned)
+    tuned, search = tune_vllm(
+        replace(config, seed=args.tune_seed),
+        trials=16,
+        itl_slo_ms=args.itl_slo_ms,
+        workers=args.workers,
+        seed=args.tune_seed,
+    )
+    return replace(tuned, seed=config.seed), {**search, "seed": args.tune_seed}
 
 
 if __name__ == "__main__":

@@ -902,22 +902,11 @@ def _tuned_baseline(
     config: SimConfig, tuned: Path | None, *, trials: int, slo: float, workers: int
 ) -> tuple[SimConfig, dict[str, Any]]:
     """The vllm-tuned baseline: from a stored search result, or searched now."""
-    from hybridserve.sim.experiment import tune_vllm, tuned_config
+    from hybridserve.sim.experiment import read_tuned, tune_vllm
 
     if tuned is None:
         return tune_vllm(config, trials=trials, itl_slo_ms=slo, workers=workers, seed=config.seed)
-    try:
-        data = json.loads(tuned.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError("--tuned", str(tuned), f"give a readable JSON file ({exc})") from None
-    found = data.get("setup", {}).get("vllm_tuned", data) if isinstance(data, dict) else None
-    if not isinstance(found, dict) or not isinstance(found.get("best"), dict):
-        raise ConfigError(
-            "--tuned", str(tuned), 'it needs {"best": {"controls": {...}, "retention": "..."}}'
-        )
-    best = found["best"]
-    controls, retention = best.get("controls", {}), best.get("retention") or "boundary"
-    return tuned_config(config, controls, retention), {**found, "from": str(tuned)}
+    return read_tuned(config, tuned)
 
 
 def _cell(value: Any, fmt: str) -> str:

@@ -160,6 +160,10 @@ class Request:
     prefix_junction: int = 0
     # Draft tokens proposed for the next step (speculative decoding); not yet verified.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Leading prompt tokens whose KV (and state) arrived from another engine (a prefill/decode
+    # handoff, vLLM's KV connector): admission marks them computed at once, without scheduling
+    # them. Consumed at the first admission; a preempted request recomputes them. 0 = none.
+    num_external_computed_tokens: int = 0
     token_ids: list[int] = field(init=False)  # prompt + output, grown in place
     num_prompt_tokens: int = field(init=False)
 
@@ -174,6 +178,18 @@ class Request:
             not isinstance(self.session_id, str) or not self.session_id
         ):
             raise RequestError("session_id", self.session_id, "use a non-empty string or omit it")
+        external = self.num_external_computed_tokens
+        if (
+            isinstance(external, bool)
+            or not isinstance(external, int)
+            or not 0 <= external < len(self.prompt_token_ids)
+        ):
+            raise RequestError(
+                "num_external_computed_tokens",
+                external,
+                f"use 0 to {len(self.prompt_token_ids) - 1}: the last prompt token is computed "
+                "here, for its logits",
+            )
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(self.prompt_token_ids)
 

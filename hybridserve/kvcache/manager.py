@@ -246,11 +246,14 @@ class KVCacheManager:
         hit: CacheHit | None = None,
         num_prompt_tokens: int | None = None,
         full_sequence_must_fit: bool = False,
+        received: bool = False,
     ) -> Allocation | None:
         """Make room for `num_new_tokens` (plus lookahead slots) and register full blocks.
 
         A new admission passes its `hit` (from `find_hit`, just before) and `num_prompt_tokens`;
-        `num_computed_tokens` excludes the hit. Returns None, with nothing taken, when the
+        `num_computed_tokens` excludes the hit. `received`: the chunk starts with tokens computed
+        by another engine (a P/D handoff); state groups keep its prefill checkpoint, which the
+        sender materialised. Returns None, with nothing taken, when the
         blocks do not fit or the hit is not ready; blocks the request no longer needs (outside
         a window, old states) may still have been released. On success the hit's metrics
         sample is committed: a request that failed k times and is then admitted counts once.
@@ -270,6 +273,8 @@ class KVCacheManager:
         hit_blocks = hit.group_blocks if hit is not None else ((),) * len(self.groups)
         cows = hit.cow_sources if hit is not None else (None,) * len(self.groups)
         keep = self._keep_for(req_id, num_prompt_tokens or num_tokens, hit)
+        if keep is None and received:  # its checkpoint needs the mask now
+            keep = self._keep_mask(self._boundaries(num_prompt_tokens or num_tokens, hit))
         if full_sequence_must_fit:
             whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens, keep, True)
             if not self.pool.has_room(self._blocks_needed(req_id, whole, hit_blocks, cows)):
@@ -278,7 +283,12 @@ class KVCacheManager:
             group.remove_skipped(req_id, total_computed)
         chunk_end = total_computed + num_new_tokens
         slots = SlotRequest(
-            chunk_end + num_lookahead_tokens, total_computed, chunk_end, num_tokens, keep
+            chunk_end + num_lookahead_tokens,
+            total_computed,
+            chunk_end,
+            num_tokens,
+            keep,
+            received=received,
         )
         if not self.pool.has_room(self._blocks_needed(req_id, slots, hit_blocks, cows)):
             return None

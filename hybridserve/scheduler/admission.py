@@ -30,7 +30,10 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         request = waiting.peek()
         resumed = request.status is RequestStatus.PREEMPTED
         hit = scheduler.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
-        num_new = request.num_tokens - hit.num_tokens
+        # Tokens received from another engine start computed (vLLM's KV connector): the step
+        # schedules only what follows them.
+        start = max(hit.num_tokens, request.num_external_computed_tokens)
+        num_new = request.num_tokens - start
         if 0 < step.threshold < num_new:
             num_new = step.threshold
         if not config.enable_chunked_prefill and num_new > step.budget:
@@ -40,21 +43,21 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
             break
         if scheduler.align_block:
             num_new = scheduler.splitter.split(
-                request, num_new, hit=hit.num_tokens, junction=hit.junction
+                request, num_new, hit=start, junction=_junction(hit, start)
             )
             if num_new <= 0:
                 break
-        num_new = pad_for_drafts(scheduler, step, request, hit, num_new)
+        num_new = pad_for_drafts(scheduler, step, request, start, num_new)
         if num_new <= 0:
             break
-        completes = hit.num_tokens + num_new >= request.num_tokens
+        completes = start + num_new >= request.num_tokens
         if not prefill.admits(completes=completes, running=scheduler.running, step=step):
             break
         if config.kv_aware_admission and not fits_without_preemption(
             scheduler, request, hit, num_new
         ):
             break
-        allocation = admit(scheduler, request, hit, num_new)
+        allocation = admit(scheduler, request, hit, num_new, start=start)
         if allocation is None:
             break  # head-of-line blocking
         (step.resumed if resumed else step.new_reqs).append((request.req_id, hit.num_tokens))
@@ -62,19 +65,25 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         prefill.charge(num_new, completes=completes)
 
 
+def _junction(hit: CacheHit, start: int) -> int:
+    """The hit's shared-prefix junction, unless received tokens already cover it."""
+    return hit.junction if hit.junction > start else 0
+
+
 def pad_for_drafts(
-    scheduler: Scheduler, step: StepState, request: Request, hit: CacheHit, num_new: int
+    scheduler: Scheduler, step: StepState, request: Request, start: int, num_new: int
 ) -> int:
-    """vLLM pads a one-token admission (a full hit, a resumed request) to the 1 + K rows of a
-    decode with K placeholder drafts when no running prefill chunk is in the step, or stops
-    admitting (0) when the budget lacks those rows. Otherwise `num_new` unchanged."""
+    """vLLM pads a one-token admission (a full hit, a resumed request; `start` is where its
+    computation starts) to the 1 + K rows of a decode with K placeholder drafts when no running
+    prefill chunk is in the step, or stops admitting (0) when the budget lacks those rows.
+    Otherwise `num_new` unchanged."""
     lookahead = scheduler.num_lookahead_tokens
     if (
         lookahead
         and num_new == 1
-        and request.num_tokens - hit.num_tokens == 1
+        and request.num_tokens - start == 1
         and not step.running_prefill
-        and (step.num_running_scheduled or hit.num_tokens > 0)
+        and (step.num_running_scheduled or start > 0)
     ):
         if step.budget < 1 + lookahead:
             return 0
@@ -83,22 +92,30 @@ def pad_for_drafts(
     return num_new
 
 
-def admit(scheduler: Scheduler, request: Request, hit: CacheHit, num_new: int) -> Allocation | None:
-    """Allocate the head waiter's hit and first `num_new` tokens and move it to running; None
-    (nothing taken, still waiting) when its blocks do not fit even after releasing pins or its
-    hit is not ready."""
+def admit(
+    scheduler: Scheduler, request: Request, hit: CacheHit, num_new: int, *, start: int
+) -> Allocation | None:
+    """Allocate the head waiter's hit and first `num_new` tokens after `start` (the hit, or the
+    end of the tokens it received) and move it to running; None (nothing taken, still waiting)
+    when its blocks do not fit even after releasing pins or its hit is not ready.
+
+    Received tokens take their blocks and are registered as one chunk computed here would be,
+    with the state the sender materialised at the chunk's last kept position (a prefill
+    checkpoint): the cache ends as if the request had prefilled them here in one chunk."""
     cache = scheduler.cache
+    received = start - hit.num_tokens
     while True:
         allocation = cache.allocate(
             request.req_id,
             request.block_hashes,
             num_tokens=request.num_tokens,
             num_computed_tokens=0,
-            num_new_tokens=num_new,
+            num_new_tokens=received + num_new,
             num_lookahead_tokens=scheduler.num_lookahead_tokens,
             hit=hit,
             num_prompt_tokens=request.num_tokens,  # a resumed request replays its outputs
             full_sequence_must_fit=scheduler.config.reserve_full_isl,
+            received=received > 0,
         )
         if allocation is not None:
             break
@@ -113,8 +130,9 @@ def admit(scheduler: Scheduler, request: Request, hit: CacheHit, num_new: int) -
     scheduler.waiting.pop()
     scheduler.running.append(request)
     request.transition(RequestStatus.RUNNING)
-    request.num_computed_tokens = hit.num_tokens
-    request.prefix_junction = hit.junction
+    request.num_computed_tokens = start
+    request.num_external_computed_tokens = 0  # consumed: a preempted request recomputes
+    request.prefix_junction = _junction(hit, start)
     return allocation
 
 

@@ -8,12 +8,14 @@ bounds (hybridserve.sim.bounds) as rows of their own.
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
@@ -81,6 +83,36 @@ def tune_vllm(
         "best_metrics": {k: winner.metrics[k] for k in ("job_goodput_per_hour", "itl_p99_ms")},
     }
     return chosen, search
+
+
+def read_tuned(
+    config: SimConfig, path: Path, *, field: str = "--tuned"
+) -> tuple[SimConfig, dict[str, Any]]:
+    """`config` as the vllm-tuned baseline of a stored search: the JSON of `sweep --space vllm`
+    or a bench report that ran one. Returns the config and the search (with `from`). Raises
+    ConfigError naming `field` for an unreadable file or one without a `best` setting."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(field, str(path), f"give a readable JSON file ({exc})") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        try:  # a command's captured output: the JSON is its last line
+            data = json.loads(text.strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise ConfigError(field, str(path), f"give a readable JSON file ({exc})") from None
+    found = data.get("setup", {}).get("vllm_tuned", data) if isinstance(data, dict) else None
+    if not isinstance(found, dict) or not isinstance(found.get("best"), dict):
+        raise ConfigError(
+            field, str(path), 'it needs {"best": {"controls": {...}, "retention": "..."}}'
+        )
+    best = found["best"]
+    controls, retention = best.get("controls", {}), best.get("retention") or "boundary"
+    search = {k: v for k, v in found.items() if k != "trials"}
+    if isinstance(found.get("trials"), list):
+        search["trials"] = len(found["trials"])
+    return tuned_config(config, controls, retention), {**search, "from": str(path)}
 
 
 def tuned_config(config: SimConfig, controls: Mapping[str, Any], retention: str) -> SimConfig:

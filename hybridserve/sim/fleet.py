@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridserve.core.errors import ConfigError, RequestError
-from hybridserve.core.plan import StepPlan
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.kvcache import KVCacheManager
@@ -37,9 +36,6 @@ from hybridserve.kvcache.spec import GroupKind
 from hybridserve.metrics.recorder import MetricsRecorder, RequestRecord
 from hybridserve.metrics.stats import percentile
 from hybridserve.scheduler import Scheduler
-from hybridserve.sim.bounds import bounded_shape
-from hybridserve.sim.cost_model import RooflineCostModel
-from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.loop import Simulation
 from hybridserve.sim.pd import handoff_bytes, link_of, parse_pd
 from hybridserve.sim.routers import (
@@ -58,13 +54,11 @@ from hybridserve.sim.run import (
     SimConfig,
     SimRun,
     _require_completed,
-    draft_passes,
     gpu_of,
     group_hit_rates,
     loaded_model,
     make_simulation,
     simulated_engine,
-    speculative_of,
     time_breakdown,
 )
 
@@ -211,17 +205,8 @@ class FleetSimulation:
         self.replicas = [_Replica(parts.engine, parts.scheduler) for parts in built]
         num_prefill = fleet.pd[0] if fleet.pd is not None else fleet.replicas
         self.num_prefill = num_prefill
-        self.transferred: dict[str, int] = {}  # per request: KV tokens a decode replica received
         if fleet.pd is not None:
-            if config.include_scheduler_cpu:
-                raise ConfigError(
-                    "include_scheduler_cpu (--include-scheduler-cpu)",
-                    True,
-                    "it is not modelled with --pd: drop one of them",
-                )
             self.link = link_of(fleet.pd_link, gpu_of(config))
-            for replica in self.replicas[num_prefill:]:
-                _charge_only_untransferred(replica.engine, config, self.transferred)
         self.sim: Simulation = make_simulation(config, self.replicas[0].engine, lambda _s: None)
         self.sim.ideal_prefix = self.ideal
         self.recorder: MetricsRecorder = self.sim.recorder
@@ -480,6 +465,9 @@ class FleetSimulation:
                         prompt_token_ids=tokens,
                         sampling=SamplingParams(max_tokens=remaining, ignore_eos=True),
                         arrival_time=handoff.time_s,
+                        # The prompt's KV and state arrived: computed at once, as vLLM's KV
+                        # connector marks them; the first answer token is the first computed.
+                        num_external_computed_tokens=len(flight.tokens),
                     )
                 )
             except RequestError as exc:
@@ -489,7 +477,6 @@ class FleetSimulation:
                 self.recorder.on_finish(req_id, self.now)
                 self.sim.finished(req_id, self.now, self.sim._answers.pop(req_id))
                 continue
-            self.transferred[req_id] = len(flight.tokens)
             self.decode_router.routed(handoff.route, index - self.num_prefill)
             flight.replica, flight.output, flight.decoding = index, remaining, True
             self.decode_of[req_id] = index
@@ -519,33 +506,6 @@ class FleetSimulation:
                 area += router.outstanding[local] * (end_s - lo)
             out.append(area / span if span > 0 else 0.0)
         return out
-
-
-def _charge_only_untransferred(
-    engine: Engine, config: SimConfig, transferred: Mapping[str, int]
-) -> None:
-    """A decode replica computes nothing it received: its steps are charged for the prompt
-    tokens past what the handoff moved (the first token), as the `ideal-hits` bound charges
-    for tokens past an ideal hit. Its cache still allocates and holds every block."""
-    executor = engine.executor
-    if not isinstance(executor, SimulatedExecutor):
-        raise TypeError("a decode replica runs on the simulated executor")
-    model = loaded_model(config)
-    cost = RooflineCostModel(
-        gpu_of(config),
-        model,
-        tp=config.tp,
-        dcp=config.dcp,
-        dtype=config.dtype,
-        kv_dtype=config.kv_dtype,
-        efficiency=config.efficiency,
-        num_draft_passes=draft_passes(speculative_of(config)),
-    )
-
-    def step_time(plan: StepPlan) -> float:
-        return cost.step_cost(bounded_shape(plan, "ideal-hits", transferred)).total_s
-
-    executor.step_time = step_time
 
 
 def imbalance(loads: list[float]) -> float:

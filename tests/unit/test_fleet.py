@@ -15,7 +15,7 @@ from hybridserve.cli import app
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request, SamplingParams
-from hybridserve.engine import Engine
+from hybridserve.engine import Engine, EngineStep
 from hybridserve.engine.offline import run_to_completion
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager, MambaSpec
 from hybridserve.scheduler import Scheduler
@@ -283,23 +283,42 @@ def test_pd_spec_is_parsed_and_a_bad_one_named() -> None:
 PD = FleetConfig(replicas=2, pd=(1, 1))
 
 
-def _first_gaps(link: Link | None) -> tuple[list[float], FleetSimulation]:
+def _first_gaps(
+    link: Link | None, admitted: list[int] | None = None
+) -> tuple[list[float], FleetSimulation]:
+    """Run SMALL on 1:1; `admitted` collects the tokens the decode replica scheduled for each
+    handoff in the step that admitted it."""
     sim = FleetSimulation(SMALL, PD)
     if link is not None:
         sim.link = link
+    if admitted is not None:
+        engine = sim.replicas[1].engine
+        step = engine.step
+
+        def recording_step(now: float = 0.0) -> EngineStep:
+            result = step(now)
+            scheduled = dict(result.scheduled.num_scheduled_tokens)
+            admitted.extend(scheduled[r] for r, _ in result.scheduled.new_reqs)
+            return result
+
+        engine.step = recording_step  # type: ignore[method-assign]
     recorder = sim.run(SMALL.duration_s)
     gaps = [r.gaps_s[0] for r in recorder.requests.values() if r.gaps_s]
     return gaps, sim
 
 
 def test_disaggregated_requests_prefill_on_one_replica_and_decode_on_the_other() -> None:
-    gaps, sim = _first_gaps(None)
+    admitted: list[int] = []
+    gaps, sim = _first_gaps(None, admitted)
     assert gaps and sim.transfer_s
     decoded = set(sim.decode_of)
     assert decoded and all(sim.replica_of[r] == 0 for r in decoded)
     assert set(sim.decode_of.values()) == {1}
-    # The decode replica received every prompt token: its steps are charged only past them.
-    assert all(sim.transferred[r] == sim.recorder.requests[r].prompt_tokens for r in decoded)
+    # The received prompt is computed at once (vLLM's KV connector): each handoff's admission
+    # schedules one token (its first answer token), padded to a decode's 1 + K rows under MTP.
+    lookahead = sim.replicas[1].scheduler.num_lookahead_tokens
+    assert len(admitted) == len(decoded)
+    assert set(admitted) == {1 + lookahead}
     assert sim.replicas[1].steps > sim.replicas[0].steps  # it runs the decodes
 
 

@@ -25,6 +25,10 @@ class SlotRequest:
     seq_tokens: int  # the request's known tokens (prompt + output)
     keep: KeepMask | None = None  # the request's retention mask (where checkpoints are kept)
     admission: bool = False  # the full-sequence admission gate (recycling groups are capped)
+    # The chunk's leading tokens arrived computed from another engine (a P/D handoff): the
+    # sender materialised their states, so a state group keeps the chunk's prefill checkpoint
+    # as if its spec had one.
+    received: bool = False
 
 
 @dataclass(frozen=True, slots=True)

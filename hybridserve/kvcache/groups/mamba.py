@@ -157,7 +157,7 @@ class MambaManager(GroupManager):
         boundary inside a block (a partial tail). Under `boundary` retention that is the final
         chunk's replay boundary (one block lower under the EAGLE drop)."""
         keep = slots.keep
-        if not self.spec.prefill_checkpoint or keep is None:
+        if not (self.spec.prefill_checkpoint or slots.received) or keep is None:
             return None
         bs, start, end = self.block_size, slots.computed, slots.chunk_end
         if start % bs or end - start < bs:
