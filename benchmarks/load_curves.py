@@ -9,8 +9,11 @@ slo_vs_agents.png (matplotlib) to --out.
 Default: agents 5, 10, 20, 40, 80 x (baseline, hybridserve) x 3 seeds, 600 s runs with a 120 s
 warm-up: 30 simulations, 7 minutes of CPU; 28 minutes of wall time with --workers 2 on this
 project's 2-core machine while other work loaded it (the 40- and 80-agent runs take most of it).
+`--tuned FILE` adds a third curve, `vllm-tuned`: the baseline preset with the vLLM setting of a
+stored search (`hybridserve sweep --space vllm --json`), the same setting at every load.
 
-    python benchmarks/load_curves.py --workers 2 --out runs/load_curves
+    python benchmarks/load_curves.py --workers 2 --out runs/load_curves \
+        --tuned docs/sweep_vllm_e1_20_agents.json
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridserve.sim.experiment import baseline_preset, run_configs
+from hybridserve.sim.experiment import baseline_preset, read_tuned, run_configs
 from hybridserve.sim.run import SimConfig, with_preset
 from hybridserve.sim.stats import mean_ci95
 from hybridserve.sim.workload import AgentParams
@@ -81,26 +84,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, nargs="+", default=[5, 10, 20, 40, 80])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--baseline", default="vllm")
+    parser.add_argument("--baseline", default="vllm", help="vllm or legacy")
+    parser.add_argument(
+        "--tuned",
+        type=Path,
+        default=None,
+        help="add a vllm-tuned curve: the setting of this search (sweep --space vllm --json)",
+    )
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--warmup", type=float, default=120.0)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/load_curves"))
     args = parser.parse_args()
+    if args.baseline == "vllm-tuned":
+        parser.error("--baseline: use vllm or legacy; --tuned FILE adds the vllm-tuned curve")
     seeds = list(range(args.seeds))
     presets = {"baseline": baseline_preset(args.baseline), "hybridserve": "hybridserve"}
-    configs = {
-        f"{label}@{agents}": with_preset(
-            SimConfig(
-                agents=AgentParams(num_agents=agents),
-                duration_s=args.duration,
-                warmup_s=args.warmup,
-            ),
-            preset,
+    configs = {}
+    search = None
+    for agents in args.agents:
+        base = SimConfig(
+            agents=AgentParams(num_agents=agents),
+            duration_s=args.duration,
+            warmup_s=args.warmup,
         )
-        for agents in args.agents
-        for label, preset in presets.items()
-    }
+        for label, preset in presets.items():
+            configs[f"{label}@{agents}"] = with_preset(base, preset)
+        if args.tuned is not None:
+            tuned, search = read_tuned(with_preset(base, "baseline"), args.tuned)
+            configs[f"vllm-tuned@{agents}"] = tuned
+    if args.tuned is not None:
+        presets["vllm-tuned"] = "baseline"
     results, _ = run_configs(
         configs, seeds, workers=args.workers, log=lambda line: print(line, file=sys.stderr)
     )
@@ -114,6 +128,7 @@ def main() -> None:
     files = plot(curves, args.agents, args.out)
     setup = {"baseline": args.baseline, "seeds": seeds, "duration_s": args.duration}
     setup["warmup_s"] = args.warmup
+    setup["vllm_tuned"] = search
     print(json.dumps({"setup": setup, "curves": curves, "files": files}))
 
 
