@@ -185,6 +185,13 @@ ThreadsOpt = Annotated[
 KvEventsOpt = Annotated[
     str | None, typer.Option(help="Publish KV events (vLLM's format) at tcp://HOST:PORT.")
 ]
+KvReplayOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="With --kv-events: answer replay requests for missed batches at tcp://HOST:PORT "
+        "(the last 10,000 batches, as vLLM's replay_endpoint)."
+    ),
+]
 
 # The serve flags that are SchedulerConfig fields (None: not given).
 SCHEDULER_FLAGS = (
@@ -247,6 +254,7 @@ class ServeFlags:
     served_model_name: list[str] | None
     threads: int | None
     kv_events: str | None
+    kv_events_replay: str | None
 
     def scheduler_flags(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in SCHEDULER_FLAGS}
@@ -295,6 +303,7 @@ def serve_cmd(
     served_model_name: ServedNameOpt = None,
     threads: ThreadsOpt = None,
     kv_events: KvEventsOpt = None,
+    kv_events_replay: KvReplayOpt = None,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
     code = _serve(ServeFlags(**locals()))
@@ -321,7 +330,7 @@ def _serve(flags: ServeFlags) -> int:
             num_blocks=flags.num_blocks,
             overrides=flags.scheduler_flags(),
         )
-        attach_kv_events(server_app, flags.kv_events)
+        attach_kv_events(server_app, flags.kv_events, flags.kv_events_replay)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     banner = startup_banner(server_app.state.hybridserve, host=flags.host, port=flags.port)

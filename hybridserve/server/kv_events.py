@@ -11,8 +11,12 @@ group_id]`, `["AllBlocksCleared"]`). Block hashes are bytes (msgpack bin).
 The engine thread only puts events on a bounded queue (never waits: when the queue is full an
 event is dropped and counted in `dropped`); a background thread takes what has accumulated,
 publishes it as one batch, and on `close` sends what is left before closing the socket.
-vLLM's replay socket (re-sending missed batches on request) is not provided: a subscriber that
-sees a gap in the sequence numbers knows it missed batches.
+
+A subscriber that sees a gap in the sequence numbers missed batches. With a replay endpoint
+(`--kv-events-replay tcp://HOST:PORT`, vLLM's `replay_endpoint`) the publisher keeps the last
+`buffer_steps` batches (vLLM's default, 10,000) and answers on a ZMQ ROUTER socket: a client
+(REQ or DEALER) sends the first sequence number it wants as 8 big-endian bytes and receives
+`[seq, payload]` for every kept batch from there on, then `[-1 as 8 signed bytes, b""]`, the end.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -36,22 +41,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLAG = "kv_events (--kv-events)"
+REPLAY_FLAG = "kv_events_replay (--kv-events-replay)"
 MAX_BATCH = 4_096  # events per published batch at most
+BUFFER_STEPS = 10_000  # batches kept for replay (vLLM's KVEventsConfig.buffer_steps)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
 
 
-def check_endpoint(endpoint: str) -> str:
+def check_endpoint(endpoint: str, *, flag: str = FLAG) -> str:
     """`endpoint` if it is tcp://HOST:PORT with a port in 1-65535; else a ConfigError naming
-    --kv-events."""
+    `flag` (--kv-events)."""
     fix = "use tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557"
     try:
         parts = urlsplit(endpoint)
         port = parts.port
     except ValueError:
-        raise ConfigError(FLAG, endpoint, fix) from None
+        raise ConfigError(flag, endpoint, fix) from None
     if parts.scheme != "tcp" or not parts.hostname or port is None or not 1 <= port <= 65535:
-        raise ConfigError(FLAG, endpoint, fix)
+        raise ConfigError(flag, endpoint, fix)
     if parts.path or parts.query or parts.fragment:
-        raise ConfigError(FLAG, endpoint, fix)
+        raise ConfigError(flag, endpoint, fix)
     return endpoint
 
 
@@ -60,10 +68,26 @@ class ZmqEventPublisher:
 
     Call it with each event (from one thread: the engine's). `close()` flushes and stops."""
 
-    def __init__(self, endpoint: str, *, topic: str = "", max_queue: int = 100_000) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        topic: str = "",
+        max_queue: int = 100_000,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = BUFFER_STEPS,
+    ) -> None:
         check_endpoint(endpoint)
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint, flag=REPLAY_FLAG)
+            if replay_endpoint == endpoint:
+                raise ConfigError(
+                    REPLAY_FLAG, replay_endpoint, "use another port than --kv-events'"
+                )
         if max_queue < 1:
             raise ConfigError("max_queue", max_queue, "use 1 or more events")
+        if buffer_steps < 1:
+            raise ConfigError("buffer_steps", buffer_steps, "use 1 or more batches")
         try:
             import msgpack
             import zmq
@@ -78,21 +102,39 @@ class ZmqEventPublisher:
         self._topic = topic.encode()
         self._queue: queue.Queue[KVEvent] = queue.Queue(maxsize=max_queue)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._socket = self._context.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.LINGER, 1_000)  # ms to deliver what is sent on close
-        try:
-            self._socket.bind(endpoint)
-        except zmq.ZMQError as exc:
-            self._socket.close(0)
-            self._context.term()
-            raise ConfigError(
-                FLAG, endpoint, f"cannot bind it ({exc}): use a free local port"
-            ) from None
+        self._socket = self._bind(zmq.PUB, endpoint, FLAG)
+        # Sockets are used by the sending thread only (ZMQ sockets are not thread-safe).
+        self._replay = None
+        if replay_endpoint is not None:
+            try:
+                self._replay = self._bind(zmq.ROUTER, replay_endpoint, REPLAY_FLAG)
+            except ConfigError:
+                self._socket.close(0)
+                self._context.term()
+                raise
+        self.replay_endpoint = replay_endpoint
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.sequence = 0  # the next batch's number
         self.dropped = 0  # events lost because the queue was full
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hybridserve-kv-events", daemon=True)
         self._thread.start()
+
+    def _bind(self, kind: int, endpoint: str, flag: str) -> zmq.Socket[bytes]:
+        import zmq
+
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 1_000)  # ms to deliver what is sent on close
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            socket.close(0)
+            if kind == zmq.PUB:
+                self._context.term()
+            raise ConfigError(
+                flag, endpoint, f"cannot bind it ({exc}): use a free local port"
+            ) from None
+        return socket
 
     def __call__(self, event: KVEvent) -> None:
         try:
@@ -104,6 +146,7 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         while True:
+            self._serve_replays()
             try:
                 first = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -122,7 +165,29 @@ class ZmqEventPublisher:
         payload = self._packb(batch_wire(batch), use_bin_type=True)
         number = self.sequence.to_bytes(8, "big")
         self._socket.send_multipart((self._topic, number, payload))
+        if self._replay is not None:
+            self._buffer.append((self.sequence, payload))
         self.sequence += 1
+
+    def _serve_replays(self) -> None:
+        """Answer every replay request waiting on the ROUTER socket (see the module docstring);
+        a malformed request is logged and ignored."""
+        replay = self._replay
+        if replay is None:
+            return
+        while replay.poll(0):
+            frames = replay.recv_multipart()
+            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+                logger.warning(
+                    "KV events replay: ignored a malformed request (%d frames)", len(frames)
+                )
+                continue
+            client, _, first = frames
+            start = int.from_bytes(first, "big")
+            for number, payload in self._buffer:
+                if number >= start:
+                    replay.send_multipart((client, b"", number.to_bytes(8, "big"), payload))
+            replay.send_multipart((client, b"", END_SEQ, b""))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Publish what is queued, then close the socket. Idempotent."""
@@ -131,16 +196,23 @@ class ZmqEventPublisher:
         self._stop.set()
         self._thread.join(timeout_s)
         self._socket.close()
+        if self._replay is not None:
+            self._replay.close()
         self._context.term()
 
 
-def attach_kv_events(app: Any, endpoint: str | None) -> ZmqEventPublisher | None:
-    """Publish the served engine's KV events at `endpoint` (nothing when it is None): bind now
-    (a bad or busy endpoint fails before serving starts), attach to the cache, and close the
-    publisher once the app's lifespan has stopped the engine. `app` is from `create_app`."""
+def attach_kv_events(
+    app: Any, endpoint: str | None, replay_endpoint: str | None = None
+) -> ZmqEventPublisher | None:
+    """Publish the served engine's KV events at `endpoint` (nothing when it is None), answering
+    replay requests at `replay_endpoint` when given: bind now (a bad or busy endpoint fails
+    before serving starts), attach to the cache, and close the publisher once the app's
+    lifespan has stopped the engine. `app` is from `create_app`."""
     if endpoint is None:
+        if replay_endpoint is not None:
+            raise ConfigError(REPLAY_FLAG, replay_endpoint, "it needs --kv-events as well")
         return None
-    publisher = ZmqEventPublisher(endpoint)
+    publisher = ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint)
     state = app.state.hybridserve
     attach_events(state.parts.cache, publisher, tokens_of=state.parts.engine.token_ids)
     app.router.lifespan_context = _closing(app.router.lifespan_context, publisher.close)

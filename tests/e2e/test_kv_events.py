@@ -140,3 +140,63 @@ def test_a_bad_kv_events_endpoint_is_refused_naming_the_flag(endpoint: str) -> N
     result = CliRunner().invoke(app, ["serve", "--kv-events", endpoint, "--port", "1"])
     assert result.exit_code != 0
     assert "--kv-events" in result.output and "tcp://HOST:PORT" in result.output
+
+
+def _stored(block_id: int) -> BlockStored:
+    return BlockStored((block_id.to_bytes(4, "big"),), None, (1, 2), 16, None, None, group_id=0)
+
+
+def test_a_replay_request_resends_the_kept_batches_from_the_asked_sequence_then_the_end() -> None:
+    from hybridserve.server.kv_events import END_SEQ, ZmqEventPublisher
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    publisher = ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint, buffer_steps=3)
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    client.connect(replay_endpoint)
+    try:
+        for block_id in range(5):  # five batches, one event each: the buffer keeps the last 3
+            publisher(_stored(block_id))
+            deadline = time.monotonic() + 5
+            while publisher.sequence <= block_id and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert publisher.sequence == 5
+
+        def replay(first: int) -> list[tuple[int, bytes]]:
+            client.send_multipart((b"", first.to_bytes(8, "big")))
+            got = []
+            while client.poll(5_000):
+                _, number, payload = client.recv_multipart()
+                if number == END_SEQ:
+                    assert payload == b""
+                    return got
+                got.append((int.from_bytes(number, "big"), payload))
+            raise AssertionError("no end marker")
+
+        kept = replay(3)
+        assert [n for n, _ in kept] == [3, 4]
+        batches = [batch_from_wire(msgpack.unpackb(p, raw=False)) for _, p in kept]
+        assert [b.events[0].block_hashes for b in batches] == [(b"\0\0\0\3",), (b"\0\0\0\4",)]
+        assert [n for n, _ in replay(0)] == [2, 3, 4]  # older batches are gone
+        assert replay(9) == []  # nothing past the newest: just the end
+        client.send_multipart((b"", b"bad"))  # a malformed request is ignored ...
+        assert [n for n, _ in replay(4)] == [4]  # ... and the socket still answers
+    finally:
+        client.close(0)
+        context.term()
+        publisher.close()
+
+
+def test_a_replay_endpoint_needs_kv_events_and_its_own_port() -> None:
+    from typer.testing import CliRunner
+
+    from hybridserve.cli import app
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    runner = CliRunner()
+    alone = runner.invoke(app, ["serve", "--kv-events-replay", endpoint, "--port", "1"])
+    assert alone.exit_code != 0 and "needs --kv-events" in alone.output
+    same = ["serve", "--kv-events", endpoint, "--kv-events-replay", endpoint, "--port", "1"]
+    result = runner.invoke(app, same)
+    assert result.exit_code != 0 and "--kv-events-replay" in result.output
