@@ -8,6 +8,9 @@ until the baseline preempts:
 
     python benchmarks/agent_controls.py --agents 40 --seeds 2 --duration 360 --warmup 90 \\
         --gmu 0.66 --workers 2
+
+`--tuned FILE` makes the reference the vllm-tuned baseline (the baseline preset with the vLLM
+setting of a stored `sweep --space vllm` search); each control is added on top of its knobs.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from hybridserve.sim.experiment import paired_report, run_configs
+from hybridserve.sim.experiment import paired_report, read_tuned, run_configs
 from hybridserve.sim.run import SimConfig
 from hybridserve.sim.workload import AgentParams
 
@@ -40,9 +44,17 @@ def main() -> None:
     parser.add_argument("--gmu", type=float, default=0.9, help="gpu_memory_utilization")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=list(CONTROLS), choices=list(CONTROLS))
+    parser.add_argument(
+        "--tuned",
+        type=Path,
+        default=None,
+        help="reference = vllm-tuned: the vLLM setting of this search (sweep --space vllm --json)",
+    )
     args = parser.parse_args()
     if args.seeds < 2:
         parser.error("--seeds: a paired interval needs at least 2 seeds")
+    if args.tuned is not None and args.preset != "baseline":
+        parser.error("--tuned: the vllm-tuned reference is the baseline preset; drop --preset")
     base = SimConfig(
         preset=args.preset,
         duration_s=args.duration,
@@ -50,22 +62,29 @@ def main() -> None:
         agents=AgentParams(num_agents=args.agents),
         gpu_memory_utilization=args.gmu,
     )
-    configs = {args.preset: base}
+    reference, search = args.preset, None
+    if args.tuned is not None:
+        base, search = read_tuned(base, args.tuned)
+        reference = "vllm-tuned"
+    configs = {reference: base}
     for label in args.only:
-        configs[label] = replace(base, controls=tuple(sorted(CONTROLS[label].items())))
+        controls = {**dict(base.controls), **CONTROLS[label]}
+        configs[label] = replace(base, controls=tuple(sorted(controls.items())))
     seeds = list(range(args.seeds))
     results, _ = run_configs(configs, seeds, workers=args.workers)
     out: dict[str, Any] = {"preset": args.preset, "agents": args.agents, "seeds": seeds}
     out["gmu"] = args.gmu
+    out["reference"] = reference
+    out["vllm_tuned"] = search
     for label, rows in results.items():
         report = paired_report(
-            {args.preset: results[args.preset], label: rows},
-            baseline=args.preset,
+            {reference: results[reference], label: rows},
+            baseline=reference,
             ours=label,
             bounds=(),
         )
         entry: dict[str, Any] = {key: report[label][key] for key in KEYS}
-        if label != args.preset:
+        if label != reference:
             entry["ratios"] = report["ratios"]
         pins = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k.startswith("kv_pins")}
         if pins:

@@ -3,8 +3,9 @@ configuration, over paired seeds with Student-t 95% intervals.
 
 SLO attainment is the fraction of turns (requests finished in the window) whose TTFT is at most
 15 s and whose own p99 time between tokens is at most 100 ms (the tiers of DESIGN.md section 6).
-Prints one JSON object and writes goodput_vs_agents.png, itl_p99_vs_agents.png and
-slo_vs_agents.png (matplotlib) to --out.
+Prints one JSON object (with the paired per-seed ratios of each configuration to the baseline)
+and writes goodput_vs_agents.png, itl_p99_vs_agents.png, slo_vs_agents.png and
+goodput_ratio_vs_agents.png (matplotlib) to --out. `--replot FILE` redraws them from a saved run.
 
 Default: agents 5, 10, 20, 40, 80 x (baseline, hybridserve) x 3 seeds, 600 s runs with a 120 s
 warm-up: 30 simulations, 7 minutes of CPU; 28 minutes of wall time with --workers 2 on this
@@ -43,6 +44,59 @@ def curve_point(values: list[float]) -> dict[str, Any]:
         "ci95": None if ci is None else [round(ci[0], 4), round(ci[1], 4)],
         "per_seed": [round(v, 4) for v in values],
     }
+
+
+RATIO_KEYS = ("job_goodput_per_hour", "itl_p99_ms")
+RATIO_PNG = "goodput_ratio_vs_agents.png"
+
+
+def paired_ratios(
+    curves: dict[str, dict[str, dict[str, Any]]], agents: list[int]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per configuration but the baseline, per agent count: the per-seed ratios configuration /
+    baseline of job goodput and p99 ITL (the seeds are paired), their mean and 95% t interval."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for label, by_agents in curves.items():
+        if label == "baseline":
+            continue
+        out[label] = {}
+        for a in agents:
+            point = {}
+            for key in RATIO_KEYS:
+                ours = by_agents[str(a)][key]["per_seed"]
+                base = curves["baseline"][str(a)][key]["per_seed"]
+                point[key] = curve_point([x / y for x, y in zip(ours, base, strict=True) if y])
+            out[label][str(a)] = point
+    return out
+
+
+def plot_ratios(ratios: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> str:
+    """One PNG: job goodput over the baseline's, per configuration, with paired intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, by_agents in ratios.items():
+        points = [by_agents[str(a)]["job_goodput_per_hour"] for a in agents]
+        means = [p["mean"] for p in points]
+        low = [m - (p["ci95"][0] if p["ci95"] else m) for m, p in zip(means, points, strict=True)]
+        high = [(p["ci95"][1] if p["ci95"] else m) - m for m, p in zip(means, points, strict=True)]
+        ax.errorbar(agents, means, yerr=[low, high], marker="o", capsize=3, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(agents, [str(a) for a in agents])
+    ax.set_xlabel("agents")
+    ax.set_ylabel("job goodput / baseline's (same seed)")
+    ax.set_title("paired job goodput ratio vs load (mean, 95% t interval)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / RATIO_PNG
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 def plot(curves: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> list[str]:
@@ -95,7 +149,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=120.0)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/load_curves"))
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="redraw the PNGs (and recompute the ratios) from an earlier run's JSON; runs nothing",
+    )
     args = parser.parse_args()
+    if args.replot is not None:
+        saved = json.loads(args.replot.read_text())
+        agents = [int(a) for a in next(iter(saved["curves"].values()))]
+        report = _report(saved["setup"], saved["curves"], agents, args.out)
+        args.replot.write_text(json.dumps(report) + "\n")
+        print(json.dumps(report))
+        return
     if args.baseline == "vllm-tuned":
         parser.error("--baseline: use vllm or legacy; --tuned FILE adds the vllm-tuned curve")
     seeds = list(range(args.seeds))
@@ -125,11 +192,23 @@ def main() -> None:
             curves[label][str(agents)] = {
                 key: curve_point([r[key] for r in rows]) for key, _, _ in CURVES
             }
-    files = plot(curves, args.agents, args.out)
     setup = {"baseline": args.baseline, "seeds": seeds, "duration_s": args.duration}
     setup["warmup_s"] = args.warmup
     setup["vllm_tuned"] = search
-    print(json.dumps({"setup": setup, "curves": curves, "files": files}))
+    print(json.dumps(_report(setup, curves, args.agents, args.out)))
+
+
+def _report(
+    setup: dict[str, Any],
+    curves: dict[str, dict[str, dict[str, Any]]],
+    agents: list[int],
+    out: Path,
+) -> dict[str, Any]:
+    """The printed JSON: setup, curves, paired ratios, and the PNGs drawn into `out`."""
+    ratios = paired_ratios(curves, agents)
+    files = plot(curves, agents, out)
+    files.append(plot_ratios(ratios, agents, out))
+    return {"setup": setup, "curves": curves, "ratios": ratios, "files": files}
 
 
 if __name__ == "__main__":

@@ -251,13 +251,11 @@ class KVCacheManager:
         """Make room for `num_new_tokens` (plus lookahead slots) and register full blocks.
 
         A new admission passes its `hit` (from `find_hit`, just before) and `num_prompt_tokens`;
-        `num_computed_tokens` excludes the hit. `received`: the chunk starts with tokens computed
-        by another engine (a P/D handoff); state groups keep its prefill checkpoint, which the
-        sender materialised. Returns None, with nothing taken, when the
-        blocks do not fit or the hit is not ready; blocks the request no longer needs (outside
-        a window, old states) may still have been released. On success the hit's metrics
-        sample is committed: a request that failed k times and is then admitted counts once.
-        """
+        `num_computed_tokens` excludes the hit. `received`: the chunk starts with tokens another
+        engine computed (a P/D handoff); state groups keep the checkpoint the sender made.
+        Returns None, with nothing taken, when the blocks do not fit or the hit is not ready;
+        blocks the request no longer needs (outside a window, old states) may still have been
+        released. On success the hit's metrics sample is committed, once per admission."""
         if (
             hit is None
             and not full_sequence_must_fit
@@ -272,9 +270,7 @@ class KVCacheManager:
         total_computed = num_computed_tokens + hit_tokens
         hit_blocks = hit.group_blocks if hit is not None else ((),) * len(self.groups)
         cows = hit.cow_sources if hit is not None else (None,) * len(self.groups)
-        keep = self._keep_for(req_id, num_prompt_tokens or num_tokens, hit)
-        if keep is None and received:  # its checkpoint needs the mask now
-            keep = self._keep_mask(self._boundaries(num_prompt_tokens or num_tokens, hit))
+        keep = self._keep_for(req_id, num_prompt_tokens or num_tokens, hit, received=received)
         if full_sequence_must_fit:
             whole = SlotRequest(num_tokens, total_computed, num_tokens, num_tokens, keep, True)
             if not self.pool.has_room(self._blocks_needed(req_id, whole, hit_blocks, cows)):
@@ -282,14 +278,8 @@ class KVCacheManager:
         for group in self.groups:
             group.remove_skipped(req_id, total_computed)
         chunk_end = total_computed + num_new_tokens
-        slots = SlotRequest(
-            chunk_end + num_lookahead_tokens,
-            total_computed,
-            chunk_end,
-            num_tokens,
-            keep,
-            received=received,
-        )
+        wanted = chunk_end + num_lookahead_tokens
+        slots = SlotRequest(wanted, total_computed, chunk_end, num_tokens, keep, received=received)
         if not self.pool.has_room(self._blocks_needed(req_id, slots, hit_blocks, cows)):
             return None
         copies: tuple[BlockCopy, ...] = ()
@@ -324,15 +314,15 @@ class KVCacheManager:
         return True
 
     def _keep_for(
-        self, req_id: str, num_prompt_tokens: int, hit: CacheHit | None
+        self, req_id: str, num_prompt_tokens: int, hit: CacheHit | None, *, received: bool
     ) -> KeepMask | None:
         """The retention mask an allocation places checkpoints by: the request's own once it is
-        admitted; for an admission built here when a group checkpoints; else None (built later
-        by `_begin_request`)."""
+        admitted; for an admission built here when a group checkpoints or the chunk was
+        received (its checkpoint is kept); else None (built later by `_begin_request`)."""
         state = self._requests.get(req_id)
         if state is not None:
             return state.keep
-        if self._checkpointing:
+        if self._checkpointing or received:
             return self._keep_mask(self._boundaries(num_prompt_tokens, hit))
         return None
 
