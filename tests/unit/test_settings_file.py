@@ -144,3 +144,31 @@ def test_bench_refuses_a_file_that_picks_a_preset(tmp_path: Path) -> None:
         _bench_file_options(path)
     plain = _write(tmp_path, "[scheduler]\nmax_num_seqs = 8\n")
     assert _bench_file_options(plain) == {"controls": (("max_num_seqs", 8),), "retention": None}
+
+
+def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_ttl_pinning() -> None:
+    """docs/agents_overload.toml is what the README's 80-agent measurement ran: the baseline
+    preset, the vLLM knobs of the stored 20-agent search, and kv_pin_fraction 0.3 (the `pin`
+    control of benchmarks/agent_controls.py on its --tuned reference)."""
+    import sys
+
+    from hybridserve.sim.experiment import read_tuned
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    options = _file_options(docs / "agents_overload.toml")
+    sys.path.insert(0, str(docs.parent / "benchmarks"))
+    try:
+        from agent_controls import CONTROLS
+    finally:
+        sys.path.pop(0)
+    tuned, _ = read_tuned(SimConfig(), docs / "sweep_vllm_e1_20_agents.json")
+    assert options["preset"] == tuned.preset == "baseline"
+    assert options["retention"] is None and tuned.retention == "boundary"  # the preset's own
+    measured = {**dict(tuned.controls), **CONTROLS["pin"]}
+    assert dict(options["controls"]) == measured
+    assert sorted(measured) == [
+        "kv_pin_fraction",
+        "long_prefill_token_threshold",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+    ]
