@@ -4,6 +4,7 @@ one-replica equivalence with the single-engine simulator."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -320,6 +321,14 @@ def test_disaggregated_requests_prefill_on_one_replica_and_decode_on_the_other()
     assert len(admitted) == len(decoded)
     assert set(admitted) == {1 + lookahead}
     assert sim.replicas[1].steps > sim.replicas[0].steps  # it runs the decodes
+
+
+def test_disaggregated_steps_can_add_the_measured_scheduler_cpu() -> None:
+    """The decode replica's steps are costed as any replica's (nothing received is charged),
+    so --include-scheduler-cpu applies to a P/D fleet too."""
+    config = replace(SMALL, include_scheduler_cpu=True)
+    recorder = FleetSimulation(config, PD, cpu_clock=time.perf_counter).run(config.duration_s)
+    assert any(r.gaps_s for r in recorder.requests.values())
 
 
 def test_a_slower_link_delays_the_second_token_by_the_transfer() -> None:
