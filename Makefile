@@ -21,8 +21,10 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@ $(STAMP_RUN)
 
+# E1 on its defaults, with the other two baselines beside vLLM 0.33: the tuned one reads the
+# stored search of vLLM's own knobs (docs/sweep_vllm_e1_20_agents.json), the pre-0.33 engine.
 run: $(STAMP_RUN)
-	$(BIN)/hybridserve bench
+	$(BIN)/hybridserve bench --also-baselines vllm-tuned,legacy --tuned docs/sweep_vllm_e1_20_agents.json
 
 test: $(STAMP_TEST) lint typecheck contracts models pytest
 

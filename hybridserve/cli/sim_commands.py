@@ -678,6 +678,13 @@ NameOption = Annotated[
     typer.Option(help="Run name: files go under runs/NAME/ [default: a new runs/e1-DATE-TIME/]."),
 ]
 AblationsOption = Annotated[bool, typer.Option(help="Also run controls-only and retention-only.")]
+AlsoBaselinesOption = Annotated[
+    str,
+    typer.Option(
+        help="More baselines beside --baseline, comma-separated (vllm, vllm-tuned, legacy): each "
+        "runs on the same seeds, with hybridserve's paired ratios to it (`ratios_vs`)."
+    ),
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -707,6 +714,7 @@ class BenchFlags:
     calibration: Path | None
     name: str | None
     ablations: bool
+    also_baselines: str
     as_json: bool
     replicas: int | None
     router: str
@@ -720,9 +728,24 @@ class BenchFlags:
         return list(range(self.seed, self.seed + self.seeds))
 
     @property
+    def other_baselines(self) -> list[str]:
+        """The --also-baselines names, checked: known, not --baseline, each once."""
+        from hybridserve.sim.experiment import BASELINES
+
+        names = [n.strip() for n in self.also_baselines.split(",") if n.strip()]
+        for name in names:
+            if name not in BASELINES:
+                raise ConfigError("--also-baselines", name, f"use some of {', '.join(BASELINES)}")
+            if name == self.baseline or names.count(name) > 1:
+                raise ConfigError(
+                    "--also-baselines", name, "name each baseline once, other than --baseline"
+                )
+        return names
+
+    @property
     def labels(self) -> list[str]:
         extra = ["controls-only", "retention-only"] if self.ablations else []
-        return ["baseline", "hybridserve", *extra]
+        return ["baseline", "hybridserve", *self.other_baselines, *extra]
 
 
 @app.command("bench")
@@ -750,6 +773,7 @@ def bench_cmd(
     calibration: CalibrationOption = None,
     name: NameOption = None,
     ablations: AblationsOption = False,
+    also_baselines: AlsoBaselinesOption = "",
     as_json: JsonOption = False,
     replicas: ReplicasOption = None,
     router: RouterOption = "round-robin",
@@ -803,11 +827,14 @@ def _bench_configs(flags: BenchFlags) -> tuple[SimConfig, dict[str, SimConfig], 
     )
     presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
     presets.update({p: p for p in flags.labels[2:]})
-    # A --config file shapes the hybridserve side only: the baseline stays what it is.
+    others = flags.other_baselines
+    presets.update({name: baseline_preset(name) for name in others})
+    # A --config file shapes the hybridserve side only: the baselines stay what they are.
     extra = _bench_file_options(flags.config_file)
     configs = {
         label: replace(
-            with_preset(config, presets[label]), **(extra if label != "baseline" else {})
+            with_preset(config, presets[label]),
+            **(extra if label != "baseline" and label not in others else {}),
         )
         for label in flags.labels
     }
@@ -828,9 +855,13 @@ def _bench(
             "--bounds", True, "bounds are single-engine: drop --bounds or the fleet options"
         )
     search: dict[str, Any] | None = None
-    if flags.baseline == "vllm-tuned":
-        configs["baseline"], search = _tuned_baseline(
-            configs["baseline"],
+    # The vllm-tuned baseline, main or another one (never both: --also-baselines excludes it).
+    tuned_label = "baseline" if flags.baseline == "vllm-tuned" else None
+    if "vllm-tuned" in flags.other_baselines:
+        tuned_label = "vllm-tuned"
+    if tuned_label is not None:
+        configs[tuned_label], search = _tuned_baseline(
+            configs[tuned_label],
             flags.tuned,
             trials=flags.tune_trials,
             slo=flags.itl_slo_ms,
@@ -856,6 +887,15 @@ def _bench(
         fleets=fleets,
     )
     report = paired_report(results, baseline="baseline", ours="hybridserve")
+    report["ratios_vs"] = {
+        name: paired_report(
+            {k: results[k] for k in (name, "hybridserve")},
+            baseline=name,
+            ours="hybridserve",
+            bounds=(),
+        )["ratios"]
+        for name in flags.other_baselines
+    }
     if fleets:
         report["fleet"] = fleet_block({k: [v[s] for s in seed_list] for k, v in fleets.items()})
     report["pool"] = pools
@@ -892,9 +932,12 @@ def _bench_setup(
         "config": None if config_file is None else str(config_file),
         # A --config file shapes the hybridserve side only: the baseline stays what it is.
         "labels": {
-            label: label if label == "baseline" else run_label(label, config_file)
+            label: label
+            if label == "baseline" or label in flags.other_baselines
+            else run_label(label, config_file)
             for label in labels
         },
+        "also_baselines": flags.other_baselines,
     }
 
 
@@ -1018,6 +1061,13 @@ def _print_ratios(console: Any, report: dict[str, Any]) -> None:
             f"hybridserve / {base} {name}: {shown} ({interval}; per seed {per_seed})",
             highlight=False,
         )
+    for other, ratios in report.get("ratios_vs", {}).items():
+        parts = []
+        for name, ratio in ratios.items():
+            ci, mean = ratio["ci95"], ratio["mean"]
+            shown = "-" if mean is None else f"{mean:.2f}x"
+            parts.append(f"{name} {shown}" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]"))
+        console.print(f"hybridserve / {other}: " + ", ".join(parts), highlight=False)
     if n < 10:
         console.print(
             f"{n} seeds: a short screen. The full design (10+ paired seeds, 1,800 s runs) is "

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -371,3 +372,45 @@ def test_bench_json_prints_the_paired_report_on_its_last_line(tmp_path, monkeypa
     tuned.write_text("{}")
     refused = CliRunner().invoke(app, ["bench", *args, *extra])
     assert refused.exit_code != 0 and "--tuned" in refused.output
+
+
+def test_bench_runs_more_baselines_on_the_same_seeds_with_ratios_to_each(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from hybridserve.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps({"best": {"controls": {"max_num_batched_tokens": 1024}}}))
+    small = tmp_path / "small.toml"
+    small.write_text("[scheduler]\nmax_num_batched_tokens = 512\n")
+    args = ["bench", "--duration", "60", "--warmup", "10", "--agents", "3", "--seeds", "2"]
+    args += ["--workers", "1", "--no-bounds", "--tuned", str(tuned)]
+    also = ["--also-baselines", "legacy,vllm-tuned", "--json"]
+
+    def bench(*extra: str) -> dict[str, Any]:
+        result = CliRunner().invoke(app, [*args, *extra, *also])
+        assert result.exit_code == 0, result.output
+        report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+        return report
+
+    report = bench()
+    assert set(report["ratios_vs"]) == {"legacy", "vllm-tuned"}
+    for name, ratios in report["ratios_vs"].items():
+        ours = report["hybridserve"]["per_seed_job_goodput_per_hour"]
+        theirs = report[name]["per_seed_job_goodput_per_hour"]
+        got = ratios["job_goodput"]["per_seed"]
+        for a, b, ratio in zip(ours, theirs, got, strict=True):
+            assert ratio is None if b == 0 else ratio == pytest.approx(a / b, abs=1e-4)
+    assert report["setup"]["vllm_tuned"]["best"]["controls"] == {"max_num_batched_tokens": 1024}
+    # A settings file shapes hybridserve only: every baseline runs as without it.
+    shaped = bench("--config", str(small))
+    for name in ("baseline", "legacy", "vllm-tuned"):
+        assert shaped[name] == report[name], name
+    assert shaped["hybridserve"] != report["hybridserve"]
+    assert shaped["setup"]["labels"]["legacy"] == "legacy"
+    for bad, why in (("vllm", "other than --baseline"), ("vllm-fast", "use some of")):
+        refused = CliRunner().invoke(app, [*args, "--also-baselines", bad])
+        assert refused.exit_code != 0 and why in refused.output, refused.output
