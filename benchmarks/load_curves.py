@@ -70,67 +70,67 @@ def paired_ratios(
     return out
 
 
-def plot_ratios(ratios: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> str:
-    """One PNG: job goodput over the baseline's, per configuration, with paired intervals."""
+def _draw(
+    series: dict[str, list[dict[str, Any]]],
+    agents: list[int],
+    path: Path,
+    *,
+    ylabel: str,
+    title: str,
+    unity: bool = False,
+) -> str:
+    """One PNG: a line per series over the agent counts, with each point's 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for label, by_agents in ratios.items():
-        points = [by_agents[str(a)]["job_goodput_per_hour"] for a in agents]
+    for label, points in series.items():
         means = [p["mean"] for p in points]
         low = [m - (p["ci95"][0] if p["ci95"] else m) for m, p in zip(means, points, strict=True)]
         high = [(p["ci95"][1] if p["ci95"] else m) - m for m, p in zip(means, points, strict=True)]
         ax.errorbar(agents, means, yerr=[low, high], marker="o", capsize=3, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    if unity:
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xscale("log", base=2)
     ax.set_xticks(agents, [str(a) for a in agents])
     ax.set_xlabel("agents")
-    ax.set_ylabel("job goodput / baseline's (same seed)")
-    ax.set_title("paired job goodput ratio vs load (mean, 95% t interval)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path = out / RATIO_PNG
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
 
 
+def plot_ratios(ratios: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> str:
+    """One PNG: job goodput over the baseline's, per configuration, with paired intervals."""
+    series = {
+        label: [by_agents[str(a)]["job_goodput_per_hour"] for a in agents]
+        for label, by_agents in ratios.items()
+    }
+    return _draw(
+        series,
+        agents,
+        out / RATIO_PNG,
+        ylabel="job goodput / baseline's (same seed)",
+        title="paired job goodput ratio vs load (mean, 95% t interval)",
+        unity=True,
+    )
+
+
 def plot(curves: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for key, label, name in CURVES:
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for config, by_agents in curves.items():
-            points = [by_agents[str(a)][key] for a in agents]
-            means = [p["mean"] for p in points]
-            low = [
-                m - (p["ci95"][0] if p["ci95"] else m) for m, p in zip(means, points, strict=True)
-            ]
-            high = [
-                (p["ci95"][1] if p["ci95"] else m) - m for m, p in zip(means, points, strict=True)
-            ]
-            ax.errorbar(agents, means, yerr=[low, high], marker="o", capsize=3, label=config)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(agents, [str(a) for a in agents])
-        ax.set_xlabel("agents")
-        ax.set_ylabel(label)
-        ax.set_title(f"{label} vs load (mean, 95% CI over seeds)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        path = out / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
+        series = {
+            config: [by_agents[str(a)][key] for a in agents] for config, by_agents in curves.items()
+        }
+        title = f"{label} vs load (mean, 95% CI over seeds)"
+        written.append(_draw(series, agents, out / name, ylabel=label, title=title))
     return written
 
 
