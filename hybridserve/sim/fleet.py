@@ -11,6 +11,12 @@ recorded when it starts (its plan is known then); its tokens are delivered when 
 replica this is exactly the single-engine loop, so `--replicas 1 --router round-robin` gives the
 single-engine report bit for bit.
 
+Disaggregated (`--pd P:D`, sim/pd.py), a prefill replica answers the first token; the handoff
+lands on a decode replica after the link's time, and is admitted there with the prompt marked
+computed (`Request.num_external_computed_tokens`, as vLLM's KV connector does): its first step
+computes the first answer token only, and the cache registers the received blocks as a
+one-chunk prefill would.
+
 The fleet report adds, over the measurement window: the reconciled hit rate against the global
 ideal (one infinite cache for the whole fleet: every block any replica computed, prompts and
 answers, kept forever, states at every block), and the load imbalance, max/mean over replicas of
