@@ -5,7 +5,8 @@ SLO attainment is the fraction of turns (requests finished in the window) whose 
 15 s and whose own p99 time between tokens is at most 100 ms (the tiers of DESIGN.md section 6).
 Prints one JSON object (with the paired per-seed ratios of each configuration to the baseline)
 and writes goodput_vs_agents.png, itl_p99_vs_agents.png, slo_vs_agents.png and
-goodput_ratio_vs_agents.png (matplotlib) to --out. `--replot FILE` redraws them from a saved run.
+goodput_ratio_vs_agents.png (matplotlib) to --out. `--replot FILE` redraws them from a saved run
+(into --out, with the recomputed JSON as load_curves.json).
 
 Default: agents 5, 10, 20, 40, 80 x (baseline, hybridserve) x 3 seeds, 600 s runs with a 120 s
 warm-up: 30 simulations, 7 minutes of CPU; 28 minutes of wall time with --workers 2 on this
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,12 +39,15 @@ CURVES = (
 )
 
 
-def curve_point(values: list[float]) -> dict[str, Any]:
-    mean, ci = mean_ci95(values)
+def curve_point(values: list[float | None]) -> dict[str, Any]:
+    """Mean and 95% t interval of the values that exist (None: a seed without a value, e.g. a
+    ratio over a baseline that finished nothing), with every seed's value."""
+    present = [v for v in values if v is not None]
+    mean, ci = mean_ci95(present) if present else (math.nan, None)
     return {
         "mean": round(mean, 4),
         "ci95": None if ci is None else [round(ci[0], 4), round(ci[1], 4)],
-        "per_seed": [round(v, 4) for v in values],
+        "per_seed": [None if v is None else round(v, 4) for v in values],
     }
 
 
@@ -65,7 +70,9 @@ def paired_ratios(
             for key in RATIO_KEYS:
                 ours = by_agents[str(a)][key]["per_seed"]
                 base = curves["baseline"][str(a)][key]["per_seed"]
-                point[key] = curve_point([x / y for x, y in zip(ours, base, strict=True) if y])
+                point[key] = curve_point(
+                    [x / y if y else None for x, y in zip(ours, base, strict=True)]
+                )
             out[label][str(a)] = point
     return out
 
@@ -153,14 +160,15 @@ def main() -> None:
         "--replot",
         type=Path,
         default=None,
-        help="redraw the PNGs (and recompute the ratios) from an earlier run's JSON; runs nothing",
+        help="redraw the PNGs and recompute the ratios from an earlier run's JSON into --out "
+        "(with load_curves.json); runs nothing",
     )
     args = parser.parse_args()
     if args.replot is not None:
         saved = json.loads(args.replot.read_text())
         agents = [int(a) for a in next(iter(saved["curves"].values()))]
         report = _report(saved["setup"], saved["curves"], agents, args.out)
-        args.replot.write_text(json.dumps(report) + "\n")
+        (args.out / "load_curves.json").write_text(json.dumps(report) + "\n")
         print(json.dumps(report))
         return
     if args.baseline == "vllm-tuned":

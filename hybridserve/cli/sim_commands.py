@@ -828,7 +828,7 @@ def _bench_configs(flags: BenchFlags) -> tuple[SimConfig, dict[str, SimConfig], 
     presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
     presets.update({p: p for p in flags.labels[2:]})
     others = flags.other_baselines
-    presets.update({name: baseline_preset(name) for name in others})
+    presets.update({name: baseline_preset(name, field="--also-baselines") for name in others})
     # A --config file shapes the hybridserve side only: the baselines stay what they are.
     extra = _bench_file_options(flags.config_file)
     configs = {

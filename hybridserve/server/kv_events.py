@@ -14,9 +14,12 @@ publishes it as one batch, and on `close` sends what is left before closing the 
 
 A subscriber that sees a gap in the sequence numbers missed batches. With a replay endpoint
 (`--kv-events-replay tcp://HOST:PORT`, vLLM's `replay_endpoint`) the publisher keeps the last
-`buffer_steps` batches (vLLM's default, 10,000) and answers on a ZMQ ROUTER socket: a client
-(REQ or DEALER) sends the first sequence number it wants as 8 big-endian bytes and receives
-`[seq, payload]` for every kept batch from there on, then `[-1 as 8 signed bytes, b""]`, the end.
+`buffer_steps` batches (vLLM's default, 10,000) and answers on a ZMQ ROUTER socket: a DEALER
+client sends `[b"", seq]` (or just `[seq]`), the first sequence number it wants as 8 big-endian
+bytes, and receives `[b"", seq, payload]` (`[seq, payload]`) for every kept batch from there on,
+then `[b"", -1 as 8 signed bytes, b""]`, the end; a malformed request gets the end alone. (A REQ
+socket takes only one reply per request, so it sees the first batch only.) The ROUTER queues a
+whole replay however slowly the client reads (no high-water mark).
 """
 
 from __future__ import annotations
@@ -125,6 +128,11 @@ class ZmqEventPublisher:
 
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 1_000)  # ms to deliver what is sent on close
+        if kind == zmq.ROUTER:
+            # A replay is queued whole (a full-queue ROUTER would drop it silently), and a
+            # client that is gone is an error to log rather than a silent discard.
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             socket.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -145,21 +153,26 @@ class ZmqEventPublisher:
             self.dropped += 1
 
     def _run(self) -> None:
-        while True:
-            self._serve_replays()
-            try:
-                first = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            events = [first]
-            while len(events) < MAX_BATCH:
+        try:
+            while True:
+                self._serve_replays()
                 try:
-                    events.append(self._queue.get_nowait())
+                    first = self._queue.get(timeout=0.05)
                 except queue.Empty:
-                    break
-            self._send(KVEventBatch(time.time(), tuple(events)))
+                    if self._stop.is_set():
+                        return
+                    continue
+                events = [first]
+                while len(events) < MAX_BATCH:
+                    try:
+                        events.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                self._send(KVEventBatch(time.time(), tuple(events)))
+        finally:  # the sockets belong to this thread: it closes them
+            self._socket.close()
+            if self._replay is not None:
+                self._replay.close()
 
     def _send(self, batch: KVEventBatch) -> None:
         payload = self._packb(batch_wire(batch), use_bin_type=True)
@@ -169,25 +182,38 @@ class ZmqEventPublisher:
             self._buffer.append((self.sequence, payload))
         self.sequence += 1
 
-    def _serve_replays(self) -> None:
-        """Answer every replay request waiting on the ROUTER socket (see the module docstring);
-        a malformed request is logged and ignored."""
+    def _serve_replays(self, most: int = 16) -> None:
+        """Answer up to `most` replay requests waiting on the ROUTER socket (see the module
+        docstring), so that publishing goes on between them."""
+        import zmq
+
         replay = self._replay
         if replay is None:
             return
-        while replay.poll(0):
+        for _ in range(most):
+            if not replay.poll(0):
+                return
             frames = replay.recv_multipart()
-            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+            # [client, b"", seq] from a DEALER that sends a delimiter, [client, seq] without.
+            envelope: tuple[bytes, ...] = (frames[0],)
+            request = frames[1] if len(frames) == 2 else b""
+            if len(frames) == 3 and not frames[1]:
+                envelope, request = (frames[0], b""), frames[2]
+            if len(request) != 8:
                 logger.warning(
-                    "KV events replay: ignored a malformed request (%d frames)", len(frames)
+                    "KV events replay: a malformed request (%d frames) gets the end only",
+                    len(frames),
                 )
-                continue
-            client, _, first = frames
-            start = int.from_bytes(first, "big")
-            for number, payload in self._buffer:
-                if number >= start:
-                    replay.send_multipart((client, b"", number.to_bytes(8, "big"), payload))
-            replay.send_multipart((client, b"", END_SEQ, b""))
+                request = END_SEQ
+            start = int.from_bytes(request, "big", signed=True)
+            try:
+                if start >= 0:
+                    for number, payload in self._buffer:
+                        if number >= start:
+                            replay.send_multipart((*envelope, number.to_bytes(8, "big"), payload))
+                replay.send_multipart((*envelope, END_SEQ, b""))
+            except zmq.ZMQError as exc:  # the client went away
+                logger.warning("KV events replay: a client left mid-replay (%s)", exc)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Publish what is queued, then close the socket. Idempotent."""
@@ -195,9 +221,10 @@ class ZmqEventPublisher:
             return
         self._stop.set()
         self._thread.join(timeout_s)
-        self._socket.close()
-        if self._replay is not None:
-            self._replay.close()
+        if self._thread.is_alive():
+            # Its sockets are still in use: leave them (and the context) to the daemon thread.
+            logger.warning("KV events: the publisher did not stop within %.1f s", timeout_s)
+            return
         self._context.term()
 
 

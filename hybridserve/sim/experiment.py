@@ -47,19 +47,17 @@ RATIOS = {
 }
 
 
-def baseline_preset(name: str) -> str:
+def baseline_preset(name: str, *, field: str = "baseline") -> str:
     """The preset that `--baseline NAME` runs (`vllm-tuned` is the baseline preset with the tuned
-    vLLM knobs on top, `tune_vllm`). Raises ConfigError for an unknown name and for `legacy`
-    while no such preset exists."""
+    vLLM knobs on top, `tune_vllm`). Raises ConfigError naming `field` for an unknown name and
+    for `legacy` while no such preset exists."""
     if name in ("vllm", "vllm-tuned"):
         return "baseline"
     if name == "legacy":
         if "legacy" not in PRESETS:
-            raise ConfigError(
-                "baseline", name, f"no `legacy` preset in this build (presets: {PRESETS})"
-            )
+            raise ConfigError(field, name, f"no `legacy` preset in this build (presets: {PRESETS})")
         return "legacy"
-    raise ConfigError("baseline", name, f"use one of {BASELINES}")
+    raise ConfigError(field, name, f"use one of {BASELINES}")
 
 
 def tune_vllm(
@@ -102,17 +100,27 @@ def read_tuned(
             data = json.loads(text.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise ConfigError(field, str(path), f"give a readable JSON file ({exc})") from None
-    found = data.get("setup", {}).get("vllm_tuned", data) if isinstance(data, dict) else None
+    setup = data.get("setup") if isinstance(data, dict) else None
+    found = setup.get("vllm_tuned", data) if isinstance(setup, dict) else data
+    need = 'it needs {"best": {"controls": {KNOB: integer, ...}, "retention": "..."}}'
     if not isinstance(found, dict) or not isinstance(found.get("best"), dict):
-        raise ConfigError(
-            field, str(path), 'it needs {"best": {"controls": {...}, "retention": "..."}}'
-        )
+        raise ConfigError(field, str(path), need)
     best = found["best"]
     controls, retention = best.get("controls", {}), best.get("retention") or "boundary"
+    if not isinstance(controls, dict) or not isinstance(retention, str):
+        raise ConfigError(field, str(path), need)
+    for knob, value in controls.items():
+        integer = isinstance(value, int) and not isinstance(value, bool)
+        if not (integer or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{field} controls.{knob}", value, "use an integer")
     search = {k: v for k, v in found.items() if k != "trials"}
     if isinstance(found.get("trials"), list):
         search["trials"] = len(found["trials"])
-    return tuned_config(config, controls, retention), {**search, "from": str(path)}
+    try:
+        tuned = tuned_config(config, controls, retention)
+    except ConfigError as exc:
+        raise ConfigError(f"{field} ({path})", exc.value, exc.fix) from None
+    return tuned, {**search, "from": str(path)}
 
 
 def tuned_config(config: SimConfig, controls: Mapping[str, Any], retention: str) -> SimConfig:

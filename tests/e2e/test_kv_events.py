@@ -142,8 +142,11 @@ def test_a_bad_kv_events_endpoint_is_refused_naming_the_flag(endpoint: str) -> N
     assert "--kv-events" in result.output and "tcp://HOST:PORT" in result.output
 
 
-def _stored(block_id: int) -> BlockStored:
-    return BlockStored((block_id.to_bytes(4, "big"),), None, (1, 2), 16, None, None, group_id=0)
+def _stored(block_id: int, tokens: tuple[int, ...] = (1, 2)) -> BlockStored:
+    return BlockStored((block_id.to_bytes(4, "big"),), None, tokens, 16, None, None, group_id=0)
+
+
+BIG = tuple(range(100_000, 108_000))  # 8,000 token ids, 5 msgpack bytes each: ~40 KB a batch
 
 
 def test_a_replay_request_resends_the_kept_batches_from_the_asked_sequence_then_the_end() -> None:
@@ -180,8 +183,15 @@ def test_a_replay_request_resends_the_kept_batches_from_the_asked_sequence_then_
         assert [b.events[0].block_hashes for b in batches] == [(b"\0\0\0\3",), (b"\0\0\0\4",)]
         assert [n for n, _ in replay(0)] == [2, 3, 4]  # older batches are gone
         assert replay(9) == []  # nothing past the newest: just the end
-        client.send_multipart((b"", b"bad"))  # a malformed request is ignored ...
+        client.send_multipart((b"", b"bad"))  # a malformed request gets the end alone ...
+        assert client.poll(5_000) and client.recv_multipart() == [b"", END_SEQ, b""]
         assert [n for n, _ in replay(4)] == [4]  # ... and the socket still answers
+        bare = context.socket(zmq.DEALER)  # a DEALER without the empty delimiter frame
+        bare.connect(replay_endpoint)
+        bare.send((4).to_bytes(8, "big"))
+        assert bare.poll(5_000) and int.from_bytes(bare.recv_multipart()[0], "big") == 4
+        assert bare.poll(5_000) and bare.recv_multipart() == [END_SEQ, b""]
+        bare.close(0)
     finally:
         client.close(0)
         context.term()
@@ -200,3 +210,40 @@ def test_a_replay_endpoint_needs_kv_events_and_its_own_port() -> None:
     same = ["serve", "--kv-events", endpoint, "--kv-events-replay", endpoint, "--port", "1"]
     result = runner.invoke(app, same)
     assert result.exit_code != 0 and "--kv-events-replay" in result.output
+
+
+def test_a_replay_longer_than_zmqs_default_queue_arrives_whole_to_a_slow_client() -> None:
+    """3,000 kept batches of ~40 KB (more than the socket buffers hold), asked for at once and
+    read a second later: a ROUTER with ZMQ's default high-water mark (1,000 messages a pipe)
+    would drop part of them and the end marker."""
+    from hybridserve.server.kv_events import END_SEQ, ZmqEventPublisher
+
+    replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    publisher = ZmqEventPublisher(
+        f"tcp://127.0.0.1:{_free_port()}", replay_endpoint=replay_endpoint, buffer_steps=3_000
+    )
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    client.connect(replay_endpoint)
+    try:
+        for block_id in range(3_000):
+            publisher(_stored(block_id, BIG))
+            deadline = time.monotonic() + 5
+            while publisher.sequence <= block_id and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        assert publisher.sequence == 3_000
+        client.send_multipart((b"", (0).to_bytes(8, "big")))
+        time.sleep(1.0)
+        numbers = []
+        while client.poll(5_000):
+            _, number, _payload = client.recv_multipart()
+            if number == END_SEQ:
+                break
+            numbers.append(int.from_bytes(number, "big"))
+        else:
+            raise AssertionError(f"no end marker after {len(numbers)} batches")
+        assert numbers == list(range(3_000))
+    finally:
+        client.close(0)
+        context.term()
+        publisher.close()

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -414,3 +415,34 @@ def test_bench_runs_more_baselines_on_the_same_seeds_with_ratios_to_each(
     for bad, why in (("vllm", "other than --baseline"), ("vllm-fast", "use some of")):
         refused = CliRunner().invoke(app, [*args, "--also-baselines", bad])
         assert refused.exit_code != 0 and why in refused.output, refused.output
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            '{"best": {"controls": {"max_num_batched_tokens": "big"}}}',
+            "controls.max_num_batched_tokens",
+        ),
+        (
+            '{"best": {"controls": {"max_num_batched_tokens": true}}}',
+            "controls.max_num_batched_tokens",
+        ),
+        ('{"setup": null, "best": {"controls": {"max_num_seqs": 2.5}}}', "controls.max_num_seqs"),
+        ('{"best": {"controls": {"kv_pin_fraction": 1}}}', "--tuned ("),
+        ('{"best": {"controls": []}}', "--tuned"),
+        ("not json", "--tuned"),
+    ],
+)
+def test_a_bad_tuned_file_is_refused_naming_the_flag_and_the_knob(
+    tmp_path: Path, text: str, named: str
+) -> None:
+    from hybridserve.core.errors import ConfigError
+    from hybridserve.sim.experiment import read_tuned
+    from hybridserve.sim.run import SimConfig
+
+    path = tmp_path / "tuned.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        read_tuned(SimConfig(), path)
+    assert info.value.field.startswith("--tuned") and named in info.value.field
