@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -66,11 +67,28 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def wait_until_serving(
+    base_url: str, process: subprocess.Popen[str] | None = None, timeout_s: float = 60.0
+) -> None:
+    """Poll `base_url`/health until the server answers; fail when `timeout_s` passes or the
+    server's `process` (when given) has exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(base_url + "/health", timeout=5)
+            return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"{base_url} did not answer in {timeout_s} s"
+            assert process is None or process.poll() is None, "the server process exited"
+            time.sleep(0.05)
 
 
 def start_server(
@@ -93,7 +111,7 @@ def start_server(
 def serve_in_thread(app: Any) -> LiveServer:
     """Run `app` under uvicorn in a daemon thread on a free loopback port, with the server's
     own shutdown (`HybridServer`): `stop()` drains as SIGINT does."""
-    port = _free_port()
+    port = free_port()
     config = server_config(app, host="127.0.0.1", port=port)
     server = HybridServer(config, app.state.hybridserve)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -16,7 +16,7 @@ import pytest
 
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.executor.api import Executor
-from tests.e2e.conftest import MODEL, LiveServer, start_server
+from tests.e2e.conftest import MODEL, LiveServer, start_server, wait_until_serving
 from tests.e2e.faulty_backend import FaultyBackend, always_fail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ def test_the_serve_process_exits_non_zero_soon_after_its_executor_keeps_failing(
     try:
         assert process.stdout is not None
         base_url = f"http://127.0.0.1:{int(process.stdout.readline())}"
-        _wait_until_up(base_url)
+        wait_until_serving(base_url, process, timeout_s=30.0)
         url = base_url + "/v1/completions"
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
         started = time.monotonic()
@@ -226,18 +226,6 @@ def test_the_serve_process_exits_non_zero_soon_after_its_executor_keeps_failing(
     finally:
         process.kill()
         process.wait()
-
-
-def _wait_until_up(base_url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            httpx.get(base_url + "/health", timeout=5)
-            return
-        except httpx.TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def test_an_engine_loop_bug_fails_every_request_and_stops_the_server_with_status_1(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridserve.kvcache.events import BlockStored, KVEventBatch, batch_from_wire
 from hybridserve.kvcache.hashing import BlockHasher
+from tests.e2e.conftest import free_port, wait_until_serving
 
 MODEL = "qwen3-next-80b-a3b"
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 BLOCK = 544  # the profile's block size in both groups (full attention, Mamba)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _registered(base_url: str) -> dict[int, float]:
@@ -43,7 +36,7 @@ def _registered(base_url: str) -> dict[int, float]:
 
 
 def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> None:
-    port, events_port = _free_port(), _free_port()
+    port, events_port = free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{events_port}"
     command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
     command += ["--port", str(port), "--sim-speed", "1000", "--kv-events", endpoint]
@@ -61,14 +54,7 @@ def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> N
                 [sys.executable, "-u", "-c", snippet], stdout=subprocess.PIPE, text=True
             )
         )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(base_url + "/health", timeout=5)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and process.poll() is None
-                time.sleep(0.1)
+        wait_until_serving(base_url, process)
         sub.connect(endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         time.sleep(1.0)  # both subscriptions reach the publisher before anything is cached
@@ -152,8 +138,8 @@ BIG = tuple(range(100_000, 108_000))  # 8,000 token ids, 5 msgpack bytes each: ~
 def test_a_replay_request_resends_the_kept_batches_from_the_asked_sequence_then_the_end() -> None:
     from hybridserve.server.kv_events import END_SEQ, ZmqEventPublisher
 
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     publisher = ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint, buffer_steps=3)
     context = zmq.Context()
     client = context.socket(zmq.DEALER)
@@ -203,7 +189,7 @@ def test_a_replay_endpoint_needs_kv_events_and_its_own_port() -> None:
 
     from hybridserve.cli import app
 
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     runner = CliRunner()
     alone = runner.invoke(app, ["serve", "--kv-events-replay", endpoint, "--port", "1"])
     assert alone.exit_code != 0 and "needs --kv-events" in alone.output
@@ -218,9 +204,9 @@ def test_a_replay_longer_than_zmqs_default_queue_arrives_whole_to_a_slow_client(
     would drop part of them and the end marker."""
     from hybridserve.server.kv_events import END_SEQ, ZmqEventPublisher
 
-    replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     publisher = ZmqEventPublisher(
-        f"tcp://127.0.0.1:{_free_port()}", replay_endpoint=replay_endpoint, buffer_steps=3_000
+        f"tcp://127.0.0.1:{free_port()}", replay_endpoint=replay_endpoint, buffer_steps=3_000
     )
     context = zmq.Context()
     client = context.socket(zmq.DEALER)

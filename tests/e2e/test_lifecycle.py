@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from hybridserve.server.app import ServerSettings
-from tests.e2e.conftest import MODEL, LiveServer, start_server
+from tests.e2e.conftest import MODEL, LiveServer, start_server, wait_until_serving
 
 
 def _body(max_tokens: int, *, stream: bool) -> dict[str, Any]:
@@ -312,14 +312,7 @@ def test_sigint_drains_the_serve_process_and_exits_0() -> None:
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(base_url + "/health", timeout=5)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and process.poll() is None
-                time.sleep(0.1)
+        wait_until_serving(base_url, process)
         body = {**_body(3000, stream=True), "model": "qwen3-next-80b-a3b"}
         with (
             httpx.Client(timeout=30.0) as http,

@@ -15,7 +15,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.e2e.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -55,13 +56,6 @@ def curl_snippet() -> str:
 def python_snippet() -> str:
     (block,) = [b for b in _blocks("python") if "OpenAI(" in b]
     return block
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _env() -> dict[str, str]:
@@ -136,7 +130,7 @@ def readme_server(request: pytest.FixtureRequest) -> Iterator[tuple[ServeProcess
     if executor == "torch" and (reason := _torch_ready()) is not None:
         pytest.skip(reason)
     command = serve_commands()[executor]
-    port = _free_port()
+    port = free_port()
     server = ServeProcess(command, port)
     try:
         banner = server.wait_for_banner(timeout_s=300 if executor == "torch" else 60)
