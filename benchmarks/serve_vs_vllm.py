@@ -212,6 +212,64 @@ def _vllm_skip_reason(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _vllm_cmd(args: argparse.Namespace) -> Any:
+    def command(port: int) -> list[str]:
+        return [
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", args.vllm_model, "--port", str(port), "--dtype", "float32",
+            "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "4096",
+        ]  # fmt: skip
+
+    return command
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _round_view(runs: dict[str, Any], concurrency: list[int]) -> dict[str, Any]:
+    """One round without the texts, with its hybridserve / vLLM ratios when both served."""
+    view: dict[str, Any] = {
+        side: {c: {k: v for k, v in e.items() if k != "_texts"} for c, e in run.items()}
+        if "skipped" not in run
+        else run
+        for side, run in runs.items()
+    }
+    ours, theirs = runs["hybridserve"], runs.get("vllm", {"skipped": "not run"})
+    if "skipped" in ours or "skipped" in theirs:
+        return view
+    view["ratios"] = {
+        str(c): {
+            "requests_per_s": _ratio(
+                ours[str(c)]["requests_per_s"], theirs[str(c)]["requests_per_s"]
+            ),
+            "itl_p50": _ratio(ours[str(c)]["itl_p50_ms"], theirs[str(c)]["itl_p50_ms"]),
+            "identical_greedy_texts": sum(
+                ours[str(c)]["_texts"].get(i) == t for i, t in theirs[str(c)]["_texts"].items()
+            )
+            / max(len(theirs[str(c)]["_texts"]), 1),
+        }
+        for c in concurrency
+    }
+    return view
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return round(statistics.median(kept), 3) if kept else None
+
+
+def _medians(runs: list[dict[str, Any]], concurrency: list[int]) -> dict[str, Any]:
+    """Per concurrency, the median over rounds of every numeric field."""
+    if any("skipped" in run for run in runs):
+        return next(run for run in runs if "skipped" in run)
+    out: dict[str, Any] = {}
+    for c in map(str, concurrency):
+        keys = [k for k, v in runs[0][c].items() if isinstance(v, int | float)]
+        out[c] = {k: _median_or_none([run[c][k] for run in runs]) for k in keys}
+    return out
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
@@ -230,6 +288,9 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--vllm-model", default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds; medians and per-round ratios"
+    )
     args = parser.parse_args()
     if args.shared_prefix > args.prompt_tokens:
         raise SystemExit("--shared-prefix cannot exceed --prompt-tokens")
@@ -244,52 +305,50 @@ def main() -> None:
         for c in args.concurrency
     }
     threads = args.threads or len(os.sched_getaffinity(0))
-    port = _free_port()
-    ours_cmd = [
-        sys.executable, "-c", "from hybridserve.cli import main; main()", "serve",
-        "--executor", "torch", "--model", args.model, "--device", "cpu", "--port", str(port),
-        "--threads", str(threads), "--max-num-seqs", str(max(args.concurrency)),
-    ]  # fmt: skip
+
+    def ours_cmd(port: int) -> list[str]:
+        return [
+            sys.executable, "-c", "from hybridserve.cli import main; main()", "serve",
+            "--executor", "torch", "--model", args.model, "--device", "cpu", "--port", str(port),
+            "--threads", str(threads), "--max-num-seqs", str(max(args.concurrency)),
+        ]  # fmt: skip
+
     report: dict[str, Any] = {"setup": {**vars(args), "threads": threads}}
-    ours = _serve(ours_cmd, port, args, workloads)
-    report["hybridserve"] = ours
     reason = _vllm_skip_reason(args)
     if reason is None:
-        port = _free_port()
-        vllm_cmd = [
-            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", args.vllm_model, "--port", str(port), "--dtype", "float32",
-            "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "4096",
-        ]  # fmt: skip
         # vLLM's CPU backend: its KV cache size (GiB) and OpenMP threads, as many as ours.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        try:
-            theirs = _serve(vllm_cmd, port, args, workloads)
-        except RuntimeError as exc:
-            report["vllm"] = {"skipped": f"vLLM did not serve: {exc}"}
-        else:
-            report["vllm"] = theirs
-            ratios = {}
-            for c in map(str, args.concurrency):
-                a, b = ours[c], theirs[c]
-                ratios[c] = {
-                    "requests_per_s": round(a["requests_per_s"] / b["requests_per_s"], 2),
-                    "itl_p50": round(a["itl_p50_ms"] / b["itl_p50_ms"], 2)
-                    if a["itl_p50_ms"] and b["itl_p50_ms"]
-                    else None,
-                    "identical_greedy_texts": sum(
-                        a["_texts"].get(i) == t for i, t in b["_texts"].items()
-                    )
-                    / max(len(b["_texts"]), 1),
-                }
-            report["hybridserve_over_vllm"] = ratios
-    else:
+    rounds: list[dict[str, Any]] = []
+    for index in range(args.rounds):
+        # Interleaved: odd rounds start with vLLM, so a drift of the machine hits both sides.
+        sides = ["hybridserve", "vllm"] if reason is None else ["hybridserve"]
+        if index % 2:
+            sides.reverse()
+        runs: dict[str, Any] = {}
+        for side in sides:
+            print(f"round {index + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
+            command = ours_cmd if side == "hybridserve" else _vllm_cmd(args)
+            try:
+                runs[side] = _serve(command(port := _free_port()), port, args, workloads)
+            except RuntimeError as exc:
+                runs[side] = {"skipped": f"{side} did not serve: {exc}"}
+        rounds.append(runs)
+    report["rounds"] = [_round_view(runs, args.concurrency) for runs in rounds]
+    report["hybridserve"] = _medians([r["hybridserve"] for r in rounds], args.concurrency)
+    if reason is not None:
         report["vllm"] = {"skipped": reason}
-    for side in ("hybridserve", "vllm"):
-        for entry in report.get(side, {}).values():
-            if isinstance(entry, dict):
-                entry.pop("_texts", None)
+    elif any("skipped" in r["vllm"] for r in rounds):
+        report["vllm"] = next(r["vllm"] for r in rounds if "skipped" in r["vllm"])
+    else:
+        report["vllm"] = _medians([r["vllm"] for r in rounds], args.concurrency)
+        report["hybridserve_over_vllm"] = {
+            str(c): {
+                key: _median_or_none([r["ratios"][str(c)][key] for r in report["rounds"]])
+                for key in ("requests_per_s", "itl_p50", "identical_greedy_texts")
+            }
+            for c in args.concurrency
+        }
     print(json.dumps(report, indent=2))
 
 

@@ -363,6 +363,30 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+class GatherBuffers:
+    """Reused output tensors for the per-layer key and value gathers. A fresh multi-megabyte
+    output every layer costs its page faults each time (on CPU the allocator hands large
+    blocks back to the system): gathering into the same memory layer after layer, step after
+    step, was 2-4x faster than `index_select` allocating its output (a decode of 32 requests
+    at 300 tokens of context, SmolLM2-135M). A layer's gathered keys live until its attention
+    returns, so one buffer per role serves every layer."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def gather(self, role: str, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`cache.index_select(0, slots)` written into the `role` buffer (grown as needed)."""
+        shape = (slots.numel(), *cache.shape[1:])
+        numel = shape[0] * cache[0].numel() if cache.shape[0] else 0
+        key = (role, cache.dtype, cache.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 1), dtype=cache.dtype, device=cache.device)
+            self._buffers[key] = buffer
+        out = buffer[:numel].view(shape)
+        return torch.index_select(cache, 0, slots, out=out)
+
+
 def _partial(
     q: torch.Tensor,
     kb: torch.Tensor,
@@ -468,8 +492,10 @@ class ForwardContext:
         num_tokens: int,
         shards: dict[int, ShardMeta] | None = None,
         dcp: DcpGroup | None = None,
+        buffers: GatherBuffers | None = None,
     ) -> None:
         self.cache = cache
+        self.buffers = buffers or GatherBuffers()
         self.layer_group = layer_group
         self.attention_meta = attention
         self.states = states
@@ -516,8 +542,8 @@ class ForwardContext:
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         # One gather of every key the step's chunks attend to, per cache tensor.
-        keys = _gather(k_cache, meta.key_slots).to(q.dtype)
-        values = _gather(v_cache, meta.key_slots).to(q.dtype)
+        keys = self.buffers.gather("keys", k_cache, meta.key_slots).to(q.dtype)
+        values = self.buffers.gather("values", v_cache, meta.key_slots).to(q.dtype)
         self.attention_elements += meta.computed_elements * q.shape[1]
         self.gathered_keys += int(meta.key_slots.numel())
         if len(meta.calls) == 1 and meta.calls[0].first_row == 0 and not meta.prefix_calls:

@@ -24,11 +24,13 @@ from hybridserve.executor.torch.drafting import ngram_propose
 from hybridserve.executor.torch.forward import (
     ChunkSpan,
     ForwardContext,
+    GatherBuffers,
     StateChunk,
     build_attention_meta,
     build_shard_meta,
     to_device,
 )
+from hybridserve.executor.torch.layers.packed import pack_linears
 from hybridserve.executor.torch.logits import (
     PROMPT_ROWS_PER_SLICE,
     PenaltyRow,
@@ -75,13 +77,15 @@ class TorchExecutor:
         seed: int = 0,
         dcp: DcpGroup | None = None,
         share_prefixes: bool = True,
+        packed_linears: bool = True,
     ) -> None:
-        """`share_prefixes`: chunks whose block tables begin with the same blocks attend to
-        those keys in one call (see `forward.build_attention_meta`); off, each chunk reads its
-        whole context. `dcp`: this rank's decode-context-parallel group. Every rank builds the
-        same model and executes the same plans (see `executor.torch.dcp`); full-attention and
-        MLA KV is sharded by token, so one block id covers `block_size * dcp.world_size`
-        tokens."""
+        """`packed_linears`: on the CPU, float32 linear layers read a oneDNN-packed copy of
+        their weights (`layers.packed`; off, `F.linear`). `share_prefixes`: chunks whose block
+        tables begin with the same blocks attend to those keys in one call (see
+        `forward.build_attention_meta`); off, each chunk reads its whole context. `dcp`: this
+        rank's decode-context-parallel group. Every rank builds the same model and executes the
+        same plans (see `executor.torch.dcp`); full-attention and MLA KV is sharded by token,
+        so one block id covers `block_size * dcp.world_size` tokens."""
         self.device = torch.device(device)
         self.dcp = dcp or DcpGroup()
         self.model = model.to(self.device).eval()
@@ -115,6 +119,11 @@ class TorchExecutor:
             self.head = DraftHead(model, len(layers), seed=seed).to(self.device).eval()
             layers = [*layers, self.head.cache_spec()]
         self.groups = derive_cache_groups(layers, block_size=block_size, mamba_mode=mamba_mode)
+        self.num_packed_linears = 0
+        if packed_linears:
+            self.num_packed_linears = pack_linears(self.model)
+            if self.head is not None:
+                self.num_packed_linears += pack_linears(self.head)
         has_state = any(isinstance(s, MambaSpec) for s in self.groups.specs)
         self.cache = DeviceCache(
             layers,
@@ -175,6 +184,7 @@ class TorchExecutor:
         # included): what packing the batch saves is visible here.
         self.attention_elements = 0
         self.gathered_keys = 0  # K (and V) rows the last step gathered from the paged cache
+        self._buffers = GatherBuffers()
 
     # ----- set-up ---------------------------------------------------------------------------
 
@@ -449,6 +459,7 @@ class TorchExecutor:
             num_tokens=sum(c.num_tokens for c in chunks),
             shards=shards,
             dcp=self.dcp,
+            buffers=self._buffers,
         )
         return ctx, commits
 
