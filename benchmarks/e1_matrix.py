@@ -1,5 +1,6 @@
-"""Experiment E1 over paired seeds and agent counts: a baseline against hybridserve (and the
-ablations, controls-only and retention-only, on request), with the three upper bounds.
+"""Experiment E1 over paired seeds and agent counts: a baseline against hybridserve (and, on
+request, decode-first with its two ablations controls-only and retention-only), with the three
+upper bounds.
 
 Every configuration runs on the same seeds, and a seed fixes every agent's jobs
 (hybridserve.sim.workload), so per-seed ratios are paired. Prints one JSON object: per agent
@@ -34,6 +35,8 @@ from hybridserve.sim.experiment import (
 from hybridserve.sim.run import SimConfig, with_preset
 from hybridserve.sim.workload import AgentParams
 
+ABLATIONS = ("decode-first", "controls-only", "retention-only")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,7 +68,7 @@ def main() -> None:
     parser.add_argument(
         "--controls",
         default="{}",
-        help="JSON scheduler overrides for hybridserve (and controls-only), e.g. "
+        help="JSON scheduler overrides for hybridserve (and decode-first, controls-only), e.g. "
         "'{\"max_num_partial_prefills\": 2}'",
     )
     args = parser.parse_args()
@@ -98,11 +101,11 @@ def main() -> None:
         )
         presets = {"baseline": base_preset, "hybridserve": "hybridserve"}
         if args.ablations:
-            presets.update({"controls-only": "controls-only", "retention-only": "retention-only"})
+            presets.update({name: name for name in ABLATIONS})
         configs = {}
         for label, name in presets.items():
             config = with_preset(base, name)
-            if controls and name in ("hybridserve", "controls-only"):
+            if controls and name in ("hybridserve", "decode-first", "controls-only"):
                 config = replace(config, controls=controls)
             configs[label] = config
         if args.baseline == "vllm-tuned":

@@ -289,6 +289,12 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--vllm-model", default=None)
     parser.add_argument(
+        "--ours-args",
+        default="",
+        help="more `hybridserve serve` flags, e.g. '--preset baseline --max-num-batched-tokens "
+        "2048' (vLLM 0.33's schedule at vLLM's CPU serving default budget)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds; medians and per-round ratios"
     )
     args = parser.parse_args()
@@ -311,6 +317,7 @@ def main() -> None:
             sys.executable, "-c", "from hybridserve.cli import main; main()", "serve",
             "--executor", "torch", "--model", args.model, "--device", "cpu", "--port", str(port),
             "--threads", str(threads), "--max-num-seqs", str(max(args.concurrency)),
+            *args.ours_args.split(),
         ]  # fmt: skip
 
     report: dict[str, Any] = {"setup": {**vars(args), "threads": threads}}

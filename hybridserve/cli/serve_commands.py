@@ -83,7 +83,8 @@ SimSpeedOpt = Annotated[
 PresetOpt = Annotated[
     str | None,
     typer.Option(
-        help="baseline, legacy, hybridserve, controls-only or retention-only [default: the "
+        help="baseline, legacy, hybridserve, decode-first, controls-only or retention-only "
+        "[default: the "
         "--config file's preset, else hybridserve]."
     ),
 ]

@@ -329,7 +329,8 @@ CpuOption = Annotated[
 SimPresetOption = Annotated[
     str | None,
     typer.Option(
-        help="baseline, legacy, hybridserve, controls-only or retention-only [default: the "
+        help="baseline, legacy, hybridserve, decode-first, controls-only or retention-only "
+        "[default: the "
         "--config file's preset, else hybridserve]."
     ),
 ]
@@ -677,7 +678,9 @@ NameOption = Annotated[
     str | None,
     typer.Option(help="Run name: files go under runs/NAME/ [default: a new runs/e1-DATE-TIME/]."),
 ]
-AblationsOption = Annotated[bool, typer.Option(help="Also run controls-only and retention-only.")]
+AblationsOption = Annotated[
+    bool, typer.Option(help="Also run decode-first and its ablations (controls-, retention-only).")
+]
 AlsoBaselinesOption = Annotated[
     str,
     typer.Option(
@@ -744,7 +747,7 @@ class BenchFlags:
 
     @property
     def labels(self) -> list[str]:
-        extra = ["controls-only", "retention-only"] if self.ablations else []
+        extra = ["decode-first", "controls-only", "retention-only"] if self.ablations else []
         return ["baseline", "hybridserve", *self.other_baselines, *extra]
 
 

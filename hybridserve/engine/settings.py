@@ -30,11 +30,15 @@ The presets:
 * `legacy`: the pre-0.33 engine of the E1 story - every control off, EAGLE/MTP drop the last
   matched block of a prefix hit instead of hashing a lookahead, and Mamba states are kept only at
   floor((L-1)/A)*A (`boundary-only`), so a dropped lookup finds no state.
-* `hybridserve`: the controls the README's selection picked (a sweep screened settings for job
-  goodput under a 100 ms p99 ITL SLO, 20 agents, Qwen3-Next on H200; its SLO-meeting leaders
-  were rerun on three seeds at full length): Cp = 16 quanta, Mp = 2, D = 4, T = 60 ms (no
-  deadline); plus `boundary+predecessor` retention.
-* `controls-only` and `retention-only`: the two ablations of `hybridserve`.
+* `hybridserve`: vLLM 0.33 (`baseline`) with the token budget a search of vLLM's own knobs
+  found for agents under a 100 ms p99 ITL SLO (`max_num_batched_tokens` 2,048, `max_num_seqs`
+  512; `docs/sweep_vllm_e1_20_agents.json`) and tool-call TTL pinning of at most 30% of the
+  pool (`kv_pin_fraction` 0.3): at 20 and 40 agents it is that tuned vLLM (nothing is evicted),
+  at 80 it keeps 1.22x its jobs (README, E1). A request without a session id is never pinned.
+* `decode-first`: the controls an earlier sweep picked for p99 ITL (Cp = 16 quanta, Mp = 2,
+  D = 4, T = 60 ms, no deadline) with `boundary+predecessor` retention; the `hybridserve`
+  preset until it lost jobs past 20 agents by queueing the prefills that start turns.
+* `controls-only` and `retention-only`: the two ablations of `decode-first`.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache import RetentionPolicy
 
-PRESETS = ("baseline", "legacy", "hybridserve", "controls-only", "retention-only")
+PRESETS = ("baseline", "legacy", "hybridserve", "decode-first", "controls-only", "retention-only")
 DEFAULT_PRESET = "hybridserve"
 
 
@@ -69,15 +73,22 @@ def preset_uses_lookahead(name: str) -> bool:
 def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
     """The named configuration; controls in multiples of the quantum (the state block).
 
-    `controls-only` and `retention-only` are the two ablations of `hybridserve`. A model without
-    state groups has q = 1 (SPEC.md 5.2); its mixed-prefill cap is then 8,192 tokens, about
-    what 16 quanta are on the hybrid model the preset was selected on (8,704).
+    `controls-only` and `retention-only` are the two ablations of `decode-first`. A model
+    without state groups has q = 1 (SPEC.md 5.2); its mixed-prefill cap is then 8,192 tokens,
+    about what 16 quanta are on the hybrid model the preset was selected on (8,704).
     """
     if name not in PRESETS:
         raise ConfigError("preset", name, f"use one of {PRESETS}")
-    controls = name in ("hybridserve", "controls-only")
-    predecessor = name in ("hybridserve", "retention-only")
+    controls = name in ("decode-first", "controls-only")
+    predecessor = name in ("decode-first", "retention-only")
     scheduler = SchedulerConfig(max_model_len=max_model_len)
+    if name == "hybridserve":
+        scheduler = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=2_048,
+            max_num_seqs=512,
+            kv_pin_fraction=0.3,
+        )
     if controls:
         scheduler = SchedulerConfig(
             max_model_len=max_model_len,

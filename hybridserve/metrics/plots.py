@@ -17,6 +17,7 @@ from hybridserve.metrics.recorder import MetricsRecorder
 COLORS = {
     "baseline": "#7f7f7f",
     "hybridserve": "#d62728",
+    "decode-first": "#9467bd",
     "controls-only": "#1f77b4",
     "retention-only": "#2ca02c",
 }

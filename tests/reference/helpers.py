@@ -88,6 +88,7 @@ def hybrid_generate(
     sequential: bool = False,
     sampling: SamplingParams | None = None,
     layout_options: dict[str, Any] | None = None,
+    packed_linears: bool = True,
 ) -> HybridRun:
     """Generate for every prompt (`model_path` may also be a loaded model); `sequential=True`
     runs them one after another (so later prompts can hit the cache of earlier ones)."""
@@ -103,6 +104,7 @@ def hybrid_generate(
         block_size=block_size,
         speculative=speculative,
         max_num_seqs=max_num_seqs,
+        packed_linears=packed_linears,
     )
     executor.record_logits = True
     config = SchedulerConfig(

@@ -1,5 +1,6 @@
 """Executor options: `--threads` (all cores by default, bad values named), compiled dense
-layers giving the same tokens."""
+layers giving the same tokens, oneDNN-packed linears (same results as `F.linear`), the reused
+gather buffers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from typer.testing import CliRunner
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import load_model
+from hybridserve.executor.torch.forward import GatherBuffers
 from hybridserve.executor.torch.layers.mlp import GatedMLP
+from hybridserve.executor.torch.layers.packed import (
+    PACKED_ROWS,
+    PackedLinear,
+    pack_linears,
+    packing_available,
+)
 from hybridserve.executor.torch.runner import compile_dense_layers
 from hybridserve.executor.torch.runtime import set_threads
 from tests.reference.helpers import hybrid_generate, make_checkpoint
@@ -76,3 +84,63 @@ def test_compiled_dense_layers_give_the_same_tokens(folder: Path) -> None:
     assert len(mlps) == 2 and all(m._compiled_call_impl is not None for m in mlps)
     compiled = hybrid_generate(model, prompts, max_tokens=6)
     assert compiled.tokens == plain.tokens
+
+
+def test_packed_linears_match_plain_linears_at_every_row_count() -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(48, 40, bias=True)
+    packed = torch.nn.Linear(48, 40, bias=True)
+    packed.load_state_dict(plain.state_dict())
+    holder = torch.nn.Sequential(packed)
+    if not packing_available(packed.weight.device, packed.weight.dtype):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    assert pack_linears(holder) == 1
+    assert isinstance(holder[0], PackedLinear) and holder[0].weight is packed.weight
+    for rows in (1, 3, *PACKED_ROWS[:2], 16, PACKED_ROWS[-1], 64):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(holder(x), plain(x), atol=1e-5, rtol=0)
+
+
+def test_executor_packs_cpu_float32_linears_unless_told_not_to(folder: Path) -> None:
+    from hybridserve.executor.torch.runner import TorchExecutor
+
+    model = load_model(folder)
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    executor = TorchExecutor(model, num_blocks=16, block_size=4)
+    # 2 layers x (4 attention + 3 MLP projections) + the output head.
+    assert executor.num_packed_linears == 2 * 7 + 1
+    unpacked = TorchExecutor(load_model(folder), num_blocks=16, block_size=4, packed_linears=False)
+    assert unpacked.num_packed_linears == 0
+    assert not any(isinstance(m, PackedLinear) for m in unpacked.model.modules())
+
+
+def test_packed_and_plain_linears_give_the_same_tokens(folder: Path) -> None:
+    # The first step runs every prompt whole: 18 rows, inside PACKED_ROWS; decodes run 5.
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 4], [20, 21, 22, 23], [30, 31]]
+    plain = hybrid_generate(load_model(folder), prompts, max_tokens=6, packed_linears=False)
+    model = load_model(folder)
+    packed = hybrid_generate(model, prompts, max_tokens=6)
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) == packing_available(
+        torch.device("cpu"), torch.float32
+    )
+    assert packed.tokens == plain.tokens
+    for req_id, logits in plain.logits.items():
+        torch.testing.assert_close(
+            torch.stack(packed.logits[req_id]), torch.stack(logits), atol=1e-5, rtol=0
+        )
+
+
+def test_gathers_reuse_one_buffer_and_equal_index_select() -> None:
+    buffers = GatherBuffers()
+    cache = torch.randn(64, 2, 8)
+    first = buffers.gather("keys", cache, torch.tensor([5, 1, 9, 9]))
+    torch.testing.assert_close(first, cache.index_select(0, torch.tensor([5, 1, 9, 9])))
+    pointer = first.data_ptr()
+    second = buffers.gather("keys", cache, torch.tensor([3, 2]))  # fewer rows: same memory
+    assert second.data_ptr() == pointer and second.shape == (2, 2, 8)
+    torch.testing.assert_close(second, cache[[3, 2]])
+    other = buffers.gather("values", cache, torch.tensor([3, 2]))
+    assert other.data_ptr() != pointer  # each role has its own buffer
+    grown = buffers.gather("keys", cache, torch.arange(40))
+    torch.testing.assert_close(grown, cache[:40])

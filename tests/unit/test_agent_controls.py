@@ -375,7 +375,9 @@ def test_a_simulated_run_reports_pin_counters_only_when_pinning() -> None:
     from hybridserve.sim.run import SimConfig, run_simulation
     from hybridserve.sim.workload import AgentParams
 
-    base = SimConfig(duration_s=60.0, warmup_s=0.0, agents=AgentParams(num_agents=2))
+    base = SimConfig(
+        duration_s=60.0, warmup_s=0.0, agents=AgentParams(num_agents=2), preset="baseline"
+    )
     off = run_simulation(base).summary
     on = run_simulation(replace(base, controls=(("kv_pin_fraction", 0.2),))).summary
     assert not any(key.startswith("kv_pins_") for key in off)

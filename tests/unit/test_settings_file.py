@@ -4,6 +4,7 @@ flags, the same for `serve` and `simulate`."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -74,8 +75,8 @@ def test_settings_resolve_preset_then_file_then_flags(tmp_path: Path) -> None:
     assert chosen.scheduler.max_num_seqs == 8  # the flag over the file
     assert chosen.scheduler.max_model_len == 8192  # the backend's context limit
     assert chosen.retention.kind.value == "dense"  # the flag over the file
-    hybrid = serve_settings(backend, preset_name="hybridserve", file=file, flags={})
-    assert hybrid.scheduler.target_mixed_step_ms == 60.0  # --preset beats the file's preset
+    first = serve_settings(backend, preset_name="decode-first", file=file, flags={})
+    assert first.scheduler.target_mixed_step_ms == 60.0  # --preset beats the file's preset
 
 
 def test_policy_given_by_name_is_coerced_to_the_enum() -> None:
@@ -85,6 +86,22 @@ def test_policy_given_by_name_is_coerced_to_the_enum() -> None:
     assert chosen.scheduler.policy is SchedulingPolicy.PRIORITY
     with pytest.raises(ConfigError, match=r"scheduler\.policy"):
         resolve_settings("baseline", quantum=1, max_model_len=4096, flags={"policy": "lifo"})
+
+
+def test_hybridserve_preset_is_vllm_with_the_searched_budget_and_tool_call_pinning() -> None:
+    ours = preset("hybridserve", quantum=544, max_model_len=4096)
+    vllm = preset("baseline", quantum=544, max_model_len=4096)
+    tuned = replace(
+        vllm.scheduler, max_num_batched_tokens=2048, max_num_seqs=512, kv_pin_fraction=0.3
+    )
+    assert ours.scheduler == tuned and ours.retention == vllm.retention
+    assert ours.lookahead_block_hashes
+    overload = load_settings_file(Path(__file__).parents[2] / "docs" / "agents_overload.toml")
+    assert overload.preset == "baseline"
+    from_file = resolve_settings(
+        "baseline", quantum=544, max_model_len=4096, scheduler=overload.scheduler
+    )
+    assert from_file == ours  # docs/agents_overload.toml, the measured setting, is this preset
 
 
 def test_no_file_and_no_flags_is_the_preset_itself() -> None:
