@@ -3,8 +3,7 @@ flags, the same for `serve` and `simulate`."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest

@@ -369,7 +369,8 @@ class GatherBuffers:
     blocks back to the system): gathering into the same memory layer after layer, step after
     step, was 2-4x faster than `index_select` allocating its output (a decode of 32 requests
     at 300 tokens of context, SmolLM2-135M). A layer's gathered keys live until its attention
-    returns, so one buffer per role serves every layer."""
+    returns, so one buffer per role serves every layer. A buffer grows to the largest step's
+    gather and is kept at that size (one layer's keys, not all layers')."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
