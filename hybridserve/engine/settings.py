@@ -33,8 +33,8 @@ The presets:
 * `hybridserve`: vLLM 0.33 (`baseline`) with the token budget a search of vLLM's own knobs
   found for agents under a 100 ms p99 ITL SLO (`max_num_batched_tokens` 2,048, `max_num_seqs`
   512; `docs/sweep_vllm_e1_20_agents.json`) and tool-call TTL pinning of at most 30% of the
-  pool (`kv_pin_fraction` 0.3): at 20 and 40 agents it is that tuned vLLM (nothing is evicted),
-  at 80 it keeps 1.22x its jobs (README, E1). A request without a session id is never pinned.
+  pool (`kv_pin_fraction` 0.5): at 20 and 40 agents it is that tuned vLLM (nothing is evicted),
+  at 80 it keeps 1.31x its jobs (README, E1). A request without a session id is never pinned.
 * `decode-first`: the controls an earlier sweep picked for p99 ITL (Cp = 16 quanta, Mp = 2,
   D = 4, T = 60 ms, no deadline) with `boundary+predecessor` retention; the `hybridserve`
   preset until it lost jobs past 20 agents by queueing the prefills that start turns.
@@ -87,7 +87,7 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
             max_model_len=max_model_len,
             max_num_batched_tokens=2_048,
             max_num_seqs=512,
-            kv_pin_fraction=0.3,
+            kv_pin_fraction=0.5,
         )
     if controls:
         scheduler = SchedulerConfig(

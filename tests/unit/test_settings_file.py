@@ -91,7 +91,7 @@ def test_hybridserve_preset_is_vllm_with_the_searched_budget_and_tool_call_pinni
     ours = preset("hybridserve", quantum=544, max_model_len=4096)
     vllm = preset("baseline", quantum=544, max_model_len=4096)
     tuned = replace(
-        vllm.scheduler, max_num_batched_tokens=2048, max_num_seqs=512, kv_pin_fraction=0.3
+        vllm.scheduler, max_num_batched_tokens=2048, max_num_seqs=512, kv_pin_fraction=0.5
     )
     assert ours.scheduler == tuned and ours.retention == vllm.retention
     assert ours.lookahead_block_hashes
