@@ -164,8 +164,11 @@ def test_bench_refuses_a_file_that_picks_a_preset(tmp_path: Path) -> None:
 
 def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_ttl_pinning() -> None:
     """docs/agents_overload.toml is what the README's 80-agent measurement ran: the baseline
-    preset, the vLLM knobs of the stored 20-agent search, and kv_pin_fraction 0.3 (the `pin`
-    control of benchmarks/agent_controls.py on its --tuned reference)."""
+    preset, the vLLM knobs of the stored 20-agent search, and the pin fraction of
+    docs/agent_pinning_80_agents_fraction_0.5.json (benchmarks/e1_matrix.py's --controls on
+    hybridserve against that --tuned reference); 0.3 is the `pin` control of
+    benchmarks/agent_controls.py, the first measurement."""
+    import json
     import sys
 
     from hybridserve.sim.experiment import read_tuned
@@ -180,8 +183,11 @@ def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_ttl_pinning() 
     tuned, _ = read_tuned(SimConfig(), docs / "sweep_vllm_e1_20_agents.json")
     assert options["preset"] == tuned.preset == "baseline"
     assert options["retention"] is None and tuned.retention == "boundary"  # the preset's own
-    measured = {**dict(tuned.controls), **CONTROLS["pin"]}
+    run = json.loads((docs / "agent_pinning_80_agents_fraction_0.5.json").read_text())
+    assert run["baseline"] == "vllm-tuned" and run["by_agents"]["80"]
+    measured = {**dict(tuned.controls), **run["controls"]}
     assert dict(options["controls"]) == measured
+    assert CONTROLS["pin"] == {"kv_pin_fraction": 0.3}  # the first 80-agent measurement
     assert sorted(measured) == [
         "kv_pin_fraction",
         "long_prefill_token_threshold",
