@@ -27,6 +27,7 @@ from hybridserve.sim.workload import AgentParams
 
 CONTROLS: dict[str, dict[str, Any]] = {
     "pin": {"kv_pin_fraction": 0.3},
+    "pin-tail": {"kv_pin_fraction": 0.5, "kv_pin_exact_tail": True},
     "kv-admission": {"kv_aware_admission": True},
     "plas": {"program_priority": "plas"},
     "program-fcfs": {"program_priority": "fcfs"},

@@ -185,6 +185,9 @@ class SchedulerConfig:
     kv_pin_fraction: float = 0.0
     kv_pin_max_ttl_s: float = 30.0
     kv_pin_ttl_quantile: float = 0.9
+    # Exact tails: a pin also holds the turn's partial last block and running state, so the
+    # session's next turn resumes at the turn's exact end (needs kv_pin_fraction > 0).
+    kv_pin_exact_tail: bool = False
     # Program-level priority of waiting turns, and the age after which a turn goes first.
     program_priority: ProgramPriority = ProgramPriority.OFF
     program_priority_max_wait_s: float = 10.0
@@ -216,7 +219,7 @@ class SchedulerConfig:
                     self.program_priority,
                     f"use one of {[p.value for p in ProgramPriority]}",
                 ) from None
-        for flag in ("enable_chunked_prefill", "reserve_full_isl", "kv_aware_admission"):
+        for flag in _BOOL_FIELDS:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"scheduler.{flag}", getattr(self, flag), "use true or false")
         _require_positive("scheduler.max_num_seqs", self.max_num_seqs)
@@ -259,6 +262,12 @@ class SchedulerConfig:
                 "scheduler.kv_pin_fraction", frac, "use 0 (off) or a fraction of the pool in (0, 1]"
             )
         _require_strictly_positive("scheduler.kv_pin_max_ttl_s", self.kv_pin_max_ttl_s)
+        if self.kv_pin_exact_tail and not frac:
+            raise ConfigError(
+                "scheduler.kv_pin_exact_tail",
+                True,
+                "exact tails are held by tool-call pins; set kv_pin_fraction > 0 or turn it off",
+            )
         q = self.kv_pin_ttl_quantile
         if isinstance(q, bool) or not isinstance(q, int | float) or not 0.0 < q <= 1.0:
             raise ConfigError("scheduler.kv_pin_ttl_quantile", q, "use a quantile in (0, 1]")
@@ -283,6 +292,14 @@ class SchedulerConfig:
         """The one priority rule: the fcfs policy takes priority 0 only. Raises RequestError."""
         if self.policy is SchedulingPolicy.FCFS and priority != 0:
             raise RequestError("priority", priority, "the fcfs scheduler takes priority 0 only")
+
+
+_BOOL_FIELDS = (
+    "enable_chunked_prefill",
+    "reserve_full_isl",
+    "kv_aware_admission",
+    "kv_pin_exact_tail",
+)
 
 
 def _require_strictly_positive(field: str, value: float) -> None:

@@ -32,9 +32,10 @@ The presets:
   floor((L-1)/A)*A (`boundary-only`), so a dropped lookup finds no state.
 * `hybridserve`: vLLM 0.33 (`baseline`) with the token budget a search of vLLM's own knobs
   found for agents under a 100 ms p99 ITL SLO (`max_num_batched_tokens` 2,048, `max_num_seqs`
-  512; `docs/sweep_vllm_e1_20_agents.json`) and tool-call TTL pinning of at most 30% of the
-  pool (`kv_pin_fraction` 0.5): at 20 and 40 agents it is that tuned vLLM (nothing is evicted),
-  at 80 it keeps 1.31x its jobs (README, E1). A request without a session id is never pinned.
+  512; `docs/sweep_vllm_e1_20_agents.json`), tool-call TTL pinning of at most half the pool
+  (`kv_pin_fraction` 0.5) and exact tails (`kv_pin_exact_tail`: a session's next turn resumes
+  where its last one ended, not at the last retained block boundary). README, E1, has what
+  each gives against that tuned vLLM. A request without a session id is never pinned.
 * `decode-first`: the controls an earlier sweep picked for p99 ITL (Cp = 16 quanta, Mp = 2,
   D = 4, T = 60 ms, no deadline) with `boundary+predecessor` retention; the `hybridserve`
   preset until it lost jobs past 20 agents by queueing the prefills that start turns.
@@ -88,6 +89,7 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
             max_num_batched_tokens=2_048,
             max_num_seqs=512,
             kv_pin_fraction=0.5,
+            kv_pin_exact_tail=True,
         )
     if controls:
         scheduler = SchedulerConfig(
@@ -172,8 +174,10 @@ def parse_settings(data: Mapping[str, Any]) -> SettingsFile:
         deprecations.append(_DEPRECATED_RETENTION.format(value=old_retention))
         retention = old_retention
     _check_retention("cache.retention", retention)
-    # Validate the combination now, not in the middle of a run.
-    SchedulerConfig(**dict(overrides))
+    # Validate the combination now, not in the middle of a run: over the file's preset (or
+    # the default one; the command's own preset is checked again when the engine is built).
+    base = preset(name or DEFAULT_PRESET, quantum=1, max_model_len=SchedulerConfig().max_model_len)
+    replace(base.scheduler, **dict(overrides))
     return SettingsFile(name, overrides, retention, tuple(deprecations))
 
 

@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridserve.core.errors import CacheInvariantError
+from hybridserve.core.errors import CacheInvariantError, ConfigError
 from hybridserve.core.plan import BlockCopy
 from hybridserve.kvcache.block_pool import Block, BlockPool
 from hybridserve.kvcache.coordinator import reconcile
@@ -38,6 +38,7 @@ class CacheHit:
     ready: bool
     junction: int
     sample: AdmissionSample | None
+    from_tail: bool = False  # the exact end of a session's pinned turn (`session_hit`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +50,38 @@ class Allocation:
 
 
 @dataclass(frozen=True, slots=True)
+class _Tail:
+    """A finished turn's exact end, held with its session's pin: every group's blocks for a
+    resume at `num_tokens` (a partial last block and the running state as copy-on-write
+    sources), and what a later prompt must start with to use them: the hash of the last whole
+    hash block at or below `num_tokens` and the tokens after it."""
+
+    num_tokens: int
+    prefix_hash: BlockHash
+    tail_tokens: tuple[int, ...]
+    group_blocks: tuple[tuple[Block, ...], ...]
+    cow_sources: tuple[Block | None, ...]
+
+    def serves(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], hash_block: int
+    ) -> bool:
+        """Whether a prompt with these hashes and tokens starts with this turn's tokens."""
+        whole = self.num_tokens // hash_block
+        return (
+            len(block_hashes) >= whole
+            and block_hashes[whole - 1] == self.prefix_hash
+            and tuple(token_ids[whole * hash_block : self.num_tokens]) == self.tail_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class _Pin:
-    """One session's pinned prefix: one extra reference on each block, until `deadline`."""
+    """One session's pinned prefix: one extra reference on each block, until `deadline`; with
+    exact tails, the turn's end as well (its blocks are among `blocks`)."""
 
     blocks: tuple[Block, ...]
     deadline: float
+    tail: _Tail | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +93,8 @@ class PinStats:
     released_on_return: int = 0
     released_on_ttl: int = 0
     released_on_pressure: int = 0
+    tails: int = 0  # pins that also hold their turn's exact end (exact tails)
+    tail_hits: int = 0  # admissions that resumed at a pinned exact end
 
 
 @dataclass(slots=True)
@@ -452,25 +482,39 @@ class KVCacheManager:
         *,
         deadline: float,
         max_pinned_blocks: int,
+        req_id: str | None = None,
+        token_ids: Sequence[int] = (),
     ) -> int:
         """Hold out of eviction, until `deadline`, the blocks that the next lookup of a request
         extending these `num_tokens` tokens would hit: every group's blocks of the reconciled
         hit, the state at the boundary that lookup lands on included (for a hybrid layout the
         state the retention kept). Call before freeing the finished request. A session holds
         one pin (its latest turn's). Refused, pinning nothing, if the distinct pinned blocks
-        would exceed `max_pinned_blocks`. Returns the number of blocks pinned."""
+        would exceed `max_pinned_blocks`. Returns the number of blocks pinned.
+
+        With the finishing request's `req_id` and `token_ids` (exact tails), the pin also holds
+        the turn's exact end: its whole full-attention table, its partial last block and its
+        running state, so that `session_hit` can resume the session's next turn at
+        `num_tokens` itself rather than at the last retained boundary."""
         self._release_pin(session_id)
         if not self.enable_caching or self.pool.growable:
             return 0
         hit = self.find_hit(block_hashes, num_tokens + 1)  # the next turn adds >= 1 token
+        tail = None
+        if req_id is not None:
+            tail = self._exact_tail(req_id, block_hashes, token_ids, num_tokens)
+        parts = [(hit.group_blocks, hit.cow_sources)]
+        if tail is not None:
+            parts.append((tail.group_blocks, tail.cow_sources))
         null = self.pool.null_block
         seen: set[int] = set()
         blocks: list[Block] = []
-        for group_blocks, cow in zip(hit.group_blocks, hit.cow_sources, strict=True):
-            for block in (*group_blocks, *((cow,) if cow is not None else ())):
-                if block is not null and block.block_id not in seen:
-                    seen.add(block.block_id)
-                    blocks.append(block)
+        for part_blocks, part_cows in parts:
+            for group_blocks, cow in zip(part_blocks, part_cows, strict=True):
+                for block in (*group_blocks, *((cow,) if cow is not None else ())):
+                    if block is not null and block.block_id not in seen:
+                        seen.add(block.block_id)
+                        blocks.append(block)
         if not blocks:
             return 0
         new = sum(1 for b in blocks if b.block_id not in self._pin_refs)
@@ -480,9 +524,101 @@ class KVCacheManager:
         self.pool.touch(blocks)
         for block in blocks:
             self._pin_refs[block.block_id] = self._pin_refs.get(block.block_id, 0) + 1
-        self._pins[session_id] = _Pin(tuple(blocks), deadline)
+        self._pins[session_id] = _Pin(tuple(blocks), deadline, tail)
         self.pin_stats.pinned += 1
+        if tail is not None:
+            self.pin_stats.tails += 1
         return len(blocks)
+
+    def _exact_tail(
+        self,
+        req_id: str,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        num_tokens: int,
+    ) -> _Tail | None:
+        """The blocks that resume a finishing request's sequence at exactly `num_tokens`, taken
+        from its own tables; None where a group cannot give them (a kind other than full
+        attention or an align-mode state, a missing block, or fewer tokens than one hash)."""
+        h, null = self.layout.hash_block_size, self.pool.null_block
+        whole = num_tokens // h
+        if whole == 0 or whole > len(block_hashes) or len(token_ids) < num_tokens:
+            return None
+        group_blocks: list[tuple[Block, ...]] = []
+        cows: list[Block | None] = []
+        for gid, group in enumerate(self.groups):
+            table = group.tables.get(req_id, [])
+            unit, partial = group.block_size, num_tokens % group.block_size
+            if gid in self._full_groups:
+                end = num_tokens // unit + (1 if partial else 0)
+                if len(table) < end or any(b is null for b in table[:end]):
+                    return None
+                group_blocks.append(tuple(table[: num_tokens // unit]))
+                cows.append(table[end - 1] if partial else None)
+            elif isinstance(group, MambaManager) and group.align:
+                index = -(-num_tokens // unit) - 1
+                if index >= len(table) or table[index] is null:
+                    return None
+                state = table[index]
+                group_blocks.append((null,) * index + (() if partial else (state,)))
+                cows.append(state if partial else None)
+            else:
+                return None
+        return _Tail(
+            num_tokens,
+            block_hashes[whole - 1],
+            tuple(token_ids[whole * h : num_tokens]),
+            tuple(group_blocks),
+            tuple(cows),
+        )
+
+    def check_exact_tails(self) -> None:
+        """Raise ConfigError unless every group can hold an exact tail: full attention / MLA
+        or an align-mode state group (a window's or a chunk's blocks are not kept)."""
+        for gid, group in enumerate(self.groups):
+            if gid in self._full_groups or (isinstance(group, MambaManager) and group.align):
+                continue
+            raise ConfigError(
+                "scheduler.kv_pin_exact_tail",
+                True,
+                f"group {gid} is {group.kind.value}: exact tails need full-attention and "
+                "align-mode state groups only; turn it off for this model",
+            )
+
+    def session_hit(
+        self,
+        session_id: str,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        *,
+        resumed: bool = False,
+    ) -> CacheHit | None:
+        """The hit at the exact end of the session's pinned turn, if its pin holds one and
+        this prompt (its hashes and tokens) starts with that turn's tokens; else None. Like
+        `find_hit`, it never mutates the pool: allocate it at once."""
+        pin = self._pins.get(session_id)
+        tail = pin.tail if pin is not None else None
+        num_tokens = len(token_ids)
+        if (
+            tail is None
+            or tail.num_tokens > num_tokens - 1
+            or not tail.serves(block_hashes, token_ids, self.layout.hash_block_size)
+        ):
+            return None
+        sample = None
+        if self.enable_metrics:
+            n = self.layout.num_groups
+            sample = AdmissionSample(
+                queried_tokens=num_tokens,
+                cacheable_tokens=max(self.cacheable_tokens(num_tokens), tail.num_tokens),
+                hit_tokens=tail.num_tokens,
+                group_offered_tokens=(tail.num_tokens,) * n,
+                limiting_group=None,
+                resumed=resumed,
+            )
+        return CacheHit(
+            tail.num_tokens, tail.group_blocks, tail.cow_sources, True, 0, sample, from_tail=True
+        )
 
     def unpin(self, session_id: str) -> int:
         """Release a session's pin: its next turn is back. Returns the blocks it held."""
@@ -530,7 +666,7 @@ class KVCacheManager:
         pin = self._pins.get(session_id)
         if pin is None:
             return False
-        self._pins[session_id] = _Pin(pin.blocks, math.inf)
+        self._pins[session_id] = _Pin(pin.blocks, math.inf, pin.tail)
         return True
 
     def pin_deadline(self, session_id: str) -> float | None:

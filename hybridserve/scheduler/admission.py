@@ -30,6 +30,8 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         request = waiting.peek()
         resumed = request.status is RequestStatus.PREEMPTED
         hit = scheduler.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
+        if scheduler.exact_tails and request.session_id is not None:
+            hit = _longer_session_hit(scheduler, request, hit, resumed)
         # Tokens received from another engine start computed (vLLM's KV connector): the step
         # schedules only what follows them.
         start = max(hit.num_tokens, request.num_external_computed_tokens)
@@ -63,6 +65,17 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         (step.resumed if resumed else step.new_reqs).append((request.req_id, hit.num_tokens))
         step.record(request.req_id, num_new, allocation, new_request=True)
         prefill.charge(num_new, completes=completes)
+
+
+def _longer_session_hit(
+    scheduler: Scheduler, request: Request, hit: CacheHit, resumed: bool
+) -> CacheHit:
+    """Exact tails: the session's pinned turn end, where it resumes past the prefix hit."""
+    assert request.session_id is not None
+    tail = scheduler.cache.session_hit(
+        request.session_id, request.block_hashes, request.token_ids, resumed=resumed
+    )
+    return tail if tail is not None and tail.num_tokens > hit.num_tokens else hit
 
 
 def _junction(hit: CacheHit, start: int) -> int:
@@ -126,6 +139,8 @@ def admit(
         if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_id)):
             return None
     if scheduler.pinning and request.session_id is not None:
+        if hit.from_tail:
+            cache.pin_stats.tail_hits += 1
         cache.unpin(request.session_id)  # back, holding its hit: the pin is done
     scheduler.waiting.pop()
     scheduler.running.append(request)

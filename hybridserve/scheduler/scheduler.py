@@ -71,6 +71,9 @@ class Scheduler:
             quantile=config.kv_pin_ttl_quantile, cap_s=config.kv_pin_max_ttl_s
         )
         self.max_pinned_blocks = int(config.kv_pin_fraction * (cache.layout.num_blocks - 1))
+        self.exact_tails = self.pinning and config.kv_pin_exact_tail
+        if self.exact_tails:
+            cache.check_exact_tails()
         self._now = 0.0
         self._step_end = 0.0
         self.running: list[Request] = []
@@ -142,6 +145,9 @@ class Scheduler:
             out["hybridserve:kv_pins_released_on_return_total"] = stats.released_on_return
             out["hybridserve:kv_pins_released_on_ttl_total"] = stats.released_on_ttl
             out["hybridserve:kv_pins_released_on_pressure_total"] = stats.released_on_pressure
+            if self.exact_tails:
+                out["hybridserve:kv_pin_tails_total"] = stats.tails
+                out["hybridserve:kv_pin_tail_hits_total"] = stats.tail_hits
         return out
 
     def has_requests(self) -> bool:
@@ -297,6 +303,8 @@ class Scheduler:
             request.num_computed_tokens,
             deadline=self._step_end + self.tool_gaps.ttl(session),
             max_pinned_blocks=self.max_pinned_blocks,
+            req_id=request.req_id if self.exact_tails else None,
+            token_ids=request.token_ids if self.exact_tails else (),
         )
 
     def _append(self, request: Request, sampled: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,12 +1,15 @@
 """Upper bounds on E1's job goodput, each a switch on one simulated run (`--bound NAME`).
 
 * `free-prefill`: prompt tokens cost nothing: every step is charged only for its decodes (and
-  verifies), a step with no decode takes no time. The cache, the scheduler and every queue are
-  unchanged, so this bounds what any prefill scheduling or caching can give.
+  verifies), a step with no decode takes no time, and prompt tokens take no token budget (the
+  budget is lifted past any step, `lifted_budget`; the pool stays the one the real budget's
+  profile run leaves). The cache, the pool and every queue are unchanged, so this bounds what
+  any prefill scheduling or caching can give short of a larger pool.
 * `ideal-hits`: a prompt costs only the tokens no earlier request computed: the tokens of the
   job's previous turn (its prompt and answer, less the last sampled token) and, after the first
   request, the shared system prompt are free. This bounds what any prefix-cache retention can
-  give (the cache still holds and evicts blocks as it does; only their recomputation is free).
+  give (the cache still holds and evicts blocks as it does; only their recomputation is free,
+  and under the lifted budget it takes no budget either).
 * `infinite-engine`: the engine answers at once; a job takes its tool time only. Every agent's
   jobs are the same as in the real run (the workload's per-agent streams), walked without an
   engine.
@@ -15,7 +18,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.metrics.recorder import MetricsRecorder
@@ -50,6 +55,18 @@ def bounded_shape(
         elif bound != "free-prefill":
             raise ConfigError("bound", bound, f"a step-cost bound is one of {BOUNDS[:2]}")
     return StepShape(tuple(requests), scheduler_cpu_s)
+
+
+def lifted_budget(scheduler: SchedulerConfig, speculative: SpeculativeConfig) -> SchedulerConfig:
+    """The scheduler of a step-cost bound: a token budget no step can fill (a whole prompt and
+    every decode with its drafts) and no long-prefill threshold, so that the prompt tokens the
+    bound makes free are never rationed by the budget; every other limit is the run's."""
+    rows = scheduler.max_num_seqs * (1 + speculative.num_speculative_tokens)
+    return replace(
+        scheduler,
+        max_num_batched_tokens=scheduler.max_model_len + rows,
+        long_prefill_token_threshold=0,
+    )
 
 
 def infinite_engine_recorder(params: AgentParams, *, seed: int, until_s: float) -> MetricsRecorder:

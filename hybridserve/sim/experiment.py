@@ -44,6 +44,9 @@ RATIOS = {
     "job_goodput": "job_goodput_per_hour",
     "itl_p99": "itl_p99_ms",
     "ttft_p99": "ttft_p99_ms",
+    # The work done, beside the jobs: a window counts whole jobs, so a change in which jobs
+    # finish inside it moves job goodput more than the engine's throughput.
+    "output_tokens": "output_tokens_per_s",
 }
 
 

@@ -24,7 +24,12 @@ from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.metrics.stats import percentile
 from hybridserve.sim.arrivals import azure_arrivals, mooncake_arrivals, poisson_arrivals
-from hybridserve.sim.bounds import bounded_shape, check_bound, infinite_engine_recorder
+from hybridserve.sim.bounds import (
+    bounded_shape,
+    check_bound,
+    infinite_engine_recorder,
+    lifted_budget,
+)
 from hybridserve.sim.cost_model import (
     Efficiency,
     RooflineCostModel,
@@ -362,6 +367,9 @@ def simulated_engine(
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
     bound, ideal = config.bound, ideal_prefix if ideal_prefix is not None else {}
+    # Under a step-cost bound the prompt tokens it makes free take no token budget either
+    # (the pool above is still the one the real budget's profile run leaves).
+    scheduler = lifted_budget(chosen.scheduler, speculative) if bound else chosen.scheduler
     meter: CpuMeter | None = None
     if config.include_scheduler_cpu:
         if cpu_clock is None:
@@ -391,7 +399,7 @@ def simulated_engine(
         groups=model.kv_cache_groups(),
         num_blocks=num_blocks,
         speculative=speculative,
-        scheduler_config=chosen.scheduler,
+        scheduler_config=scheduler,
         retention=chosen.retention,
         dcp=config.dcp,
         max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,

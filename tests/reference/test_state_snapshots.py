@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,10 @@ import pytest
 import torch
 from torch import nn
 
+from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.engine import Engine
+from hybridserve.executor.torch import TorchExecutor, load_model
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
     CausalLM,
@@ -25,6 +30,8 @@ from hybridserve.executor.torch.models.base import (
     register_model,
 )
 from hybridserve.executor.torch.models.llama import LlamaAttention
+from hybridserve.kvcache import KVCacheManager
+from hybridserve.scheduler import Scheduler
 from tests.reference.helpers import hybrid_generate
 
 if TYPE_CHECKING:
@@ -166,3 +173,91 @@ def test_comparisons_catch_uncommitted_draft_states(
     monkeypatch.setattr(TorchExecutor, "_commit_states", lambda *args: None)
     with pytest.raises(AssertionError):
         test_draft_states_commit_only_the_accepted_prefix(toy_checkpoint)
+
+
+@dataclass
+class _Turns:
+    answers: list[list[int]]
+    logits: list[torch.Tensor]  # the second turn's, one row per answer token
+    hit: int  # the second turn's admission hit
+    tail_hits: int
+
+
+def _session_turns(
+    folder: Path, first: Sequence[int], extra: Sequence[int], *, max_tokens: int, **config: Any
+) -> _Turns:
+    """Two turns of one session on one engine: the second prompt is the first turn's prompt,
+    its answer and `extra`."""
+    executor = TorchExecutor(load_model(folder), num_blocks=64, block_size=4, max_num_seqs=4)
+    executor.record_logits = True
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=4096, **config),
+        KVCacheManager(executor.cache_layout()),
+    )
+    engine = Engine(scheduler, executor)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    turns = _Turns([], [], 0, 0)
+    prompt = list(first)
+    for index in range(2):
+        request = Request(
+            req_id=f"t{index}", prompt_token_ids=tuple(prompt), sampling=params, session_id="a"
+        )
+        engine.add_request(request)
+        answer: list[int] = []
+        while engine.has_requests():
+            step = engine.step()
+            turns.hit = dict(step.scheduled.new_reqs).get("t1", turns.hit)
+            for out in step.outputs:
+                answer.extend(out.new_token_ids)
+            scheduler.cache.check_invariants()
+        turns.answers.append(answer)
+        prompt = [*prompt, *answer, *extra]
+    turns.logits = executor.recorded_logits["t1"]
+    turns.tail_hits = scheduler.cache.pin_stats.tail_hits
+    return turns
+
+
+def test_an_exact_tail_resumes_the_next_turn_where_the_last_one_ended(
+    toy_checkpoint: Path,
+) -> None:
+    first, extra = _prompts()[2], [3, 4, 5, 6, 7, 8]  # 21 prompt tokens, 5 answer tokens
+    pinned = _session_turns(toy_checkpoint, first, extra, max_tokens=5, kv_pin_fraction=0.5)
+    tail = _session_turns(
+        toy_checkpoint, first, extra, max_tokens=5, kv_pin_fraction=0.5, kv_pin_exact_tail=True
+    )
+    # The first turn computed 21 + 5 - 1 = 25 tokens (the last answer token is not fed back):
+    # its exact end, inside a 4-token block; a pin alone resumes at the last retained boundary.
+    assert (tail.hit, tail.tail_hits) == (25, 1)
+    assert pinned.hit < 25 and pinned.tail_hits == 0
+    # The second turn equals a recompute of its whole prompt: tokens and logits.
+    second = [*first, *tail.answers[0], *extra]
+    fresh = hybrid_generate(toy_checkpoint, [second], max_tokens=5, max_num_batched_tokens=4096)
+    assert tail.answers == pinned.answers
+    assert tail.answers[1] == fresh.tokens["r0"]
+    torch.testing.assert_close(
+        torch.stack(tail.logits), torch.stack(fresh.logits["r0"]), atol=1e-5, rtol=0
+    )
+
+
+def _zero_state(cache: Any, layer_index: int, src: int, dst: int) -> None:
+    for tensor in cache._states(layer_index).values():
+        tensor[dst].zero_()
+
+
+def _zero_tokens(cache: Any, layer_index: int, src: int, dst: int, num_tokens: int) -> None:
+    bs = cache.block_size
+    for tensor in cache.kv(layer_index):
+        tensor[dst * bs : dst * bs + num_tokens] = 0
+
+
+@pytest.mark.parametrize("copy", ["copy_state", "copy_tokens"])
+def test_comparisons_catch_a_tail_resumed_without_its_block_copy(
+    toy_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, copy: str
+) -> None:
+    """The copy target is a fresh block: resuming without the copy reads zeros."""
+    from hybridserve.executor.torch.cache import DeviceCache
+
+    broken = _zero_state if copy == "copy_state" else _zero_tokens
+    monkeypatch.setattr(DeviceCache, copy, broken)
+    with pytest.raises(AssertionError):
+        test_an_exact_tail_resumes_the_next_turn_where_the_last_one_ended(toy_checkpoint)

@@ -113,6 +113,7 @@ def test_agent_controls_are_off_by_default() -> None:
     assert config.kv_pin_fraction == 0 and not config.pins_kv
     assert config.program_priority is ProgramPriority.OFF
     assert config.kv_aware_admission is False
+    assert config.kv_pin_exact_tail is False
     scheduler = make_scheduler()
     assert not scheduler.pinning and scheduler.program_queue is None
 
@@ -129,6 +130,8 @@ def test_agent_controls_are_off_by_default() -> None:
         ({"program_priority_max_wait_s": 0.0}, "program_priority_max_wait_s"),
         ({"kv_admission_horizon_tokens": 0}, "kv_admission_horizon_tokens"),
         ({"kv_aware_admission": 1}, "kv_aware_admission"),
+        ({"kv_pin_exact_tail": True}, "kv_pin_exact_tail"),  # needs a pin fraction
+        ({"kv_pin_exact_tail": 1, "kv_pin_fraction": 0.5}, "kv_pin_exact_tail"),
     ],
 )
 def test_bad_agent_control_values_are_rejected_by_name(
@@ -279,6 +282,106 @@ def test_pinning_off_keeps_the_free_queue_order() -> None:
     baseline = trace()
     assert trace(kv_pin_fraction=0.0, kv_pin_max_ttl_s=1.0) == baseline
     assert trace(kv_pin_fraction=0.5) != baseline  # the control is what changes it
+
+
+# ----- exact tails --------------------------------------------------------------------------
+
+
+def _two_turns(
+    mamba: bool, *, second: tuple[int, ...] | None = None, **config: object
+) -> tuple[Driver, Request, int]:
+    """Turn 1 of session s (70 prompt tokens, 5 answer tokens: 74 computed, inside a 16-token
+    block), then turn 2: turn 1's tokens and 10 more, or `second`. Returns turn 2's hit."""
+    driver = Driver(make_scheduler(num_blocks=64, mamba=mamba, kv_pin_fraction=0.5, **config))
+    first = turn("s.t1", tuple(range(1000, 1070)), session="s", max_tokens=5)
+    driver.scheduler.add_request(first)
+    driver.run()
+    tokens = second if second is not None else (*first.token_ids, *range(5000, 5010))
+    driver.scheduler.add_request(turn("s.t2", tokens, session="s", arrival=driver.now))
+    driver.run()
+    return driver, first, driver.hits["s.t2"]
+
+
+@pytest.mark.parametrize("mamba", [False, True], ids=["full-attention", "hybrid-mamba"])
+def test_an_exact_tail_resumes_the_next_turn_at_the_last_turns_end(mamba: bool) -> None:
+    _, first, pinned_hit = _two_turns(mamba)
+    driver, _, hit = _two_turns(mamba, kv_pin_exact_tail=True)
+    assert first.num_computed_tokens == 74
+    assert hit == 74  # mid-block: the partial block and the running state were kept
+    assert pinned_hit <= 64  # a pin alone: the last whole block with a retained state
+    cache = driver.scheduler.cache
+    assert (cache.pin_stats.tails, cache.pin_stats.tail_hits) == (2, 1)
+    assert driver.scheduler.metrics_snapshot()["hybridserve:kv_pin_tail_hits_total"] == 1
+
+
+@pytest.mark.parametrize("mamba", [False, True], ids=["full-attention", "hybrid-mamba"])
+def test_a_prompt_that_leaves_the_last_turn_inside_its_tail_gets_no_tail_hit(
+    mamba: bool,
+) -> None:
+    tokens = (*range(1000, 1070), 7, 8, 9, *range(5000, 5010))  # not turn 1's answer
+    _, _, plain = _two_turns(mamba, second=tokens)
+    driver, _, hit = _two_turns(mamba, second=tokens, kv_pin_exact_tail=True)
+    assert hit == plain and hit < 70
+    assert driver.scheduler.cache.pin_stats.tail_hits == 0
+
+
+def test_an_exact_tail_is_released_with_its_pin_at_the_ttl() -> None:
+    sched = make_scheduler(
+        num_blocks=100,
+        mamba=True,
+        kv_pin_fraction=0.5,
+        kv_pin_max_ttl_s=0.2,
+        kv_pin_exact_tail=True,
+    )
+    driver = Driver(sched)
+    sched.add_request(turn("s.t1", tuple(range(70)), session="s", max_tokens=5))
+    driver.run()
+    # 74 tokens: 5 attention blocks (the fifth partial), the running state at 74 and the
+    # state at 64 that the prefix hit lands on.
+    assert sched.cache.num_pinned_blocks == 7
+    while sched.cache.num_pins:
+        sched.schedule(driver.now)
+        driver.now += DT
+    assert sched.cache.pin_stats.released_on_ttl == 1
+    assert sched.cache.num_free_blocks == 99
+    sched.add_request(turn("s.t2", (*range(70), 7, 8, 9, 10, 11, 1, 2), session="s"))
+    driver.run()
+    assert sched.cache.pin_stats.tail_hits == 0 and driver.hits["s.t2"] < 74
+
+
+def test_exact_tails_refuse_a_layout_whose_groups_cannot_hold_one() -> None:
+    from hybridserve.kvcache import CacheLayout, KVCacheManager
+    from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
+
+    layout = CacheLayout(
+        groups=(SlidingWindowSpec(block_size=16, window=64), FullAttentionSpec(block_size=16)),
+        num_blocks=64,
+    )
+    config = SchedulerConfig(kv_pin_fraction=0.5, kv_pin_exact_tail=True)
+    with pytest.raises(ConfigError, match=r"kv_pin_exact_tail.*group 0 is swa"):
+        Scheduler(config, KVCacheManager(layout))
+
+
+def test_exact_tails_count_against_the_pin_fraction() -> None:
+    rng = random.Random(11)
+    sched = make_scheduler(
+        num_blocks=200,
+        mamba=True,
+        kv_pin_fraction=0.2,
+        kv_pin_max_ttl_s=0.5,
+        kv_pin_exact_tail=True,
+    )
+    driver = Driver(sched)
+    limit = sched.max_pinned_blocks
+    for index in range(80):
+        length = rng.randrange(20, 300)
+        tokens = tuple(range(100_000 * (index + 1), 100_000 * (index + 1) + length))
+        sched.add_request(turn(f"r{index}", tokens, session=f"s{rng.randrange(20)}"))
+        for _ in range(rng.randrange(1, 4)):
+            driver.step()
+            assert sched.cache.num_pinned_blocks <= limit
+    driver.run()
+    assert sched.cache.pin_stats.refused > 0 and sched.cache.pin_stats.tails > 0
 
 
 # ----- program-level priority ---------------------------------------------------------------

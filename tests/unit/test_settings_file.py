@@ -91,7 +91,11 @@ def test_hybridserve_preset_is_vllm_with_the_searched_budget_and_tool_call_pinni
     ours = preset("hybridserve", quantum=544, max_model_len=4096)
     vllm = preset("baseline", quantum=544, max_model_len=4096)
     tuned = replace(
-        vllm.scheduler, max_num_batched_tokens=2048, max_num_seqs=512, kv_pin_fraction=0.5
+        vllm.scheduler,
+        max_num_batched_tokens=2048,
+        max_num_seqs=512,
+        kv_pin_fraction=0.5,
+        kv_pin_exact_tail=True,
     )
     assert ours.scheduler == tuned and ours.retention == vllm.retention
     assert ours.lookahead_block_hashes
@@ -144,6 +148,7 @@ def test_top_level_and_cache_retention_together_are_refused(tmp_path: Path) -> N
         ("scheduler = 3\n", "scheduler"),
         ("[engine]\nx = 1\n", "config"),
         ("[scheduler\n", "config"),
+        ('preset = "baseline"\n[scheduler]\nkv_pin_exact_tail = true\n', "kv_pin_exact_tail"),
     ],
 )
 def test_a_bad_settings_file_names_the_key_and_the_fix(
@@ -154,6 +159,19 @@ def test_a_bad_settings_file_names_the_key_and_the_fix(
     assert "is invalid:" in str(caught.value)
 
 
+def test_a_file_is_validated_over_the_preset_it_names(tmp_path: Path) -> None:
+    # Exact tails need a pin fraction: the hybridserve preset has one, the baseline none.
+    text = "[scheduler]\nkv_pin_fraction = 0.3\n"
+    on_ours = load_settings_file(_write(tmp_path, 'preset = "hybridserve"\n' + text))
+    assert on_ours.scheduler == (("kv_pin_fraction", 0.3),)
+    with pytest.raises(ConfigError, match="kv_pin_exact_tail"):
+        load_settings_file(
+            _write(tmp_path, 'preset = "baseline"\n[scheduler]\nkv_pin_exact_tail = true\n')
+        )
+    off = "[scheduler]\nkv_pin_fraction = 0.0\nkv_pin_exact_tail = false\n"
+    assert load_settings_file(_write(tmp_path, 'preset = "hybridserve"\n' + off)).scheduler
+
+
 def test_bench_refuses_a_file_that_picks_a_preset(tmp_path: Path) -> None:
     path = _write(tmp_path, 'preset = "baseline"\n[scheduler]\nmax_num_seqs = 8\n')
     with pytest.raises(ConfigError, match="bench compares the presets itself"):
@@ -162,35 +180,23 @@ def test_bench_refuses_a_file_that_picks_a_preset(tmp_path: Path) -> None:
     assert _bench_file_options(plain) == {"controls": (("max_num_seqs", 8),), "retention": None}
 
 
-def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_ttl_pinning() -> None:
-    """docs/agents_overload.toml is what the README's 80-agent measurement ran: the baseline
-    preset, the vLLM knobs of the stored 20-agent search, and the pin fraction of
-    docs/agent_pinning_80_agents_fraction_0.5.json (benchmarks/e1_matrix.py's --controls on
-    hybridserve against that --tuned reference); 0.3 is the `pin` control of
-    benchmarks/agent_controls.py, the first measurement."""
+def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_the_agent_controls() -> None:
+    """docs/agents_overload.toml spells out what the README's 80-agent measurement ran
+    (docs/e1_results_80_agents.json: the hybridserve preset, no overrides, against the stored
+    20-agent search of vLLM's knobs as --tuned): the baseline preset, those vLLM knobs, and the
+    preset's tool-call pinning with exact tails."""
     import json
-    import sys
 
     from hybridserve.sim.experiment import read_tuned
 
     docs = Path(__file__).resolve().parents[2] / "docs"
     options = _file_options(docs / "agents_overload.toml")
-    sys.path.insert(0, str(docs.parent / "benchmarks"))
-    try:
-        from agent_controls import CONTROLS
-    finally:
-        sys.path.pop(0)
     tuned, _ = read_tuned(SimConfig(), docs / "sweep_vllm_e1_20_agents.json")
     assert options["preset"] == tuned.preset == "baseline"
     assert options["retention"] is None and tuned.retention == "boundary"  # the preset's own
-    run = json.loads((docs / "agent_pinning_80_agents_fraction_0.5.json").read_text())
-    assert run["baseline"] == "vllm-tuned" and run["by_agents"]["80"]
-    measured = {**dict(tuned.controls), **run["controls"]}
-    assert dict(options["controls"]) == measured
-    assert CONTROLS["pin"] == {"kv_pin_fraction": 0.3}  # the first 80-agent measurement
-    assert sorted(measured) == [
-        "kv_pin_fraction",
-        "long_prefill_token_threshold",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-    ]
+    run = json.loads((docs / "e1_results_80_agents.json").read_text())
+    assert run["baseline"] == "vllm-tuned" and run["controls"] == {}
+    assert run["by_agents"]["80"]["hybridserve"]["job_goodput_per_hour"] > 0
+    ours = preset("hybridserve", quantum=544, max_model_len=4096).scheduler
+    agent = {"kv_pin_fraction": ours.kv_pin_fraction, "kv_pin_exact_tail": ours.kv_pin_exact_tail}
+    assert dict(options["controls"]) == {**dict(tuned.controls), **agent}

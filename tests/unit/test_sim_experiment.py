@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,23 @@ def test_each_bound_switch_changes_the_run_as_it_says() -> None:
         short(bound="ideal-hits", workload="poisson:rate=1")
 
 
+def test_step_cost_bounds_lift_the_token_budget_but_keep_the_pool() -> None:
+    from hybridserve.sim.run import simulated_engine
+
+    tuned = short(preset="baseline", controls=(("max_num_batched_tokens", 2048),))
+    real = simulated_engine(tuned).scheduler
+    for bound in ("free-prefill", "ideal-hits"):
+        lifted = simulated_engine(replace(tuned, bound=bound)).scheduler
+        # A whole prompt and every decode with its drafts fit one step: free prompt tokens are
+        # never rationed by the budget. The pool is the one the 2,048-token budget leaves.
+        budget = lifted.config.max_num_batched_tokens
+        assert budget >= real.config.max_model_len + real.config.max_num_seqs * 3
+        assert lifted.config.long_prefill_token_threshold == 0
+        assert lifted.cache.layout.num_blocks == real.cache.layout.num_blocks
+        assert replace(lifted.config, max_num_batched_tokens=2048) == real.config
+    assert real.config.max_num_batched_tokens == 2048
+
+
 def test_the_infinite_engine_runs_every_agents_jobs_back_to_back_on_tool_time() -> None:
     recorder = infinite_engine_recorder(SMALL, seed=1, until_s=120.0)
     for job in recorder.jobs.values():
@@ -357,7 +375,7 @@ def test_bench_json_prints_the_paired_report_on_its_last_line(tmp_path, monkeypa
         for key in ("job_goodput_per_hour", "itl_p99_ms", "ttft_p99_ms", "prefix_hit_rate"):
             assert key in report[side], (side, key)
         assert "preemptions" in report[side]
-    for name in ("job_goodput", "itl_p99", "ttft_p99"):
+    for name in ("job_goodput", "itl_p99", "ttft_p99", "output_tokens"):
         ratio = report["ratios"][name]
         assert set(ratio) >= {"mean", "ci95", "per_seed"} and len(ratio["per_seed"]) == 2
     assert set(report["bounds"]) == {"free-prefill", "ideal-hits", "infinite-engine"}
