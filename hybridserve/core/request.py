@@ -232,3 +232,24 @@ class Request:
             self.finish_reason = FinishReason.LENGTH
         elif to is RequestStatus.FINISHED_ABORTED:
             self.finish_reason = FinishReason.ABORT
+
+
+def keep_sampled(
+    sampling: SamplingParams, num_output_tokens: int, sampled: tuple[int, ...]
+) -> tuple[tuple[int, ...] | list[int], RequestStatus | None]:
+    """The tokens of `sampled` a request with `num_output_tokens` outputs keeps, in order, and
+    the status it finishes with (None: it keeps running): a stop token is kept and ends it, as
+    does reaching max_tokens; tokens after either are dropped. The scheduler's rule; an
+    executor reads it to commit recurrent states only for tokens the request keeps."""
+    stop_ids = () if sampling.ignore_eos else sampling.stop_token_ids
+    room = sampling.max_tokens - num_output_tokens
+    if len(sampled) == 1 and not stop_ids and room > 1:
+        return sampled, None  # the common decode: nothing to check
+    kept: list[int] = []
+    for token in sampled:
+        kept.append(token)
+        if token in stop_ids:
+            return kept, RequestStatus.FINISHED_STOPPED
+        if len(kept) >= room:
+            return kept, RequestStatus.FINISHED_LENGTH
+    return kept, None

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.engine import Engine
 from hybridserve.executor.torch import TorchExecutor, load_model
@@ -184,15 +184,29 @@ class _Turns:
 
 
 def _session_turns(
-    folder: Path, first: Sequence[int], extra: Sequence[int], *, max_tokens: int, **config: Any
+    folder: Path,
+    first: Sequence[int],
+    extra: Sequence[int],
+    *,
+    max_tokens: int,
+    spec_tokens: int = 0,
+    **config: Any,
 ) -> _Turns:
     """Two turns of one session on one engine: the second prompt is the first turn's prompt,
-    its answer and `extra`."""
-    executor = TorchExecutor(load_model(folder), num_blocks=64, block_size=4, max_num_seqs=4)
+    its answer and `extra`; `spec_tokens` n-gram drafts a step."""
+    speculative = SpeculativeConfig.from_name("ngram", spec_tokens) if spec_tokens else None
+    executor = TorchExecutor(
+        load_model(folder),
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=4,
+        speculative=speculative or SpeculativeConfig(),
+    )
     executor.record_logits = True
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=64, max_model_len=4096, **config),
         KVCacheManager(executor.cache_layout()),
+        num_speculative_tokens=spec_tokens,
     )
     engine = Engine(scheduler, executor)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -237,6 +251,30 @@ def test_an_exact_tail_resumes_the_next_turn_where_the_last_one_ended(
     torch.testing.assert_close(
         torch.stack(tail.logits), torch.stack(fresh.logits["r0"]), atol=1e-5, rtol=0
     )
+
+
+def test_an_exact_tail_under_speculation_resumes_from_the_verified_state(
+    toy_checkpoint: Path,
+) -> None:
+    # Repetitive prompts so that n-gram drafts are proposed and partly accepted.
+    first, extra = [5, 6, 7, 8] * 5 + [5], [9, 10, 11] * 3
+    tail = _session_turns(
+        toy_checkpoint,
+        first,
+        extra,
+        max_tokens=9,
+        spec_tokens=3,
+        kv_pin_fraction=0.5,
+        kv_pin_exact_tail=True,
+    )
+    assert tail.tail_hits == 1 and tail.hit == len(first) + 9 - 1
+    second = [*first, *tail.answers[0], *extra]
+    fresh = hybrid_generate(toy_checkpoint, [second], max_tokens=9, max_num_batched_tokens=4096)
+    assert tail.answers[1] == fresh.tokens["r0"]
+    torch.testing.assert_close(
+        torch.stack(tail.logits), torch.stack(fresh.logits["r0"]), atol=1e-5, rtol=0
+    )
+    assert tail.answers[0] == _reference(toy_checkpoint, [first], 9)[0]
 
 
 def _zero_state(cache: Any, layer_index: int, src: int, dst: int) -> None:

@@ -17,7 +17,7 @@ import torch
 from hybridserve.core.config import SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult, TokenLogprob
-from hybridserve.core.request import SamplingParams
+from hybridserve.core.request import SamplingParams, keep_sampled
 from hybridserve.executor.torch.cache import DeviceCache
 from hybridserve.executor.torch.draft_head import DraftHead, DraftHeadRunner
 from hybridserve.executor.torch.drafting import ngram_propose
@@ -319,11 +319,24 @@ class TorchExecutor:
             offset += chunk.num_draft_tokens + 1
             commit = commits.get(chunk.req_id)
             if commit is not None:
-                self._commit_states(chunk.req_id, commit, len(emitted) - 1)
+                self._commit_states(chunk.req_id, commit, self._kept(chunk, emitted) - 1)
             proposal = self._propose(chunk, emitted)
             if proposal:
                 drafts[chunk.req_id] = proposal
         return sampled, drafts
+
+    def _kept(self, chunk: ScheduledChunk, emitted: tuple[int, ...]) -> int:
+        """How many of a chunk's emitted tokens the scheduler keeps (`keep_sampled`: none past
+        a stop token or max_tokens), so that the recurrent state committed is the one after
+        the last kept token: a finished turn's state is where the request ends (exact tails
+        resume from it)."""
+        params = self._sampling.get(chunk.req_id)
+        if params is None:
+            return len(emitted)
+        verified_end = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+        num_output = verified_end - self._prompt_lens[chunk.req_id]
+        kept, _ = keep_sampled(params, num_output, emitted)
+        return len(kept)
 
     # ----- penalties and log-probabilities ------------------------------------------------------
 
