@@ -325,14 +325,19 @@ def test_a_prompt_that_leaves_the_last_turn_inside_its_tail_gets_no_tail_hit(
     assert driver.scheduler.cache.pin_stats.tail_hits == 0
 
 
-def test_an_exact_tail_is_released_with_its_pin_at_the_ttl() -> None:
-    sched = make_scheduler(
-        num_blocks=100,
+def _tail_scheduler(num_blocks: int, *, fraction: float, ttl_s: float) -> Scheduler:
+    """A hybrid (full attention + Mamba) scheduler pinning with exact tails."""
+    return make_scheduler(
+        num_blocks=num_blocks,
         mamba=True,
-        kv_pin_fraction=0.5,
-        kv_pin_max_ttl_s=0.2,
+        kv_pin_fraction=fraction,
+        kv_pin_max_ttl_s=ttl_s,
         kv_pin_exact_tail=True,
     )
+
+
+def test_an_exact_tail_is_released_with_its_pin_at_the_ttl() -> None:
+    sched = _tail_scheduler(100, fraction=0.5, ttl_s=0.2)
     driver = Driver(sched)
     sched.add_request(turn("s.t1", tuple(range(70)), session="s", max_tokens=5))
     driver.run()
@@ -364,13 +369,7 @@ def test_exact_tails_refuse_a_layout_whose_groups_cannot_hold_one() -> None:
 
 def test_exact_tails_count_against_the_pin_fraction() -> None:
     rng = random.Random(11)
-    sched = make_scheduler(
-        num_blocks=200,
-        mamba=True,
-        kv_pin_fraction=0.2,
-        kv_pin_max_ttl_s=0.5,
-        kv_pin_exact_tail=True,
-    )
+    sched = _tail_scheduler(200, fraction=0.2, ttl_s=0.5)
     driver = Driver(sched)
     limit = sched.max_pinned_blocks
     for index in range(80):
