@@ -10,8 +10,8 @@ goodput and each configuration's goodput as a fraction of each bound.
 
 Default: 10 seeds x 20 agents x (baseline, hybridserve, 3 bounds), 1,800 s runs with a 300 s
 warm-up: 40 full simulations (the infinite-engine bound takes no engine time). The README's
-table is `--duration 900 --warmup 150 --workers 2`: 13 minutes of CPU, 37 minutes of wall time
-on this project's 2-core machine while other work loaded it; the default is about twice that.
+tables are `--duration 600 --warmup 120 --workers 2`: 3 to 10 minutes each on this project's
+2-core machine (the bounds and 80 agents take longest).
 
     python benchmarks/e1_matrix.py --agents 10 20 40 --seeds 10 --workers 2
 """

@@ -238,11 +238,9 @@ def paired_report(
         report[label]["per_seed_job_goodput_per_hour"] = [
             round(r["job_goodput_per_hour"], 4) for r in rows
         ]
-    pairs = (*results[ours], *results[baseline])
     report["ratios"] = {
         name: paired_ratio([r[key] for r in results[ours]], [r[key] for r in results[baseline]])
         for name, key in RATIOS.items()
-        if all(key in r for r in pairs)  # a metric the runs report (every simulated run does)
     }
     present = [b for b in bounds if b in results]
     report["bounds"] = {

@@ -346,15 +346,22 @@ def test_the_vllm_search_draws_only_vllms_knobs() -> None:
 
 
 def test_paired_report_shows_goodput_as_a_fraction_of_each_bound() -> None:
+    def row(jobs: float, itl: float, ttft: float, tokens: float) -> dict[str, float]:
+        return {
+            "job_goodput_per_hour": jobs,
+            "itl_p99_ms": itl,
+            "ttft_p99_ms": ttft,
+            "output_tokens_per_s": tokens,
+        }
+
     rows = {
-        "vllm": [{"job_goodput_per_hour": 100.0, "itl_p99_ms": 50.0, "ttft_p99_ms": 9.0}] * 2,
-        "hybridserve": [{"job_goodput_per_hour": 120.0, "itl_p99_ms": 25.0, "ttft_p99_ms": 9.0}]
-        * 2,
-        "free-prefill": [{"job_goodput_per_hour": 150.0, "itl_p99_ms": 5.0, "ttft_p99_ms": 1.0}]
-        * 2,
+        "vllm": [row(100.0, 50.0, 9.0, 800.0)] * 2,
+        "hybridserve": [row(120.0, 25.0, 9.0, 880.0)] * 2,
+        "free-prefill": [row(150.0, 5.0, 1.0, 1000.0)] * 2,
     }
     report = paired_report(rows, baseline="vllm", ours="hybridserve")
     assert report["ratios"]["job_goodput"]["mean"] == 1.2
+    assert report["ratios"]["output_tokens"]["mean"] == 1.1
     assert report["ratios"]["itl_p99"]["per_seed"] == [0.5, 0.5]
     assert report["bounds"] == {"free-prefill": 150.0}
     assert report["fraction_of_bound"]["hybridserve"]["free-prefill"]["mean"] == 0.8
