@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -161,6 +162,13 @@ EosProbabilityOpt = Annotated[
 ShutdownOpt = Annotated[
     float, typer.Option(help="Seconds running requests get to finish on shutdown.")
 ]
+StepTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        help="The watchdog: a step running longer than this many seconds kills the engine "
+        "(/health 503, exit 1); 0 = no watchdog."
+    ),
+]
 ServeDcpOpt = Annotated[
     int,
     typer.Option(
@@ -250,6 +258,7 @@ class ServeFlags:
     default_max_tokens: int
     sim_eos_probability: float
     shutdown_timeout: float
+    step_timeout: float
     dcp: int
     dcp_interleave: int
     served_model_name: list[str] | None
@@ -299,6 +308,7 @@ def serve_cmd(
     default_max_tokens: DefaultMaxTokensOpt = 2048,
     sim_eos_probability: EosProbabilityOpt = 1 / 256,
     shutdown_timeout: ShutdownOpt = 30.0,
+    step_timeout: StepTimeoutOpt = 300.0,
     dcp: ServeDcpOpt = 1,
     dcp_interleave: InterleaveOpt = 1,
     served_model_name: ServedNameOpt = None,
@@ -355,8 +365,10 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         )
     if flags.max_failed_steps < 1:
         raise fail(f"--max-failed-steps={flags.max_failed_steps}: use 1 or more")
-    if flags.shutdown_timeout < 0:
+    if not flags.shutdown_timeout >= 0:  # NaN too
         raise fail(f"--shutdown-timeout={flags.shutdown_timeout}: use 0 or more seconds")
+    if not 0 <= flags.step_timeout < math.inf:
+        raise fail(f"--step-timeout={flags.step_timeout}: use 0 (no watchdog) or more seconds")
     names = tuple(dict.fromkeys(flags.served_model_name or ()))
     if any(not name.strip() for name in names):
         raise fail("--served-model-name: give a non-empty name")
@@ -367,6 +379,7 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         max_waiting=flags.max_waiting,
         max_failed_steps=flags.max_failed_steps,
         shutdown_timeout_s=flags.shutdown_timeout,
+        step_timeout_s=flags.step_timeout,
         allow_origins=tuple(flags.allow_origin or ()),
         default_max_tokens=flags.default_max_tokens,
     )
@@ -425,9 +438,11 @@ def startup_banner(state: Any, *, host: str, port: int) -> str:
         f"(completions); max_waiting={settings.max_waiting}; "
         f"max_request_bytes={settings.max_request_bytes}; "
         f"API key {'required' if settings.api_key else 'not required'}; "
-        f"shutdown_timeout={settings.shutdown_timeout_s:g}s",
+        f"shutdown_timeout={settings.shutdown_timeout_s:g}s; "
+        f"step_timeout={settings.step_timeout_s:g}s",
         f"  try:       curl -s {base}/v1/completions -H 'Content-Type: application/json' "
-        f"-d '{example}'",
+        + ('-H "Authorization: Bearer $HYBRIDSERVE_API_KEY" ' if settings.api_key else "")
+        + f"-d '{example}'",
     ]
     return "\n".join(lines)
 

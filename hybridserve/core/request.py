@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -131,6 +132,18 @@ class SamplingParams:
         return self
 
 
+SESSION_KEY_BYTES = 16
+
+
+def session_key(cache_salt: str | None, session_id: str) -> str:
+    """The session's key within its tenant (its cache salt): a 32-character digest."""
+    digest = hashlib.blake2b(digest_size=SESSION_KEY_BYTES)
+    if cache_salt is not None:
+        digest.update(b"salt\x00" + cache_salt.encode("utf-8", "surrogatepass") + b"\x00")
+    digest.update(b"session\x00" + session_id.encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()
+
+
 @dataclass(kw_only=True, slots=True, eq=False)
 class Request:
     """One generation request. Only the scheduler mutates it.
@@ -166,6 +179,10 @@ class Request:
     num_external_computed_tokens: int = 0
     token_ids: list[int] = field(init=False)  # prompt + output, grown in place
     num_prompt_tokens: int = field(init=False)
+    # What pins, tool-gap statistics and program order key the session by: a fixed-size
+    # digest of (cache_salt, session_id), so two tenants' sessions of one name never meet and
+    # a long id costs no more memory than a short one once the request is gone.
+    session_key: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.req_id:
@@ -192,6 +209,9 @@ class Request:
             )
         self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.session_key = (
+            None if self.session_id is None else session_key(self.cache_salt, self.session_id)
+        )
 
     def append_output_tokens(self, token_ids: Sequence[int]) -> None:
         self.output_token_ids.extend(token_ids)

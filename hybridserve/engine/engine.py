@@ -29,6 +29,9 @@ class Admission(NamedTuple):
     req_id: str
     arrival_time: float
     num_prompt_tokens: int
+    # Prompt tokens the prefix cache served at this first admission (vLLM's
+    # `num_cached_tokens`, reported as `usage.prompt_tokens_details.cached_tokens`).
+    num_cached_tokens: int = 0
 
 
 class RequestFailure(NamedTuple):
@@ -110,6 +113,14 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def next_pin_deadline(self) -> float | None:
+        """When the scheduler's next tool-call pin expires, if one does."""
+        return self.scheduler.next_pin_deadline()
+
+    def release_expired_pins(self, now: float) -> int:
+        """Between steps (an idle engine): release the pins expired by `now`."""
+        return self.scheduler.release_expired_pins(now)
+
     def control_samples(self) -> list[tuple[str, str, float]]:
         """The scheduler controls' counters and gauges as (Prometheus name, kind, value)."""
         return self.scheduler.controls.stats.samples()
@@ -136,11 +147,13 @@ class Engine:
         return EngineStep(now, scheduled, result, outputs, failed, admitted)
 
     def _admitted(self, scheduled: SchedulerOutput) -> tuple[Admission, ...]:
-        requests = self.scheduler.requests
-        return tuple(
-            Admission(req_id, requests[req_id].arrival_time, requests[req_id].num_prompt_tokens)
-            for req_id, _ in scheduled.new_reqs
-        )
+        admitted = []
+        for req_id, num_cached in scheduled.new_reqs:
+            request = self.scheduler.requests[req_id]
+            admitted.append(
+                Admission(req_id, request.arrival_time, request.num_prompt_tokens, num_cached)
+            )
+        return tuple(admitted)
 
     def _fail_step(self, plan: StepPlan) -> StepFailed:
         self._unsent_finished = plan.finished_req_ids

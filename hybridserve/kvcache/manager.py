@@ -673,6 +673,11 @@ class KVCacheManager:
         pin = self._pins.get(session_id)
         return None if pin is None else pin.deadline
 
+    def next_pin_deadline(self) -> float | None:
+        """The soonest TTL of any pin (claimed pins have none); None when no pin expires."""
+        deadlines = [pin.deadline for pin in self._pins.values() if pin.deadline != math.inf]
+        return min(deadlines, default=None)
+
     def growth_blocks(self, num_tokens: int, num_new_tokens: int) -> int:
         """Blocks the full-attention groups need to grow a sequence of `num_tokens` tokens by
         `num_new_tokens` (window and state groups hold a bounded number: not counted)."""

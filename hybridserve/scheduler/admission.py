@@ -30,7 +30,7 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         request = waiting.peek()
         resumed = request.status is RequestStatus.PREEMPTED
         hit = scheduler.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
-        if scheduler.exact_tails and request.session_id is not None:
+        if scheduler.exact_tails and request.session_key is not None:
             hit = _longer_session_hit(scheduler, request, hit, resumed)
         # Tokens received from another engine start computed (vLLM's KV connector): the step
         # schedules only what follows them.
@@ -71,9 +71,9 @@ def _longer_session_hit(
     scheduler: Scheduler, request: Request, hit: CacheHit, resumed: bool
 ) -> CacheHit:
     """Exact tails: the session's pinned turn end, where it resumes past the prefix hit."""
-    assert request.session_id is not None
+    assert request.session_key is not None
     tail = scheduler.cache.session_hit(
-        request.session_id, request.block_hashes, request.token_ids, resumed=resumed
+        request.session_key, request.block_hashes, request.token_ids, resumed=resumed
     )
     return tail if tail is not None and tail.num_tokens > hit.num_tokens else hit
 
@@ -136,12 +136,12 @@ def admit(
             return None
         # Pins never stall admission: release other sessions' pins, soonest TTL first.
         # Releasing frees blocks without evicting any, so `hit` stays valid.
-        if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_id)):
+        if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_key)):
             return None
-    if scheduler.pinning and request.session_id is not None:
+    if scheduler.pinning and request.session_key is not None:
         if hit.from_tail:
             cache.pin_stats.tail_hits += 1
-        cache.unpin(request.session_id)  # back, holding its hit: the pin is done
+        cache.unpin(request.session_key)  # back, holding its hit: the pin is done
     scheduler.waiting.pop()
     scheduler.running.append(request)
     request.transition(RequestStatus.RUNNING)

@@ -100,7 +100,7 @@ class ProgramQueue:
 
     @staticmethod
     def program_of(request: Request) -> str:
-        return request.session_id if request.session_id is not None else f"req:{request.req_id}"
+        return request.session_key if request.session_key is not None else f"req:{request.req_id}"
 
     def add_service(self, request: Request, tokens: int) -> None:
         """Charge `tokens` of scheduled work to the request's program."""

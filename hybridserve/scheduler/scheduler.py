@@ -110,9 +110,9 @@ class Scheduler:
             request.token_ids, cache_salt=request.cache_salt
         )
         self.requests[request.req_id] = request
-        if self.pinning and request.session_id is not None:
-            self.tool_gaps.on_arrival(request.session_id, request.arrival_time)
-            self.cache.claim_pin(request.session_id)
+        if self.pinning and request.session_key is not None:
+            self.tool_gaps.on_arrival(request.session_key, request.arrival_time)
+            self.cache.claim_pin(request.session_key)
         self.waiting.add(request)
 
     def abort(self, req_id: str) -> None:
@@ -125,8 +125,8 @@ class Scheduler:
             self.cache.free(req_id)
         else:
             self.waiting.remove(request)
-            if self.pinning and request.session_id is not None:
-                self.cache.unpin(request.session_id)
+            if self.pinning and request.session_key is not None:
+                self.cache.unpin(request.session_key)
         request.transition(RequestStatus.FINISHED_ABORTED)
         del self.requests[req_id]
         self._finished_pending.append(req_id)
@@ -149,6 +149,15 @@ class Scheduler:
                 out["hybridserve:kv_pin_tails_total"] = stats.tails
                 out["hybridserve:kv_pin_tail_hits_total"] = stats.tail_hits
         return out
+
+    def next_pin_deadline(self) -> float | None:
+        """When the next tool-call pin expires (None: pinning off, or no pin expires)."""
+        return self.cache.next_pin_deadline() if self.pinning else None
+
+    def release_expired_pins(self, now: float) -> int:
+        """Release the pins whose TTL ran out by `now` without a step (an idle engine), as
+        `schedule` does first thing. Returns how many."""
+        return self.cache.expire_pins(now) if self.pinning else 0
 
     def has_requests(self) -> bool:
         """True while any request is unfinished or finished ids are not yet reported."""
@@ -294,7 +303,7 @@ class Scheduler:
 
     def _pin_for_return(self, request: Request) -> None:
         """Tool-call pinning: hold the finished turn's prefix for its session's next turn."""
-        session = request.session_id
+        session = request.session_key
         assert session is not None
         self.tool_gaps.on_finish(session, self._step_end)
         self.cache.pin(
@@ -335,7 +344,7 @@ class Scheduler:
                 request.num_computed_tokens,
                 len(request.token_ids),
             )
-        if self.pinning and request.session_id is not None:
+        if self.pinning and request.session_key is not None:
             self._pin_for_return(request)
         self.cache.free(request.req_id)
         del self.requests[request.req_id]

@@ -15,7 +15,11 @@ from collections import OrderedDict, deque
 GLOBAL_WINDOW = 512  # recent gaps over all sessions
 SESSION_WINDOW = 32  # recent gaps of one session
 SESSION_MIN_GAPS = 4  # a session's own gaps are used from this many on
-MAX_SESSIONS = 65_536  # sessions remembered (oldest forgotten first)
+# Sessions remembered, oldest forgotten first. Keys are fixed-size digests
+# (`Request.session_key`), so the tables are bounded in bytes, not only in entries: about
+# 1.7 KB a session with its gap window and 0.16 KB a finished turn, ~24 MiB at most in all.
+MAX_SESSIONS = 8_192  # sessions with a gap window of their own
+MAX_FINISHED = 65_536  # sessions whose last turn's end is remembered
 
 
 class ToolGapModel:
@@ -36,7 +40,7 @@ class ToolGapModel:
         """A turn of `session_id` finished at `time_s`."""
         self._finished_at[session_id] = time_s
         self._finished_at.move_to_end(session_id)
-        if len(self._finished_at) > MAX_SESSIONS:
+        if len(self._finished_at) > MAX_FINISHED:
             self._finished_at.popitem(last=False)
 
     def on_arrival(self, session_id: str, time_s: float) -> float | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
@@ -44,6 +44,12 @@ from hybridserve.server.async_engine import AsyncEngine, RequestStream, shutdown
 from hybridserve.server.backend import ServingBackend
 from hybridserve.server.generation import Piece, generate
 from hybridserve.server.metrics import Sample, ServerMetrics
+from hybridserve.server.openapi import (
+    COMMON_ERRORS,
+    error_answer,
+    generation_route,
+    openapi_document,
+)
 from hybridserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -56,12 +62,19 @@ from hybridserve.server.responses import (
     ChatLogprobs,
     CompletionFormat,
     CompletionLogprobs,
+    Usage,
 )
 from hybridserve.server.tokenizer import ChatMessage
 
 logger = logging.getLogger(__name__)
 
 ResponseFormat = CompletionFormat | ChatFormat
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+# The routes that read a JSON body: only these answer a non-JSON body with 415 (any other
+# POST is routed, and answered 404 or 405 as its path says).
+BODY_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +91,9 @@ class ServerSettings:
     default_max_tokens: int = 2048
     # The model ids clients use (the first names responses); empty = the backend's own name.
     served_model_names: tuple[str, ...] = ()
+    # The watchdog: a step running longer than this kills the engine (0 = no watchdog). Well
+    # past the longest real step: a 2,048-token chunk takes ~40 s on a loaded 2-core CPU.
+    step_timeout_s: float = 300.0
 
 
 class ServerState:
@@ -103,32 +119,38 @@ class ServerState:
             debug_checks=settings.debug_checks,
             max_failed_steps=settings.max_failed_steps,
             retry_after_s=settings.retry_after_s,
+            step_timeout_s=settings.step_timeout_s,
+            snapshot=self._engine_samples,
         )
         self.engine.on_dead = self._engine_died
-        self.metrics.attach(self.engine_samples)
+        self.metrics.attach(lambda: list(self.engine.snapshot))
         self.ids = itertools.count()
         self.created = int(time.time())
         self.draining = False  # shutdown began: new requests get 503
         self.exit_code = 0  # what the process should exit with once the server stops
         self.request_exit: Callable[[], None] | None = None  # set by the server that runs us
 
-    def engine_samples(self) -> list[Sample]:
-        """Scheduler and cache state for /metrics, read under the engine lock."""
-        with self.engine.lock:
-            engine, cache = self.parts.engine, self.parts.cache
-            controls = engine.control_samples()
-            cache_samples = cache.metrics.samples(
-                registered=cache.registered_blocks(), evicted=cache.evicted_blocks()
-            )
-            gauges = [
-                ("hybridserve:num_requests_running", float(engine.num_running)),
-                ("hybridserve:num_requests_waiting", float(engine.num_waiting)),
-                ("hybridserve:kv_cache_usage_perc", cache.usage()),
-                ("hybridserve:kv_cache_free_blocks", float(cache.num_free_blocks)),
-            ]
+    def _engine_samples(self) -> list[Sample]:
+        """Scheduler and cache state for /metrics; the engine thread calls it, holding the
+        engine lock, after each step (scrapes read the last snapshot)."""
+        engine, cache = self.parts.engine, self.parts.cache
+        controls = engine.control_samples()
+        cache_samples = cache.metrics.samples(
+            registered=cache.registered_blocks(), evicted=cache.evicted_blocks()
+        )
+        gauges = [
+            ("hybridserve:num_requests_running", float(engine.num_running)),
+            ("hybridserve:num_requests_waiting", float(engine.num_waiting)),
+            ("hybridserve:kv_cache_usage_perc", cache.usage()),
+            ("hybridserve:kv_cache_free_blocks", float(cache.num_free_blocks)),
+        ]
         out: list[Sample] = [(name, {}, value, "gauge") for name, value in gauges]
         for name, kind, value in controls:
             out.append((name.removesuffix("_total"), {}, float(value), kind))
+        for name, value in self.parts.scheduler.metrics_snapshot().items():
+            if name.startswith(("hybridserve:kv_pin", "hybridserve:kv_pins")):
+                kind = "counter" if name.endswith("_total") else "gauge"
+                out.append((name.removesuffix("_total"), {}, float(value), kind))
         for name, labels, value in cache_samples:
             kind = "counter" if name.endswith("_total") else "gauge"
             out.append((name.removesuffix("_total"), labels, float(value), kind))
@@ -181,6 +203,7 @@ def create_app(state: ServerState) -> FastAPI:
         _Guard,
         api_key=settings.api_key,
         allow_origins=settings.allow_origins,
+        body_paths=BODY_PATHS,
     )
     if settings.allow_origins:
         app.add_middleware(
@@ -190,7 +213,7 @@ def create_app(state: ServerState) -> FastAPI:
             allow_headers=["Authorization", "Content-Type"],
         )
 
-    @app.get("/health")
+    @app.get("/health", responses={503: error_answer("Shutting down, or the engine is dead.")})
     async def health() -> Response:
         if state.draining:
             raise shutdown_error("the server is shutting down", settings.retry_after_s)
@@ -201,9 +224,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:
-        return JSONResponse(app.openapi())
+        return JSONResponse(openapi_document(app))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=COMMON_ERRORS)
     async def models() -> Response:
         cards = [
             {
@@ -217,11 +240,15 @@ def create_app(state: ServerState) -> FastAPI:
         ]
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={**COMMON_ERRORS, 200: {"content": {"text/plain": {}}}},
+    )
     def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH, **generation_route(CompletionRequest, "completion"))
     async def completions(http: HttpRequest) -> Response:
         created = int(time.time())
         body = _parse(CompletionRequest, await _read_json(http, settings.max_request_bytes))
@@ -267,7 +294,7 @@ def create_app(state: ServerState) -> FastAPI:
         fmt = CompletionFormat(state.model_name, f"cmpl-{next(state.ids)}", created)
         return await _serve(state, http, stream=_stream_flags(body), choices=choices, fmt=fmt)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH, **generation_route(ChatCompletionRequest, "chat completion"))
     async def chat_completions(http: HttpRequest) -> Response:
         created = int(time.time())
         body = _parse(ChatCompletionRequest, await _read_json(http, settings.max_request_bytes))
@@ -430,14 +457,14 @@ async def _serve(
             elif not task.cancelled():
                 task.exception()  # retrieved: a second failing choice is not logged as lost
         abort_all()  # a no-op unless the handler itself was cancelled or a choice failed
-    num_output = sum(n for _, n in outputs)
-    return JSONResponse(fmt.full([body for body, _ in outputs], num_prompt, num_output))
+    usage = Usage(num_prompt, sum(n for _, n, _ in outputs), sum(c for _, _, c in outputs))
+    return JSONResponse(fmt.full([body for body, _, _ in outputs], usage))
 
 
 async def _whole(
     fmt: ResponseFormat, render: _Render, pieces: AsyncIterator[Piece]
-) -> tuple[dict[str, Any], int]:
-    """One choice of a whole response, and its output tokens."""
+) -> tuple[dict[str, Any], int, int]:
+    """One choice of a whole response, its output tokens and its cached prompt tokens."""
     text: list[str] = []
     logprobs: list[TokenLogprob] = []
     prompt_logprobs: list[TokenLogprob] = []
@@ -452,7 +479,8 @@ async def _whole(
     shown, block = render.render("".join(text), logprobs, prompt_logprobs)
     choice = render.choice
     num_output = 0 if choice.scored_only else last.num_output_tokens
-    return fmt.choice(choice.index, shown, last.finish_reason, block), num_output
+    body = fmt.choice(choice.index, shown, last.finish_reason, block)
+    return body, num_output, last.num_cached_tokens
 
 
 class _EngineStreamingResponse(StreamingResponse):
@@ -485,10 +513,12 @@ async def _sse(
     if opening is not None:
         yield _event(opening)
     num_output = [0] * len(renders)
+    num_cached = [0] * len(renders)
     try:
         async for index, piece in _merged(pieces):
             render = renders[index]
             text, block = render.render(piece.text, piece.logprobs, piece.prompt_logprobs)
+            num_cached[index] = piece.num_cached_tokens
             if not render.choice.scored_only:
                 num_output[index] = piece.num_output_tokens
             choice = fmt.stream_choice(index, text, piece.finish_reason, block)
@@ -498,7 +528,7 @@ async def _sse(
     except Exception:
         yield _event(_internal_error("streaming a response").body())
     if include_usage:
-        yield _event(fmt.usage_chunk(num_prompt, sum(num_output)))
+        yield _event(fmt.usage_chunk(Usage(num_prompt, sum(num_output), sum(num_cached))))
     yield b"data: [DONE]\n\n"
 
 
@@ -634,8 +664,17 @@ def _admit(state: ServerState, requests: Sequence[Request]) -> list[RequestStrea
     if not state.engine.running:
         reason = state.engine.failure or "the engine is not running"
         raise ApiError(503, reason, kind="server_error", code="engine_dead", headers=retry_after)
-    queued = state.engine.num_queued()
-    if queued + len(requests) > state.settings.max_waiting:
+    queued, limit = state.engine.num_queued(), state.settings.max_waiting
+    if len(requests) > limit:
+        # Never fits, however long the client waits: not a 503 to retry.
+        raise ApiError(
+            400,
+            f"prompt: a batch of {len(requests)} prompts is more than the server queues at once "
+            f"(--max-waiting={limit}); send at most {limit} prompts per request",
+            param="prompt",
+            code="batch_too_large",
+        )
+    if queued + len(requests) > limit:
         more = f" to queue {len(requests)} more" if len(requests) > 1 else ""
         raise ApiError(
             503,
@@ -753,10 +792,18 @@ class _Guard:
     """Outermost checks: the API key on every path but /health, JSON bodies on POST (415),
     and a generic OpenAI-shaped 500 for any exception a route lets out."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, allow_origins: Sequence[str]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        allow_origins: Sequence[str],
+        body_paths: frozenset[str],
+    ):
         self.app = app
         self.expected = api_key.encode() if api_key else b""
         self.allow_origins = frozenset(allow_origins)
+        self.body_paths = body_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -794,7 +841,11 @@ class _Guard:
                 kind="authentication_error",
                 code="invalid_api_key",
             )
-        if scope["method"] == "POST" and headers.get("origin") not in self.allow_origins:
+        if (
+            scope["method"] == "POST"
+            and scope["path"] in self.body_paths
+            and headers.get("origin") not in self.allow_origins
+        ):
             media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
             if media_type != "application/json":
                 return ApiError(

@@ -14,6 +14,18 @@ them and freed their blocks) and the engine carries on; after `max_failed_steps`
 in a row, or any other exception in the loop, the engine is dead: every request fails, every
 block is freed, and `on_dead` runs on the event loop (the server then exits non-zero).
 
+Watchdog: a step still running `step_timeout_s` after it began (vLLM's
+`VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`) marks the engine dead the same way, from a thread of its
+own, without the engine lock the hung step holds: every stream fails at once and the server
+exits 1, so a supervisor restarts it.
+
+Metrics: the engine state /metrics shows is a snapshot the engine thread takes under its lock
+after each step and after each batch of commands; a scrape reads the last snapshot and never
+waits for a step.
+
+Idle pins: with no request in flight the thread still wakes at the next tool-call pin's
+deadline and releases what expired, so an idle server's cache empties on schedule.
+
 Shutdown: `drain()` aborts the requests that have not started (a 503); `cut()` ends the rest,
 streams with `finish_reason` "abort" and whole responses with a 503.
 """
@@ -24,8 +36,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridserve.core.errors import RequestError
 from hybridserve.core.plan import StepResult, TokenLogprob
@@ -40,6 +53,8 @@ logger = logging.getLogger(__name__)
 # After a step that scheduled nothing while requests remain (none can run yet), wait this long
 # or for the next command before stepping again, instead of spinning.
 IDLE_STEP_WAIT_S = 0.005
+# How often the watchdog looks at the running step, at most (smaller for short deadlines).
+WATCHDOG_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +72,9 @@ class Delivery:
     # log-probabilities computed since the last delivery.
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # Set once, on the delivery of the step that first admitted the request: the prompt
+    # tokens its prefix hit served.
+    num_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -97,9 +115,15 @@ class AsyncEngine:
         debug_checks: bool = False,
         max_failed_steps: int = 3,
         retry_after_s: int = 1,
+        step_timeout_s: float = 0.0,
+        snapshot: Callable[[], Sequence[Any]] = tuple,
     ) -> None:
+        """`snapshot` reads the engine state /metrics shows (called with the engine lock
+        held); `step_timeout_s` is the watchdog's deadline for one step (0: no watchdog)."""
         if max_failed_steps < 1:
             raise ValueError(f"max_failed_steps={max_failed_steps}; use 1 or more")
+        if not step_timeout_s >= 0:  # NaN too
+            raise ValueError(f"step_timeout_s={step_timeout_s}; use 0 (off) or more seconds")
         self.parts = parts
         self.metrics = metrics
         self.stats = LoopStats()
@@ -122,6 +146,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failure: str | None = None  # why the engine died, if it did (no internals)
         self.on_dead: Callable[[], None] | None = None  # runs on the event loop
+        self.step_timeout_s = step_timeout_s
+        self._step_began: float | None = None  # monotonic start of the step in flight
+        self._read_snapshot = snapshot
+        with self.lock:
+            self.snapshot: Sequence[Any] = snapshot()  # replaced whole, never mutated
 
     # ----- event-loop side --------------------------------------------------------------------
 
@@ -132,6 +161,9 @@ class AsyncEngine:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
         self._thread.start()
+        if self.step_timeout_s:
+            name = "hybridserve-watchdog"
+            threading.Thread(target=self._watch, name=name, daemon=True).start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort what is still in flight, deliver the aborts, and end the engine thread."""
@@ -219,18 +251,39 @@ class AsyncEngine:
             logger.exception("the engine loop failed (error id %s)", error_id)
             self._die(f"the engine failed (error id {error_id})")
 
-    def _die(self, reason: str) -> None:
-        """Mark the engine dead, free every request's blocks, and fail every stream."""
+    def _die(self, reason: str, *, free_blocks: bool = True) -> None:
+        """Mark the engine dead, free every request's blocks (unless a hung step holds the
+        engine), and fail every stream."""
+        if self.failure is not None:
+            return
         self.failure = f"{reason}; the server is exiting"
         with self._cond:
             self._stopping = True
-        try:
-            with self.lock:
-                self._abort_all([])
-        except Exception:
-            logger.exception("freeing the requests of a dead engine failed")
+            self._cond.notify()
+        if free_blocks:
+            try:
+                with self.lock:
+                    self._abort_all([])
+            except Exception:
+                logger.exception("freeing the requests of a dead engine failed")
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._fail_all_streams)
+
+    def _watch(self) -> None:
+        """The watchdog: kill the engine when one step outlives `step_timeout_s`."""
+        limit = self.step_timeout_s
+        poll = min(WATCHDOG_POLL_S, limit / 4)
+        while self.failure is None and not self._stopping:
+            began = self._step_began
+            if began is not None and (elapsed := time.monotonic() - began) > limit:
+                logger.error("a step has run %.1f s, past the %g s step deadline", elapsed, limit)
+                self._die(
+                    f"a step ran past the {limit:g} s step deadline (--step-timeout); the "
+                    "engine is presumed hung",
+                    free_blocks=False,
+                )
+                return
+            time.sleep(poll)
 
     def _serve_steps(self) -> None:
         next_step_at = 0.0
@@ -239,7 +292,7 @@ class AsyncEngine:
             with self._cond:
                 if not self._inbox and not self._stopping:
                     if not engine.has_requests():
-                        self._cond.wait()
+                        self._cond.wait(self._idle_wait_s())
                     elif (delay := next_step_at - time.monotonic()) > 0:
                         self._cond.wait(delay)
                 commands, self._inbox = self._inbox, []
@@ -252,20 +305,10 @@ class AsyncEngine:
                 if stopping:
                     self._abort_all(batch)
                 elif engine.has_requests() and time.monotonic() >= next_step_at:
-                    step_start, cpu_start = time.monotonic(), time.thread_time()
-                    try:
-                        step = engine.step(self.now())
-                    except StepFailed as exc:
-                        dead_reason = self._after_failed_step(exc, batch)
-                        next_step_at = 0.0
-                    else:
-                        self._failed_in_a_row = 0
-                        step_s = time.monotonic() - step_start
-                        step_cpu_s = time.thread_time() - cpu_start
-                        next_step_at = step_start + self._pace_s(step.result)
-                        if step.scheduled.is_empty and engine.has_requests():
-                            next_step_at = max(next_step_at, step_start + IDLE_STEP_WAIT_S)
-                        self._after_step(step, step_s, step_cpu_s, batch)
+                    next_step_at, dead_reason = self._step_once(batch)
+                elif not engine.has_requests():
+                    engine.release_expired_pins(self.now())
+                self.snapshot = self._read_snapshot()
             self._post(batch)
             self.stats.busy_s += time.monotonic() - busy_from
             if dead_reason is not None:
@@ -276,6 +319,32 @@ class AsyncEngine:
             # Hand the GIL to the event loop between steps: back-to-back steps would otherwise
             # starve it for a whole switch interval, and new requests would trickle in.
             time.sleep(0)
+
+    def _idle_wait_s(self) -> float | None:
+        """How long an idle engine may sleep: until the next pin expires (None: no pin)."""
+        deadline = self.parts.engine.next_pin_deadline()
+        return None if deadline is None else max(deadline - self.now(), 0.0) + 1e-3
+
+    def _step_once(self, batch: list[tuple[str, Delivery]]) -> tuple[float, str | None]:
+        """One engine step under the watchdog: (when the next step may start, the reason the
+        engine must die, if it must)."""
+        engine = self.parts.engine
+        step_start, cpu_start = time.monotonic(), time.thread_time()
+        self._step_began = step_start
+        try:
+            step = engine.step(self.now())
+        except StepFailed as exc:
+            return 0.0, self._after_failed_step(exc, batch)
+        finally:
+            self._step_began = None
+        self._failed_in_a_row = 0
+        step_s = time.monotonic() - step_start
+        step_cpu_s = time.thread_time() - cpu_start
+        next_step_at = step_start + self._pace_s(step.result)
+        if step.scheduled.is_empty and engine.has_requests():
+            next_step_at = max(next_step_at, step_start + IDLE_STEP_WAIT_S)
+        self._after_step(step, step_s, step_cpu_s, batch)
+        return next_step_at, None
 
     def _apply(
         self, commands: list[tuple[str, Request | str | None]], batch: list[tuple[str, Delivery]]
@@ -359,6 +428,9 @@ class AsyncEngine:
         scheduled = step.scheduled
         num_generated = 0
         result = step.result
+        for admission in step.admitted:
+            cached = Delivery((), False, num_cached_tokens=admission.num_cached_tokens)
+            batch.append((admission.req_id, cached))
         for req_id, entries in result.prompt_logprobs.items():
             batch.append((req_id, Delivery((), False, prompt_logprobs=entries)))
         for out in step.outputs:

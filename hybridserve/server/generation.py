@@ -37,6 +37,8 @@ class Piece:
     # tokens.
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # Prompt tokens the prefix cache served (known from the request's admission on).
+    num_cached_tokens: int = 0
 
 
 class StopMatcher:
@@ -69,16 +71,20 @@ def _coalesce(first: Delivery, queue: asyncio.Queue[Delivery]) -> Delivery:
         return first
     token_ids, last = list(first.token_ids), first
     logprobs, prompt_logprobs = list(first.logprobs), list(first.prompt_logprobs)
+    cached = first.num_cached_tokens
     while not last.finished and not queue.empty():
         last = queue.get_nowait()
         token_ids.extend(last.token_ids)
         logprobs.extend(last.logprobs)
         prompt_logprobs.extend(last.prompt_logprobs)
+        if cached is None:
+            cached = last.num_cached_tokens
     return replace(
         last,
         token_ids=tuple(token_ids),
         logprobs=tuple(logprobs),
         prompt_logprobs=tuple(prompt_logprobs),
+        num_cached_tokens=cached,
     )
 
 
@@ -108,7 +114,7 @@ async def generate(
     decoder, matcher = tokenizer.new_decoder(), StopMatcher(stops)
     stop_ids = frozenset(request.sampling.stop_token_ids)
     arrival, last = request.arrival_time, None
-    num_tokens = 0
+    num_tokens = num_cached = 0
     reason: str | None = None
     logprobs: list[TokenLogprob] = []
     prompt_logprobs: list[TokenLogprob] = []
@@ -120,6 +126,8 @@ async def generate(
                 raise delivery.error
             logprobs.extend(delivery.logprobs)
             prompt_logprobs.extend(delivery.prompt_logprobs)
+            if delivery.num_cached_tokens is not None:
+                num_cached = delivery.num_cached_tokens
             now = engine.now()
             if delivery.token_ids:
                 num_tokens += len(delivery.token_ids)
@@ -144,7 +152,13 @@ async def generate(
                 cut_short = delivery.error
             if out or reason is not None:
                 yield Piece(
-                    out, reason, num_tokens, cut_short, tuple(logprobs), tuple(prompt_logprobs)
+                    out,
+                    reason,
+                    num_tokens,
+                    cut_short,
+                    tuple(logprobs),
+                    tuple(prompt_logprobs),
+                    num_cached,
                 )
                 logprobs.clear()
                 prompt_logprobs.clear()

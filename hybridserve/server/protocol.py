@@ -31,6 +31,7 @@ from pydantic import (
 from hybridserve.core.request import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_STOP_SEQUENCES = 16
+MAX_USER_CHARS = 65_536
 
 
 def new_error_id() -> str:
@@ -48,8 +49,19 @@ def _unsupported(value: Any) -> Any:
     raise ValueError("is not supported; leave it out or send null")
 
 
+def _bool_only(value: Any) -> Any:
+    # `Literal[False]` compares with ==, so 0 would pass as false: refuse non-booleans first.
+    if not isinstance(value, bool):
+        raise ValueError("give a JSON boolean")
+    return value
+
+
 # An integer, or a float with an integral value (1.0), as OpenAI and vLLM accept.
 Integer = Annotated[int, BeforeValidator(_integral)]
+# A boolean accepted at one value only (a parameter at its neutral setting): `false`/`true`,
+# never 0/1.
+OnlyFalse = Annotated[Literal[False], BeforeValidator(_bool_only)]
+OnlyTrue = Annotated[Literal[True], BeforeValidator(_bool_only)]
 # A feature this server does not implement: absent or null only.
 Unsupported = Annotated[None, BeforeValidator(_unsupported)]
 
@@ -159,7 +171,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    continuous_usage_stats: Annotated[Literal[False], neutral("false")] = False
+    continuous_usage_stats: Annotated[OnlyFalse, neutral("false")] = False
 
 
 class TextFormat(_Body):
@@ -181,7 +193,9 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[Integer, Field(ge=1)] = 1
-    user: str | None = None
+    # The session id for tool-call pinning (OpenAI's end-user id); the engine keeps only a
+    # fixed-size digest of it, scoped by `cache_salt`.
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     priority: Integer = 0
     # Penalties as vLLM defines them (see SamplingParams); 0, 0 and 1 are off.
@@ -189,13 +203,13 @@ class _SamplingFields(_Body):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
     # vLLM's other sampling parameters: accepted at their neutral (default) value only.
-    use_beam_search: Annotated[Literal[False], neutral("false")] = False
+    use_beam_search: Annotated[OnlyFalse, neutral("false")] = False
     min_p: Annotated[float, Field(ge=0.0, le=0.0), neutral("0")] = 0.0
     length_penalty: Annotated[float, Field(ge=1.0, le=1.0), neutral("1")] = 1.0
-    include_stop_str_in_output: Annotated[Literal[False], neutral("false")] = False
+    include_stop_str_in_output: Annotated[OnlyFalse, neutral("false")] = False
     min_tokens: Annotated[Integer, Field(ge=0, le=0), neutral("0")] = 0
-    skip_special_tokens: Annotated[Literal[True], neutral("true")] = True
-    spaces_between_special_tokens: Annotated[Literal[True], neutral("true")] = True
+    skip_special_tokens: Annotated[OnlyTrue, neutral("true")] = True
+    spaces_between_special_tokens: Annotated[OnlyTrue, neutral("true")] = True
     truncation_side: Literal["left", "right"] | None = None  # no effect without truncation
     allowed_token_ids: Unsupported = None
     bad_words: Annotated[list[str], Field(max_length=0), neutral("[]")] = []
@@ -203,7 +217,7 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: Unsupported = None
     prompt_logprobs: Unsupported = None
     logprob_token_ids: Unsupported = None
-    watermarking: Annotated[Literal[False], neutral("false")] = False
+    watermarking: Annotated[OnlyFalse, neutral("false")] = False
     response_format: TextFormat | None = None
     structured_outputs: Unsupported = None
     guided_json: Unsupported = None
@@ -212,8 +226,8 @@ class _SamplingFields(_Body):
     guided_grammar: Unsupported = None
     guided_decoding_backend: Unsupported = None
     guided_whitespace_pattern: Unsupported = None
-    return_tokens_as_token_ids: Annotated[Literal[False], neutral("false")] = False
-    return_token_ids: Annotated[Literal[False], neutral("false")] = False
+    return_tokens_as_token_ids: Annotated[OnlyFalse, neutral("false")] = False
+    return_token_ids: Annotated[OnlyFalse, neutral("false")] = False
     logits_processors: Unsupported = None
     vllm_xargs: Unsupported = None
     kv_transfer_params: Unsupported = None
@@ -257,7 +271,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: Unsupported = None
     best_of: Annotated[Integer, Field(ge=1, le=1)] | None = None
-    add_special_tokens: Annotated[Literal[True], neutral("true")] = True
+    add_special_tokens: Annotated[OnlyTrue, neutral("true")] = True
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts of this request, one per choice."""
@@ -297,10 +311,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Annotated[Literal["none", "auto"], neutral('"none" or "auto"')] = "none"
     parallel_tool_calls: bool = True  # no effect without tools
     # vLLM's chat extras, at their neutral values only.
-    echo: Annotated[Literal[False], neutral("false")] = False
-    add_generation_prompt: Annotated[Literal[True], neutral("true")] = True
-    continue_final_message: Annotated[Literal[False], neutral("false")] = False
-    add_special_tokens: Annotated[Literal[False], neutral("false")] = False
+    echo: Annotated[OnlyFalse, neutral("false")] = False
+    add_generation_prompt: Annotated[OnlyTrue, neutral("true")] = True
+    continue_final_message: Annotated[OnlyFalse, neutral("false")] = False
+    add_special_tokens: Annotated[OnlyFalse, neutral("false")] = False
     documents: Unsupported = None
     chat_template: Unsupported = None
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=0), neutral("{}")] = {}

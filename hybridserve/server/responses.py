@@ -4,17 +4,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridserve.core.plan import TokenLogprob
 
 
-def usage(num_prompt: int, num_output: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": num_prompt,
-        "completion_tokens": num_output,
-        "total_tokens": num_prompt + num_output,
-    }
+class Usage(NamedTuple):
+    """A response's token counts; `cached_tokens` are prompt tokens the prefix cache served
+    (vLLM's and OpenAI's `usage.prompt_tokens_details.cached_tokens`)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 class _Format:
@@ -35,19 +44,17 @@ class _Format:
             "choices": choices,
         }
 
-    def full(
-        self, choices: list[dict[str, Any]], num_prompt: int, num_output: int
-    ) -> dict[str, Any]:
+    def full(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         body = self._envelope(self.object_full, choices)
-        body["usage"] = usage(num_prompt, num_output)
+        body["usage"] = usage.body()
         return body
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return self._envelope(self.object_chunk, choices)
 
-    def usage_chunk(self, num_prompt: int, num_output: int) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])
-        body["usage"] = usage(num_prompt, num_output)
+        body["usage"] = usage.body()
         return body
 
     def first_chunk(self) -> dict[str, Any] | None:

@@ -95,6 +95,7 @@ def test_a_failed_step_fails_its_requests_and_every_other_completes_exactly() ->
                     "prompt_tokens": len(prompt.encode()),
                     "completion_tokens": 20 + i % 7,
                     "total_tokens": len(prompt.encode()) + 20 + i % 7,
+                    "prompt_tokens_details": {"cached_tokens": 0},
                 }
             else:
                 assert status == 500

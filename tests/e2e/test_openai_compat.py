@@ -61,6 +61,7 @@ def test_a_batch_of_prompts_gets_one_choice_each_in_order(live_server: LiveServe
         "prompt_tokens": 7,
         "completion_tokens": 15,
         "total_tokens": 22,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     ids = _post(live_server, COMPLETIONS, {**body, "prompt": [[104, 105], [33]]}).json()
     assert [c["index"] for c in ids["choices"]] == [0, 1]
@@ -87,16 +88,22 @@ def test_a_streamed_batch_names_each_chunks_choice(live_server: LiveServer) -> N
     assert len(texts[0]) == 12 and len(texts[1]) == 12
     finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
     assert sorted(finished) == [0, 1]
-    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27}
+    assert events[-2]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 24,
+        "total_tokens": 27,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
-def test_a_batch_the_queue_cannot_take_is_refused_whole() -> None:
+def test_a_batch_the_queue_can_never_take_is_refused_whole_with_a_400() -> None:
     server = start_server(settings=ServerSettings(max_waiting=2))
     try:
         body = {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2}
         response = _post(server, COMPLETIONS, body)
-        assert response.status_code == 503
-        assert response.json()["error"]["code"] == "queue_full"
+        assert response.status_code == 400  # no retry can succeed: not a 503
+        error = response.json()["error"]
+        assert error["code"] == "batch_too_large" and "--max-waiting=2" in error["message"]
         server.wait_idle()
         assert server.metrics()["hybridserve:prompt_tokens_total{}"] == 0
         assert _post(server, COMPLETIONS, {**body, "prompt": ["a", "b"]}).status_code == 200

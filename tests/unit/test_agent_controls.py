@@ -13,7 +13,7 @@ import torch
 
 from hybridserve.core.config import ProgramPriority, SchedulerConfig
 from hybridserve.core.errors import ConfigError, RequestError
-from hybridserve.core.request import Request, SamplingParams
+from hybridserve.core.request import Request, SamplingParams, session_key
 from hybridserve.engine import Engine
 from hybridserve.scheduler import Scheduler
 from hybridserve.scheduler.queue import ProgramQueue
@@ -216,7 +216,7 @@ def test_pinning_never_pins_past_the_ttl() -> None:
     driver = Driver(sched)
     sched.add_request(turn("s.t1", tuple(range(64)), session="s"))
     driver.run()
-    deadline = sched.cache.pin_deadline("s")
+    deadline = sched.cache.pin_deadline(session_key(None, "s"))
     assert deadline is not None and sched.cache.num_pinned_blocks == 4
     assert deadline <= driver.now + 0.25
     while driver.now < deadline:
