@@ -1,7 +1,8 @@
 """The `hybridserve serve` commands of docs/serving.md (the page the README links for `serve`),
-and its curl and Python snippets, run as written against both executors: the sim, and the torch executor on the built-in SmolLM2 (skipped when
-`models/smollm2` is absent). The only change is the port: 8000 becomes a free one, so that the
-test does not collide with anything listening there.
+and its curl and Python snippets, run as written against both executors: the sim, and the torch
+executor on the built-in SmolLM2 (skipped when `models/smollm2` is absent). The only change is
+the port: 8000 becomes a free one, so that the test does not collide with anything listening
+there.
 
 Each server is a real `hybridserve serve` process: its start-up banner must name the URL and
 the model id the snippets use, and SIGINT must stop it with status 0.

@@ -57,7 +57,9 @@ def test_every_relative_link_resolves(page: Path) -> None:
         path_part, _, fragment = target.partition("#")
         path = (page.parent / path_part).resolve() if path_part else page
         if not path.exists():
-            broken.append(f"{target}: no {path.relative_to(ROOT) if ROOT in path.parents else path}")
+            broken.append(
+                f"{target}: no {path.relative_to(ROOT) if ROOT in path.parents else path}"
+            )
         elif fragment and path.suffix == ".md" and fragment not in anchors(path):
             broken.append(f"{target}: {path.name} has no heading with anchor #{fragment}")
     assert not broken, broken
