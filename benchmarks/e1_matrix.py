@@ -9,7 +9,7 @@ baseline (mean of per-seed ratios, Student-t 95% interval, per-seed values), the
 goodput and each configuration's goodput as a fraction of each bound.
 
 Default: 10 seeds x 20 agents x (baseline, hybridserve, 3 bounds), 1,800 s runs with a 300 s
-warm-up: 40 full simulations (the infinite-engine bound takes no engine time). The README's
+warm-up: 40 full simulations (the infinite-engine bound takes no engine time). docs/e1.md's
 tables are `--duration 600 --warmup 120 --workers 2`: 3 to 10 minutes each on this project's
 2-core machine (the bounds and 80 agents take longest).
 

@@ -34,7 +34,7 @@ The presets:
   found for agents under a 100 ms p99 ITL SLO (`max_num_batched_tokens` 2,048, `max_num_seqs`
   512; `docs/sweep_vllm_e1_20_agents.json`), tool-call TTL pinning of at most half the pool
   (`kv_pin_fraction` 0.5) and exact tails (`kv_pin_exact_tail`: a session's next turn resumes
-  where its last one ended, not at the last retained block boundary). README, E1, has what
+  where its last one ended, not at the last retained block boundary). docs/e1.md has what
   each gives against that tuned vLLM. A request without a session id is never pinned.
 * `decode-first`: the controls an earlier sweep picked for p99 ITL (Cp = 16 quanta, Mp = 2,
   D = 4, T = 60 ms, no deadline) with `boundary+predecessor` retention; the `hybridserve`

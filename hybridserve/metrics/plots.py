@@ -22,7 +22,7 @@ COLORS = {
     "retention-only": "#2ca02c",
 }
 
-# The p99 ITL SLO the README's preset was selected under; marked on the ITL CDF.
+# The p99 ITL SLO the shipped preset was selected under (docs/e1.md); marked on the ITL CDF.
 ITL_SLO_MS = 100.0
 
 

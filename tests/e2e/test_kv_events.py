@@ -20,7 +20,7 @@ from hybridserve.kvcache.hashing import BlockHasher
 from tests.e2e.conftest import free_port, wait_until_serving
 
 MODEL = "qwen3-next-80b-a3b"
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+SERVING = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
 BLOCK = 544  # the profile's block size in both groups (full attention, Mamba)
 
 
@@ -46,8 +46,8 @@ def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> N
     sub = context.socket(zmq.SUB)
     readers: list[subprocess.Popen[str]] = []
     try:
-        # The README's subscriber, as written but for the port (ZMQ connects before the bind).
-        (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "SUB" in b]
+        # docs/serving.md's subscriber, as written but for the port (ZMQ connects before the bind).
+        (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", SERVING, re.S) if "SUB" in b]
         snippet = snippet.replace("5557", str(events_port))
         readers.append(
             subprocess.Popen(

@@ -1,7 +1,8 @@
-"""The README's `hybridserve serve` commands, and its curl and Python snippets, run as written
-against both executors: the sim, and the torch executor on the built-in SmolLM2 (skipped when
-`models/smollm2` is absent). The only change is the port: 8000 becomes a free one, so that the
-test does not collide with anything listening there.
+"""The `hybridserve serve` commands of docs/serving.md (the page the README links for `serve`),
+and its curl and Python snippets, run as written against both executors: the sim, and the torch
+executor on the built-in SmolLM2 (skipped when `models/smollm2` is absent). The only change is
+the port: 8000 becomes a free one, so that the test does not collide with anything listening
+there.
 
 Each server is a real `hybridserve serve` process: its start-up banner must name the URL and
 the model id the snippets use, and SIGINT must stop it with status 0.
@@ -28,9 +29,10 @@ import pytest
 from tests.e2e.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
-SECTION = README[README.index("## `hybridserve serve`") :]
-SECTION = SECTION[: SECTION.index("\n## ", 3)]
+PAGE = (ROOT / "docs" / "serving.md").read_text()
+# The page up to its first section: the commands and the snippets that work on either executor.
+SECTION = PAGE[PAGE.index("# `hybridserve serve`") :]
+SECTION = SECTION[: SECTION.index("\n## ")]
 
 
 def _blocks(language: str = "") -> list[str]:
@@ -38,7 +40,7 @@ def _blocks(language: str = "") -> list[str]:
 
 
 def serve_commands() -> dict[str, str]:
-    """executor -> the README's `hybridserve serve` command for it."""
+    """executor -> the page's `hybridserve serve` command for it."""
     out = {}
     for block in _blocks():
         for line in block.splitlines():
@@ -125,7 +127,7 @@ def _torch_ready() -> str | None:
 
 
 @pytest.fixture(params=["sim", "torch"])
-def readme_server(request: pytest.FixtureRequest) -> Iterator[tuple[ServeProcess, int, str]]:
+def page_server(request: pytest.FixtureRequest) -> Iterator[tuple[ServeProcess, int, str]]:
     executor = request.param
     if executor == "torch" and (reason := _torch_ready()) is not None:
         pytest.skip(reason)
@@ -141,7 +143,7 @@ def readme_server(request: pytest.FixtureRequest) -> Iterator[tuple[ServeProcess
     assert "Traceback" not in "".join(server.errors)
 
 
-def test_the_readme_lists_a_serve_command_per_executor() -> None:
+def test_the_serving_page_lists_a_serve_command_per_executor() -> None:
     commands = serve_commands()
     assert set(commands) == {"sim", "torch"}
     model_ids = {
@@ -154,10 +156,10 @@ def test_the_readme_lists_a_serve_command_per_executor() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_the_readme_snippets_run_unchanged_on_both_executors(
-    readme_server: tuple[ServeProcess, int, str],
+def test_the_serving_page_snippets_run_unchanged_on_both_executors(
+    page_server: tuple[ServeProcess, int, str],
 ) -> None:
-    server, port, banner = readme_server
+    server, port, banner = page_server
     base = f"http://127.0.0.1:{port}"
     model_id = "my-model"
     assert f"listening on {base}" in banner

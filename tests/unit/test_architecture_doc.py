@@ -60,3 +60,30 @@ def test_the_readme_layout_names_every_package() -> None:
     named = set(re.findall(r"`hybridserve/([a-z_]+(?:\.py)?)`", layout))
     top = {p.rstrip("/") for p in packages() if p.count("/") <= 1}
     assert named == top, (sorted(named - top), sorted(top - named))
+
+
+# A read of a clock: time.monotonic() and its kin, or datetime's "now" (parsing a timestamp is not).
+CLOCK_READ = re.compile(
+    r"\btime\.(?:monotonic|time|perf_counter|process_time|thread_time|clock_gettime)(?:_ns)?\("
+    r"|\bfrom time import\b|\b(?:datetime|date)\.(?:now|utcnow|today)\("
+)
+
+
+def test_the_packages_the_doc_says_never_read_a_clock_read_none() -> None:
+    """The packages docs/architecture.md lists as never reading a clock have no clock read, and
+    the server, which it says reads the wall clock, does."""
+    text = " ".join(ARCHITECTURE.split())
+    listed = re.search(r"((?:`[a-z_]+`,? )+and `[a-z_]+`) never read a clock", text)
+    assert listed is not None, "architecture.md no longer says which packages never read a clock"
+    names = re.findall(r"`([a-z_]+)`", listed.group(1))
+    assert {"scheduler", "kvcache", "engine", "sim"} <= set(names)
+    for name in names:
+        sources = [PACKAGE / f"{name}.py"] if (PACKAGE / f"{name}.py").is_file() else []
+        sources += sorted((PACKAGE / name).rglob("*.py")) if (PACKAGE / name).is_dir() else []
+        assert sources, name
+        reads = [
+            p.relative_to(PACKAGE).as_posix() for p in sources if CLOCK_READ.search(p.read_text())
+        ]
+        assert not reads, (name, reads)
+    assert "The server does read the wall clock" in text
+    assert CLOCK_READ.search((PACKAGE / "server" / "async_engine.py").read_text())
