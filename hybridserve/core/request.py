@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -52,6 +51,17 @@ MIN_TEMPERATURE = 1e-5
 # always kept and its probability is at least 1/vocab, far above this floor, so raising top_p
 # to it leaves the distribution unchanged.
 MIN_TOP_P = 2.0**-126
+# Repetition divides a seen token's positive logit by the penalty and multiplies a negative one
+# by it, so a penalty near 0 (5e-324 is 0 in float32) or a huge one overflows float32 logits to
+# inf and the softmax to NaN. vLLM refuses only non-finite values and values <= 0
+# (vllm/sampling_params.py), SGLang anything outside (0, 2] (sglang/srt/sampling/
+# sampling_params.py). This range is symmetric in log space, keeps every logit below 3.4e36 in
+# magnitude finite, and holds SGLang's range from 0.01 and vLLM's above 2 up to 100.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+REPETITION_RANGE = (
+    f"use a value in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off); "
+    "values outside it overflow float32 logits"
+)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are 64-bit signed integers (as vLLM's)
 # The most top alternatives a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -109,10 +119,8 @@ class SamplingParams:
             raise RequestError("stop_token_ids", self.stop_token_ids, "token ids are >= 0")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise RequestError("seed", self.seed, "use a 64-bit signed integer")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise RequestError(
-                "repetition_penalty", self.repetition_penalty, "use a value > 0 (1 = off)"
-            )
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise RequestError("repetition_penalty", self.repetition_penalty, REPETITION_RANGE)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(name, getattr(self, name), "use a value in [-2, 2] (0 = off)")

@@ -28,7 +28,14 @@ from pydantic import (
     model_validator,
 )
 
-from hybridserve.core.request import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from hybridserve.core.request import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    REPETITION_RANGE,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 MAX_STOP_SEQUENCES = 16
 MAX_USER_CHARS = 65_536
@@ -201,7 +208,7 @@ class _SamplingFields(_Body):
     # Penalties as vLLM defines them (see SamplingParams); 0, 0 and 1 are off.
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
     # vLLM's other sampling parameters: accepted at their neutral (default) value only.
     use_beam_search: Annotated[OnlyFalse, neutral("false")] = False
     min_p: Annotated[float, Field(ge=0.0, le=0.0), neutral("0")] = 0.0
@@ -240,6 +247,13 @@ class _SamplingFields(_Body):
             raise ValueError(f"give at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_in_range(cls, value: float) -> float:
+        if not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"{value!r} is outside the accepted range; {REPETITION_RANGE}")
         return value
 
     @field_validator("n")

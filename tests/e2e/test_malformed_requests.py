@@ -81,6 +81,20 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
         400,
         "repetition_penalty",
     ),
+    (
+        "repetition-penalty-that-overflows-float32",
+        COMPLETIONS,
+        {**BASE, "repetition_penalty": 5e-324},
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "repetition-penalty-past-100",
+        COMPLETIONS,
+        {**BASE, "repetition_penalty": 1e39},
+        400,
+        "repetition_penalty",
+    ),
     ("min-p-nonzero", COMPLETIONS, {**BASE, "min_p": 0.1}, 400, "min_p"),
     (
         "skip-special-tokens-false",

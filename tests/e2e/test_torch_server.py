@@ -4,7 +4,9 @@ tokenizer: the OpenAI client gets the same greedy text as transformers, streamed
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +336,71 @@ def test_torch_batched_prompts_answer_as_separate_requests(torch_server) -> None
     batch = _post(server, "/v1/completions", {**body, "prompt": prompts}).json()
     assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert batch["usage"]["total_tokens"] == sum(a["usage"]["total_tokens"] for a in alone)
+
+
+def _stream(server: LiveServer, body: dict[str, Any], first: threading.Event) -> dict[str, Any]:
+    """A streamed completion's status, text, usage and error events; `first` is set when its
+    first token arrives (the request is running)."""
+    out: dict[str, Any] = {"text": "", "errors": [], "usage": None}
+    url = server.base_url + "/v1/completions"
+    with server.client.stream("POST", url, json=body, timeout=60) as response:
+        out["status"] = response.status_code
+        if response.status_code != 200:
+            out["errors"].append(json.loads(response.read())["error"])
+            lines: Iterator[str] = iter(())
+        else:
+            lines = response.iter_lines()
+        for line in lines:
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["errors"].append(event["error"])
+                continue
+            out["usage"] = event.get("usage") or out["usage"]
+            out["text"] += "".join(choice["text"] for choice in event["choices"])
+            first.set()
+    first.set()
+    return out
+
+
+def test_torch_hostile_repetition_penalty_fails_alone_beside_co_batched_streams(
+    torch_server: tuple[LiveServer, Any],
+) -> None:
+    server, _ = torch_server
+    base = {
+        "model": server.state.model_name,
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    neighbours = [
+        {**base, "prompt": "the cat sat on", "temperature": 0},
+        {**base, "prompt": "a dog ran to the", "temperature": 0},
+        {**base, "prompt": "then the bird", "temperature": 1.0, "seed": 7},
+    ]
+    hostile = {**base, "prompt": "the mat", "temperature": 1.0, "repetition_penalty": 5e-324}
+    alone = [_stream(server, body, threading.Event()) for body in neighbours]
+    with ThreadPoolExecutor(len(neighbours) + 1) as pool:
+        started = [threading.Event() for _ in neighbours]
+        running = [
+            pool.submit(_stream, server, b, e) for b, e in zip(neighbours, started, strict=True)
+        ]
+        for event in started:  # every neighbour is decoding when the hostile one arrives
+            assert event.wait(timeout=30)
+        refused = pool.submit(_stream, server, hostile, threading.Event()).result()
+        together = [future.result() for future in running]
+    for got, want in zip(together, alone, strict=True):
+        assert got["status"] == 200 and got["errors"] == []
+        assert got["usage"]["completion_tokens"] == 120
+        assert got["text"] == want["text"]
+    assert refused["status"] == 400, refused
+    (error,) = refused["errors"]
+    assert error["param"] == "repetition_penalty"
+    assert "5e-324" in error["message"] and "[0.01, 100]" in error["message"]
+    server.wait_idle()
+    server.state.parts.cache.check_invariants()
 
 
 def _backend_for(folder: Path) -> Any:

@@ -304,26 +304,38 @@ class TorchExecutor:
         host = logits.cpu() if self.record_logits else None
         offset = 0
         for chunk, emitted in zip(owners, emitted_all, strict=True):
+            start, offset = offset, offset + chunk.num_draft_tokens + 1
+            if not emitted:  # its logits were not finite: the engine fails this request alone
+                continue
             sampled[chunk.req_id] = emitted
-            params = self._sampling.get(chunk.req_id)
-            if params is not None and params.logprobs is not None:
-                chunk_logits = logits[offset : offset + chunk.num_draft_tokens + 1]
-                self._step_logprobs[chunk.req_id] = tuple(
-                    token_logprobs(chunk_logits[: len(emitted)], emitted, params.logprobs)
-                )
-            # Accepted drafts now have K/V and state: they are known positions.
-            self._requests[chunk.req_id].known.extend(emitted[:-1])
+            emitted_logits = logits[start : start + len(emitted)]
+            self._emitted(chunk, emitted, emitted_logits, commits.get(chunk.req_id))
             if host is not None:
-                kept = host[offset : offset + len(emitted)].clone()
+                kept = host[start : start + len(emitted)].clone()
                 self.recorded_logits.setdefault(chunk.req_id, []).extend(kept)
-            offset += chunk.num_draft_tokens + 1
-            commit = commits.get(chunk.req_id)
-            if commit is not None:
-                self._commit_states(chunk.req_id, commit, self._kept(chunk, emitted) - 1)
             proposal = self._propose(chunk, emitted)
             if proposal:
                 drafts[chunk.req_id] = proposal
         return sampled, drafts
+
+    def _emitted(
+        self,
+        chunk: ScheduledChunk,
+        emitted: tuple[int, ...],
+        logits: torch.Tensor,
+        commit: _Commit | None,
+    ) -> None:
+        """Record what a chunk emitted: its log-probabilities (from `logits`, the raw rows of
+        the emitted tokens), the accepted drafts as known tokens, the recurrent state kept."""
+        params = self._sampling.get(chunk.req_id)
+        if params is not None and params.logprobs is not None:
+            self._step_logprobs[chunk.req_id] = tuple(
+                token_logprobs(logits, emitted, params.logprobs)
+            )
+        # Accepted drafts now have K/V and state: they are known positions.
+        self._requests[chunk.req_id].known.extend(emitted[:-1])
+        if commit is not None:
+            self._commit_states(chunk.req_id, commit, self._kept(chunk, emitted) - 1)
 
     def _kept(self, chunk: ScheduledChunk, emitted: tuple[int, ...]) -> int:
         """How many of a chunk's emitted tokens the scheduler keeps (`keep_sampled`: none past

@@ -8,6 +8,7 @@ position distinct seeds give distinct generator seeds. Settings go through
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -71,19 +72,31 @@ def verify(
     sampling accepts draft d with probability p(d) and on rejection samples from p without d
     (speculative sampling with a one-hot draft distribution).
     """
+    finite = _finite_rows(logits)
+    if finite is not None and not all(finite):
+        return ()
+    return _verify_finite(logits, drafts, params, first_position, default_seed)
+
+
+def _verify_finite(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams | None,
+    first_position: int,
+    default_seed: int,
+) -> tuple[int, ...]:
+    """`verify` on finite logits; () where a row's probabilities are not finite (logits that
+    overflow when divided by the temperature)."""
     params = (params or _GREEDY).numerically_safe()
     if params.temperature == 0.0:
-        targets = torch.argmax(logits, dim=-1).tolist()
-        out = []
-        for j, target in enumerate(targets):
-            out.append(int(target))
-            if j == len(drafts) or target != drafts[j]:
-                break
-        return tuple(out)
+        return accept_greedy(torch.argmax(logits, dim=-1).tolist(), drafts)
     emitted: list[int] = []
     for j in range(len(drafts) + 1):
         gen = _generator(params, first_position + j, default_seed)
         probs = probabilities(logits[j], params)
+        total = float(probs.sum())  # NaN or inf when any probability is
+        if not (math.isfinite(total) and total > 0.0):
+            return ()
         if j < len(drafts):
             draft = drafts[j]
             if torch.rand((), generator=gen).item() < probs[draft].item():
@@ -120,21 +133,46 @@ def verify_batch(
     """`verify` for every sampling request of a step. `logits` holds `len(drafts) + 1` rows per
     request, request after request; `requests` gives (drafts, params, first_position) each.
     One argmax over all rows (on the logits' device) serves every greedy request; the others
-    are verified row by row with their seeded generators, so no output depends on the batch."""
+    are verified row by row with their seeded generators, so no output depends on the batch.
+    One cheap finiteness check covers the batch; only when it fails are the requests with a
+    non-finite row found, and they get ()."""
+    sizes = [len(drafts) + 1 for drafts, _, _ in requests]
+    unusable = _non_finite_requests(logits, sizes)
     greedy = [params is None or params.temperature == 0.0 for _, params, _ in requests]
     targets: list[int] = logits.argmax(dim=-1).tolist() if any(greedy) else []
     host = logits if all(greedy) else logits.cpu()
     out: list[tuple[int, ...]] = []
     offset = 0
-    for (drafts, params, first_position), is_greedy in zip(requests, greedy, strict=True):
-        num_rows = len(drafts) + 1
-        if is_greedy:
-            out.append(accept_greedy(targets[offset : offset + num_rows], drafts))
+    for i, (drafts, params, first_position) in enumerate(requests):
+        rows = slice(offset, offset + sizes[i])
+        offset += sizes[i]
+        if i in unusable:
+            out.append(())
+        elif greedy[i]:
+            out.append(accept_greedy(targets[rows], drafts))
         else:
-            rows = host[offset : offset + num_rows]
-            emitted = verify(
-                rows, drafts, params, first_position=first_position, default_seed=default_seed
-            )
-            out.append(emitted)
-        offset += num_rows
+            out.append(_verify_finite(host[rows], drafts, params, first_position, default_seed))
     return out
+
+
+def _non_finite_requests(logits: torch.Tensor, sizes: Sequence[int]) -> frozenset[int]:
+    """The indices of the requests (`sizes[i]` rows each, in order) with a non-finite row."""
+    finite = _finite_rows(logits)
+    if finite is None:
+        return frozenset()
+    bad, offset = [], 0
+    for i, size in enumerate(sizes):
+        if not all(finite[offset : offset + size]):
+            bad.append(i)
+        offset += size
+    return frozenset(bad)
+
+
+def _finite_rows(logits: torch.Tensor) -> list[bool] | None:
+    """Whether each row of `logits` is finite; None when all are. A row's sum is finite only if
+    every logit is (the cheap check, one pass); only when some sum is not are the rows checked
+    exactly (large finite logits can sum past float32's range)."""
+    if bool(torch.isfinite(logits.sum(dim=-1)).all()):
+        return None
+    finite: list[bool] = torch.isfinite(logits).all(dim=-1).tolist()
+    return finite
