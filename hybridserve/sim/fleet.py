@@ -64,6 +64,7 @@ from hybridserve.sim.run import (
     group_hit_rates,
     loaded_model,
     make_simulation,
+    pin_counters,
     simulated_engine,
     time_breakdown,
 )
@@ -278,7 +279,8 @@ class FleetSimulation:
             self._admit_arrivals()
             self._start_steps()
             ends = [r.clock for r in self.replicas if r.pending is not None]
-            upcoming = [*ends, *([sim._arrivals[0].time_s] if sim._arrivals else [])]
+            next_arrival = sim.next_arrival_s()
+            upcoming = [*ends, *([next_arrival] if next_arrival is not None else [])]
             if self._handoffs:
                 upcoming.append(self._handoffs[0].time_s)
             if not upcoming:
@@ -310,26 +312,14 @@ class FleetSimulation:
 
     def _admit_arrivals(self) -> None:
         sim = self.sim
-        while sim._arrivals and sim._arrivals[0].time_s <= self.now:
-            arrival = heapq.heappop(sim._arrivals)
+        for arrival in sim.due_arrivals(self.now):
             prompt = tuple(arrival.prompt)
             hashes = self._hashes_of(prompt, arrival.job_id)
             route = RouteRequest(arrival.req_id, arrival.job_id, len(prompt), hashes)
             index = self.router.choose(route)
-            replica = self.replicas[index]
             # Disaggregated, the prefill replica answers the first token and hands off.
             first = arrival.max_tokens if self.fleet.pd is None else 1
-            try:
-                replica.engine.add_request(
-                    Request(
-                        req_id=arrival.req_id,
-                        prompt_token_ids=prompt,
-                        sampling=SamplingParams(max_tokens=first, ignore_eos=True),
-                        arrival_time=arrival.time_s,
-                    )
-                )
-            except RequestError as exc:
-                sim.rejected.append((arrival.req_id, len(prompt), str(exc)))
+            if not sim.admit(arrival, self.replicas[index].engine, max_tokens=first):
                 continue
             self.router.routed(route, index)
             self._change_load(index, len(prompt) + first)
@@ -340,19 +330,21 @@ class FleetSimulation:
                 index, len(prompt), first, hashes, prompt, arrival.max_tokens
             )
             self._record_ideal(arrival.req_id, len(prompt), hashes)
-            sim._answers[arrival.req_id] = []
-            self.recorder.on_arrival(arrival.req_id, arrival.time_s, len(prompt), arrival.job_id)
 
     def _record_ideal(self, req_id: str, num_tokens: int, hashes: list[BlockHash]) -> None:
         cache = self.replicas[0].scheduler.cache
+        cacheable = cache.cacheable_tokens
         matched = 0
         for block_hash in hashes:
             if block_hash not in self._seen:
                 break
             matched += 1
         a = cache.layout.alignment_tokens
-        tokens = matched * cache.layout.hash_block_size // a * a
-        self.global_ideal[req_id] = min(tokens, cache.cacheable_tokens(num_tokens))
+        tokens = min(matched * cache.layout.hash_block_size // a * a, cacheable(num_tokens))
+        if self.replicas[0].scheduler.exact_tails:
+            # Exact tails resume a session mid-block: an ideal cache holds its whole history.
+            tokens = max(tokens, min(self.ideal.get(req_id, 0), num_tokens - 1))
+        self.global_ideal[req_id] = tokens
         self._seen.update(hashes)
 
     def _start_steps(self) -> None:
@@ -403,7 +395,7 @@ class FleetSimulation:
         for output in step.outputs:
             req_id = output.req_id
             recorder.on_delivery(req_id, end, len(output.new_token_ids))
-            sim._answers[req_id].extend(output.new_token_ids)
+            sim.answer(req_id).extend(output.new_token_ids)
             flight = self._inflight[req_id]
             delta = flight.prompt + min(len(output.new_token_ids), flight.output)
             flight.output -= min(len(output.new_token_ids), flight.output)
@@ -418,7 +410,7 @@ class FleetSimulation:
                 continue
             if output.finished:
                 recorder.on_finish(req_id, end)
-                answer = sim._answers.pop(req_id)
+                answer = sim.take_answer(req_id)
                 self._inflight.pop(req_id)
                 # An infinite cache keeps the answer's blocks too (its last token is never fed).
                 computed = (*flight.tokens, *answer[:-1])
@@ -428,7 +420,7 @@ class FleetSimulation:
     def _hand_off(self, req_id: str, flight: _InFlight, end: float) -> None:
         """The prefill replica answered the first token: move the KV and state not already on
         the chosen decode replica, which resumes when the transfer lands."""
-        answer = self.sim._answers[req_id]
+        answer = self.sim.answer(req_id)
         tokens = (*flight.tokens, *answer)
         hashes = self.hasher.extend(list(flight.hashes), tokens)
         route = RouteRequest(req_id, self._session_of(req_id), len(tokens), hashes)
@@ -461,7 +453,7 @@ class FleetSimulation:
             handoff = heapq.heappop(self._handoffs)
             req_id, index = handoff.req_id, handoff.replica
             flight = self._inflight[req_id]
-            answer = self.sim._answers[req_id]
+            answer = self.sim.answer(req_id)
             tokens = (*flight.tokens, *answer)
             remaining = flight.max_tokens - len(answer)
             try:
@@ -471,6 +463,7 @@ class FleetSimulation:
                         prompt_token_ids=tokens,
                         sampling=SamplingParams(max_tokens=remaining, ignore_eos=True),
                         arrival_time=handoff.time_s,
+                        session_id=self._session_of(req_id),
                         # The prompt's KV and state arrived: computed at once, as vLLM's KV
                         # connector marks them; the first answer token is the first computed.
                         num_external_computed_tokens=len(flight.tokens),
@@ -478,10 +471,10 @@ class FleetSimulation:
                 )
             except RequestError as exc:
                 # No room to decode (the prompt filled the context): the answer ends here.
-                self.sim.rejected.append((req_id, len(tokens), str(exc)))
+                self.sim.reject(req_id, len(tokens), str(exc))
                 self._inflight.pop(req_id)
                 self.recorder.on_finish(req_id, self.now)
-                self.sim.finished(req_id, self.now, self.sim._answers.pop(req_id))
+                self.sim.finished(req_id, self.now, self.sim.take_answer(req_id))
                 continue
             self.decode_router.routed(handoff.route, index - self.num_prefill)
             flight.replica, flight.output, flight.decoding = index, remaining, True
@@ -569,6 +562,7 @@ def run_fleet(
     summary["kv_cache_blocks"] = float(
         sum(r.scheduler.cache.layout.num_blocks for r in sim.replicas)
     )
+    summary.update(pin_counters([r.scheduler for r in sim.replicas]))
     done = recorder.finished_in(start, end_s)
     loads = sim.mean_outstanding(end_s)
     hours = (end_s - start) / 3600.0

@@ -9,7 +9,7 @@ each job's next turn a tool time after an answer; `OpenLoopSimulation` replays f
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from hybridserve.core.errors import RequestError
@@ -83,26 +83,59 @@ class Simulation:
     def finished(self, req_id: str, time_s: float, answer: list[int]) -> None:
         """A request finished at `time_s` with these output tokens."""
 
+    # ----- what a loop over several engines (the fleet) shares with this one -----------------
+
+    def next_arrival_s(self) -> float | None:
+        """When the next scheduled arrival is due (None: none is left)."""
+        return self._arrivals[0].time_s if self._arrivals else None
+
+    def due_arrivals(self, now: float) -> Iterator[Arrival]:
+        """Take, in order, every arrival due by `now`."""
+        while self._arrivals and self._arrivals[0].time_s <= now:
+            yield heapq.heappop(self._arrivals)
+
+    def request_for(self, arrival: Arrival, *, max_tokens: int | None = None) -> Request:
+        """The engine request of `arrival`, in its session (its job), as every loop builds it;
+        `max_tokens` caps the answer (a prefill replica answers one token and hands off)."""
+        return Request(
+            req_id=arrival.req_id,
+            prompt_token_ids=tuple(arrival.prompt),
+            sampling=SamplingParams(
+                max_tokens=arrival.max_tokens if max_tokens is None else max_tokens,
+                ignore_eos=True,
+            ),
+            arrival_time=arrival.time_s,
+            session_id=arrival.job_id,
+        )
+
+    def admit(self, arrival: Arrival, engine: Engine, *, max_tokens: int | None = None) -> bool:
+        """Add `arrival` to `engine` and record it; an arrival the engine refuses (a prompt past
+        max_model_len, ...) is counted in `rejected` and the run goes on. True if admitted."""
+        try:
+            engine.add_request(self.request_for(arrival, max_tokens=max_tokens))
+        except RequestError as exc:
+            self.reject(arrival.req_id, len(arrival.prompt), str(exc))
+            return False
+        self._answers[arrival.req_id] = []
+        self.recorder.on_arrival(
+            arrival.req_id, arrival.time_s, len(arrival.prompt), arrival.job_id
+        )
+        return True
+
+    def reject(self, req_id: str, num_tokens: int, reason: str) -> None:
+        self.rejected.append((req_id, num_tokens, reason))
+
+    def answer(self, req_id: str) -> list[int]:
+        """The output tokens delivered so far to `req_id` (the live list: extend it)."""
+        return self._answers[req_id]
+
+    def take_answer(self, req_id: str) -> list[int]:
+        """The finished request's whole answer; it is forgotten here."""
+        return self._answers.pop(req_id)
+
     def _admit_arrivals(self) -> None:
-        while self._arrivals and self._arrivals[0].time_s <= self.now:
-            arrival = heapq.heappop(self._arrivals)
-            try:
-                self.engine.add_request(
-                    Request(
-                        req_id=arrival.req_id,
-                        prompt_token_ids=tuple(arrival.prompt),
-                        sampling=SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True),
-                        arrival_time=arrival.time_s,
-                        session_id=arrival.job_id,
-                    )
-                )
-            except RequestError as exc:
-                self.rejected.append((arrival.req_id, len(arrival.prompt), str(exc)))
-                continue
-            self._answers[arrival.req_id] = []
-            self.recorder.on_arrival(
-                arrival.req_id, arrival.time_s, len(arrival.prompt), arrival.job_id
-            )
+        for arrival in self.due_arrivals(self.now):
+            self.admit(arrival, self.engine)
 
     def _step(self) -> None:
         step = self.engine.step(self.now)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +23,7 @@ from hybridserve.kvcache import CacheLayout
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.metrics.stats import percentile
+from hybridserve.scheduler import Scheduler
 from hybridserve.sim.arrivals import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.bounds import (
     bounded_shape,
@@ -480,10 +481,18 @@ def run_simulation(
     cache = scheduler.cache.metrics_snapshot()
     summary.update(group_hit_rates(cache))
     summary["kv_cache_blocks"] = float(scheduler.cache.layout.num_blocks)
-    if scheduler.pinning:  # tool-call pinning's counters (only when it is on)
-        for name, value in dataclasses.asdict(scheduler.cache.pin_stats).items():
-            summary[f"kv_pins_{name}"] = float(value)
+    summary.update(pin_counters([scheduler]))
     return SimRun(config, summary, recorder, cache, rejected=tuple(sim.rejected))
+
+
+def pin_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
+    """Tool-call pinning's counters summed over the engines (none when pinning is off)."""
+    out: dict[str, float] = {}
+    for scheduler in schedulers:
+        if scheduler.pinning:
+            for name, value in dataclasses.asdict(scheduler.cache.pin_stats).items():
+                out[f"kv_pins_{name}"] = out.get(f"kv_pins_{name}", 0.0) + float(value)
+    return out
 
 
 def _require_completed(

@@ -18,6 +18,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.engine.offline import run_to_completion
+from hybridserve.engine.settings import DEFAULT_PRESET, PRESETS
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager, MambaSpec
 from hybridserve.scheduler import Scheduler
 from hybridserve.sim.executor import SimulatedExecutor
@@ -185,12 +186,19 @@ SMALL = SimConfig(
 )
 
 
-def test_one_replica_round_robin_reproduces_the_single_engine_summary() -> None:
-    single = run_simulation(SMALL).summary
-    fleet = run_fleet(SMALL, FleetConfig(replicas=1, router="round-robin"))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_one_replica_round_robin_reproduces_the_single_engine_summary(preset: str) -> None:
+    config = replace(SMALL, preset=preset)
+    single = run_simulation(config).summary
+    fleet = run_fleet(config, FleetConfig(replicas=1, router="round-robin"))
     assert json.dumps(fleet.run.summary) == json.dumps(single)
     assert fleet.fleet["imbalance"] == 1.0
     assert fleet.fleet["hit_rate"] == pytest.approx(single["prefix_hit_rate"])
+
+
+def test_a_fleet_under_the_default_preset_pins_its_sessions() -> None:
+    fleet = run_fleet(replace(SMALL, preset=DEFAULT_PRESET), FleetConfig(replicas=2))
+    assert fleet.run.summary["kv_pins_pinned"] > 0
 
 
 def test_a_fleet_spreads_agents_over_its_replicas_and_repeats_on_a_seed() -> None:
