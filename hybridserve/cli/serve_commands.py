@@ -279,7 +279,7 @@ def serve_cmd(
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
-    spec: ServeSpecOpt = "none",
+    spec: ServeSpecOpt = "auto",
     seed: SeedOption = 0,
     sim_speed: SimSpeedOpt = 1.0,
     preset: PresetOpt = None,
@@ -397,9 +397,12 @@ def _backend(flags: ServeFlags) -> ServingBackend:
             threads=flags.threads,
         )
     from hybridserve.cli.sim_backend import DEFAULT_MAX_MODEL_LEN, SimServingBackend
+    from hybridserve.engine.settings import load_settings_file, preset_name
 
+    file = load_settings_file(flags.config) if flags.config is not None else None
     return SimServingBackend(
         model_profile=flags.model_profile,
+        preset=preset_name(flags.preset, file),
         gpu=flags.gpu,
         tp=flags.tp,
         dtype=flags.dtype,

@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import random
 
-from hybridserve.core.config import SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.engine.settings import DEFAULT_PRESET
 from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
-from hybridserve.sim.cost_model import RooflineCostModel, kv_pool_blocks, shape_from_plan
+from hybridserve.sim.cost_model import shape_from_plan
 from hybridserve.sim.executor import SimulatedExecutor
-from hybridserve.sim.gpus import get_gpu
-from hybridserve.sim.model_profiles import get_model
-from hybridserve.sim.run import check_tensor_parallel
+from hybridserve.sim.run import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    SimConfig,
+    gpu_of,
+    loaded_model,
+    simulated_cost_model,
+    simulated_pool_blocks,
+    speculative_of,
+)
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
 _PRINTABLE = frozenset(_ALPHABET)
@@ -65,6 +72,10 @@ class PrintableTokens:
 
 
 class SimServingBackend:
+    """The simulator's deployment (model, GPU, speculation, pool, cost model) as a serving
+    backend, resolved by the same functions `simulate` uses (`hybridserve.sim.run`), so that
+    `serve --executor sim` and `simulate` build the same engine for the same settings."""
+
     def __init__(
         self,
         *,
@@ -72,9 +83,11 @@ class SimServingBackend:
         gpu: str = "H200",
         tp: int = 1,
         dtype: str = "fp8",
+        kv_dtype: str = "bf16",
         spec: str = "none",
         num_speculative_tokens: int | None = None,
         acceptance_rate: float = 0.7,
+        preset: str = DEFAULT_PRESET,
         seed: int = 0,
         sim_speed: float = 1.0,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
@@ -88,13 +101,24 @@ class SimServingBackend:
                 eos_probability,
                 "use a probability in [0, 1] (0: answers end at max_tokens or a stop)",
             )
-        self._gpu = get_gpu(gpu)
-        self._model = get_model(model_profile)
-        check_tensor_parallel(self._model, tp)
+        self.deployment = SimConfig(
+            model=model_profile,
+            gpu=gpu,
+            tp=tp,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            spec=spec,
+            num_speculative_tokens=num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
+            acceptance_rate=acceptance_rate,
+            preset=preset,
+            seed=seed,
+        )
+        self._model = loaded_model(self.deployment)
+        self._gpu = gpu_of(self.deployment)
+        self._cost = simulated_cost_model(self.deployment)  # checks tp and kv_dtype
+        self._speculative = speculative_of(self.deployment)
         self._eos_probability = eos_probability
         self._tp, self._dtype = tp, dtype
-        self._cost = RooflineCostModel(self._gpu, self._model, tp=tp, dtype=dtype)
-        self._speculative = SpeculativeConfig.from_name(spec, num_speculative_tokens)
         self._acceptance_rate = acceptance_rate
         self._seed = seed
         self._sim_speed = sim_speed
@@ -134,10 +158,10 @@ class SimServingBackend:
         return self._speculative
 
     def cache_groups(self) -> tuple[GroupSpec, ...]:
-        return self._model.cache_groups()
+        return self._model.kv_cache_groups()
 
-    def num_blocks(self) -> int:
-        return kv_pool_blocks(self._gpu, self._model, tp=self._tp, dtype=self._dtype)
+    def num_blocks(self, scheduler: SchedulerConfig) -> int:
+        return simulated_pool_blocks(self.deployment, scheduler)
 
     @property
     def dcp_width(self) -> int:

@@ -1,8 +1,9 @@
 """The one place an engine is assembled: cache layout, cache, scheduler, executor, engine.
 
-Every caller - the simulator, the server, the torch runtime, the recordings replay - passes
-plain values (the model's cache groups, the pool size, speculation, the resolved scheduler
-settings and retention) and an executor factory, and gets the parts back.
+Every caller - the simulator, the server, the torch runtime, the recordings replay - resolves
+one frozen `EngineConfig` (the cache layout with its groups, pool, speculation, retention and
+in-flight cap, and the scheduler settings) and hands it whole to `build_engine` with an
+executor factory; it gets the parts back.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.plan import StepResult
 from hybridserve.engine.engine import Engine
 from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout, GroupSpec, KVCacheManager, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, KVCacheManager
 from hybridserve.scheduler import Scheduler, SchedulerOutput
 from hybridserve.scheduler.scheduler import RequestOutput
 
@@ -33,48 +34,35 @@ class EngineParts:
     layout: CacheLayout
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """One engine, resolved: everything `build_engine` needs but the executor."""
+
+    layout: CacheLayout  # groups, pool, hash block, alignment, DCP, speculation, retention
+    scheduler: SchedulerConfig
+    enable_caching: bool = True
+    # Bounds the token ids the executor may return (a server knows its tokenizer's); None:
+    # any id.
+    vocab_size: int | None = None
+
+
 def build_engine(
-    *,
-    groups: tuple[GroupSpec, ...],
-    num_blocks: int,
-    scheduler_config: SchedulerConfig,
+    config: EngineConfig,
     executor_factory: ExecutorFactory,
-    retention: RetentionPolicy | None = None,
-    speculative: SpeculativeConfig | None = None,
-    dcp: int = 1,
-    max_in_flight_tokens: int = 0,
-    enable_caching: bool = True,
-    hash_block_size: int = 0,
-    alignment_tokens: int = 0,
-    eagle_groups: tuple[int, ...] | None = None,
-    partial_hash_hits: bool = False,
+    *,
     scheduler_factory: SchedulerFactory | None = None,
-    vocab_size: int | None = None,
 ) -> EngineParts:
-    """The engine over `executor_factory(layout)`. The layout fields (`groups` ...
-    `partial_hash_hits`) are CacheLayout's; `retention` None is CacheLayout's default.
-    `scheduler_factory` replaces the plain Scheduler (the simulator's measured-CPU one);
-    `vocab_size`, when given, bounds the token ids the executor may return."""
-    layout = CacheLayout(
-        groups=groups,
-        num_blocks=num_blocks,
-        hash_block_size=hash_block_size,
-        alignment_tokens=alignment_tokens,
-        dcp=dcp,
-        speculative=speculative if speculative is not None else SpeculativeConfig(),
-        retention=retention if retention is not None else RetentionPolicy(),
-        eagle_groups=eagle_groups,
-        partial_hash_hits=partial_hash_hits,
-        max_in_flight_tokens=max_in_flight_tokens,
-    )
-    cache = KVCacheManager(layout, enable_caching=enable_caching)
+    """The engine `config` describes over `executor_factory(config.layout)`, called once.
+    `scheduler_factory` replaces the plain Scheduler (the simulator's measured-CPU one)."""
+    layout = config.layout
+    cache = KVCacheManager(layout, enable_caching=config.enable_caching)
     num_drafts = layout.speculative.num_speculative_tokens
     if scheduler_factory is None:
-        scheduler = Scheduler(scheduler_config, cache, num_speculative_tokens=num_drafts)
+        scheduler = Scheduler(config.scheduler, cache, num_speculative_tokens=num_drafts)
     else:
-        scheduler = scheduler_factory(scheduler_config, cache, num_drafts)
+        scheduler = scheduler_factory(config.scheduler, cache, num_drafts)
     executor = executor_factory(layout)
-    engine = Engine(scheduler, executor, vocab_size=vocab_size)
+    engine = Engine(scheduler, executor, vocab_size=config.vocab_size)
     return EngineParts(engine, scheduler, cache, layout)
 
 

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request
-from hybridserve.engine.assembly import build_engine
+from hybridserve.engine.assembly import EngineConfig, build_engine
 from hybridserve.engine.engine import Engine
 from hybridserve.executor.api import Executor
+from hybridserve.kvcache import CacheLayout
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -236,18 +237,20 @@ def build_runtime(
 
         driver = DcpDriver(executor)
     engine_executor: Executor = driver or executor
-    parts = build_engine(
+    layout = CacheLayout(
         groups=executor.groups.specs,
         num_blocks=executor.num_blocks,
         speculative=executor.speculative,
         dcp=executor.dcp.world_size,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        ),
-        executor_factory=lambda layout: engine_executor,
+        max_in_flight_tokens=max_num_batched_tokens,  # the sliding-window admission cap
     )
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    config = EngineConfig(layout=layout, scheduler=scheduler)
+    parts = build_engine(config, lambda layout: engine_executor)
     return TorchRuntime(parts.engine, executor, loaded.tokenizer, loaded.stop_token_ids, driver)
 
 

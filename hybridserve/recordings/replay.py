@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.engine.assembly import EngineParts, build_engine
+from hybridserve.engine.assembly import EngineConfig, EngineParts, build_engine
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import CacheLayout, KVCacheManager
 from hybridserve.recordings.recording import (
@@ -95,21 +95,12 @@ def recorded_engine(recording: Recording) -> EngineParts:
             return RecordedSampler(by_id, sampler, num_drafts)
         return FakeExecutor(lambda req_id, t: by_id[req_id].output_token(t))
 
-    return build_engine(
-        groups=layout.groups,
-        num_blocks=layout.num_blocks,
-        hash_block_size=layout.hash_block_size,
-        alignment_tokens=layout.alignment_tokens,
-        speculative=layout.speculative,
-        retention=layout.retention,
-        eagle_groups=layout.eagle_groups,
-        partial_hash_hits=layout.partial_hash_hits,
-        max_in_flight_tokens=layout.max_in_flight_tokens,
-        dcp=layout.dcp,
+    config = EngineConfig(
+        layout=layout,
+        scheduler=scheduler_config(recording.header),
         enable_caching=recording.header["engine"].get("enable_prefix_caching", True),
-        scheduler_config=scheduler_config(recording.header),
-        executor_factory=executor,
     )
+    return build_engine(config, executor)
 
 
 def replay_recording(recording: Recording, *, check_invariants: bool = False) -> ReplayReport:

@@ -66,8 +66,9 @@ class ServingBackend(Protocol):
         """The model's cache groups (one per layer kind with its own cache spec)."""
         ...
 
-    def num_blocks(self) -> int:
-        """KV/state blocks that fit in device memory once the weights are loaded."""
+    def num_blocks(self, scheduler: SchedulerConfig) -> int:
+        """KV/state blocks that fit in device memory once the weights are loaded, under the
+        scheduler settings the engine runs (a pool sized by a profile run depends on them)."""
         ...
 
     def make_executor(self, layout: CacheLayout) -> Executor:
@@ -125,14 +126,17 @@ def serving_engine(
     """An engine over the backend's executor (assembled by `hybridserve.engine.assembly`).
     `num_blocks` caps the backend's pool size; a token id the executor returns outside the
     tokenizer's vocabulary fails its request."""
-    blocks = backend.num_blocks() if num_blocks is None else min(num_blocks, backend.num_blocks())
-    return assembly.build_engine(
+    pool = backend.num_blocks(scheduler_config)
+    layout = CacheLayout(
         groups=backend.cache_groups(),
-        num_blocks=blocks,
+        num_blocks=pool if num_blocks is None else min(num_blocks, pool),
         speculative=backend.speculative,
-        scheduler_config=scheduler_config,
         retention=retention,
         dcp=backend.dcp_width,
-        executor_factory=backend.make_executor,
-        vocab_size=backend.tokenizer.vocab_size,
+        # The sliding-window admission cap every front end sets (vLLM's: the step's budget).
+        max_in_flight_tokens=scheduler_config.max_num_batched_tokens,
     )
+    config = assembly.EngineConfig(
+        layout=layout, scheduler=scheduler_config, vocab_size=backend.tokenizer.vocab_size
+    )
+    return assembly.build_engine(config, backend.make_executor)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.core.config import SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepResult
 from hybridserve.executor.api import Executor
@@ -181,8 +181,8 @@ class TorchServingBackend:
     def cache_groups(self) -> tuple[GroupSpec, ...]:
         return self._executor.groups.specs
 
-    def num_blocks(self) -> int:
-        return self._num_blocks
+    def num_blocks(self, scheduler: SchedulerConfig) -> int:
+        return self._num_blocks  # the checkpoint's pool: sized at load, whatever the settings
 
     def make_executor(self, layout: CacheLayout) -> Executor:
         if layout.num_blocks > self._num_blocks:

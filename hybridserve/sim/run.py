@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.core.config import SpecMethod, SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.engine import Engine, EngineStep
-from hybridserve.engine.assembly import CpuMeter, EngineParts, build_engine
+from hybridserve.engine.assembly import CpuMeter, EngineConfig, EngineParts, build_engine
 from hybridserve.engine.settings import Preset, preset_uses_lookahead, resolve_settings
 from hybridserve.kvcache import CacheLayout
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from hybridserve.sim.fleet import FleetConfig
 
 
+DEFAULT_SPECULATIVE_TOKENS = 2  # draft tokens per step (MTP's and EAGLE's k)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimConfig:
     model: str = "qwen3-next-80b-a3b"
@@ -64,7 +67,7 @@ class SimConfig:
     dtype: str = "fp8"
     preset: str = "hybridserve"
     spec: str = "auto"  # auto: mtp for a model with MTP layers, else none (speculative_method)
-    num_speculative_tokens: int = 2
+    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
     acceptance_rate: float = 0.7
     duration_s: float = 1_800.0
     warmup_s: float = 300.0
@@ -330,6 +333,40 @@ def pool_report(config: SimConfig) -> dict[str, Any]:
     }
 
 
+def simulated_cost_model(config: SimConfig) -> RooflineCostModel:
+    """The cost model of the run's deployment (GPU, model as loaded, TP, DCP, dtypes, the
+    draft passes its speculation charges): what every simulated engine's steps cost."""
+    model = loaded_model(config)
+    check_tensor_parallel(model, config.tp)
+    check_kv_dtype(config.kv_dtype)
+    return RooflineCostModel(
+        gpu_of(config),
+        model,
+        tp=config.tp,
+        dcp=config.dcp,
+        dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
+        efficiency=config.efficiency,
+        num_draft_passes=draft_passes(speculative_of(config)),
+    )
+
+
+def simulated_pool_blocks(config: SimConfig, scheduler: SchedulerConfig) -> int:
+    """The blocks the deployment's pool holds under `scheduler` (vLLM's profile run sizes its
+    activations by max_num_seqs and max_num_batched_tokens)."""
+    return kv_pool_blocks(
+        gpu_of(config),
+        loaded_model(config),
+        tp=config.tp,
+        dcp=config.dcp,
+        dtype=config.dtype,
+        kv_dtype=config.kv_dtype,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+
+
 def simulated_engine(
     config: SimConfig,
     *,
@@ -341,32 +378,11 @@ def simulated_engine(
     cache holds) is what the `ideal-hits` bound reads."""
     if config.bound == "infinite-engine":
         raise ConfigError("bound", config.bound, "an infinite engine has no engine to build")
-    gpu, model = gpu_of(config), loaded_model(config)
-    check_tensor_parallel(model, config.tp)
-    check_kv_dtype(config.kv_dtype)
+    model = loaded_model(config)
     speculative = speculative_of(config)
-    cost = RooflineCostModel(
-        gpu,
-        model,
-        tp=config.tp,
-        dcp=config.dcp,
-        dtype=config.dtype,
-        kv_dtype=config.kv_dtype,
-        efficiency=config.efficiency,
-        num_draft_passes=draft_passes(speculative),
-    )
+    cost = simulated_cost_model(config)
     chosen = scheduler_preset(config, model)
-    num_blocks = kv_pool_blocks(
-        gpu,
-        model,
-        tp=config.tp,
-        dcp=config.dcp,
-        dtype=config.dtype,
-        kv_dtype=config.kv_dtype,
-        max_num_seqs=chosen.scheduler.max_num_seqs,
-        max_num_batched_tokens=chosen.scheduler.max_num_batched_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-    )
+    num_blocks = simulated_pool_blocks(config, chosen.scheduler)
     bound, ideal = config.bound, ideal_prefix if ideal_prefix is not None else {}
     # Under a step-cost bound the prompt tokens it makes free take no token budget either
     # (the pool above is still the one the real budget's profile run leaves).
@@ -396,15 +412,17 @@ def simulated_engine(
             acceptance_decay_per_doubling=config.acceptance_decay_per_doubling,
         )
 
-    return build_engine(
+    layout = CacheLayout(
         groups=model.kv_cache_groups(),
         num_blocks=num_blocks,
         speculative=speculative,
-        scheduler_config=scheduler,
         retention=chosen.retention,
         dcp=config.dcp,
         max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,
-        executor_factory=executor,
+    )
+    return build_engine(
+        EngineConfig(layout=layout, scheduler=scheduler),
+        executor,
         scheduler_factory=meter.scheduler if meter is not None else None,
     )
 

@@ -9,13 +9,18 @@ import pytest
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.engine.assembly import CpuMeter, build_engine
+from hybridserve.engine.assembly import CpuMeter, EngineConfig, build_engine
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, RetentionPolicy
 from hybridserve.kvcache.spec import MambaSpec
 from tests.conftest import make_request
 
 GROUPS = (FullAttentionSpec(block_size=16), MambaSpec(block_size=16))
+
+
+def _config(scheduler: SchedulerConfig | None = None) -> EngineConfig:
+    layout = CacheLayout(groups=GROUPS, num_blocks=512)
+    return EngineConfig(layout=layout, scheduler=scheduler or SchedulerConfig())
 
 
 def _fake(layout: CacheLayout) -> FakeExecutor:
@@ -29,17 +34,20 @@ def test_build_engine_wires_the_given_values_into_one_layout() -> None:
         seen.append(layout)
         return _fake(layout)
 
-    parts = build_engine(
+    layout = CacheLayout(
         groups=GROUPS,
         num_blocks=512,
-        scheduler_config=SchedulerConfig(max_num_seqs=3),
-        executor_factory=executor,
         retention=RetentionPolicy.parse("dense"),
         speculative=SpeculativeConfig.from_name("ngram", 2),
         max_in_flight_tokens=1024,
+    )
+    config = EngineConfig(
+        layout=layout,
+        scheduler=SchedulerConfig(max_num_seqs=3),
         enable_caching=False,
         vocab_size=100,
     )
+    parts = build_engine(config, executor)
     assert seen == [parts.layout]  # the executor is built once, over the engine's own layout
     assert parts.cache.layout is parts.layout and parts.scheduler.cache is parts.cache
     assert parts.engine.scheduler is parts.scheduler
@@ -54,13 +62,7 @@ def test_build_engine_wires_the_given_values_into_one_layout() -> None:
 def test_cpu_meter_charges_schedule_and_update_time_to_the_next_step() -> None:
     ticks = itertools.count()
     meter = CpuMeter(lambda: float(next(ticks)))
-    parts = build_engine(
-        groups=GROUPS,
-        num_blocks=512,
-        scheduler_config=SchedulerConfig(),
-        executor_factory=_fake,
-        scheduler_factory=meter.scheduler,
-    )
+    parts = build_engine(_config(), _fake, scheduler_factory=meter.scheduler)
     parts.engine.add_request(make_request("a", 40))
     parts.engine.step()
     # Each of schedule() and update() read the clock twice, one tick apart.
@@ -69,9 +71,7 @@ def test_cpu_meter_charges_schedule_and_update_time_to_the_next_step() -> None:
 
 
 def test_engine_step_lists_first_admissions_with_their_arrival_and_prompt() -> None:
-    parts = build_engine(
-        groups=GROUPS, num_blocks=512, scheduler_config=SchedulerConfig(), executor_factory=_fake
-    )
+    parts = build_engine(_config(), _fake)
     engine = parts.engine
     # "b" finishes in the step that admits it: it is still reported as admitted.
     engine.add_request(make_request("a", 40, arrival=1.5))
@@ -87,12 +87,7 @@ def test_engine_step_lists_first_admissions_with_their_arrival_and_prompt() -> N
 
 
 def test_engine_lists_requests_that_have_not_started() -> None:
-    parts = build_engine(
-        groups=GROUPS,
-        num_blocks=512,
-        scheduler_config=SchedulerConfig(max_num_seqs=1),
-        executor_factory=_fake,
-    )
+    parts = build_engine(_config(SchedulerConfig(max_num_seqs=1)), _fake)
     engine = parts.engine
     engine.add_request(make_request("a", 40))
     engine.add_request(make_request("b", 40))
