@@ -6,9 +6,11 @@ evaluates all groups at the same candidate, so the result does not depend on gro
 the first pass (at the cap) gives each group's offered hit with no second evaluation. The
 candidate strictly decreases, so the loop terminates.
 
-A tail-dropping group (an EAGLE group on the legacy path) is asked with one A of margin,
-`min(cand + A, reach)`, and drops one A from what it finds, so it lands back on `cand` when it
-can: its drop is applied once per candidate and the EAGLE spiral cannot happen (SPEC.md 3.3).
+A tail-dropping group (an EAGLE group on the legacy path) is asked with a margin,
+`min(cand + margin, reach)`, and drops that margin from what it finds, so it lands back on
+`cand` when it can: its drop is applied once per candidate and the EAGLE spiral cannot happen
+(SPEC.md 3.3). The margin is what the group drops: one A for full attention, one block of its
+own for a sliding window (vLLM's `eagle_margin`, the group's block size).
 `reach` is the hashed length of the request in a hybrid layout (vLLM's hybrid coordinator asks
 with `min(candidate + eagle_margin, len(block_hashes) * hash_block_size)`) and the cap in a
 single-group one (vLLM's unitary coordinator).
@@ -37,6 +39,7 @@ def reconcile(
     alignment: int,
     cap: int,
     reach: int | None = None,
+    margins: Sequence[int] | None = None,
 ) -> Reconciliation:
     cand = max(cap, 0) // alignment * alignment
     top = cap if reach is None else max(reach, cap)
@@ -51,7 +54,8 @@ def reconcile(
             if accepted[g] == cand:
                 answers.append(cand)
                 continue
-            limit = min(cand + alignment, top) if drops[g] else cand
+            margin = alignment if margins is None else margins[g]
+            limit = min(cand + margin, top) if drops[g] else cand
             answers.append(min(lookup.serve(limit, drops[g]), cand))
         if offered is None:
             offered = tuple(answers)

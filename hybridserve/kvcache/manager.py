@@ -129,6 +129,7 @@ class KVCacheManager:
         )
         self.groups = _build_groups(layout, self.pool)
         self._drops = tuple(layout.drops_tail(g) for g in range(layout.num_groups))
+        self._margins = tuple(g.eagle_margin for g in self.groups)
         self._full_groups = [
             g for g, s in enumerate(layout.groups) if s.kind in (GroupKind.FULL, GroupKind.MLA)
         ]
@@ -184,7 +185,12 @@ class KVCacheManager:
             for g in self.groups
         ]
         rec = reconcile(
-            lookups, self._drops, alignment=layout.alignment_tokens, cap=cap, reach=reach
+            lookups,
+            self._drops,
+            alignment=layout.alignment_tokens,
+            cap=cap,
+            reach=reach,
+            margins=self._margins,
         )
         group_blocks, cows = [], []
         for lookup in lookups:

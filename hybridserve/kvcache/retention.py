@@ -103,7 +103,11 @@ class RetentionPolicy:
             ends = (boundary, boundary + 1) if drop else (boundary,)
             kept = {n // unit * unit - drop for unit in (alignment, *sharded_units) for n in ends}
             only = tuple(sorted(p for p in kept if p > 0))
-            return Landing(state=only, window=only)
+            if not drop:
+                return Landing(state=only, window=only)
+            # vLLM clamps a dropped landing below A to 0: no state there, but a dropping window
+            # group still keeps the block after it (block 0, its lookup's proof).
+            return Landing(state=only, window=tuple(sorted({max(p, 0) for p in kept})))
         window = {
             n // unit * unit - drop
             for unit in (alignment, *sharded_units)

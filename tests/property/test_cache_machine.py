@@ -427,6 +427,9 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.m
         spec, unit, a = m.layout.groups[gid], m.layout.units[gid], m.layout.alignment_tokens
         margin = a if m.layout.drops_tail(gid) else 0
+        if margin and isinstance(spec, SlidingWindowSpec | DraftSpec) and a % unit == 0:
+            top = max(reach, cap)
+            return length % a == 0 and _window_serves_after_drop(spec, unit, a, cached, length, top)
         if margin:
             cap = reach
         if length % a or length + margin > cap:
@@ -458,7 +461,8 @@ class CacheMachine(RuleBasedStateMachine):
             g.lookup(h, reach if drops[i] else cap, base=hashes)
             for i, (g, h) in enumerate(zip(m.groups, per_group, strict=True))
         ]
-        rec = reconcile(lookups, drops, alignment=a, cap=cap, reach=reach)
+        margins = [g.eagle_margin for g in m.groups]
+        rec = reconcile(lookups, drops, alignment=a, cap=cap, reach=reach, margins=margins)
         length = rec.num_tokens
         assert length == hit.num_tokens
         assert hit.sample is None or hit.sample.group_offered_tokens == rec.offered
@@ -470,12 +474,13 @@ class CacheMachine(RuleBasedStateMachine):
                 alignment=a,
                 cap=cap,
                 reach=reach,
+                margins=[margins[i] for i in perm],
             )
             assert other.num_tokens == length, (perm, other, rec)
             assert other.offered == tuple(rec.offered[i] for i in perm)
         # Every group serves the reconciled length, queried as the coordinator queries it ...
         for g, lookup in enumerate(lookups):
-            limit = min(length + a, max(reach, cap)) if drops[g] else length
+            limit = min(length + margins[g], max(reach, cap)) if drops[g] else length
             assert lookup.serve(limit, drops[g]) >= length, (g, limit, length)
             assert self._serves(g, cached[g], length, cap, reach), (g, length)
         # ... and no longer aligned length up to the cap is served by every group. (Group 0 is
@@ -943,6 +948,33 @@ MACHINE_SETTINGS = settings(
     print_blob=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def _window_serves_after_drop(
+    spec: SlidingWindowSpec | DraftSpec,
+    unit: int,
+    a: int,
+    cached: Sequence[bool],
+    length: int,
+    top: int,
+) -> bool:
+    """SPEC.md 2.2 under the EAGLE drop with A on the block grid (vLLM): the window before L
+    and the block after it are cached, that block inside the margin read min(L + U, top);
+    below one window, the cached run from block 0 hits at its last block starting on the A
+    grid, rounded down to A, less one block rounded down to A again."""
+    limit_blocks = min(length + unit, top) // unit
+    if length >= spec.lookback_tokens:
+        last = length // unit
+        first = (length - spec.lookback_tokens) // unit
+        return last < min(limit_blocks, len(cached)) and all(cached[first : last + 1])
+    run = 0
+    while run < min(limit_blocks, len(cached)) and cached[run]:
+        run += 1
+    if run == 0:
+        return False
+    edge = (run - 1) * unit // a * a
+    kept = (edge + unit) // a * a
+    return kept > 0 and (kept - unit) // a * a >= length
 
 
 @pytest.mark.parametrize("family", FAMILIES)

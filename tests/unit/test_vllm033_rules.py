@@ -339,3 +339,67 @@ def test_fine_grained_hits_stop_at_the_tail_and_serve_it() -> None:
     hit, chunks = run(engine, "prime", PROMPT[:1249])
     assert (hit, chunks[:3]) == (0, [1088, 160, 1])
     assert run(engine, "resend", PROMPT[:1249])[0] == 1248
+
+
+# The legacy EAGLE drop on a sliding window whose block (8) is smaller than the scheduler block
+# (32): FA32 + SWA(block 8, window 8), hash block 8, a 100-block pool, every group an EAGLE
+# group, token ids that repeat each value 8 times. "Cached" below means the SWA group's
+# hash-block positions whose block is registered in the cache.
+EAGLE_FA32 = FullAttentionSpec(block_size=32)
+EAGLE_SWA8 = SlidingWindowSpec(block_size=8, window=8)
+
+
+def repeated_tokens(n: int) -> list[int]:
+    return [i // 8 for i in range(n)]
+
+
+def cached_window_positions(cache: KVCacheManager, tokens: Sequence[int], group: int) -> list[int]:
+    swa = cache.groups[group]
+    hashes = derived_hashes(cache.hasher.hash_tokens(tokens), swa.ctx.hash_ratio)
+    return [i for i in range(len(hashes)) if swa._cached(hashes, i)]
+
+
+def test_dense_eagle_window_resend_hits_at_the_segment_grid() -> None:
+    # vLLM 0.33: 128 tokens then the same prompt hits a positive multiple of 32 (here 96: the
+    # full-attention match of 128 less its dropped block; the window before 96 and the block
+    # after it, SWA positions 11 and 12, are cached).
+    engine, cache = build(
+        [EAGLE_FA32, EAGLE_SWA8], spec="eagle-legacy", drafts=1, num_blocks=100, retention="dense"
+    )
+    run(engine, "prime", repeated_tokens(128))
+    assert cached_window_positions(cache, repeated_tokens(128), 1) == [3, 4, 7, 8, 11, 12, 15]
+    assert run(engine, "resend", repeated_tokens(128))[0] == 96
+
+
+def test_dense_eagle_window_keeps_the_block_after_each_segment_end() -> None:
+    # vLLM 0.33: a 40-token prompt caches SWA positions 3 and 4 (the window before 32 and the
+    # block after it, the drop's proof); a 41-token follow-up hits 0 (the full-attention match
+    # of 32 loses its only block).
+    engine, cache = build(
+        [EAGLE_FA32, EAGLE_SWA8], spec="eagle-legacy", drafts=1, num_blocks=100, retention="dense"
+    )
+    run(engine, "prime", repeated_tokens(40))
+    assert cached_window_positions(cache, repeated_tokens(40), 1) == [3, 4]
+    assert run(engine, "follow", repeated_tokens(41))[0] == 0
+
+
+def test_dense_eagle_windows_of_two_groups_serve_the_dropped_landing() -> None:
+    # Two SWA groups, a 72-token prompt, a 73-token follow-up: vLLM 0.33 hits 32, which needs
+    # SWA positions 3 and 4 in both groups (its reachable mask with the EAGLE shift keeps
+    # {3, 4, 7, 8} of blocks 0..8).
+    groups = [EAGLE_FA32, EAGLE_SWA8, EAGLE_SWA8]
+    engine, cache = build(groups, spec="eagle-legacy", drafts=1, num_blocks=100, retention="dense")
+    run(engine, "prime", repeated_tokens(72))
+    for group in (1, 2):
+        assert cached_window_positions(cache, repeated_tokens(72), group) == [3, 4, 7, 8]
+    assert run(engine, "follow", repeated_tokens(73))[0] == 32
+
+
+def test_boundary_eagle_window_keeps_one_block_past_the_landing() -> None:
+    # Retention 0, a 127-token prompt: the dropped landing is 64, and vLLM 0.33 caches SWA
+    # positions 7 and 8 (the window before 64 and one block after it, not a whole alignment
+    # unit); the resend hits 64.
+    engine, cache = build([EAGLE_FA32, EAGLE_SWA8], spec="eagle-legacy", drafts=1, num_blocks=100)
+    run(engine, "prime", repeated_tokens(127))
+    assert cached_window_positions(cache, repeated_tokens(127), 1) == [7, 8]
+    assert run(engine, "resend", repeated_tokens(127))[0] == 64

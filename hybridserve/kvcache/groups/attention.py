@@ -170,6 +170,12 @@ class SlidingWindowManager(GroupManager):
         super().__init__(spec, ctx, pool)
         self.kind = spec.kind
         self.lookback = spec.lookback_tokens
+        # Under the EAGLE drop the group drops one block of its own (vLLM, whose window finder
+        # needs A on its block grid); with A finer than the block it drops one A.
+        on_grid = ctx.alignment % self.block_size == 0
+        self.drop_unit = 0
+        if ctx.drops_tail:
+            self.drop_unit = self.block_size if on_grid else ctx.alignment
 
     def lookup(
         self, hashes: Sequence[BlockHash], cap: int, *, base: Sequence[BlockHash] = ()
@@ -184,24 +190,46 @@ class SlidingWindowManager(GroupManager):
         null = self.pool.null_block
         return sum(1 for b in hit if b is null)
 
+    @property
+    def eagle_margin(self) -> int:
+        # vLLM's hybrid coordinator asks a dropping window group one block of its own past the
+        # candidate (the block it matches and drops), not one alignment unit.
+        return self.drop_unit or self.ctx.alignment
+
     def _should_register(self, req_id: str, index: int, chunk_end: int, keep: KeepMask) -> bool:
-        # A tail-dropping target group needs one extra A of cached content past its landing.
-        lookahead = self.ctx.alignment if self.ctx.drops_tail else 0
+        # A tail-dropping target group needs what it drops after a landing cached (the block
+        # its lookup matches and drops): vLLM's reachable_block_mask under use_eagle.
+        lookahead = self.drop_unit
         start = index * self.block_size
         if keep.dense:
             return self._reachable_in_segment(index)
+        if keep.interval and self._covers_segment(keep.interval):
+            return True  # every block ends some interval segment's tail
         return keep.keeps_range(start, start + self.block_size, self.lookback, lookahead)
+
+    def _needed_blocks(self) -> int:
+        """Blocks a hit needs ending at its landing: the window, plus the block after the
+        landing under the EAGLE drop (vLLM's _contiguous_blocks_for_hit)."""
+        return cdiv(self.lookback, self.block_size) + (1 if self.ctx.drops_tail else 0)
+
+    def _covers_segment(self, segment: int) -> bool:
+        """Whether the tails kept at segment ends cover whole segments (vLLM caches all)."""
+        per_segment = segment // self.block_size if segment > self.block_size else 1
+        return self._needed_blocks() >= per_segment
 
     def _reachable_in_segment(self, index: int) -> bool:
         """Dense retention (vLLM's reachable_block_mask with retention None): a hit lands on the
-        scheduler-block grid, so of each segment only the last cdiv(lookback, bs) blocks can
-        serve one; the others are scratch (unless the window needs the whole segment)."""
+        scheduler-block grid, so of each segment only the blocks a hit there needs are kept:
+        the window's blocks before the segment end, and under the EAGLE drop the block after
+        it too (the mask shifts up one block). The others are scratch, unless the window needs
+        the whole segment."""
         segment, bs = self.ctx.segment, self.block_size
-        per_segment = segment // bs if segment > bs else 1
-        needed = cdiv(self.lookback, bs) + (1 if self.ctx.drops_tail else 0)
-        if needed >= per_segment:
+        if self._covers_segment(segment):
             return True
-        return index % per_segment >= per_segment - needed
+        per_segment = segment // bs if segment > bs else 1
+        shift = 1 if self.drop_unit == bs else 0
+        tail = per_segment - self._needed_blocks()  # a segment's first kept block
+        return index >= shift and (index - shift) % per_segment >= tail
 
 
 class _WindowLookup(GroupLookup):
@@ -218,20 +246,55 @@ class _WindowLookup(GroupLookup):
         return self._memo[index]
 
     def serve(self, limit: int, drop: bool) -> int:
+        if not drop:
+            return self._serve_window(limit, 0)
+        if self.manager.drop_unit == self.unit:
+            return self._serve_dropped(limit)
+        return self._serve_window(limit, self.alignment)
+
+    def _missing(self, first: int, last: int) -> int | None:
+        """The highest uncached block index in [first, last], None if all are cached."""
+        return next((i for i in range(last, first - 1, -1) if self._block(i) is None), None)
+
+    def _serve_window(self, limit: int, margin: int) -> int:
+        """The largest L on the A grid, L + margin <= limit, whose window and margin
+        [L - lookback, L + margin) are cached (a margin of one A: A finer than the block)."""
         a, unit = self.alignment, self.unit
-        margin = a if drop else 0
         end = limit // a * a
         while end > 0:
             first = max(end - margin - self.manager.lookback, 0) // unit
-            missing = next(
-                (i for i in range(cdiv(end, unit) - 1, first - 1, -1) if self._block(i) is None),
-                None,
-            )
+            missing = self._missing(first, cdiv(end, unit) - 1)
             if missing is None:
                 return end - margin if end >= margin else 0
             # No candidate whose blocks include `missing` can succeed: jump below it.
             end = min(missing * unit, end - a) // a * a
         return 0
+
+    def _serve_dropped(self, limit: int) -> int:
+        """vLLM's window finder under the EAGLE drop: it matches one more block, the block
+        after the landing L (L on the A grid, that block inside the limit), then drops it.
+
+        A run too short for the window that starts at block 0 still hits (vLLM's prefix
+        fallback): the run is cut to its last block starting on the A grid, rounded down to
+        A, and the drop then takes one block off and rounds down to A again.
+        """
+        a, unit = self.alignment, self.unit
+        lookback = self.manager.lookback
+        end = (limit // unit - 1) * unit // a * a
+        while end >= lookback and end >= 0:
+            missing = self._missing((end - lookback) // unit, end // unit)
+            if missing is None:
+                return end
+            end = min((missing - 1) * unit, end - a) // a * a
+        # The prefix fallback: the cached run from block 0, within the limit.
+        run = 0
+        while run < limit // unit and self._block(run) is not None:
+            run += 1
+        if run == 0:
+            return 0
+        edge = (run - 1) * unit // a * a  # the run's last block on the A grid starts here
+        kept = (edge + unit) // a * a
+        return max((kept - unit) // a * a, 0) if kept > 0 else 0
 
     def blocks(self, length: int) -> tuple[list[Block], Block | None]:
         unit, null = self.unit, self.manager.pool.null_block

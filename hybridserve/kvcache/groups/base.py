@@ -94,6 +94,12 @@ class GroupManager:
         the hashes at H (for partial-tail keys)."""
         raise NotImplementedError
 
+    @property
+    def eagle_margin(self) -> int:
+        """How far past a candidate the coordinator asks this group when it drops its tail:
+        the unit it drops (A here; a sliding window drops one block of its own)."""
+        return self.ctx.alignment
+
     def _cached(self, hashes: Sequence[BlockHash], index: int) -> Block | None:
         if index >= len(hashes):
             return None
