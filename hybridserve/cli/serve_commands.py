@@ -447,6 +447,7 @@ def startup_banner(state: Any, *, host: str, port: int) -> str:
         + ('-H "Authorization: Bearer $HYBRIDSERVE_API_KEY" ' if settings.api_key else "")
         + f"-d '{example}'",
     ]
+    lines += [f"  note:      {notice}" for notice in state.parts.scheduler.notices]
     return "\n".join(lines)
 
 

@@ -195,8 +195,10 @@ def _default_warmup(workload: str) -> float:
 
 
 def _warn_about_run(run: SimRun) -> None:
-    """Say on stderr what the numbers alone hide: rejected requests and a queue that never
-    drains."""
+    """Say on stderr what the numbers alone hide: settings the model could not take, rejected
+    requests and a queue that never drains."""
+    for notice in run.notices:
+        err.print(f"note: {notice}", soft_wrap=True, highlight=False)
     if run.rejected:
         shown = ", ".join(
             f"{rid} (request {int(rid[1:]) + 1} of the trace, {length:,} tokens)"

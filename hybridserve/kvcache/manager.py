@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridserve.core.errors import CacheInvariantError, ConfigError
+from hybridserve.core.errors import CacheInvariantError
 from hybridserve.core.plan import BlockCopy
 from hybridserve.kvcache.block_pool import Block, BlockPool
 from hybridserve.kvcache.coordinator import reconcile
@@ -578,18 +578,18 @@ class KVCacheManager:
             tuple(cows),
         )
 
-    def check_exact_tails(self) -> None:
-        """Raise ConfigError unless every group can hold an exact tail: full attention / MLA
-        or an align-mode state group (a window's or a chunk's blocks are not kept)."""
+    def exact_tail_obstacle(self) -> str | None:
+        """Why this layout cannot hold exact tails (None: it can): every group must be full
+        attention / MLA or an align-mode state group (a window's or a chunk's blocks are not
+        kept). Does not mutate."""
         for gid, group in enumerate(self.groups):
             if gid in self._full_groups or (isinstance(group, MambaManager) and group.align):
                 continue
-            raise ConfigError(
-                "scheduler.kv_pin_exact_tail",
-                True,
+            return (
                 f"group {gid} is {group.kind.value}: exact tails need full-attention and "
-                "align-mode state groups only; turn it off for this model",
+                "align-mode state groups only"
             )
+        return None
 
     def session_hit(
         self,

@@ -71,9 +71,16 @@ class Scheduler:
             quantile=config.kv_pin_ttl_quantile, cap_s=config.kv_pin_max_ttl_s
         )
         self.max_pinned_blocks = int(config.kv_pin_fraction * (cache.layout.num_blocks - 1))
+        # What the settings asked for that this layout cannot do, said once by the front end.
+        self.notices: list[str] = []
         self.exact_tails = self.pinning and config.kv_pin_exact_tail
-        if self.exact_tails:
-            cache.check_exact_tails()
+        obstacle = cache.exact_tail_obstacle() if self.exact_tails else None
+        if obstacle is not None:
+            # A preset serves every layout: a control that cannot apply turns itself off.
+            self.exact_tails = False
+            self.notices.append(
+                f"kv_pin_exact_tail is off for this model ({obstacle}); pins stay on"
+            )
         self._now = 0.0
         self._step_end = 0.0
         self.running: list[Request] = []

@@ -624,7 +624,16 @@ def run_fleet(
             "transfer_ms_mean": 1000 * sum(moves) / len(moves) if moves else math.nan,
             "transfer_ms_p99": 1000 * percentile(moves, 99) if moves else math.nan,
         }
-    run = SimRun(config, summary, recorder, cache, rejected=tuple(sim.sim.rejected), fleet=report)
+    notices = tuple(dict.fromkeys(n for r in sim.replicas for n in r.scheduler.notices))
+    run = SimRun(
+        config,
+        summary,
+        recorder,
+        cache,
+        rejected=tuple(sim.sim.rejected),
+        fleet=report,
+        notices=notices,
+    )
     return FleetRun(run, report)
 
 

@@ -438,6 +438,7 @@ class SimRun:
     cache: dict[str, Any]
     rejected: tuple[tuple[str, int, str], ...] = ()  # arrivals refused: id, length, reason
     fleet: dict[str, Any] | None = None  # a fleet's report (hybridserve.sim.fleet.run_fleet)
+    notices: tuple[str, ...] = ()  # settings the layout could not take (the scheduler's)
 
     def ttft_samples_s(self) -> list[float]:
         return self.recorder.ttft_samples_s(self.config.warmup_s, self.config.duration_s)
@@ -500,7 +501,14 @@ def run_simulation(
     summary.update(group_hit_rates(cache))
     summary["kv_cache_blocks"] = float(scheduler.cache.layout.num_blocks)
     summary.update(pin_counters([scheduler]))
-    return SimRun(config, summary, recorder, cache, rejected=tuple(sim.rejected))
+    return SimRun(
+        config,
+        summary,
+        recorder,
+        cache,
+        rejected=tuple(sim.rejected),
+        notices=tuple(scheduler.notices),
+    )
 
 
 def pin_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:

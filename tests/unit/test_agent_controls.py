@@ -354,7 +354,7 @@ def test_an_exact_tail_is_released_with_its_pin_at_the_ttl() -> None:
     assert sched.cache.pin_stats.tail_hits == 0 and driver.hits["s.t2"] < 74
 
 
-def test_exact_tails_refuse_a_layout_whose_groups_cannot_hold_one() -> None:
+def test_exact_tails_turn_themselves_off_for_a_layout_that_cannot_hold_one() -> None:
     from hybridserve.kvcache import CacheLayout, KVCacheManager
     from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
 
@@ -363,8 +363,10 @@ def test_exact_tails_refuse_a_layout_whose_groups_cannot_hold_one() -> None:
         num_blocks=64,
     )
     config = SchedulerConfig(kv_pin_fraction=0.5, kv_pin_exact_tail=True)
-    with pytest.raises(ConfigError, match=r"kv_pin_exact_tail.*group 0 is swa"):
-        Scheduler(config, KVCacheManager(layout))
+    scheduler = Scheduler(config, KVCacheManager(layout))
+    assert not scheduler.exact_tails and scheduler.pinning
+    (notice,) = scheduler.notices
+    assert "kv_pin_exact_tail is off" in notice and "group 0 is swa" in notice
 
 
 def test_exact_tails_count_against_the_pin_fraction() -> None:
