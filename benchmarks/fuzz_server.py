@@ -63,7 +63,8 @@ def _free_port() -> int:
 
 def _start(args: argparse.Namespace, port: int) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", args.executor]
-    command += ["--port", str(port), "--max-waiting", "64"]
+    # Chat requests without max_tokens get --default-max-tokens: keep valid cases cheap.
+    command += ["--port", str(port), "--max-waiting", "64", "--default-max-tokens", "8"]
     if args.executor == "sim":
         command += ["--sim-speed", "1000"]
     else:
