@@ -40,6 +40,7 @@ def test_a_zmq_subscriber_receives_the_blocks_the_server_cache_registered() -> N
     endpoint = f"tcp://127.0.0.1:{events_port}"
     command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
     command += ["--port", str(port), "--sim-speed", "1000", "--kv-events", endpoint]
+    command += ["--spec", "none"]  # block hashes as BlockHasher gives them (no MTP lookahead)
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
     context = zmq.Context()
