@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
+from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, need_extra
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
@@ -34,8 +34,8 @@ MaxTokensOption = Annotated[int, typer.Option(help="New tokens per prompt at mos
 SpecOption = Annotated[
     str | None, typer.Option(help="Speculative decoding: ngram:K (K draft tokens).")
 ]
-TemperatureOption = Annotated[float, typer.Option(help="0 = greedy.")]
-TopPOption = Annotated[float, typer.Option(help="Nucleus sampling mass.")]
+TemperatureOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="0 = greedy.")]
+TopPOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="Nucleus sampling mass.")]
 TopKOption = Annotated[int, typer.Option(help="0 = off.")]
 SeedOption = Annotated[int | None, typer.Option(help="Sampling seed (per request).")]
 RawOption = Annotated[
@@ -64,7 +64,10 @@ DcpInterleaveOption = Annotated[
     int, typer.Option(help="Consecutive tokens per rank in the DCP token round-robin.")
 ]
 DcpTimeoutOption = Annotated[
-    float, typer.Option(help="Seconds a DCP run may take before its ranks are stopped.")
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT, help="Seconds a DCP run may take before its ranks are stopped."
+    ),
 ]
 
 

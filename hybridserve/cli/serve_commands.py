@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, install_hint, need_extra
+from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, install_hint, need_extra
 from hybridserve.cli.choices import MODEL_HELP, SPEC_HELP
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
 from hybridserve.core.errors import HybridServeError
@@ -78,7 +78,10 @@ DeviceOpt = Annotated[
 ]
 ServeSpecOpt = Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")]
 SimSpeedOpt = Annotated[
-    float, typer.Option(help="Sim: wall time of a step = modelled time / this (1 = real).")
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT, help="Sim: wall time of a step = modelled time / this (1 = real)."
+    ),
 ]
 PresetOpt = Annotated[
     str | None,
@@ -112,10 +115,12 @@ DecodeStepsOpt = Annotated[
     int | None, typer.Option(help="Control: decode-only steps between prefills (0 = off).")
 ]
 MaxWaitOpt = Annotated[
-    float | None, typer.Option(help="Control: oldest-waiter deadline in ms (0 = off).")
+    float | None,
+    typer.Option(parser=FINITE_FLOAT, help="Control: oldest-waiter deadline in ms (0 = off)."),
 ]
 TargetStepOpt = Annotated[
-    float | None, typer.Option(help="Control: adaptive mixed-step time target (0 = off).")
+    float | None,
+    typer.Option(parser=FINITE_FLOAT, help="Control: adaptive mixed-step time target (0 = off)."),
 ]
 HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
 PortOpt = Annotated[int, typer.Option(help="Port to bind.")]
@@ -154,12 +159,14 @@ DefaultMaxTokensOpt = Annotated[
 EosProbabilityOpt = Annotated[
     float,
     typer.Option(
+        parser=FINITE_FLOAT,
         help="Sim: probability that each generated token is <eos> (answers of mean length "
-        "1/P; 0 = only max_tokens or a stop ends them)."
+        "1/P; 0 = only max_tokens or a stop ends them).",
     ),
 ]
 ShutdownOpt = Annotated[
-    float, typer.Option(help="Seconds running requests get to finish on shutdown.")
+    float,
+    typer.Option(parser=FINITE_FLOAT, help="Seconds running requests get to finish on shutdown."),
 ]
 ServeDcpOpt = Annotated[
     int,

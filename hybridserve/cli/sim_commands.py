@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail, install_hint, out_console
+from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
 from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, SPEC_HELP
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
@@ -271,8 +271,12 @@ SpecOption = Annotated[
     typer.Option(help=f"{SPEC_HELP} auto: mtp when the model has MTP layers, else none."),
 ]
 AgentsOption = Annotated[int, typer.Option(help="Agents running jobs back to back.")]
-DurationOption = Annotated[float, typer.Option(help="Simulated seconds (per run).")]
-WarmupOption = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
+DurationOption = Annotated[
+    float, typer.Option(parser=FINITE_FLOAT, help="Simulated seconds (per run).")
+]
+WarmupOption = Annotated[
+    float, typer.Option(parser=FINITE_FLOAT, help="Seconds excluded from the metrics.")
+]
 SeedOption = Annotated[int, typer.Option(help="Seed: same seed, same report.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ConfigOption = Annotated[
@@ -337,8 +341,9 @@ SimPresetOption = Annotated[
 SimWarmupOption = Annotated[
     float | None,
     typer.Option(
+        parser=FINITE_FLOAT,
         help="Seconds excluded from the metrics [default: 300, or 0 for a workload with a "
-        "fixed number of requests: a trace, poisson, fixed with requests=N]."
+        "fixed number of requests: a trace, poisson, fixed with requests=N].",
     ),
 ]
 WorkloadOption = Annotated[
@@ -349,7 +354,9 @@ WorkloadOption = Annotated[
         "fixed:input=I,output=O,rate=R[,requests=N] (Poisson)"
     ),
 ]
-TimeScaleOption = Annotated[float, typer.Option(help="Multiply trace arrival times.")]
+TimeScaleOption = Annotated[
+    float, typer.Option(parser=FINITE_FLOAT, help="Multiply trace arrival times.")
+]
 LimitOption = Annotated[int | None, typer.Option(help="Keep the first N trace requests.")]
 SimMaxModelLenOption = Annotated[
     int | None,
@@ -384,7 +391,10 @@ RouterViewOption = Annotated[
 ]
 LoadWeightOption = Annotated[
     float,
-    typer.Option(help="Prefix routers: score = overlap tokens - weight x outstanding tokens."),
+    typer.Option(
+        parser=FINITE_FLOAT,
+        help="Prefix routers: score = overlap tokens - weight x outstanding tokens.",
+    ),
 ]
 PdOption = Annotated[
     str | None,
@@ -665,7 +675,8 @@ TuneTrialsOption = Annotated[
     int, typer.Option(help="--baseline vllm-tuned: random vLLM settings to try.")
 ]
 TuneSloOption = Annotated[
-    float, typer.Option(help="--baseline vllm-tuned: the p99 ITL SLO of the search.")
+    float,
+    typer.Option(parser=FINITE_FLOAT, help="--baseline vllm-tuned: the p99 ITL SLO of the search."),
 ]
 BoundsOption = Annotated[
     bool | None,
@@ -1116,7 +1127,7 @@ RayOption = Annotated[
         help="Run trials on a Ray cluster: auto, ray://HOST:10001, or local (needs the ray extra).",
     ),
 ]
-SloOption = Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")]
+SloOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="p99 ITL SLO in milliseconds.")]
 SpaceOption = Annotated[
     str,
     typer.Option(
