@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, need_extra
+from hybridserve.cli.choices import DEFAULT_DEVICE, DEVICE_HELP
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
@@ -41,7 +42,7 @@ SeedOption = Annotated[int | None, typer.Option(help="Sampling seed (per request
 RawOption = Annotated[
     bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
 ]
-DeviceOption = Annotated[str, typer.Option(help="cpu or cuda.")]
+DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP)]
 ThreadsOption = Annotated[
     int | None,
     typer.Option(help="Torch intra-op threads (default: every core this process may use)."),
@@ -82,7 +83,7 @@ class GenerateSettings:
     top_k: int = 0
     seed: int | None = None
     raw: bool = False
-    device: str = "cpu"
+    device: str = DEFAULT_DEVICE
     threads: int | None = None
     block_size: int = 16
     num_blocks: int = 0
@@ -133,7 +134,7 @@ def generate(
     top_k: TopKOption = 0,
     seed: SeedOption = None,
     raw: RawOption = False,
-    device: DeviceOption = "cpu",
+    device: DeviceOption = DEFAULT_DEVICE,
     threads: ThreadsOption = None,
     block_size: BlockSizeOption = 16,
     num_blocks: NumBlocksOption = 0,
@@ -184,8 +185,11 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
         gemma_terms_path,
         resolve_model,
     )
+    from hybridserve.executor.torch.runtime import resolve_device
 
     path = resolve_model(model)
+    # `auto` is resolved once, here: a DCP group's ranks and backend then agree on the device.
+    settings = replace(settings, device=resolve_device(settings.device))
     if model == "gemma3-270m" or "gemma" in path.name.lower():
         err.print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()), highlight=False)
     # Validate the sampling flags before the (slow) model load.

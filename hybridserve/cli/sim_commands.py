@@ -664,6 +664,12 @@ SeedsOption = Annotated[
 ]
 FirstSeedOption = Annotated[int, typer.Option(help="The first seed.")]
 WorkersOption = Annotated[int, typer.Option(help="Local worker processes.")]
+# One default for `bench` and `sweep` (and the README's E1 runs): 2 workers, a 100 ms p99 ITL SLO.
+DEFAULT_WORKERS = 2
+DEFAULT_ITL_SLO_MS = 100.0
+# E1's full design, as the README's tables and benchmarks/e1_matrix.py's docstring run it.
+E1_DESIGN = "600 s runs with a 120 s warm-up"
+E1_DESIGN_FLAGS = "--duration 600 --warmup 120"
 TunedOption = Annotated[
     Path | None,
     typer.Option(
@@ -776,10 +782,10 @@ def bench_cmd(
     duration: DurationOption = 480.0,
     warmup: WarmupOption = 120.0,
     seed: FirstSeedOption = 0,
-    workers: WorkersOption = 2,
+    workers: WorkersOption = DEFAULT_WORKERS,
     tuned: TunedOption = None,
     tune_trials: TuneTrialsOption = 16,
-    itl_slo_ms: TuneSloOption = 100.0,
+    itl_slo_ms: TuneSloOption = DEFAULT_ITL_SLO_MS,
     bounds: BoundsOption = None,
     config_file: ConfigOption = None,
     model_config: ModelConfigOption = None,
@@ -1084,8 +1090,8 @@ def _print_ratios(console: Any, report: dict[str, Any]) -> None:
         console.print(f"hybridserve / {other}: " + ", ".join(parts), highlight=False)
     if n < 10:
         console.print(
-            f"{n} seeds: a short screen. The full design (10+ paired seeds, 1,800 s runs) is "
-            "benchmarks/e1_matrix.py.",
+            f"{n} seeds: a short screen. The full design (10 paired seeds, {E1_DESIGN}) is "
+            f"python benchmarks/e1_matrix.py --seeds 10 {E1_DESIGN_FLAGS} --workers 2.",
             highlight=False,
         )
 
@@ -1140,9 +1146,9 @@ SpaceOption = Annotated[
 @app.command("sweep")
 def sweep_cmd(
     trials: SweepTrialsOption = 8,
-    workers: WorkersOption = 1,
+    workers: WorkersOption = DEFAULT_WORKERS,
     ray: RayOption = None,
-    itl_slo_ms: SloOption = 150.0,
+    itl_slo_ms: SloOption = DEFAULT_ITL_SLO_MS,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
