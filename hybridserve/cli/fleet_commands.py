@@ -14,7 +14,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail, install_hint, out_console
+from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
 from hybridserve.cli.sim_commands import (
     AgentsOption,
     DurationOption,
@@ -82,8 +82,9 @@ FleetRayOption = Annotated[
 FleetWarmupOption = Annotated[
     float | None,
     typer.Option(
+        parser=FINITE_FLOAT,
         help="Seconds excluded from the metrics [default: 120, or a fifth of a shorter "
-        "--duration; 0 for a workload with a fixed number of requests]."
+        "--duration; 0 for a workload with a fixed number of requests].",
     ),
 ]
 FleetOutOption = Annotated[

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, need_extra
+from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, need_extra
+from hybridserve.cli.choices import DEFAULT_DEVICE, DEVICE_HELP
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
@@ -34,14 +35,14 @@ MaxTokensOption = Annotated[int, typer.Option(help="New tokens per prompt at mos
 SpecOption = Annotated[
     str | None, typer.Option(help="Speculative decoding: ngram:K (K draft tokens).")
 ]
-TemperatureOption = Annotated[float, typer.Option(help="0 = greedy.")]
-TopPOption = Annotated[float, typer.Option(help="Nucleus sampling mass.")]
+TemperatureOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="0 = greedy.")]
+TopPOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="Nucleus sampling mass.")]
 TopKOption = Annotated[int, typer.Option(help="0 = off.")]
 SeedOption = Annotated[int | None, typer.Option(help="Sampling seed (per request).")]
 RawOption = Annotated[
     bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
 ]
-DeviceOption = Annotated[str, typer.Option(help="cpu or cuda.")]
+DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP)]
 ThreadsOption = Annotated[
     int | None,
     typer.Option(help="Torch intra-op threads (default: every core this process may use)."),
@@ -64,7 +65,10 @@ DcpInterleaveOption = Annotated[
     int, typer.Option(help="Consecutive tokens per rank in the DCP token round-robin.")
 ]
 DcpTimeoutOption = Annotated[
-    float, typer.Option(help="Seconds a DCP run may take before its ranks are stopped.")
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT, help="Seconds a DCP run may take before its ranks are stopped."
+    ),
 ]
 
 
@@ -79,7 +83,7 @@ class GenerateSettings:
     top_k: int = 0
     seed: int | None = None
     raw: bool = False
-    device: str = "cpu"
+    device: str = DEFAULT_DEVICE
     threads: int | None = None
     block_size: int = 16
     num_blocks: int = 0
@@ -130,7 +134,7 @@ def generate(
     top_k: TopKOption = 0,
     seed: SeedOption = None,
     raw: RawOption = False,
-    device: DeviceOption = "cpu",
+    device: DeviceOption = DEFAULT_DEVICE,
     threads: ThreadsOption = None,
     block_size: BlockSizeOption = 16,
     num_blocks: NumBlocksOption = 0,
@@ -181,8 +185,11 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
         gemma_terms_path,
         resolve_model,
     )
+    from hybridserve.executor.torch.runtime import resolve_device
 
     path = resolve_model(model)
+    # `auto` is resolved once, here: a DCP group's ranks and backend then agree on the device.
+    settings = replace(settings, device=resolve_device(settings.device))
     if model == "gemma3-270m" or "gemma" in path.name.lower():
         err.print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()), highlight=False)
     # Validate the sampling flags before the (slow) model load.

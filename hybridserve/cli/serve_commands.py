@@ -7,18 +7,21 @@ given on the command line.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import math
 import os
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import MODELS_EXTRA, app, err, fail, install_hint, need_extra
-from hybridserve.cli.choices import MODEL_HELP, SPEC_HELP
+from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, install_hint, need_extra
+from hybridserve.cli.choices import DEFAULT_DEVICE, DEVICE_HELP, MODEL_HELP, SPEC_HELP
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
 from hybridserve.core.errors import HybridServeError
 
@@ -28,10 +31,11 @@ if TYPE_CHECKING:
     from hybridserve.server.backend import ServingBackend
 
 TORCH_MODEL_ALIASES = ("smollm2", "gemma3-270m")
+DEFAULT_TORCH_MODEL = "smollm2"
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 
-def _torch_backend(
+def _torch_loader(
     model: str,
     *,
     device: str,
@@ -39,7 +43,8 @@ def _torch_backend(
     dcp: int = 1,
     dcp_interleave: int = 1,
     threads: int | None = None,
-) -> ServingBackend:
+) -> Callable[[], ServingBackend]:
+    """Check that `model` and the torch executor are there; return what loads the model."""
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
         raise fail(f"--model {model!r}: use {' or '.join(TORCH_MODEL_ALIASES)} or a local path")
     need_extra("models", *MODELS_EXTRA, what="serve --executor torch")
@@ -54,7 +59,8 @@ def _torch_backend(
             f"imported here ({exc}). Install a build that includes it with its models extra "
             f"({install_hint('models')}), or serve synthetic tokens with --executor sim."
         ) from None
-    try:
+
+    def load() -> ServingBackend:
         runtime.set_threads(threads)
         backend: ServingBackend = module.serving_backend(
             resolve_model(model),
@@ -64,22 +70,33 @@ def _torch_backend(
             dcp=dcp,
             dcp_interleave=dcp_interleave,
         )
-    except HybridServeError as exc:
-        raise fail(str(exc)) from None
-    return backend
+        return backend
+
+    return load
 
 
-ExecutorOpt = Annotated[str, typer.Option(help="sim (synthetic tokens) or torch.")]
+ExecutorOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="sim (synthetic tokens) or torch [default: torch when --model names a checkpoint, "
+        "else sim]."
+    ),
+]
 ModelProfileOpt = Annotated[str, typer.Option(help=f"Sim: the model. {MODEL_HELP}")]
 TorchModelOpt = Annotated[
-    str, typer.Option(help="Torch: smollm2, gemma3-270m or a local checkpoint path.")
+    str | None,
+    typer.Option(
+        help="Torch: smollm2, gemma3-270m or a local checkpoint path; implies --executor torch "
+        f"[default: {DEFAULT_TORCH_MODEL}]."
+    ),
 ]
-DeviceOpt = Annotated[
-    str, typer.Option(help="Torch: auto (CUDA when available), cpu, cuda, cuda:N.")
-]
+DeviceOpt = Annotated[str, typer.Option(help=DEVICE_HELP)]
 ServeSpecOpt = Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")]
 SimSpeedOpt = Annotated[
-    float, typer.Option(help="Sim: wall time of a step = modelled time / this (1 = real).")
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT, help="Sim: wall time of a step = modelled time / this (1 = real)."
+    ),
 ]
 PresetOpt = Annotated[
     str | None,
@@ -113,10 +130,12 @@ DecodeStepsOpt = Annotated[
     int | None, typer.Option(help="Control: decode-only steps between prefills (0 = off).")
 ]
 MaxWaitOpt = Annotated[
-    float | None, typer.Option(help="Control: oldest-waiter deadline in ms (0 = off).")
+    float | None,
+    typer.Option(parser=FINITE_FLOAT, help="Control: oldest-waiter deadline in ms (0 = off)."),
 ]
 TargetStepOpt = Annotated[
-    float | None, typer.Option(help="Control: adaptive mixed-step time target (0 = off).")
+    float | None,
+    typer.Option(parser=FINITE_FLOAT, help="Control: adaptive mixed-step time target (0 = off)."),
 ]
 HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
 PortOpt = Annotated[int, typer.Option(help="Port to bind.")]
@@ -155,12 +174,14 @@ DefaultMaxTokensOpt = Annotated[
 EosProbabilityOpt = Annotated[
     float,
     typer.Option(
+        parser=FINITE_FLOAT,
         help="Sim: probability that each generated token is <eos> (answers of mean length "
-        "1/P; 0 = only max_tokens or a stop ends them)."
+        "1/P; 0 = only max_tokens or a stop ends them).",
     ),
 ]
 ShutdownOpt = Annotated[
-    float, typer.Option(help="Seconds running requests get to finish on shutdown.")
+    float,
+    typer.Option(parser=FINITE_FLOAT, help="Seconds running requests get to finish on shutdown."),
 ]
 StepTimeoutOpt = Annotated[
     float,
@@ -272,10 +293,10 @@ class ServeFlags:
 
 @app.command("serve")
 def serve_cmd(
-    executor: ExecutorOpt = "sim",
+    executor: ExecutorOpt = None,
     model_profile: ModelProfileOpt = "qwen3-next-80b-a3b",
-    model: TorchModelOpt = "smollm2",
-    device: DeviceOpt = "auto",
+    model: TorchModelOpt = None,
+    device: DeviceOpt = DEFAULT_DEVICE,
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
@@ -317,6 +338,7 @@ def serve_cmd(
     kv_events_replay: KvReplayOpt = None,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
+    executor, model = chosen_executor(executor, model)
     code = _serve(ServeFlags(**locals()))
     if code:
         raise typer.Exit(code)
@@ -327,25 +349,79 @@ def _serve(flags: ServeFlags) -> int:
     need_extra(
         "server", "uvicorn", "fastapi", "pydantic", "prometheus_client", what="hybridserve serve"
     )
-    from hybridserve.server.kv_events import attach_kv_events
+    from hybridserve.server.kv_events import attach_kv_events, check_kv_event_flags
     from hybridserve.server.runner import serve
 
     settings = _server_settings(flags)
     try:
-        server_app = build_app(
-            _backend(flags),
-            settings,
-            preset_name=flags.preset,
-            config_file=flags.config,
-            retention=flags.retention,
-            num_blocks=flags.num_blocks,
-            overrides=flags.scheduler_flags(),
-        )
-        attach_kv_events(server_app, flags.kv_events, flags.kv_events_replay)
+        check_kv_event_flags(flags.kv_events, flags.kv_events_replay)
+        file = read_settings_file(flags.config)
+        load_backend = _backend_loader(flags, file)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
-    banner = startup_banner(server_app.state.hybridserve, host=flags.host, port=flags.port)
-    return serve(server_app, host=flags.host, port=flags.port, banner=banner)
+    # Every cheap check is done; bind now, before the model loads: a port in use is an error
+    # at once, not after a long load.
+    sock = bind_port(flags.host, flags.port)
+    try:
+        try:
+            server_app = build_app(
+                load_backend(),
+                settings,
+                preset_name=flags.preset,
+                settings_file=file,
+                retention=flags.retention,
+                num_blocks=flags.num_blocks,
+                overrides=flags.scheduler_flags(),
+            )
+            attach_kv_events(server_app, flags.kv_events, flags.kv_events_replay)
+        except HybridServeError as exc:
+            raise fail(str(exc)) from None
+        banner = startup_banner(server_app.state.hybridserve, host=flags.host, port=flags.port)
+        return serve(server_app, host=flags.host, port=flags.port, banner=banner, sock=sock)
+    finally:
+        sock.close()
+
+
+def chosen_executor(executor: str | None, model: str | None) -> tuple[str, str]:
+    """(executor, checkpoint) that `serve` runs: `--model` (a checkpoint) without `--executor`
+    implies torch, said once on stderr; `--executor sim` with `--model` is refused (the
+    simulator serves `--model-profile`)."""
+    if executor is None:
+        if model is None:
+            return "sim", DEFAULT_TORCH_MODEL
+        err.print(
+            f"serve: --model {model} is a checkpoint: serving it on the torch executor "
+            "(--executor torch)",
+            soft_wrap=True,
+            highlight=False,
+        )
+        return "torch", model
+    if executor == "sim" and model is not None:
+        raise fail(
+            f"--model {model!r} with --executor sim: --model names a checkpoint for the torch "
+            "executor, and the simulator serves synthetic tokens for --model-profile NAME; "
+            "drop --model, or pass --executor torch"
+        )
+    return executor, model if model is not None else DEFAULT_TORCH_MODEL
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to --host/--port; a port in use (or an address that is not
+    this machine's) is an error naming the flag."""
+    from hybridserve.server.runner import listening_socket
+
+    try:
+        return listening_socket(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise fail(
+                f"--port {port}: {host}:{port} is already in use (another server listens "
+                "there); stop it or pass a free --port"
+            ) from None
+        raise fail(
+            f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); pass "
+            "an address of this machine (e.g. --host 127.0.0.1) and a free --port"
+        ) from None
 
 
 def _server_settings(flags: ServeFlags) -> ServerSettings:
@@ -385,10 +461,11 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
     )
 
 
-def _backend(flags: ServeFlags) -> ServingBackend:
-    """The model side `--executor` names: a real model on torch, or the simulator."""
+def _backend_loader(flags: ServeFlags, file: SettingsFile | None) -> Callable[[], ServingBackend]:
+    """What loads the model side `--executor` names (a real model on torch, or the simulator),
+    after the checks that need no load: a bad flag is refused before the port is bound."""
     if flags.executor == "torch":
-        return _torch_backend(
+        return _torch_loader(
             flags.model,
             device=flags.device,
             max_model_len=flags.max_model_len,
@@ -397,10 +474,10 @@ def _backend(flags: ServeFlags) -> ServingBackend:
             threads=flags.threads,
         )
     from hybridserve.cli.sim_backend import DEFAULT_MAX_MODEL_LEN, SimServingBackend
-    from hybridserve.engine.settings import load_settings_file, preset_name
+    from hybridserve.engine.settings import preset_name
 
-    file = load_settings_file(flags.config) if flags.config is not None else None
-    return SimServingBackend(
+    # The simulator loads nothing: its backend is built (and its flags checked) now.
+    backend = SimServingBackend(
         model_profile=flags.model_profile,
         preset=preset_name(flags.preset, file),
         gpu=flags.gpu,
@@ -412,6 +489,7 @@ def _backend(flags: ServeFlags) -> ServingBackend:
         max_model_len=flags.max_model_len or DEFAULT_MAX_MODEL_LEN,
         eos_probability=flags.sim_eos_probability,
     )
+    return lambda: backend
 
 
 def startup_banner(state: Any, *, host: str, port: int) -> str:
@@ -495,13 +573,15 @@ def build_app(
     retention: str | None = None,
     num_blocks: int | None = None,
     overrides: dict[str, Any] | None = None,
+    settings_file: SettingsFile | None = None,
 ) -> Any:
     """The FastAPI app over `backend` with the settings resolved as every command resolves
-    them (`hybridserve.engine.settings`: preset, then the file, then the flags)."""
+    them (`hybridserve.engine.settings`: preset, then the file, then the flags). The file is
+    `settings_file` when it was read already, else `config_file`."""
     from hybridserve.server.app import ServerState, create_app
     from hybridserve.server.backend import serve_settings, serving_engine
 
-    file = read_settings_file(config_file)
+    file = settings_file if settings_file is not None else read_settings_file(config_file)
     chosen = serve_settings(
         backend,
         preset_name=preset_name,

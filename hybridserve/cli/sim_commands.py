@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail, install_hint, out_console
+from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
 from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, SPEC_HELP
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
@@ -273,8 +273,12 @@ SpecOption = Annotated[
     typer.Option(help=f"{SPEC_HELP} auto: mtp when the model has MTP layers, else none."),
 ]
 AgentsOption = Annotated[int, typer.Option(help="Agents running jobs back to back.")]
-DurationOption = Annotated[float, typer.Option(help="Simulated seconds (per run).")]
-WarmupOption = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
+DurationOption = Annotated[
+    float, typer.Option(parser=FINITE_FLOAT, help="Simulated seconds (per run).")
+]
+WarmupOption = Annotated[
+    float, typer.Option(parser=FINITE_FLOAT, help="Seconds excluded from the metrics.")
+]
 SeedOption = Annotated[int, typer.Option(help="Seed: same seed, same report.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ConfigOption = Annotated[
@@ -339,8 +343,9 @@ SimPresetOption = Annotated[
 SimWarmupOption = Annotated[
     float | None,
     typer.Option(
+        parser=FINITE_FLOAT,
         help="Seconds excluded from the metrics [default: 300, or 0 for a workload with a "
-        "fixed number of requests: a trace, poisson, fixed with requests=N]."
+        "fixed number of requests: a trace, poisson, fixed with requests=N].",
     ),
 ]
 WorkloadOption = Annotated[
@@ -351,7 +356,9 @@ WorkloadOption = Annotated[
         "fixed:input=I,output=O,rate=R[,requests=N] (Poisson)"
     ),
 ]
-TimeScaleOption = Annotated[float, typer.Option(help="Multiply trace arrival times.")]
+TimeScaleOption = Annotated[
+    float, typer.Option(parser=FINITE_FLOAT, help="Multiply trace arrival times.")
+]
 LimitOption = Annotated[int | None, typer.Option(help="Keep the first N trace requests.")]
 SimMaxModelLenOption = Annotated[
     int | None,
@@ -386,7 +393,10 @@ RouterViewOption = Annotated[
 ]
 LoadWeightOption = Annotated[
     float,
-    typer.Option(help="Prefix routers: score = overlap tokens - weight x outstanding tokens."),
+    typer.Option(
+        parser=FINITE_FLOAT,
+        help="Prefix routers: score = overlap tokens - weight x outstanding tokens.",
+    ),
 ]
 PdOption = Annotated[
     str | None,
@@ -656,6 +666,12 @@ SeedsOption = Annotated[
 ]
 FirstSeedOption = Annotated[int, typer.Option(help="The first seed.")]
 WorkersOption = Annotated[int, typer.Option(help="Local worker processes.")]
+# One default for `bench` and `sweep` (and the README's E1 runs): 2 workers, a 100 ms p99 ITL SLO.
+DEFAULT_WORKERS = 2
+DEFAULT_ITL_SLO_MS = 100.0
+# E1's full design, as the README's tables and benchmarks/e1_matrix.py's docstring run it.
+E1_DESIGN = "600 s runs with a 120 s warm-up"
+E1_DESIGN_FLAGS = "--duration 600 --warmup 120"
 TunedOption = Annotated[
     Path | None,
     typer.Option(
@@ -667,7 +683,8 @@ TuneTrialsOption = Annotated[
     int, typer.Option(help="--baseline vllm-tuned: random vLLM settings to try.")
 ]
 TuneSloOption = Annotated[
-    float, typer.Option(help="--baseline vllm-tuned: the p99 ITL SLO of the search.")
+    float,
+    typer.Option(parser=FINITE_FLOAT, help="--baseline vllm-tuned: the p99 ITL SLO of the search."),
 ]
 BoundsOption = Annotated[
     bool | None,
@@ -767,10 +784,10 @@ def bench_cmd(
     duration: DurationOption = 480.0,
     warmup: WarmupOption = 120.0,
     seed: FirstSeedOption = 0,
-    workers: WorkersOption = 2,
+    workers: WorkersOption = DEFAULT_WORKERS,
     tuned: TunedOption = None,
     tune_trials: TuneTrialsOption = 16,
-    itl_slo_ms: TuneSloOption = 100.0,
+    itl_slo_ms: TuneSloOption = DEFAULT_ITL_SLO_MS,
     bounds: BoundsOption = None,
     config_file: ConfigOption = None,
     model_config: ModelConfigOption = None,
@@ -1075,8 +1092,8 @@ def _print_ratios(console: Any, report: dict[str, Any]) -> None:
         console.print(f"hybridserve / {other}: " + ", ".join(parts), highlight=False)
     if n < 10:
         console.print(
-            f"{n} seeds: a short screen. The full design (10+ paired seeds, 1,800 s runs) is "
-            "benchmarks/e1_matrix.py.",
+            f"{n} seeds: a short screen. The full design (10 paired seeds, {E1_DESIGN}) is "
+            f"python benchmarks/e1_matrix.py --seeds 10 {E1_DESIGN_FLAGS} --workers 2.",
             highlight=False,
         )
 
@@ -1118,7 +1135,7 @@ RayOption = Annotated[
         help="Run trials on a Ray cluster: auto, ray://HOST:10001, or local (needs the ray extra).",
     ),
 ]
-SloOption = Annotated[float, typer.Option(help="p99 ITL SLO in milliseconds.")]
+SloOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="p99 ITL SLO in milliseconds.")]
 SpaceOption = Annotated[
     str,
     typer.Option(
@@ -1131,9 +1148,9 @@ SpaceOption = Annotated[
 @app.command("sweep")
 def sweep_cmd(
     trials: SweepTrialsOption = 8,
-    workers: WorkersOption = 1,
+    workers: WorkersOption = DEFAULT_WORKERS,
     ray: RayOption = None,
-    itl_slo_ms: SloOption = 150.0,
+    itl_slo_ms: SloOption = DEFAULT_ITL_SLO_MS,
     model: SimOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from enum import StrEnum
 
 from hybridserve.core.errors import ConfigError, RequestError
@@ -222,6 +223,7 @@ class SchedulerConfig:
         for flag in _BOOL_FIELDS:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"scheduler.{flag}", getattr(self, flag), "use true or false")
+        _require_finite(self)
         _require_positive("scheduler.max_num_seqs", self.max_num_seqs)
         _require_positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _require_positive("scheduler.max_model_len", self.max_model_len)
@@ -300,6 +302,16 @@ _BOOL_FIELDS = (
     "kv_aware_admission",
     "kv_pin_exact_tail",
 )
+# Every float field (annotations are strings here): NaN and inf are refused for each.
+_FLOAT_FIELDS = tuple(f.name for f in fields(SchedulerConfig) if f.type == "float")
+
+
+def _require_finite(config: SchedulerConfig) -> None:
+    # NaN passes every comparison (nan < 0 is False): refuse it, and inf, before the checks.
+    for name in _FLOAT_FIELDS:
+        value = getattr(config, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"scheduler.{name}", value, "use a finite number")
 
 
 def _require_strictly_positive(field: str, value: float) -> None:

@@ -44,6 +44,7 @@ The presets:
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -212,6 +213,8 @@ def _checked(key: str, value: Any) -> Any:
     elif isinstance(expected, float):
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ConfigError(f"scheduler.{key}", value, "write a number")
+        if not math.isfinite(value):  # TOML writes nan and inf; every comparison passes nan
+            raise ConfigError(f"scheduler.{key}", value, "write a finite number, e.g. 0 (off)")
         return float(value)
     elif isinstance(expected, str) and not isinstance(value, str):
         raise ConfigError(f"scheduler.{key}", value, f"write it as a string, e.g. '{expected}'")

@@ -9,22 +9,26 @@ speculative config, the fake rejection sampler and sliding-window groups.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridserve.core.config import SchedulerConfig, SchedulingPolicy, SpecMethod, SpeculativeConfig
-from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
 from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode, SlidingWindowSpec
+from hybridserve.recordings.checks import (
+    RecordingError,
+    check_complete,
+    check_header,
+    check_request,
+    field,
+    read_rows,
+)
+
+__all__ = ["FORMAT", "RecordedRequest", "Recording", "RecordingError", "load_recording"]
 
 FORMAT = "vllm-sched-trace/1"
-
-
-class RecordingError(HybridServeError, ValueError):
-    """The recording is malformed, or a rebuilt prompt does not match its digest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,26 +83,50 @@ class Recording:
 
 
 def load_recording(path: Path) -> Recording:
-    if not path.exists():
-        raise RecordingError(f"recording {path} does not exist")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    try:
-        rows = [json.loads(line) for line in lines if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise RecordingError(f"{path}: line {exc.lineno} is not JSON ({exc.msg})") from None
-    if not rows or rows[0].get("format") != FORMAT:
-        raise RecordingError(f"{path}: line 1 must be a {FORMAT!r} header")
-    header = rows[0]
-    params = header["workload"]["params"]
-    requests = tuple(
-        _build_request(path, row, params, header) for row in rows[1:] if "req_id" in row
-    )
-    steps = tuple(row for row in rows[1:] if "step" in row)
-    if len(requests) != header["workload"]["n_requests"]:
+    """Read and check a recording. Raises RecordingError naming the file, the line and the
+    field; a file that ends early says "truncated recording"."""
+    rows = read_rows(path)
+    header_line, header = rows[0]
+    if header.get("format") != FORMAT or header_line != 1:
         raise RecordingError(
-            f"{path}: {len(requests)} request lines, header says {header['workload']['n_requests']}"
+            f"{path}:{header_line}: format={header.get('format')!r}; line 1 must be a "
+            f"{FORMAT!r} header"
         )
-    return Recording(path, header, requests, steps)
+    check_header(path, header)
+    params = header["workload"]["params"]
+    max_model_len = header["engine"]["max_model_len"]
+    requests: list[RecordedRequest] = []
+    steps: list[dict[str, Any]] = []
+    for lineno, row in rows[1:]:
+        where = f"{path}:{lineno}"
+        if "req_id" in row:
+            check_request(where, row)
+            requests.append(_build_request(where, row, params, header, max_model_len))
+        elif "step" in row:
+            field(row, "step", int, where, len(steps))
+            if row["step"] != len(steps):
+                raise RecordingError(
+                    f"{where}: step={row['step']}; the steps run 0, 1, 2, ... and step "
+                    f"{len(steps)} comes next"
+                )
+            steps.append(row)
+        else:
+            raise RecordingError(
+                f"{where}: neither a request (field 'req_id') nor a step (field 'step')"
+            )
+    check_complete(
+        path, header, num_requests=len(requests), num_steps=len(steps), last_line=rows[-1][0]
+    )
+    return Recording(path, header, tuple(requests), tuple(steps))
+
+
+def prompt_length(i: int, p: dict[str, int], prompt_map: dict[str, Any] | None = None) -> int:
+    """The length of request i's prompt under the closed form, without building it."""
+    ctx, sfx = prompt_indices(i, prompt_map)
+    a, k = ctx % p["n_agents"], ctx // p["n_agents"]
+    shared_len = p["base_min"] + (a * p["base_mul"]) % p["base_mod"] + k * p["growth"]
+    suffix_len = p["suffix_min"] + (sfx * p["suffix_len_mul"]) % p["suffix_len_mod"]
+    return max(shared_len, 1) + max(suffix_len, 1)
 
 
 def prompt_indices(i: int, prompt_map: dict[str, Any] | None) -> tuple[int, int]:
@@ -135,14 +163,27 @@ def generate_prompt(
 
 
 def _build_request(
-    path: Path, row: dict[str, Any], params: dict[str, int], header: dict[str, Any]
+    where: str,
+    row: dict[str, Any],
+    params: dict[str, int],
+    header: dict[str, Any],
+    max_model_len: int,
 ) -> RecordedRequest:
     index = row["idx"]
-    prompt = generate_prompt(index, params, header["workload"].get("prompt_map"))
+    prompt_map = header["workload"].get("prompt_map")
+    length = prompt_length(index, params, prompt_map)
+    # The length is checked before the prompt is built: a bad parameter cannot allocate.
+    if length != row["prompt_len"] or length > max_model_len:
+        raise RecordingError(
+            f"{where}: request {row['req_id']}: the generator gives a {length}-token prompt "
+            f"where prompt_len={row['prompt_len']} (engine.max_model_len={max_model_len}); "
+            "the generator parameters disagree with the recording"
+        )
+    prompt = generate_prompt(index, params, prompt_map)
     digest = hashlib.sha256(",".join(map(str, prompt)).encode("ascii")).hexdigest()
     if digest != row["prompt_sha256"] or len(prompt) != row["prompt_len"]:
         raise RecordingError(
-            f"{path}: request {row['req_id']}: the rebuilt prompt ({len(prompt)} tokens) does "
+            f"{where}: request {row['req_id']}: the rebuilt prompt ({len(prompt)} tokens) does "
             "not match the recorded prompt_sha256; the generator parameters disagree"
         )
     sampler = row["sampler"]
@@ -150,7 +191,7 @@ def _build_request(
         req_id=row["req_id"],
         index=index,
         arrival_step=row["arrival_step"],
-        arrival_time=row["arrival_time"],
+        arrival_time=float(row["arrival_time"]),
         priority=row["priority"],
         prompt=tuple(prompt),
         max_tokens=row["max_tokens"],
@@ -179,6 +220,10 @@ def speculative_config(header: dict[str, Any]) -> SpeculativeConfig:
 
 def scheduler_config(header: dict[str, Any]) -> SchedulerConfig:
     engine = header["engine"]
+    if engine["policy"] not in [p.value for p in SchedulingPolicy]:
+        raise RecordingError(
+            f"engine.policy={engine['policy']!r}; use one of {[p.value for p in SchedulingPolicy]}"
+        )
     return SchedulerConfig(
         max_num_seqs=engine["max_num_seqs"],
         max_num_batched_tokens=engine["max_num_scheduled_tokens"],
@@ -203,7 +248,13 @@ def cache_layout(header: dict[str, Any]) -> CacheLayout:
                 SlidingWindowSpec(block_size=group["block_size"], window=group["sliding_window"])
             )
         elif group["kind"] == "MambaSpec":
-            mode = MambaCacheMode(group.get("mamba_cache_mode") or "align")
+            mode_name = group.get("mamba_cache_mode") or "align"
+            if mode_name not in [m.value for m in MambaCacheMode]:
+                raise RecordingError(
+                    f"cache.groups.mamba_cache_mode={mode_name!r}; use one of "
+                    f"{[m.value for m in MambaCacheMode]}"
+                )
+            mode = MambaCacheMode(mode_name)
             checkpoint = (group.get("num_prefill_checkpoint_blocks") or 0) > 0
             groups.append(
                 MambaSpec(

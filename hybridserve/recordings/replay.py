@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine.assembly import EngineConfig, EngineParts, build_engine
 from hybridserve.executor.fake import FakeExecutor
@@ -12,6 +13,7 @@ from hybridserve.kvcache import CacheLayout, KVCacheManager
 from hybridserve.recordings.recording import (
     RecordedRequest,
     Recording,
+    RecordingError,
     cache_layout,
     scheduler_config,
 )
@@ -85,7 +87,7 @@ class RecordedSampler:
 def recorded_engine(recording: Recording) -> EngineParts:
     """The baseline engine in the recording's configuration, over the recorder's fake model
     runner (its sampler when the recording speculates)."""
-    layout = cache_layout(recording.header)
+    layout, scheduler = _recorded_settings(recording)
     by_id = {r.req_id: r for r in recording.requests}
     sampler = recording.spec_sampler
     num_drafts = layout.speculative.num_speculative_tokens
@@ -97,10 +99,25 @@ def recorded_engine(recording: Recording) -> EngineParts:
 
     config = EngineConfig(
         layout=layout,
-        scheduler=scheduler_config(recording.header),
+        scheduler=scheduler,
         enable_caching=recording.header["engine"].get("enable_prefix_caching", True),
     )
     return build_engine(config, executor)
+
+
+def _recorded_settings(recording: Recording) -> tuple[CacheLayout, SchedulerConfig]:
+    """The header's cache layout and scheduler settings; a value they refuse is an error of
+    the recording, named with its file and line 1."""
+    try:
+        return cache_layout(recording.header), scheduler_config(recording.header)
+    except RecordingError as exc:
+        raise RecordingError(f"{recording.path}:1: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        detail = f"{exc.args[0]!r} is missing" if isinstance(exc, KeyError) else str(exc)
+        raise RecordingError(
+            f"{recording.path}:1: the header's engine and cache settings cannot build the "
+            f"recorded engine: {detail}"
+        ) from None
 
 
 def replay_recording(recording: Recording, *, check_invariants: bool = False) -> ReplayReport:

@@ -66,6 +66,20 @@ def check_endpoint(endpoint: str, *, flag: str = FLAG) -> str:
     return endpoint
 
 
+def check_kv_event_flags(endpoint: str | None, replay_endpoint: str | None) -> None:
+    """Check `--kv-events` and `--kv-events-replay` without binding anything (`serve` does it
+    before it loads a model). Raises ConfigError naming the flag."""
+    if endpoint is None:
+        if replay_endpoint is not None:
+            raise ConfigError(REPLAY_FLAG, replay_endpoint, "it needs --kv-events as well")
+        return
+    check_endpoint(endpoint)
+    if replay_endpoint is not None:
+        check_endpoint(replay_endpoint, flag=REPLAY_FLAG)
+        if replay_endpoint == endpoint:
+            raise ConfigError(REPLAY_FLAG, replay_endpoint, "use another port than --kv-events'")
+
+
 class ZmqEventPublisher:
     """Publishes KV events on a ZMQ PUB socket bound to `endpoint` (see the module docstring).
 
@@ -80,13 +94,7 @@ class ZmqEventPublisher:
         replay_endpoint: str | None = None,
         buffer_steps: int = BUFFER_STEPS,
     ) -> None:
-        check_endpoint(endpoint)
-        if replay_endpoint is not None:
-            check_endpoint(replay_endpoint, flag=REPLAY_FLAG)
-            if replay_endpoint == endpoint:
-                raise ConfigError(
-                    REPLAY_FLAG, replay_endpoint, "use another port than --kv-events'"
-                )
+        check_kv_event_flags(endpoint, replay_endpoint)
         if max_queue < 1:
             raise ConfigError("max_queue", max_queue, "use 1 or more events")
         if buffer_steps < 1:
@@ -235,9 +243,8 @@ def attach_kv_events(
     replay requests at `replay_endpoint` when given: bind now (a bad or busy endpoint fails
     before serving starts), attach to the cache, and close the publisher once the app's
     lifespan has stopped the engine. `app` is from `create_app`."""
+    check_kv_event_flags(endpoint, replay_endpoint)
     if endpoint is None:
-        if replay_endpoint is not None:
-            raise ConfigError(REPLAY_FLAG, replay_endpoint, "it needs --kv-events as well")
         return None
     publisher = ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint)
     state = app.state.hybridserve

@@ -651,11 +651,19 @@ def make_simulation(
         return fixed_simulation(
             arg, engine, duration_s=config.duration_s, seed=config.seed, on_step=on_step
         )
-    scale, limit = config.time_scale, config.limit
-    if kind == "mooncake" and arg:
-        arrivals = list(mooncake_arrivals(Path(arg), time_scale=scale, limit=limit))
-    elif kind == "azure" and arg:
-        arrivals = list(azure_arrivals(Path(arg), time_scale=scale, limit=limit))
+    # A trace prompt the engine would refuse is refused (and reported) before it is built.
+    rejected: list[tuple[str, int, str]] = []
+    loaders = {"mooncake": mooncake_arrivals, "azure": azure_arrivals}
+    if kind in loaders and arg:
+        arrivals = list(
+            loaders[kind](
+                Path(arg),
+                time_scale=config.time_scale,
+                limit=config.limit,
+                max_prompt_tokens=engine.scheduler.config.max_model_len,
+                rejected=rejected,
+            )
+        )
     elif kind == "poisson":
         arrivals = list(poisson_arrivals(seed=config.seed, **_poisson_options(arg)))
     else:
@@ -665,7 +673,9 @@ def make_simulation(
             "use agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N,input=I,output=O "
             "or fixed:input=I,output=O,concurrency=C|rate=R[,requests=N]",
         )
-    return OpenLoopSimulation(engine, arrivals, on_step=on_step)
+    sim = OpenLoopSimulation(engine, arrivals, on_step=on_step)
+    sim.rejected.extend(rejected)
+    return sim
 
 
 def _poisson_options(text: str) -> dict[str, Any]:

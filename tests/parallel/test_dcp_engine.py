@@ -175,7 +175,7 @@ def test_generate_cli_gives_the_same_tokens_with_dcp_2(llama_path: Path, token_f
     from hybridserve.cli import app
 
     args = ["generate", "--model", str(llama_path), "--token-ids", str(token_file)]
-    args += ["--max-tokens", "5", "--block-size", "4", "--json"]
+    args += ["--max-tokens", "5", "--block-size", "4", "--json", "--device", "cpu"]
     runner = CliRunner()
     single = runner.invoke(app, args)
     assert single.exit_code == 0, single.output
@@ -187,7 +187,7 @@ def test_generate_cli_gives_the_same_tokens_with_dcp_2(llama_path: Path, token_f
 
 def test_generate_cli_joins_a_torchrun_group(llama_path: Path, token_file: Path):
     args = ["generate", "--model", str(llama_path), "--token-ids", str(token_file)]
-    args += ["--max-tokens", "5", "--block-size", "4", "--json"]
+    args += ["--max-tokens", "5", "--block-size", "4", "--json", "--device", "cpu"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launcher += ["--master-port", str(find_free_port()), "-m", "hybridserve.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -42,7 +42,7 @@ def test_generate_token_ids_json_matches_transformers(
         result = CliRunner().invoke(
             app,
             ["generate", "--model", str(folder), "--token-ids", str(source), "--max-tokens",
-             "6", "--json", *spec],
+             "6", "--json", "--device", "cpu", *spec],
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

@@ -99,6 +99,7 @@ def test_ctrl_c_during_sweep_writes_the_finished_trials_and_says_where(
     monkeypatch.chdir(tmp_path)
     code, text = _run(
         ["sweep", "--trials", "2", "--agents", "1", "--duration", "30", "--warmup", "0"]
+        + ["--workers", "1"]  # in this process: the patched trial runs here
     )
     assert code == 130 and "1 of 3 trials had finished; written to" in text
     [written] = (tmp_path / "runs").glob("sweep-interrupted-*.json")

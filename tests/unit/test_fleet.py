@@ -420,6 +420,7 @@ def test_bench_pd_disaggregates_every_configuration_and_refuses_bounds_with_a_fl
 
 def test_sweep_runs_every_trial_on_the_fleet() -> None:
     args = ["sweep", "--trials", "1", "--agents", "2", "--duration", "40", "--warmup", "5"]
+    args += ["--workers", "1"]
     result = runner.invoke(app, [*args, "--replicas", "2", "--router", "least-loaded", "--json"])
     assert result.exit_code == 0, result.output
     trials = json.loads(result.stdout.strip().splitlines()[-1])["trials"]

@@ -235,7 +235,8 @@ def test_sweep_draws_valid_settings_and_picks_the_best_under_the_slo(tmp_path) -
     assert best([trial(30, 200), trial(10, 150)], itl_slo_ms=100).controls == (("x", 10),)
     result = CliRunner().invoke(
         app,
-        ["sweep", "--trials", "2", "--agents", "2", "--duration", "30", "--warmup", "5", "--json"],
+        ["sweep", "--trials", "2", "--agents", "2", "--duration", "30", "--warmup", "5", "--json"]
+        + ["--workers", "1"],
     )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
