@@ -186,12 +186,15 @@ def test_chunked_scan_with_snapshots_equals_token_loop(length: int, start: str) 
     expected, expected_state, expected_saved = ssd_recurrent(
         x, dt, a, b, c, state, snapshots=counts
     )
-    out, final, saved = ssd_chunked(x, dt, a, b, c, state, snapshots=counts)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
-    assert len(saved) == len(counts)
-    for count, got, want in zip(counts, saved, expected_saved, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"state after {count}")
+    for chunk_size in (32, 64):  # the CPU and GPU sizes
+        out, final, saved = ssd_chunked(
+            x, dt, a, b, c, state, chunk_size=chunk_size, snapshots=counts
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+        assert len(saved) == len(counts)
+        for count, got, want in zip(counts, saved, expected_saved, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"state after {count}")
 
 
 def test_layer_snapshots_equal_states_of_a_token_by_token_run(

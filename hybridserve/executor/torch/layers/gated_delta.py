@@ -28,6 +28,7 @@ from hybridserve.executor.torch.layers.recurrence import (
     check_snapshots,
     decay_within_chunks,
     in_spans,
+    scan_chunk_size,
     snapshots_by_chunk,
     to_chunks,
 )
@@ -141,7 +142,7 @@ def _gated_delta_span(
     saved = []
     for n in range(num_chunks):
         u = values[n] - reads[n] @ state
-        out[n] = torch.baddbmm(q_decayed[n] @ state, attn[n], u)
+        torch.baddbmm(q_decayed[n] @ state, attn[n], u, out=out[n])
         offsets = wanted.get(n, [])
         states = [_state_after(state, k_heads[n], cum[n], u, j) for j in offsets]
         saved.extend(states)
@@ -216,7 +217,7 @@ class GatedDeltaNet(nn.Module):
         layer_index: int,
         *,
         fused_projections: bool = True,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
@@ -318,10 +319,13 @@ class GatedDeltaNet(nn.Module):
             )
         else:
             out, ssm, ssm_saved = gated_delta_rule_chunked(
-                q, k, v, g, beta, ssm, chunk_size=self.chunk_size, snapshots=snapshots
+                q, k, v, g, beta, ssm, chunk_size=self._chunk_size(q.device), snapshots=snapshots
             )
         saved = [{"conv": c, "ssm": s} for c, s in zip(conv_saved, ssm_saved, strict=True)]
         return out, {"conv": conv_state, "ssm": ssm}, saved
+
+    def _chunk_size(self, device: torch.device) -> int:
+        return self.chunk_size if self.chunk_size is not None else scan_chunk_size(device)
 
     def _finish(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = self.norm(out.to(z.dtype), z)

@@ -28,6 +28,7 @@ from hybridserve.executor.torch.layers.recurrence import (
     check_snapshots,
     decay_within_chunks,
     in_spans,
+    scan_chunk_size,
     snapshots_by_chunk,
     to_chunks,
 )
@@ -232,12 +233,14 @@ class Mamba2Mixer(nn.Module):
     """Parameter names follow the Bamba checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`,
     `D`, `norm.weight`, `out_proj`).
 
-    `scan_chunk_size` is the tokens per matmul of the chunked scan; the result does not depend
-    on it (the checkpoint's `mamba_chunk_size` suits GPU kernels; on CPU smaller chunks are
-    faster).
+    `scan_chunk_size` is the tokens per matmul of the chunked scan (None: by device, see
+    `scan_chunk_size()`); the result does not depend on it. The checkpoint's `mamba_chunk_size`
+    is the size its GPU kernels use; plain torch runs faster with smaller chunks.
     """
 
-    def __init__(self, dims: Mamba2Dims, layer_index: int, *, scan_chunk_size: int = 64) -> None:
+    def __init__(
+        self, dims: Mamba2Dims, layer_index: int, *, scan_chunk_size: int | None = None
+    ) -> None:
         super().__init__()
         self.dims = dims
         self.scan_chunk_size = scan_chunk_size
@@ -299,11 +302,15 @@ class Mamba2Mixer(nn.Module):
             y, ssm, ssm_saved = ssd_recurrent(xs, dt, a, b, c, ssm, snapshots=snapshots)
         else:
             y, ssm, ssm_saved = ssd_chunked(
-                xs, dt, a, b, c, ssm, chunk_size=self.scan_chunk_size, snapshots=snapshots
+                xs, dt, a, b, c, ssm, chunk_size=self._chunk_size(xs.device), snapshots=snapshots
             )
         y = y + xs * self.D.float()[:, None]
         saved = [{"conv": cs, "ssm": s} for cs, s in zip(conv_saved, ssm_saved, strict=True)]
         return y.reshape(n, -1), {"conv": conv_state, "ssm": ssm}, saved
+
+    def _chunk_size(self, device: torch.device) -> int:
+        size = self.scan_chunk_size
+        return size if size is not None else scan_chunk_size(device)
 
     def _finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.norm(y.to(z.dtype), z))

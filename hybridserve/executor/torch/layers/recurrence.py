@@ -79,6 +79,13 @@ def snapshots_by_chunk(snapshots: tuple[int, ...], chunk_size: int) -> dict[int,
     return out
 
 
+def scan_chunk_size(device: torch.device) -> int:
+    """Tokens per chunk of the chunked scans in plain torch: 64 on GPUs (the size the field's
+    kernels use), 32 on CPU (measured faster there for both layers at real layer shapes: the
+    within-chunk C x C work halves, the per-token state work stays)."""
+    return 64 if device.type == "cuda" else 32
+
+
 # Chunks whose within-chunk terms are computed together: long prefills run in spans of this
 # many chunks, so the [chunks, heads, C, C] temporaries stay bounded (and in cache on CPU).
 SPAN_CHUNKS = 16
