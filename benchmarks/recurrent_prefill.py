@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -184,7 +185,11 @@ def main() -> None:
         ),
         "mamba2": (mamba2_inputs, (ssd_chunked, ssd_recurrent), frozenset({0, 1, 3, 4})),
     }
-    result: dict[str, Any] = {"threads": torch.get_num_threads()}
+    result: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_1min": round(os.getloadavg()[0], 2),  # other processes' load, at the start
+    }
     for name, (make, pair, per_token) in kernels.items():
         result[name] = compare(make, pair, per_token, args)
         if args.threshold:

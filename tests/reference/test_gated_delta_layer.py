@@ -218,6 +218,10 @@ def test_layer_snapshots_equal_states_of_a_token_by_token_run(
         for name in ("conv", "ssm"):
             torch.testing.assert_close(snapshot[name], by_token[count][name], atol=1e-5, rtol=0)
     torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)
+    with torch.no_grad():  # a chunk short enough for the token loop (decode with two drafts)
+        _, _, short = ours.forward_sequence(x[:3], ours.zero_state(), snapshots=(1, 2, 3))
+    for count, snapshot in zip((1, 2, 3), short, strict=True):
+        torch.testing.assert_close(snapshot["ssm"], by_token[count]["ssm"], atol=1e-5, rtol=0)
 
 
 def test_snapshot_outside_the_chunk_is_refused(

@@ -21,7 +21,7 @@ from torch import nn
 from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
-    LOOP_MAX_TOKENS,
+    GATED_DELTA_LOOP_MAX_TOKENS,
     SPAN_CHUNKS,
     State,
     causal_conv1d,
@@ -313,7 +313,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         ssm = state["ssm"].float()
-        if n <= LOOP_MAX_TOKENS:
+        if n <= GATED_DELTA_LOOP_MAX_TOKENS:
             out, ssm, ssm_saved = gated_delta_rule_recurrent(
                 q, k, v, g, beta, ssm, snapshots=snapshots
             )

@@ -21,7 +21,7 @@ from torch import nn
 from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
-    LOOP_MAX_TOKENS,
+    MAMBA2_LOOP_MAX_TOKENS,
     SPAN_CHUNKS,
     State,
     causal_conv1d,
@@ -298,7 +298,7 @@ class Mamba2Mixer(nn.Module):
         dt = dt.clamp(min=d.time_step_limit[0], max=d.time_step_limit[1])
         a = -torch.exp(self.A_log.float())
         ssm = state["ssm"].float()
-        if n <= LOOP_MAX_TOKENS:
+        if n <= MAMBA2_LOOP_MAX_TOKENS:
             y, ssm, ssm_saved = ssd_recurrent(xs, dt, a, b, c, ssm, snapshots=snapshots)
         else:
             y, ssm, ssm_saved = ssd_chunked(

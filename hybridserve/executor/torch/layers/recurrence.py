@@ -14,11 +14,13 @@ import torch.nn.functional as F
 
 State = dict[str, torch.Tensor]
 
-# Chunks of at most this many tokens (decode) run the token loop; longer ones the chunked scan.
-# At Qwen3-Next's and Nemotron-H's layer shapes on CPU (one thread) the chunked scan is already
-# as fast at 1 token and 2x (gated delta) to 5x (Mamba2) faster from 2 tokens on
-# (`benchmarks/recurrent_prefill.py --threshold` times both at lengths 1..16).
-LOOP_MAX_TOKENS = 1
+# Chunks of at most this many tokens run the token loop, longer ones the chunked scan: where the
+# loop was faster at real layer shapes on CPU, one thread (`benchmarks/recurrent_prefill.py
+# --threshold` times both at lengths 1..16). The gated delta rule's loop wins up to 3 tokens
+# (decode and short drafts; 0.46 against 0.86 ms at 1 token, 1.65 against 1.06 ms at 4 tokens
+# at Qwen3-Next's shape); Mamba2's chunked scan is already faster at 1 token at Nemotron-H's.
+GATED_DELTA_LOOP_MAX_TOKENS = 3
+MAMBA2_LOOP_MAX_TOKENS = 1
 
 
 def check_snapshots(snapshots: tuple[int, ...], num_tokens: int) -> None:
