@@ -143,6 +143,7 @@ def compare(
         "loop_tokens_per_cpu_s": round(loop_tokens / loop_cpu, 1),
         "speedup_vs_loop_cpu": round(args.tokens / chunk_cpu / (loop_tokens / loop_cpu), 2),
         "max_abs_diff": max_diff,
+        "max_abs_output": round(float(loop_out.abs().max()), 3),  # the scale max_abs_diff is on
     }
 
 
