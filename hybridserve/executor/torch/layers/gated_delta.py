@@ -137,17 +137,21 @@ def _gated_delta_span(
     attn = by_value_head((qc @ kc.transpose(-1, -2))[:, :, None] * decay)
     q_decayed = by_value_head(qc[:, :, None] * by_key_head(cum.exp())[..., None])
     k_heads = by_value_head(kc[:, :, None].expand(-1, -1, ratio, -1, -1))
+    # The carry to the next chunk: S <- e^{c_C} S + (k e^{c_C - c})^T u.
+    k_to_end = (k_heads * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
     wanted = snapshots_by_chunk(snapshots, size)
     out = torch.empty_like(vc)
     saved = []
     for n in range(num_chunks):
-        u = values[n] - reads[n] @ state
+        u = torch.baddbmm(values[n], reads[n], state, alpha=-1)
         torch.baddbmm(q_decayed[n] @ state, attn[n], u, out=out[n])
         offsets = wanted.get(n, [])
-        states = [_state_after(state, k_heads[n], cum[n], u, j) for j in offsets]
-        saved.extend(states)
-        full = offsets and offsets[-1] == size
-        state = states[-1] if full else _state_after(state, k_heads[n], cum[n], u, size)
+        inside = [j for j in offsets if j < size]
+        saved.extend(_state_after(state, k_heads[n], cum[n], u, j) for j in inside)
+        state = torch.baddbmm(state * chunk_decay[n], k_to_end[n], u)
+        if len(inside) < len(offsets):
+            saved.append(state)
     return out.transpose(1, 2).reshape(-1, num_heads, dim_v)[:length], state, saved
 
 
