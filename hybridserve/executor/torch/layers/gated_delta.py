@@ -142,7 +142,7 @@ def _gated_delta_span(
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
     wanted = snapshots_by_chunk(snapshots, size)
     out = torch.empty_like(vc)
-    saved = []
+    saved: list[torch.Tensor] = []
     for n in range(num_chunks):
         u = torch.baddbmm(values[n], reads[n], state, alpha=-1)
         torch.baddbmm(q_decayed[n] @ state, attn[n], u, out=out[n])
