@@ -148,7 +148,85 @@ def test_chunked_rule_equals_token_by_token_rule(chunk_size: int) -> None:
     v, state = rand(length, heads, dv), rand(heads, dk, dv)
     g = -torch.rand(length, heads, generator=generator)
     beta = torch.rand(length, heads, generator=generator)
-    expected, expected_state = gated_delta_rule_recurrent(q, k, v, g, beta, state)
-    out, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size)
+    expected, expected_state, _ = gated_delta_rule_recurrent(q, k, v, g, beta, state)
+    out, final, _ = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+
+
+def random_rule_inputs(
+    length: int, *, key_heads: int, value_heads: int, seed: int = 5
+) -> tuple[torch.Tensor, ...]:
+    """q, k (per key head), v, g, beta and a starting state shaped as the layer makes them."""
+    generator = torch.Generator().manual_seed(seed)
+    dk, dv = 8, 6
+    q = torch.nn.functional.normalize(
+        torch.randn(length, key_heads, dk, generator=generator), dim=-1
+    )
+    k = torch.nn.functional.normalize(
+        torch.randn(length, key_heads, dk, generator=generator), dim=-1
+    )
+    v = torch.randn(length, value_heads, dv, generator=generator)
+    g = -torch.rand(length, value_heads, generator=generator) * 0.3
+    beta = torch.rand(length, value_heads, generator=generator)
+    state = torch.randn(value_heads, dk, dv, generator=generator)
+    return q * dk**-0.5, k, v, g, beta, state
+
+
+def snapshot_counts(length: int) -> tuple[int, ...]:
+    """Counts inside chunks, at a chunk's end, just past it and at the end (as the cache asks)."""
+    return tuple(
+        sorted({n for n in (1, 5, 63, 64, 65, length // 2, length - 1, length) if 0 < n <= length})
+    )
+
+
+@pytest.mark.parametrize("length", [1, 7, 64, 544, 4096])
+@pytest.mark.parametrize("start", ["zero", "carried"])
+def test_chunked_rule_with_snapshots_equals_token_loop(length: int, start: str) -> None:
+    heads = (1, 2) if length == 4096 else (2, 4)
+    q, k, v, g, beta, state = random_rule_inputs(length, key_heads=heads[0], value_heads=heads[1])
+    if start == "zero":
+        state = torch.zeros_like(state)
+    counts = snapshot_counts(length)
+    expected, expected_state, expected_saved = gated_delta_rule_recurrent(
+        q, k, v, g, beta, state, snapshots=counts
+    )
+    for chunk_size in (32, 64):  # the CPU and GPU sizes
+        out, final, saved = gated_delta_rule_chunked(
+            q, k, v, g, beta, state, chunk_size=chunk_size, snapshots=counts
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+        assert len(saved) == len(counts)
+        for count, got, want in zip(counts, saved, expected_saved, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"state after {count}")
+
+
+def test_layer_snapshots_equal_states_of_a_token_by_token_run(
+    layers: tuple[torch.nn.Module, GatedDeltaNet],
+) -> None:
+    _, ours = layers
+    x = inputs(length=70)
+    counts = (3, 31, 64, 65, 70)
+    with torch.no_grad():
+        _, final, saved = ours.forward_sequence(x, ours.zero_state(), snapshots=counts)
+        state, by_token = ours.zero_state(), {}
+        for t in range(x.shape[0]):
+            _, state, _ = ours.forward_sequence(x[t : t + 1], state)
+            by_token[t + 1] = state
+    for count, snapshot in zip(counts, saved, strict=True):
+        for name in ("conv", "ssm"):
+            torch.testing.assert_close(snapshot[name], by_token[count][name], atol=1e-5, rtol=0)
+    torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)
+    with torch.no_grad():  # a chunk short enough for the token loop (decode with two drafts)
+        _, _, short = ours.forward_sequence(x[:3], ours.zero_state(), snapshots=(1, 2, 3))
+    for count, snapshot in zip((1, 2, 3), short, strict=True):
+        torch.testing.assert_close(snapshot["ssm"], by_token[count]["ssm"], atol=1e-5, rtol=0)
+
+
+def test_snapshot_outside_the_chunk_is_refused(
+    layers: tuple[torch.nn.Module, GatedDeltaNet],
+) -> None:
+    _, ours = layers
+    with pytest.raises(ValueError, match="snapshots=\\(4, 11\\)"):
+        ours.forward_sequence(inputs(length=10), ours.zero_state(), snapshots=(4, 11))

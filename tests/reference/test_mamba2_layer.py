@@ -147,7 +147,69 @@ def test_chunked_scan_equals_token_by_token_scan(chunk_size: int) -> None:
     dt = torch.rand(length, heads, generator=generator)
     a = -torch.rand(heads, generator=generator) - 0.1
     state = rand(heads, head_dim, state_size)
-    expected, expected_state = ssd_recurrent(x, dt, a, b, c, state)
-    out, final = ssd_chunked(x, dt, a, b, c, state, chunk_size)
+    expected, expected_state, _ = ssd_recurrent(x, dt, a, b, c, state)
+    out, final, _ = ssd_chunked(x, dt, a, b, c, state, chunk_size=chunk_size)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+
+
+def random_scan_inputs(
+    length: int, *, heads: int, groups: int, seed: int = 5
+) -> tuple[torch.Tensor, ...]:
+    """x, dt, a, b, c (per group) and a starting state shaped as the mixer makes them."""
+    generator = torch.Generator().manual_seed(seed)
+    head_dim, state_size = 4, 6
+    x = torch.randn(length, heads, head_dim, generator=generator)
+    dt = torch.rand(length, heads, generator=generator) * 0.2
+    a = -torch.rand(heads, generator=generator) - 0.1
+    b = torch.randn(length, groups, state_size, generator=generator) * 0.5
+    c = torch.randn(length, groups, state_size, generator=generator) * 0.5
+    state = torch.randn(heads, head_dim, state_size, generator=generator)
+    return x, dt, a, b, c, state
+
+
+def snapshot_counts(length: int) -> tuple[int, ...]:
+    """Counts inside chunks, at a chunk's end, just past it and at the end (as the cache asks)."""
+    return tuple(
+        sorted({n for n in (1, 5, 63, 64, 65, length // 2, length - 1, length) if 0 < n <= length})
+    )
+
+
+@pytest.mark.parametrize("length", [1, 7, 64, 544, 4096])
+@pytest.mark.parametrize("start", ["zero", "carried"])
+def test_chunked_scan_with_snapshots_equals_token_loop(length: int, start: str) -> None:
+    heads, groups = (2, 1) if length == 4096 else (4, 2)
+    x, dt, a, b, c, state = random_scan_inputs(length, heads=heads, groups=groups)
+    if start == "zero":
+        state = torch.zeros_like(state)
+    counts = snapshot_counts(length)
+    expected, expected_state, expected_saved = ssd_recurrent(
+        x, dt, a, b, c, state, snapshots=counts
+    )
+    for chunk_size in (32, 64):  # the CPU and GPU sizes
+        out, final, saved = ssd_chunked(
+            x, dt, a, b, c, state, chunk_size=chunk_size, snapshots=counts
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+        assert len(saved) == len(counts)
+        for count, got, want in zip(counts, saved, expected_saved, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"state after {count}")
+
+
+def test_layer_snapshots_equal_states_of_a_token_by_token_run(
+    layers: tuple[torch.nn.Module, Mamba2Mixer],
+) -> None:
+    _, ours = layers
+    x = inputs(length=70)
+    counts = (3, 31, 64, 65, 70)
+    with torch.no_grad():
+        _, final, saved = ours.forward_sequence(x, ours.zero_state(), snapshots=counts)
+        state, by_token = ours.zero_state(), {}
+        for t in range(x.shape[0]):
+            _, state, _ = ours.forward_sequence(x[t : t + 1], state)
+            by_token[t + 1] = state
+    for count, snapshot in zip(counts, saved, strict=True):
+        for name in ("conv", "ssm"):
+            torch.testing.assert_close(snapshot[name], by_token[count][name], atol=1e-5, rtol=0)
+    torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)

@@ -184,6 +184,23 @@ def _padded_tables(spans: Sequence[ChunkSpan]) -> torch.Tensor:
     )
 
 
+def window_pieces(spans: Sequence[ChunkSpan], window: int) -> list[ChunkSpan]:
+    """Each chunk split into pieces of at most `window` queries (in row order). A piece's
+    queries see only the `window` positions up to each, so a piece attends over at most
+    2 * window - 1 keys: a long prefill computes O(tokens * window) scores, not O(tokens^2)
+    (the whole chunk would attend every query over its window plus all the chunk's tokens).
+    The new tokens' K/V are all written before any piece gathers, so a piece sees the earlier
+    pieces' tokens."""
+    pieces = []
+    for span in spans:
+        for offset in range(0, span.num_tokens, window):
+            count = min(window, span.num_tokens - offset)
+            pieces.append(
+                ChunkSpan(span.row_start + offset, count, span.start + offset, span.table)
+            )
+    return pieces
+
+
 def build_attention_meta(
     spans: Sequence[ChunkSpan],
     *,
@@ -195,7 +212,10 @@ def build_attention_meta(
     """Gather indices and attention calls for the chunks of one group (`window=None`: full
     attention). Built with vectorised index ops: the cost grows with the tokens, not with a
     Python loop over them. With `share_prefixes`, chunks of full attention that begin with
-    the same blocks attend to them in one `PrefixCall`."""
+    the same blocks attend to them in one `PrefixCall`. Under a window, chunks longer than it
+    attend in pieces of `window` queries, each gathering only its own window."""
+    if window is not None:
+        spans = window_pieces(spans, window)
     tables = _padded_tables(spans)  # [N, W]
     starts = torch.tensor([s.start for s in spans], dtype=torch.long)
     counts = torch.tensor([s.num_tokens for s in spans], dtype=torch.long)

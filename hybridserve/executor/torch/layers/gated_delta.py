@@ -12,7 +12,6 @@ Per token t and value head (q and k L2-normalised, q scaled by head_k_dim ** -0.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,32 +20,21 @@ from torch import nn
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mlp import activation
+from hybridserve.executor.torch.layers.recurrence import (
+    GATED_DELTA_LOOP_MAX_TOKENS,
+    SPAN_CHUNKS,
+    State,
+    causal_conv1d,
+    check_snapshots,
+    decay_within_chunks,
+    in_spans,
+    scan_chunk_size,
+    snapshots_by_chunk,
+    to_chunks,
+)
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.forward import ForwardContext
-
-State = dict[str, torch.Tensor]
-
-
-def causal_conv1d(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution of `x` `[L, C]` continuing from `conv_state` `[C, K - 1]`
-    (the K - 1 inputs before x). Returns the output `[L, C]` (no activation) and the new state.
-    `weight` is `[C, K]`."""
-    num_channels, kernel = weight.shape
-    window = torch.cat([conv_state.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + L]
-    out = F.conv1d(window[None], weight[:, None, :].to(x.dtype), bias, groups=num_channels)[0]
-    return out.t(), window[:, window.shape[1] - (kernel - 1) :].clone()
-
-
-def segments(num_tokens: int, snapshots: tuple[int, ...]) -> Iterator[tuple[int, int]]:
-    """The [start, end) pieces of a chunk split at the snapshot counts (empty pieces dropped)."""
-    start = 0
-    for count in (*snapshots, num_tokens):
-        if count > start:
-            yield start, count
-            start = count
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -60,17 +48,25 @@ def gated_delta_rule_recurrent(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token by token. q, k `[L, H, Dk]` (normalised and scaled), v `[L, H, Dv]`, g and beta
-    `[L, H]`, state `[H, Dk, Dv]`; returns outputs `[L, H, Dv]` and the final state."""
-    outputs = []
+    *,
+    snapshots: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Token by token. q, k `[L, Hk, Dk]` (normalised and scaled; each key head serves Hv / Hk
+    value heads), v `[L, Hv, Dv]`, g and beta `[L, Hv]`, state `[Hv, Dk, Dv]`; returns outputs
+    `[L, Hv, Dv]`, the final state and the states after each count in `snapshots`."""
+    ratio = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    outputs, saved = [], []
+    wanted = set(snapshots)
     for t in range(q.shape[0]):
         state = state * g[t].exp()[:, None, None]
         predicted = torch.einsum("hk,hkv->hv", k[t], state)
         delta = (v[t] - predicted) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
         outputs.append(torch.einsum("hk,hkv->hv", q[t], state))
-    return torch.stack(outputs), state
+        if t + 1 in wanted:
+            saved.append(state)
+    return torch.stack(outputs), state, saved
 
 
 def gated_delta_rule_chunked(
@@ -80,46 +76,119 @@ def gated_delta_rule_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same result as `gated_delta_rule_recurrent`, `chunk_size` tokens per matmul.
+    *,
+    chunk_size: int = 64,
+    snapshots: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The same result as `gated_delta_rule_recurrent`, `chunk_size` tokens per matmul: the
+    chunkwise gated delta rule (Yang, Kautz and Hatamizadeh, "Gated Delta Networks", 2024) in
+    its WY / UT-transform form.
 
     Inside a chunk with cumulative log decay c_t, the written values u_t solve the unit lower
     triangular system u_t + beta_t sum_{s<t} e^{c_t - c_s} (k_t.k_s) u_s = beta_t (v_t - e^{c_t}
-    k_t^T S0); then o_t = e^{c_t} q_t^T S0 + sum_{s<=t} e^{c_t - c_s} (q_t.k_s) u_s and
-    S = e^{c_C} S0 + sum_s e^{c_C - c_s} k_s u_s^T.
+    k_t^T S0), so u = T beta V - (T beta e^c K) S0 with T = (I + tril(diag(beta) K K^T * decay,
+    -1))^-1 (the UT transform); then o_t = e^{c_t} q_t^T S0 + sum_{s<=t} e^{c_t - c_s} (q_t.k_s)
+    u_s and the state after j tokens is e^{c_j} S0 + sum_{s<=j} e^{c_j - c_s} k_s u_s^T (j = C
+    carries to the next chunk; other j are the snapshots). Everything but the carry across
+    chunks is batched over all chunks; q.k and k.k are computed once per key head.
     """
-    length = q.shape[0]
-    pad = (-length) % chunk_size
-    # Padding with k = 0, beta = 0 and g = 0 leaves the state unchanged after the last token.
-    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
-    num_chunks = q.shape[0] // chunk_size
+    size = max(1, min(chunk_size, v.shape[0]))
 
-    def per_chunk(x: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, N, C, ...]
-        return x.reshape(num_chunks, chunk_size, *x.shape[1:]).movedim(2, 0)
+    def scan(
+        tokens: slice, start: torch.Tensor, local: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        return _gated_delta_span(
+            q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], start, size, local
+        )
 
-    qc, kc, vc, gc, bc = (per_chunk(x) for x in (q, k, v, g, beta))
-    cum = gc.cumsum(dim=-1)  # [H, N, C]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    kk = (kc @ kc.transpose(-1, -2)) * decay * bc[..., :, None]
-    system = kk.tril(-1) + torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    rhs_v = vc * bc[..., None]
-    rhs_s = kc * (bc * cum.exp())[..., None]
-    values = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
-    reads = torch.linalg.solve_triangular(system, rhs_s, upper=False, unitriangular=True)
-    attn = (qc @ kc.transpose(-1, -2)) * decay
-    q_decayed = qc * cum.exp()[..., None]
-    k_to_end = kc * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()  # [H, N]
-    outputs = []
+    return in_spans(scan, v.shape[0], state, span=size * SPAN_CHUNKS, snapshots=snapshots)
+
+
+def _gated_delta_span(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    size: int,
+    snapshots: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`gated_delta_rule_chunked` over one span of whole chunks of `size` tokens."""
+    length, num_heads, dim_v = v.shape
+    # Zero padding (k = 0, beta = 0, g = 0) leaves the state unchanged after the last token.
+    qc, kc, vc, gc, bc = to_chunks((q, k, v, g, beta), size)  # q, k: [N, Hk, C, Dk]
+    num_chunks, num_key_heads = kc.shape[:2]
+    ratio = num_heads // num_key_heads
+
+    def by_key_head(x: torch.Tensor) -> torch.Tensor:  # [N, Hv, ...] -> [N, Hk, Hv / Hk, ...]
+        return x.view(num_chunks, num_key_heads, ratio, *x.shape[2:])
+
+    def by_value_head(x: torch.Tensor) -> torch.Tensor:  # [N, Hk, Hv / Hk, ...] -> [N, Hv, ...]
+        return x.reshape(num_chunks, num_heads, *x.shape[3:])
+
+    cum = gc.cumsum(dim=-1)  # [N, Hv, C]
+    decay = by_key_head(decay_within_chunks(cum))
+    kk = (kc @ kc.transpose(-1, -2))[:, :, None] * decay * by_key_head(bc)[..., :, None]
+    transform = unit_lower_inverse(by_value_head(kk).tril(-1))
+    values = transform @ (vc * bc[..., None])
+    k_scaled = kc[:, :, None] * by_key_head(bc * cum.exp())[..., None]
+    reads = transform @ by_value_head(k_scaled)
+    attn = by_value_head((qc @ kc.transpose(-1, -2))[:, :, None] * decay)
+    q_decayed = by_value_head(qc[:, :, None] * by_key_head(cum.exp())[..., None])
+    k_heads = by_value_head(kc[:, :, None].expand(-1, -1, ratio, -1, -1))
+    # The carry to the next chunk: S <- e^{c_C} S + (k e^{c_C - c})^T u.
+    k_to_end = (k_heads * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
+    wanted = snapshots_by_chunk(snapshots, size)
+    out = torch.empty_like(vc)
+    saved: list[torch.Tensor] = []
     for n in range(num_chunks):
-        u = values[:, n] - reads[:, n] @ state
-        outputs.append(q_decayed[:, n] @ state + attn[:, n] @ u)
-        state = state * chunk_decay[:, n, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
-    out = torch.cat(outputs, dim=1).transpose(0, 1)  # [L + pad, H, Dv]
-    return out[:length], state
+        u = torch.baddbmm(values[n], reads[n], state, alpha=-1)
+        torch.baddbmm(q_decayed[n] @ state, attn[n], u, out=out[n])
+        offsets = wanted.get(n, [])
+        inside = [j for j in offsets if j < size]
+        saved.extend(_state_after(state, k_heads[n], cum[n], u, j) for j in inside)
+        state = torch.baddbmm(state * chunk_decay[n], k_to_end[n], u)
+        if len(inside) < len(offsets):
+            saved.append(state)
+    return out.transpose(1, 2).reshape(-1, num_heads, dim_v)[:length], state, saved
+
+
+def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower triangular A `[..., C, C]` by doubling: with T the inverse
+    of each diagonal block of size s, the inverse of a block of size 2s has T11, T22 on its
+    diagonal and -T22 A21 T11 below (log2 C batched matmul levels; C a power of two or not)."""
+    size = lower.shape[-1]
+    padded = 1 << (size - 1).bit_length()
+    a = F.pad(lower, (0, padded - size, 0, padded - size))
+    lead = a.shape[:-2]
+    t = torch.eye(padded, dtype=a.dtype, device=a.device).expand_as(a).contiguous()
+    s = 1
+    while s < padded:
+        blocks = padded // s
+        t_blocks = t.view(*lead, blocks, s, blocks, s)
+        a_blocks = a.view(*lead, blocks, s, blocks, s)
+
+        def diagonal(x: torch.Tensor, offset: int) -> torch.Tensor:  # [..., pairs, s, s]
+            return torch.diagonal(x, offset=-offset, dim1=-4, dim2=-2).movedim(-1, -3)
+
+        t_diag, below = diagonal(t_blocks, 0), diagonal(t_blocks, 1)[..., 0::2, :, :]
+        a_below = diagonal(a_blocks, 1)[..., 0::2, :, :]
+        below.copy_(-(t_diag[..., 1::2, :, :] @ a_below @ t_diag[..., 0::2, :, :]))
+        s *= 2
+    return t[..., :size, :size]
+
+
+def _state_after(
+    state: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, u: torch.Tensor, j: int
+) -> torch.Tensor:
+    """The delta-rule state after the first j tokens of a chunk that started from `state`:
+    e^{c_j} S0 + sum_{s<=j} e^{c_j - c_s} k_s u_s^T; k `[H, C, Dk]`, cum `[H, C]`, u `[H, C, Dv]`.
+    """
+    end = cum[:, j - 1 : j]
+    k_to_j = k[:, :j] * (end - cum[:, :j]).exp()[..., None]
+    return torch.baddbmm(state * end.exp()[..., None], k_to_j.transpose(-1, -2), u[:, :j])
 
 
 class GatedRMSNorm(nn.Module):
@@ -152,7 +221,7 @@ class GatedDeltaNet(nn.Module):
         layer_index: int,
         *,
         fused_projections: bool = True,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
@@ -223,27 +292,44 @@ class GatedDeltaNet(nn.Module):
         return mixed, z, b.reshape(n, self.num_v_heads), a.reshape(n, self.num_v_heads)
 
     def _mix(
-        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: State
-    ) -> tuple[torch.Tensor, State]:
-        """Conv and delta rule over one segment of one request: `[L, Hv, Dv]` and the new state."""
+        self,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: State,
+        snapshots: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, State, list[State]]:
+        """Conv and delta rule over one request's chunk: `[L, Hv, Dv]`, the new state and the
+        states after each count in `snapshots`."""
         n = mixed.shape[0]
-        conv_out, conv_state = causal_conv1d(mixed, state["conv"], self.conv1d.weight[:, 0], None)
+        check_snapshots(snapshots, n)
+        weight = self.conv1d.weight[:, 0]
+        conv_out, conv_state, conv_saved = causal_conv1d(
+            mixed, state["conv"], weight, None, snapshots
+        )
         conv_out = self.act(conv_out)
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        ratio = self.num_v_heads // self.num_k_heads
         q = q.float().reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.float().reshape(n, self.num_k_heads, self.head_k_dim)
-        q = l2_normalize(q).repeat_interleave(ratio, dim=1) * self.head_k_dim**-0.5
-        k = l2_normalize(k).repeat_interleave(ratio, dim=1)
+        q = l2_normalize(q) * self.head_k_dim**-0.5
+        k = l2_normalize(k)
         v = v.float().reshape(n, self.num_v_heads, self.head_v_dim)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         ssm = state["ssm"].float()
-        if n == 1:
-            out, ssm = gated_delta_rule_recurrent(q, k, v, g, beta, ssm)
+        if n <= GATED_DELTA_LOOP_MAX_TOKENS:
+            out, ssm, ssm_saved = gated_delta_rule_recurrent(
+                q, k, v, g, beta, ssm, snapshots=snapshots
+            )
         else:
-            out, ssm = gated_delta_rule_chunked(q, k, v, g, beta, ssm, self.chunk_size)
-        return out, {"conv": conv_state, "ssm": ssm}
+            out, ssm, ssm_saved = gated_delta_rule_chunked(
+                q, k, v, g, beta, ssm, chunk_size=self._chunk_size(q.device), snapshots=snapshots
+            )
+        saved = [{"conv": c, "ssm": s} for c, s in zip(conv_saved, ssm_saved, strict=True)]
+        return out, {"conv": conv_state, "ssm": ssm}, saved
+
+    def _chunk_size(self, device: torch.device) -> int:
+        return self.chunk_size if self.chunk_size is not None else scan_chunk_size(device)
 
     def _finish(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = self.norm(out.to(z.dtype), z)
@@ -255,13 +341,8 @@ class GatedDeltaNet(nn.Module):
         """One request's tokens `[L, hidden]` from `state`: the output, the final state and the
         states after each count in `snapshots`."""
         mixed, z, b, a = self._project(x)
-        outs, saved = [], []
-        for start, end in segments(x.shape[0], snapshots):
-            out, state = self._mix(mixed[start:end], b[start:end], a[start:end], state)
-            outs.append(out)
-            if end in snapshots:
-                saved.append(state)
-        return self._finish(torch.cat(outs), z), state, saved
+        out, state, saved = self._mix(mixed, b, a, state, snapshots)
+        return self._finish(out, z), state, saved
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The flat batch `[T, hidden]`; each request's chunk continues from its loaded state
@@ -270,11 +351,8 @@ class GatedDeltaNet(nn.Module):
         out = x.new_empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
         for chunk in ctx.state_chunks(self.layer_index):
             state = ctx.load_state(self.layer_index, chunk)
-            base = chunk.rows.start
-            num_tokens = chunk.rows.stop - base
-            for start, end in segments(num_tokens, chunk.snapshots):
-                rows = slice(base + start, base + end)
-                out[rows], state = self._mix(mixed[rows], b[rows], a[rows], state)
-                if end in chunk.snapshots:
-                    ctx.save_state(self.layer_index, chunk, end, state)
+            rows = chunk.rows
+            out[rows], _, saved = self._mix(mixed[rows], b[rows], a[rows], state, chunk.snapshots)
+            for count, snapshot in zip(chunk.snapshots, saved, strict=True):
+                ctx.save_state(self.layer_index, chunk, count, snapshot)
         return self._finish(out, z)

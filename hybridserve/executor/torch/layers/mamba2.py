@@ -19,8 +19,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.executor.torch.layers.gated_delta import State, causal_conv1d, segments
 from hybridserve.executor.torch.layers.mlp import activation
+from hybridserve.executor.torch.layers.recurrence import (
+    MAMBA2_LOOP_MAX_TOKENS,
+    SPAN_CHUNKS,
+    State,
+    causal_conv1d,
+    check_snapshots,
+    decay_within_chunks,
+    in_spans,
+    scan_chunk_size,
+    snapshots_by_chunk,
+    to_chunks,
+)
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.forward import ForwardContext
@@ -101,15 +112,23 @@ def ssd_recurrent(
     b: torch.Tensor,
     c: torch.Tensor,
     state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token by token. x `[L, H, P]`, dt `[L, H]` (discretised), a `[H]`, b and c `[L, H, N]`,
-    state `[H, P, N]`; returns y `[L, H, P]` (without the D skip) and the final state."""
-    outputs = []
+    *,
+    snapshots: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Token by token. x `[L, H, P]`, dt `[L, H]` (discretised), a `[H]`, b and c `[L, G, N]`
+    (G groups of H / G heads each), state `[H, P, N]`; returns y `[L, H, P]` (without the D
+    skip), the final state and the states after each count in `snapshots`."""
+    ratio = x.shape[1] // b.shape[1]
+    b, c = b.repeat_interleave(ratio, dim=1), c.repeat_interleave(ratio, dim=1)
+    outputs, saved = [], []
+    wanted = set(snapshots)
     for t in range(x.shape[0]):
         decay = torch.exp(dt[t] * a)[:, None, None]
         state = state * decay + (dt[t][:, None] * x[t])[:, :, None] * b[t][:, None, :]
         outputs.append(torch.einsum("hpn,hn->hp", state, c[t]))
-    return torch.stack(outputs), state
+        if t + 1 in wanted:
+            saved.append(state)
+    return torch.stack(outputs), state, saved
 
 
 def ssd_chunked(
@@ -119,40 +138,78 @@ def ssd_chunked(
     b: torch.Tensor,
     c: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same result as `ssd_recurrent`, `chunk_size` tokens per matmul (state space duality).
+    *,
+    chunk_size: int = 64,
+    snapshots: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The same result as `ssd_recurrent`, `chunk_size` tokens per matmul: the chunked scan of
+    state space duality (Dao and Gu, "Transformers are SSMs", 2024, the SSD algorithm).
 
     With cumulative log decay s_t = sum_{u<=t} dt_u a inside a chunk:
-    y_t = e^{s_t} S0 C_t + sum_{r<=t} e^{s_t - s_r} (C_t.B_r) dt_r x_r and
-    S = e^{s_C} S0 + sum_r e^{s_C - s_r} dt_r x_r B_r^T.
+    y_t = e^{s_t} S0 C_t + sum_{r<=t} e^{s_t - s_r} (C_t.B_r) dt_r x_r, and the state after j
+    tokens is e^{s_j} S0 + sum_{r<=j} e^{s_j - s_r} dt_r x_r B_r^T (j = C carries to the next
+    chunk; other j are the snapshots). C_t.B_r is computed once per group, not per head.
     """
-    length = x.shape[0]
-    pad = (-length) % chunk_size
-    # Padding with dt = 0 leaves the state unchanged after the last token.
-    x, b, c = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, b, c))
-    dt = F.pad(dt, (0, 0, 0, pad))
-    num_chunks = x.shape[0] // chunk_size
+    size = max(1, min(chunk_size, x.shape[0]))
 
-    def per_chunk(t: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, N, C, ...]
-        return t.reshape(num_chunks, chunk_size, *t.shape[1:]).movedim(2, 0)
+    def scan(
+        tokens: slice, start: torch.Tensor, local: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        return _ssd_span(x[tokens], dt[tokens], a, b[tokens], c[tokens], start, size, local)
 
-    xc, dtc, bc, cc = (per_chunk(t) for t in (x, dt, b, c))
-    cum = (dtc * a[:, None, None]).cumsum(dim=-1)  # [H, N, C]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    scores = (cc @ bc.transpose(-1, -2)) * decay  # [H, N, C, C]
-    xdt = xc * dtc[..., None]  # [H, N, C, P]
-    within = scores @ xdt
-    c_decayed = cc * cum.exp()[..., None]
-    x_to_end = xdt * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()  # [H, N]
-    outputs = []
+    return in_spans(scan, x.shape[0], state, span=size * SPAN_CHUNKS, snapshots=snapshots)
+
+
+def _ssd_span(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    size: int,
+    snapshots: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`ssd_chunked` over one span of whole chunks of `size` tokens."""
+    length, num_heads, head_dim = x.shape
+    groups, ratio = b.shape[1], num_heads // b.shape[1]
+    # Zero padding (dt = 0) leaves the state unchanged after the last token.
+    xc, dtc, bc, cc = to_chunks((x, dt, b, c), size)  # b, c: [N, G, C, state size]
+    num_chunks = xc.shape[0]
+    cum = (dtc * a[:, None]).cumsum(dim=-1)  # [N, H, C]
+    scores = (cc @ bc.transpose(-1, -2))[:, :, None]  # [N, G, 1, C, C]
+    weights = decay_within_chunks(cum).view(num_chunks, groups, ratio, size, size) * scores
+    xdt = xc * dtc[..., None]  # [N, H, C, P]
+    out = (weights.view(num_chunks, num_heads, size, size) @ xdt).view(
+        num_chunks, groups, ratio, size, head_dim
+    )
+    wanted = snapshots_by_chunk(snapshots, size)
+    saved = []
     for n in range(num_chunks):
-        outputs.append(within[:, n] + c_decayed[:, n] @ state.transpose(-1, -2))
-        state = state * chunk_decay[:, n, None, None] + x_to_end[:, n].transpose(-1, -2) @ bc[:, n]
-    out = torch.cat(outputs, dim=1).transpose(0, 1)  # [L + pad, H, P]
-    return out[:length], state
+        # C_t S_h^T for every head h of a group in one matmul: [C, N] @ [N, heads * P].
+        by_group = state.view(groups, ratio * head_dim, -1).transpose(-1, -2)
+        from_state = (cc[n] @ by_group).view(groups, size, ratio, head_dim).transpose(1, 2)
+        out[n] += from_state * cum[n].exp().view(groups, ratio, size, 1)
+        offsets = wanted.get(n, [])
+        states = [_state_after(state, xdt[n], bc[n], cum[n], j) for j in offsets]
+        saved.extend(states)
+        full = offsets and offsets[-1] == size
+        state = states[-1] if full else _state_after(state, xdt[n], bc[n], cum[n], size)
+    out_heads = out.view(num_chunks, num_heads, size, head_dim).transpose(1, 2)
+    return out_heads.reshape(-1, num_heads, head_dim)[:length], state, saved
+
+
+def _state_after(
+    state: torch.Tensor, xdt: torch.Tensor, b: torch.Tensor, cum: torch.Tensor, j: int
+) -> torch.Tensor:
+    """The SSM state after the first j tokens of a chunk that started from `state` `[H, P, N]`:
+    e^{s_j} S0 + sum_{r<=j} e^{s_j - s_r} dt_r x_r B_r^T; xdt `[H, C, P]`, b `[G, C, N]`,
+    cum `[H, C]`. The heads of a group share B: one [heads * P, j] @ [j, N] matmul per group."""
+    groups, num_heads, head_dim = b.shape[0], state.shape[0], state.shape[1]
+    end = cum[:, j - 1 : j]
+    x_to_j = (xdt[:, :j] * (end - cum[:, :j]).exp()[..., None]).transpose(-1, -2)  # [H, P, j]
+    written = x_to_j.reshape(groups, -1, j) @ b[:, :j]  # [G, heads * P, N]
+    return written.view(num_heads, head_dim, -1).add_(state * end.exp()[..., None])
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -174,11 +231,19 @@ class GroupedGatedRMSNorm(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     """Parameter names follow the Bamba checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`,
-    `D`, `norm.weight`, `out_proj`)."""
+    `D`, `norm.weight`, `out_proj`).
 
-    def __init__(self, dims: Mamba2Dims, layer_index: int) -> None:
+    `scan_chunk_size` is the tokens per matmul of the chunked scan (None: by device, see
+    `scan_chunk_size()`); the result does not depend on it. The checkpoint's `mamba_chunk_size`
+    is the size its GPU kernels use; plain torch runs faster with smaller chunks.
+    """
+
+    def __init__(
+        self, dims: Mamba2Dims, layer_index: int, *, scan_chunk_size: int | None = None
+    ) -> None:
         super().__init__()
         self.dims = dims
+        self.scan_chunk_size = scan_chunk_size
         self.layer_index = layer_index
         self.act = activation(dims.act)
         d = dims
@@ -214,30 +279,38 @@ class Mamba2Mixer(nn.Module):
         return z, xbc, dt
 
     def _mix(
-        self, xbc: torch.Tensor, dt_raw: torch.Tensor, state: State
-    ) -> tuple[torch.Tensor, State]:
-        """Conv and scan over one segment of one request: y `[L, inner]` and the new state."""
+        self, xbc: torch.Tensor, dt_raw: torch.Tensor, state: State, snapshots: tuple[int, ...]
+    ) -> tuple[torch.Tensor, State, list[State]]:
+        """Conv and scan over one request's chunk: y `[L, inner]`, the new state and the states
+        after each count in `snapshots`."""
         d, n = self.dims, xbc.shape[0]
-        conv_out, conv_state = causal_conv1d(
-            xbc, state["conv"], self.conv1d.weight[:, 0], self.conv1d.bias
+        check_snapshots(snapshots, n)
+        conv_out, conv_state, conv_saved = causal_conv1d(
+            xbc, state["conv"], self.conv1d.weight[:, 0], self.conv1d.bias, snapshots
         )
         conv_out = self.act(conv_out)
         group_dim = d.num_groups * d.state_size
         xs, b, c = conv_out.split([d.inner_size, group_dim, group_dim], dim=-1)
-        ratio = d.num_heads // d.num_groups
         xs = xs.float().reshape(n, d.num_heads, d.head_dim)
-        b = b.float().reshape(n, d.num_groups, d.state_size).repeat_interleave(ratio, dim=1)
-        c = c.float().reshape(n, d.num_groups, d.state_size).repeat_interleave(ratio, dim=1)
+        b = b.float().reshape(n, d.num_groups, d.state_size)
+        c = c.float().reshape(n, d.num_groups, d.state_size)
         dt = F.softplus(dt_raw.float() + self.dt_bias.float())
         dt = dt.clamp(min=d.time_step_limit[0], max=d.time_step_limit[1])
         a = -torch.exp(self.A_log.float())
         ssm = state["ssm"].float()
-        if n == 1:
-            y, ssm = ssd_recurrent(xs, dt, a, b, c, ssm)
+        if n <= MAMBA2_LOOP_MAX_TOKENS:
+            y, ssm, ssm_saved = ssd_recurrent(xs, dt, a, b, c, ssm, snapshots=snapshots)
         else:
-            y, ssm = ssd_chunked(xs, dt, a, b, c, ssm, d.chunk_size)
+            y, ssm, ssm_saved = ssd_chunked(
+                xs, dt, a, b, c, ssm, chunk_size=self._chunk_size(xs.device), snapshots=snapshots
+            )
         y = y + xs * self.D.float()[:, None]
-        return y.reshape(n, -1), {"conv": conv_state, "ssm": ssm}
+        saved = [{"conv": cs, "ssm": s} for cs, s in zip(conv_saved, ssm_saved, strict=True)]
+        return y.reshape(n, -1), {"conv": conv_state, "ssm": ssm}, saved
+
+    def _chunk_size(self, device: torch.device) -> int:
+        size = self.scan_chunk_size
+        return size if size is not None else scan_chunk_size(device)
 
     def _finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.norm(y.to(z.dtype), z))
@@ -248,13 +321,8 @@ class Mamba2Mixer(nn.Module):
         """One request's tokens `[L, hidden]` from `state`: the output, the final state and the
         states after each count in `snapshots`."""
         z, xbc, dt = self._project(x)
-        outs, saved = [], []
-        for start, end in segments(x.shape[0], snapshots):
-            y, state = self._mix(xbc[start:end], dt[start:end], state)
-            outs.append(y)
-            if end in snapshots:
-                saved.append(state)
-        return self._finish(torch.cat(outs), z), state, saved
+        y, state, saved = self._mix(xbc, dt, state, snapshots)
+        return self._finish(y, z), state, saved
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The flat batch `[T, hidden]`; each request's chunk continues from its loaded state
@@ -263,10 +331,8 @@ class Mamba2Mixer(nn.Module):
         y = x.new_empty(x.shape[0], self.dims.inner_size, dtype=torch.float32)
         for chunk in ctx.state_chunks(self.layer_index):
             state = ctx.load_state(self.layer_index, chunk)
-            base = chunk.rows.start
-            for start, end in segments(chunk.rows.stop - base, chunk.snapshots):
-                rows = slice(base + start, base + end)
-                y[rows], state = self._mix(xbc[rows], dt[rows], state)
-                if end in chunk.snapshots:
-                    ctx.save_state(self.layer_index, chunk, end, state)
+            rows = chunk.rows
+            y[rows], _, saved = self._mix(xbc[rows], dt[rows], state, chunk.snapshots)
+            for count, snapshot in zip(chunk.snapshots, saved, strict=True):
+                ctx.save_state(self.layer_index, chunk, count, snapshot)
         return self._finish(y, z)

@@ -33,8 +33,9 @@ How to add an architecture
      slice of the flat batch, `chunk.initial` (a dict of state tensors, zeros for a fresh
      request, else the exact snapshot the cache restored) and `chunk.snapshots`: the token
      counts into the chunk after which the state must be saved. The layer processes the chunk in
-     segments split at those counts and calls `ctx.save_state(layer_index, chunk, n, state)` for
-     each. The executor decides where a snapshot goes: in the block the plan's table holds for
+     one pass (a chunked scan for prefill, the token loop for decode) that also returns the
+     state after each of those counts, and calls `ctx.save_state(layer_index, chunk, n, state)`
+     for each. The executor decides where a snapshot goes: in the block the plan's table holds for
      that position (align mode: the state of tokens [0, n) lives in block cdiv(n, block_size)-1
      of the Mamba group's table), or in scratch slots for unverified draft tokens, committed once
      the drafts are verified. A layer never touches block ids.

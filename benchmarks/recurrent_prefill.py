@@ -1,0 +1,202 @@
+"""Chunked against token-loop prefill of the recurrent layers' scans, at real layer shapes.
+
+The gated delta rule at Qwen3-Next-80B-A3B's shape (16 key heads, 32 value heads, head dim
+128; benchmarks/configs/qwen3-next-80b-a3b) and the Mamba2 SSD scan at Nemotron-H-8B's (128
+heads of 64, state 128, 8 groups; benchmarks/configs/nemotron-h-8b), each on one request's
+chunk of `--tokens` tokens from a nonzero starting state, with a state snapshot every
+`--block` tokens as the cache asks for block boundaries. Inputs are made as the layers make
+them (L2-normalised q and k per key head, decays from softplus'd time steps).
+
+Both paths run the same inputs: `gated_delta_rule_chunked` / `ssd_chunked` (what the layers
+run for prefill) and `gated_delta_rule_recurrent` / `ssd_recurrent` (the token loop, kept for
+decode). The loop runs `--loop-tokens` tokens (its cost per token does not depend on the
+length, so tokens/s is a per-token rate measured on fewer tokens when that is smaller than
+`--tokens`); `max_abs_diff` compares the loop's outputs and snapshots with the chunked run's
+over those tokens. Times are the best of `--repeats` runs, in wall seconds and (`*_cpu_*`) in
+process CPU seconds, which other processes' load on a shared machine inflates less.
+`--threshold` also times both paths at lengths 1..16, where the layers choose the loop.
+
+Prints one JSON object on its last line.
+
+    .venv/bin/python benchmarks/recurrent_prefill.py [--tokens 4096] [--loop-tokens 512]
+        [--block 544] [--threads 2] [--repeats 3] [--threshold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridserve.executor.torch.layers.gated_delta import (
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    l2_normalize,
+)
+from hybridserve.executor.torch.layers.mamba2 import ssd_chunked, ssd_recurrent
+from hybridserve.executor.torch.layers.recurrence import scan_chunk_size
+from hybridserve.executor.torch.runtime import set_threads
+
+CONFIGS = Path(__file__).parent / "configs"
+Inputs = tuple[torch.Tensor, ...]
+Result = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+def config(name: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((CONFIGS / name / "config.json").read_text())
+    return loaded
+
+
+def gated_delta_inputs(length: int, gen: torch.Generator) -> tuple[dict[str, int], Inputs]:
+    c = config("qwen3-next-80b-a3b")
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    q = l2_normalize(torch.randn(length, hk, dk, generator=gen))
+    k = l2_normalize(torch.randn(length, hk, dk, generator=gen))
+    v = torch.randn(length, hv, dv, generator=gen)
+    a_coef = torch.empty(hv).uniform_(0.0, 16.0, generator=gen)  # Qwen3-Next's A init
+    g = -a_coef * F.softplus(torch.randn(length, hv, generator=gen))
+    beta = torch.randn(length, hv, generator=gen).sigmoid()
+    state = torch.randn(hv, dk, dv, generator=gen) * 0.1
+    shape = {"key_heads": hk, "value_heads": hv, "head_k_dim": dk, "head_v_dim": dv}
+    return shape, (q * dk**-0.5, k, v, g, beta, state)
+
+
+def mamba2_inputs(length: int, gen: torch.Generator) -> tuple[dict[str, int], Inputs]:
+    c = config("nemotron-h-8b")
+    heads, head_dim = c["mamba_num_heads"], c["mamba_head_dim"]
+    groups, state_size = c["n_groups"], c["ssm_state_size"]
+    x = torch.randn(length, heads, head_dim, generator=gen)
+    dt_bias = torch.empty(heads).uniform_(-7.0, -2.0, generator=gen)  # softplus ~ 1e-3..1e-1
+    dt = F.softplus(torch.randn(length, heads, generator=gen) + dt_bias)
+    a = -torch.empty(heads).uniform_(1.0, 16.0, generator=gen)
+    # B and C scaled so that C.B is of order one, as the layer's normalised activations give.
+    b = torch.randn(length, groups, state_size, generator=gen) * state_size**-0.25
+    c_in = torch.randn(length, groups, state_size, generator=gen) * state_size**-0.25
+    state = torch.randn(heads, head_dim, state_size, generator=gen) * 0.1
+    shape = {"heads": heads, "head_dim": head_dim, "groups": groups, "state_size": state_size}
+    return shape, (x, dt, a, b, c_in, state)
+
+
+def best_seconds(run: Callable[[], Result], repeats: int) -> tuple[float, float, Result]:
+    """The best wall seconds and the best process CPU seconds of `repeats` runs, and a result."""
+    wall, cpu, result = float("inf"), float("inf"), None
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        result = run()
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
+    if result is None:
+        raise ValueError(f"repeats={repeats}: give 1 or more")
+    return wall, cpu, result
+
+
+def prefix(inputs: Inputs, length: int, per_token: frozenset[int]) -> Inputs:
+    """The first `length` tokens of the per-token inputs (the others, like the state, whole)."""
+    return tuple(x[:length] if i in per_token else x for i, x in enumerate(inputs))
+
+
+def compare(
+    make: Callable[[int, torch.Generator], tuple[dict[str, int], Inputs]],
+    kernels: tuple[Callable[..., Result], Callable[..., Result]],
+    per_token: frozenset[int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    chunked, loop = kernels
+    shape, inputs = make(args.tokens, torch.Generator().manual_seed(0))
+    snaps = tuple(range(args.block, args.tokens + 1, args.block)) if args.block else ()
+    loop_tokens = min(args.loop_tokens, args.tokens)
+    loop_inputs = prefix(inputs, loop_tokens, per_token)
+    inside = tuple(n for n in snaps if n < loop_tokens)
+    with torch.no_grad():
+        chunk_s, chunk_cpu, (out, _, saved) = best_seconds(
+            lambda: chunked(*inputs, chunk_size=args.chunk, snapshots=snaps), args.repeats
+        )
+        loop_s, loop_cpu, (loop_out, loop_final, loop_saved) = best_seconds(
+            lambda: loop(*loop_inputs, snapshots=inside), max(1, args.repeats - 1)
+        )
+        _, _, (mid,) = chunked(*inputs, chunk_size=args.chunk, snapshots=(loop_tokens,))
+    # Outputs, the snapshots inside the loop's tokens, and the state after its last token.
+    pairs = [(out[:loop_tokens], loop_out), (mid, loop_final)]
+    pairs += list(zip(saved[: len(inside)], loop_saved, strict=True))
+    max_diff = max(float((a - b).abs().max()) for a, b in pairs)
+    chunk_rate, loop_rate = args.tokens / chunk_s, loop_tokens / loop_s
+    return {
+        "shape": shape,
+        "tokens": args.tokens,
+        "loop_tokens": loop_tokens,
+        "snapshots": len(snaps),
+        "chunk_size": args.chunk,
+        "chunked_tokens_per_s": round(chunk_rate, 1),
+        "loop_tokens_per_s": round(loop_rate, 1),
+        "speedup_vs_loop": round(chunk_rate / loop_rate, 2),
+        # The same from process CPU seconds (less inflated by other processes' load).
+        "chunked_tokens_per_cpu_s": round(args.tokens / chunk_cpu, 1),
+        "loop_tokens_per_cpu_s": round(loop_tokens / loop_cpu, 1),
+        "speedup_vs_loop_cpu": round(args.tokens / chunk_cpu / (loop_tokens / loop_cpu), 2),
+        "max_abs_diff": max_diff,
+        "max_abs_output": round(float(loop_out.abs().max()), 3),  # the scale max_abs_diff is on
+    }
+
+
+def threshold(
+    make: Callable[[int, torch.Generator], tuple[dict[str, int], Inputs]],
+    kernels: tuple[Callable[..., Result], Callable[..., Result]],
+    args: argparse.Namespace,
+) -> dict[str, list[float]]:
+    """Milliseconds per call of the chunked and loop paths at lengths 1..16 (best of 5)."""
+    out: dict[str, list[float]] = {"chunked_ms": [], "loop_ms": []}
+    for length in range(1, 17):
+        _, inputs = make(length, torch.Generator().manual_seed(0))
+        chunked = functools.partial(kernels[0], *inputs, chunk_size=args.chunk)
+        with torch.no_grad():
+            chunk_s, _, _ = best_seconds(chunked, 5)
+            loop_s, _, _ = best_seconds(functools.partial(kernels[1], *inputs), 5)
+        out["chunked_ms"].append(round(chunk_s * 1e3, 3))
+        out["loop_ms"].append(round(loop_s * 1e3, 3))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--loop-tokens", type=int, default=512)
+    parser.add_argument("--block", type=int, default=544, help="snapshot interval (0: none)")
+    parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (by device)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threshold", action="store_true")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    if args.chunk is None:
+        args.chunk = scan_chunk_size(torch.device("cpu"))
+    kernels = {  # inputs, (chunked, loop), which inputs are per token
+        "gated_delta": (
+            gated_delta_inputs,
+            (gated_delta_rule_chunked, gated_delta_rule_recurrent),
+            frozenset(range(5)),
+        ),
+        "mamba2": (mamba2_inputs, (ssd_chunked, ssd_recurrent), frozenset({0, 1, 3, 4})),
+    }
+    result: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_1min": round(os.getloadavg()[0], 2),  # other processes' load, at the start
+    }
+    for name, (make, pair, per_token) in kernels.items():
+        result[name] = compare(make, pair, per_token, args)
+        if args.threshold:
+            result[name]["threshold"] = threshold(make, pair, args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
