@@ -1,1 +1,1 @@
-"""Pure-Python core types: configs, requests, the step plan and result, clocks."""
+"""Pure-Python core types: configs, requests, the step plan and result, errors."""

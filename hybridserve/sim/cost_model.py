@@ -92,11 +92,6 @@ class StepCost:
     def total_s(self) -> float:
         return sum(self.terms().values())
 
-    @property
-    def attention_s(self) -> float:
-        parts = (self.attention_prefill_s, self.attention_decode_s, self.sliding_window_s)
-        return sum(parts) + self.mla_s
-
     def terms(self) -> dict[str, float]:
         """Every term by name, in seconds."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -274,10 +274,6 @@ class GroupManager:
         """Blocks this group references outside the request tables (copy-on-write sources)."""
         return list(self.cow_holds)
 
-    def num_held_blocks(self, req_id: str) -> int:
-        null = self.pool.null_block
-        return sum(1 for b in self.tables.get(req_id, ()) if b is not null)
-
 
 class KeepMask:
     """Which positions a retention policy keeps for one request (see retention.py)."""

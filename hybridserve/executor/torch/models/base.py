@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -282,8 +282,3 @@ def load_model_class(config: dict[str, Any]) -> ModelClass:
         f"use a supported architecture: {sorted(_BY_ARCHITECTURE)} "
         f"(model_type {sorted(_BY_MODEL_TYPE)})",
     )
-
-
-def registered_architectures() -> Iterator[str]:
-    _import_all_models()
-    return iter(sorted(_BY_ARCHITECTURE))
