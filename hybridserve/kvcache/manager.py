@@ -19,6 +19,7 @@ from hybridserve.kvcache.groups.mamba import MambaManager
 from hybridserve.kvcache.hashing import BlockHash, BlockHasher, derived_hashes
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.metrics import AdmissionSample, CacheMetrics
+from hybridserve.kvcache.pins import PinStats, PinTable, exact_tail
 from hybridserve.kvcache.retention import RetentionKind
 from hybridserve.kvcache.spec import GroupKind, MambaCacheMode, MambaSpec, SlidingWindowSpec
 
@@ -47,54 +48,6 @@ class Allocation:
 
     new_block_ids: tuple[tuple[int, ...], ...]
     block_copies: tuple[BlockCopy, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Tail:
-    """A finished turn's exact end, held with its session's pin: every group's blocks for a
-    resume at `num_tokens` (a partial last block and the running state as copy-on-write
-    sources), and what a later prompt must start with to use them: the hash of the last whole
-    hash block at or below `num_tokens` and the tokens after it."""
-
-    num_tokens: int
-    prefix_hash: BlockHash
-    tail_tokens: tuple[int, ...]
-    group_blocks: tuple[tuple[Block, ...], ...]
-    cow_sources: tuple[Block | None, ...]
-
-    def serves(
-        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], hash_block: int
-    ) -> bool:
-        """Whether a prompt with these hashes and tokens starts with this turn's tokens."""
-        whole = self.num_tokens // hash_block
-        return (
-            len(block_hashes) >= whole
-            and block_hashes[whole - 1] == self.prefix_hash
-            and tuple(token_ids[whole * hash_block : self.num_tokens]) == self.tail_tokens
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Pin:
-    """One session's pinned prefix: one extra reference on each block, until `deadline`; with
-    exact tails, the turn's end as well (its blocks are among `blocks`)."""
-
-    blocks: tuple[Block, ...]
-    deadline: float
-    tail: _Tail | None = None
-
-
-@dataclass(slots=True)
-class PinStats:
-    """Pins made, refused (over the pool fraction) and released, by cause."""
-
-    pinned: int = 0
-    refused: int = 0
-    released_on_return: int = 0
-    released_on_ttl: int = 0
-    released_on_pressure: int = 0
-    tails: int = 0  # pins that also hold their turn's exact end (exact tails)
-    tail_hits: int = 0  # admissions that resumed at a pinned exact end
 
 
 @dataclass(slots=True)
@@ -155,11 +108,8 @@ class KVCacheManager:
             ],
         )
         self.metrics = CacheMetrics(tuple(s.kind.value for s in layout.groups))
-        # Tool-call pins (off unless a scheduler pins): per session, and per block the number
-        # of pins holding it (so that the pinned share of the pool counts each block once).
-        self._pins: dict[str, _Pin] = {}
-        self._pin_refs: dict[int, int] = {}
-        self.pin_stats = PinStats()
+        # Tool-call pins (off unless a scheduler pins).
+        self.pins = PinTable(self.pool)
 
     # ----- lookup (never mutates) -------------------------------------------------------------
 
@@ -502,13 +452,22 @@ class KVCacheManager:
         the turn's exact end: its whole full-attention table, its partial last block and its
         running state, so that `session_hit` can resume the session's next turn at
         `num_tokens` itself rather than at the last retained boundary."""
-        self._release_pin(session_id)
+        self.pins.release(session_id)
         if not self.enable_caching or self.pool.growable:
             return 0
         hit = self.find_hit(block_hashes, num_tokens + 1)  # the next turn adds >= 1 token
         tail = None
         if req_id is not None:
-            tail = self._exact_tail(req_id, block_hashes, token_ids, num_tokens)
+            tail = exact_tail(
+                self.groups,
+                self._full_groups,
+                self.pool.null_block,
+                hash_block=self.layout.hash_block_size,
+                req_id=req_id,
+                block_hashes=block_hashes,
+                token_ids=token_ids,
+                num_tokens=num_tokens,
+            )
         parts = [(hit.group_blocks, hit.cow_sources)]
         if tail is not None:
             parts.append((tail.group_blocks, tail.cow_sources))
@@ -521,61 +480,12 @@ class KVCacheManager:
                     if block is not null and block.block_id not in seen:
                         seen.add(block.block_id)
                         blocks.append(block)
-        if not blocks:
-            return 0
-        new = sum(1 for b in blocks if b.block_id not in self._pin_refs)
-        if len(self._pin_refs) + new > max_pinned_blocks:
-            self.pin_stats.refused += 1
-            return 0
-        self.pool.touch(blocks)
-        for block in blocks:
-            self._pin_refs[block.block_id] = self._pin_refs.get(block.block_id, 0) + 1
-        self._pins[session_id] = _Pin(tuple(blocks), deadline, tail)
-        self.pin_stats.pinned += 1
-        if tail is not None:
-            self.pin_stats.tails += 1
-        return len(blocks)
-
-    def _exact_tail(
-        self,
-        req_id: str,
-        block_hashes: Sequence[BlockHash],
-        token_ids: Sequence[int],
-        num_tokens: int,
-    ) -> _Tail | None:
-        """The blocks that resume a finishing request's sequence at exactly `num_tokens`, taken
-        from its own tables; None where a group cannot give them (a kind other than full
-        attention or an align-mode state, a missing block, or fewer tokens than one hash)."""
-        h, null = self.layout.hash_block_size, self.pool.null_block
-        whole = num_tokens // h
-        if whole == 0 or whole > len(block_hashes) or len(token_ids) < num_tokens:
-            return None
-        group_blocks: list[tuple[Block, ...]] = []
-        cows: list[Block | None] = []
-        for gid, group in enumerate(self.groups):
-            table = group.tables.get(req_id, [])
-            unit, partial = group.block_size, num_tokens % group.block_size
-            if gid in self._full_groups:
-                end = num_tokens // unit + (1 if partial else 0)
-                if len(table) < end or any(b is null for b in table[:end]):
-                    return None
-                group_blocks.append(tuple(table[: num_tokens // unit]))
-                cows.append(table[end - 1] if partial else None)
-            elif isinstance(group, MambaManager) and group.align:
-                index = -(-num_tokens // unit) - 1
-                if index >= len(table) or table[index] is null:
-                    return None
-                state = table[index]
-                group_blocks.append((null,) * index + (() if partial else (state,)))
-                cows.append(state if partial else None)
-            else:
-                return None
-        return _Tail(
-            num_tokens,
-            block_hashes[whole - 1],
-            tuple(token_ids[whole * h : num_tokens]),
-            tuple(group_blocks),
-            tuple(cows),
+        return self.pins.hold(
+            session_id,
+            blocks,
+            deadline=deadline,
+            tail=tail,
+            max_pinned_blocks=max_pinned_blocks,
         )
 
     def exact_tail_obstacle(self) -> str | None:
@@ -602,8 +512,7 @@ class KVCacheManager:
         """The hit at the exact end of the session's pinned turn, if its pin holds one and
         this prompt (its hashes and tokens) starts with that turn's tokens; else None. Like
         `find_hit`, it never mutates the pool: allocate it at once."""
-        pin = self._pins.get(session_id)
-        tail = pin.tail if pin is not None else None
+        tail = self.pins.tail(session_id)
         num_tokens = len(token_ids)
         if (
             tail is None
@@ -626,63 +535,34 @@ class KVCacheManager:
             tail.num_tokens, tail.group_blocks, tail.cow_sources, True, 0, sample, from_tail=True
         )
 
+    # The pin table's operations, as the scheduler calls them (see PinTable).
+
     def unpin(self, session_id: str) -> int:
         """Release a session's pin: its next turn is back. Returns the blocks it held."""
-        released = self._release_pin(session_id)
-        if released:
-            self.pin_stats.released_on_return += 1
-        return released
-
-    def _release_pin(self, session_id: str) -> int:
-        pin = self._pins.pop(session_id, None)
-        if pin is None:
-            return 0
-        for block in pin.blocks:
-            left = self._pin_refs[block.block_id] - 1
-            if left:
-                self._pin_refs[block.block_id] = left
-            else:
-                del self._pin_refs[block.block_id]
-        self.pool.free(pin.blocks[::-1])  # deepest first, as a request's own free
-        return len(pin.blocks)
+        return self.pins.unpin(session_id)
 
     def expire_pins(self, now: float) -> int:
         """Release every pin whose TTL has run out by `now`. Returns how many."""
-        if not self._pins:
-            return 0
-        expired = [sid for sid, pin in self._pins.items() if pin.deadline <= now]
-        for sid in expired:
-            self._release_pin(sid)
-        self.pin_stats.released_on_ttl += len(expired)
-        return len(expired)
+        return self.pins.expire(now)
 
     def release_pin_for_room(self, *, keep: str | None = None) -> bool:
-        """Memory pressure: release the pin that expires first (never `keep`'s). Returns False
-        when there is none to release."""
-        candidates = [(pin.deadline, sid) for sid, pin in self._pins.items() if sid != keep]
-        if not candidates:
-            return False
-        self._release_pin(min(candidates)[1])
-        self.pin_stats.released_on_pressure += 1
-        return True
+        """Memory pressure: release the pin that expires first (never `keep`'s)."""
+        return self.pins.release_soonest(keep=keep)
 
     def claim_pin(self, session_id: str) -> bool:
-        """The session's next turn arrived: its pin no longer expires, and is held until that
-        turn is admitted (`unpin`) or memory pressure releases it (claimed pins last)."""
-        pin = self._pins.get(session_id)
-        if pin is None:
-            return False
-        self._pins[session_id] = _Pin(pin.blocks, math.inf, pin.tail)
-        return True
+        """The session's next turn arrived: its pin holds until that turn is admitted."""
+        return self.pins.claim(session_id)
 
     def pin_deadline(self, session_id: str) -> float | None:
-        pin = self._pins.get(session_id)
-        return None if pin is None else pin.deadline
+        return self.pins.deadline(session_id)
 
     def next_pin_deadline(self) -> float | None:
         """The soonest TTL of any pin (claimed pins have none); None when no pin expires."""
-        deadlines = [pin.deadline for pin in self._pins.values() if pin.deadline != math.inf]
-        return min(deadlines, default=None)
+        return self.pins.next_deadline()
+
+    @property
+    def pin_stats(self) -> PinStats:
+        return self.pins.stats
 
     def growth_blocks(self, num_tokens: int, num_new_tokens: int) -> int:
         """Blocks the full-attention groups need to grow a sequence of `num_tokens` tokens by
@@ -696,11 +576,11 @@ class KVCacheManager:
     @property
     def num_pinned_blocks(self) -> int:
         """Distinct blocks held by pins."""
-        return len(self._pin_refs)
+        return self.pins.num_pinned_blocks
 
     @property
     def num_pins(self) -> int:
-        return len(self._pins)
+        return self.pins.num_pins
 
     def uncache_free_blocks(self, block_ids: Iterable[int]) -> int:
         """Take the free blocks among `block_ids` out of the prefix cache, so that no later
@@ -777,9 +657,8 @@ class KVCacheManager:
                         expected[block.block_id] = expected.get(block.block_id, 0) + 1
             for block in group.held_outside_tables():
                 expected[block.block_id] = expected.get(block.block_id, 0) + 1
-        for pin in self._pins.values():
-            for block in pin.blocks:
-                expected[block.block_id] = expected.get(block.block_id, 0) + 1
+        for block in self.pins.held_blocks():
+            expected[block.block_id] = expected.get(block.block_id, 0) + 1
         for block in self.pool.blocks[1:]:
             if block.ref_cnt != expected.get(block.block_id, 0):
                 raise CacheInvariantError(
