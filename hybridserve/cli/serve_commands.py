@@ -186,6 +186,7 @@ ShutdownOpt = Annotated[
 StepTimeoutOpt = Annotated[
     float,
     typer.Option(
+        parser=FINITE_FLOAT,
         help="The watchdog: a step running longer than this many seconds kills the engine "
         "(/health 503, exit 1); 0 = no watchdog."
     ),
