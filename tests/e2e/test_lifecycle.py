@@ -279,7 +279,8 @@ def test_a_client_hanging_up_mid_upload_logs_no_traceback(caplog: pytest.LogCapt
 
 
 def test_requests_preempted_for_lack_of_blocks_still_deliver_every_token() -> None:
-    server = start_server(num_blocks=8)  # 7 usable blocks of 544 tokens for 8 requests
+    # 15 usable blocks of 544 tokens (full attention and three Mamba groups) for 8 requests
+    server = start_server(num_blocks=16)
 
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60.0) as http:
