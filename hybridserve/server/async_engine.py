@@ -6,8 +6,10 @@ deliveries back to the event loop in one batch. Time is the wall clock (seconds 
 passed to `Engine.step(now)` like any other clock.
 
 Pacing: a backend may ask that a step last at least `pace_s(result)` wall seconds (the
-simulator's modelled duration over `--sim-speed`). The next step waits until then; commands
-keep being applied while it waits, so an abort frees its blocks at once.
+simulator's modelled duration over `--sim-speed`). The step's outputs are held until then, as a
+real engine delivers a step's tokens when the step ends (so a TTFT includes the prefill's time),
+and the next step waits as long; commands keep being applied while it waits, so an abort frees
+its blocks at once.
 
 Faults: a step the executor fails ends its requests with a 500 (the engine already aborted
 them and freed their blocks) and the engine carries on; after `max_failed_steps` failed steps
@@ -288,10 +290,11 @@ class AsyncEngine:
     def _serve_steps(self) -> None:
         next_step_at = 0.0
         engine = self.parts.engine
+        held: list[tuple[str, Delivery]] = []  # the last step's outputs, until its pace ends
         while True:
             with self._cond:
                 if not self._inbox and not self._stopping:
-                    if not engine.has_requests():
+                    if not engine.has_requests() and not held:
                         self._cond.wait(self._idle_wait_s())
                     elif (delay := next_step_at - time.monotonic()) > 0:
                         self._cond.wait(delay)
@@ -301,11 +304,18 @@ class AsyncEngine:
             batch: list[tuple[str, Delivery]] = []
             dead_reason = None
             with self.lock:
+                if stopping or time.monotonic() >= next_step_at:
+                    batch, held = held, []
                 self._apply(commands, batch)
                 if stopping:
                     self._abort_all(batch)
                 elif engine.has_requests() and time.monotonic() >= next_step_at:
-                    next_step_at, dead_reason = self._step_once(batch)
+                    stepped: list[tuple[str, Delivery]] = []
+                    next_step_at, dead_reason = self._step_once(stepped)
+                    if dead_reason is None and time.monotonic() < next_step_at:
+                        held = stepped
+                    else:
+                        batch.extend(stepped)
                 elif not engine.has_requests():
                     engine.release_expired_pins(self.now())
                 self.snapshot = self._read_snapshot()
