@@ -1,7 +1,7 @@
 """One streamed `/v1/completions` request to an OpenAI-compatible server, timed on the client.
 
 `stream_completion` sends a token-id prompt with `max_tokens` and `ignore_eos`, reads the
-server-sent events and returns a `Completion`: when each chunk with text arrived, the usage's
+server-sent events and returns a `Completion`: when each chunk with a choice arrived, the usage's
 output and cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`, None where the
 server does not report it) and, for a request that did not complete, why: the HTTP status
 (`"500"`), an error event inside the stream (`"stream:CODE"`), a connection dropped before
@@ -29,7 +29,7 @@ class Completion:
     """What the client saw of one request (monotonic seconds)."""
 
     sent_s: float
-    token_times_s: list[float] = field(default_factory=list)  # chunks that carried text
+    token_times_s: list[float] = field(default_factory=list)  # chunks with a choice
     completion_tokens: int | None = None  # usage.completion_tokens
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     failure: str | None = None  # None: completed; else the status it failed with
@@ -73,10 +73,13 @@ async def stream_completion(
     body: Mapping[str, Any],
     *,
     headers: Mapping[str, str],
+    into: Completion | None = None,
 ) -> Completion:
-    """Send `body` to `client`'s base URL and time its stream; never raises for the server's
-    failures (see the module docstring)."""
-    result = Completion(sent_s=time.monotonic())
+    """Send `body` to `client`'s base URL and time its stream, filling `into` as the stream
+    comes (for a caller that watches it live; default: a new Completion); never raises for
+    the server's failures (see the module docstring)."""
+    result = into if into is not None else Completion(sent_s=0.0)
+    result.sent_s = time.monotonic()
     try:
         async with client.stream("POST", COMPLETIONS_PATH, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -123,8 +126,9 @@ def _read_event(result: Completion, data: str) -> None:
         code = error.get("code") if isinstance(error, dict) else None
         result.failure = f"stream:{code or 'error'}"
         return
-    choices = event.get("choices") or []
-    if any(isinstance(c, dict) and c.get("text") for c in choices):
+    # Every chunk with a choice is a delivery, even with no text (a token that decodes to
+    # nothing, an <eos> under ignore_eos); the usage chunk has no choice.
+    if event.get("choices"):
         result.token_times_s.append(now)
     usage = event.get("usage")
     if isinstance(usage, dict):

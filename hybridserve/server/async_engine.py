@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 # After a step that scheduled nothing while requests remain (none can run yet), wait this long
 # or for the next command before stepping again, instead of spinning.
 IDLE_STEP_WAIT_S = 0.005
+# A paced step that starts at most this late is paced from when it was due (see _step_once).
+PACE_CATCH_UP_S = 0.010
 # How often the watchdog looks at the running step, at most (smaller for short deadlines).
 WATCHDOG_POLL_S = 1.0
 
@@ -291,6 +294,7 @@ class AsyncEngine:
         next_step_at = 0.0
         engine = self.parts.engine
         held: list[tuple[str, Delivery]] = []  # the last step's outputs, until its pace ends
+        busy = False  # requests were left after the last step: the next one is due at its end
         while True:
             with self._cond:
                 if not self._inbox and not self._stopping:
@@ -304,14 +308,17 @@ class AsyncEngine:
             batch: list[tuple[str, Delivery]] = []
             dead_reason = None
             with self.lock:
-                if stopping or time.monotonic() >= next_step_at:
-                    batch, held = held, []
                 self._apply(commands, batch)
+                due = stopping or time.monotonic() >= next_step_at
+                if due:  # the last step's pace is over: its outputs go first
+                    batch[:0], held = held, []
                 if stopping:
                     self._abort_all(batch)
-                elif engine.has_requests() and time.monotonic() >= next_step_at:
+                elif due and engine.has_requests():
                     stepped: list[tuple[str, Delivery]] = []
-                    next_step_at, dead_reason = self._step_once(stepped)
+                    due_at = next_step_at if busy else -math.inf  # an idle engine starts afresh
+                    next_step_at, dead_reason = self._step_once(stepped, due=due_at)
+                    busy = engine.has_requests()
                     if dead_reason is None and time.monotonic() < next_step_at:
                         held = stepped
                     else:
@@ -335,9 +342,12 @@ class AsyncEngine:
         deadline = self.parts.engine.next_pin_deadline()
         return None if deadline is None else max(deadline - self.now(), 0.0) + 1e-3
 
-    def _step_once(self, batch: list[tuple[str, Delivery]]) -> tuple[float, str | None]:
+    def _step_once(
+        self, batch: list[tuple[str, Delivery]], *, due: float
+    ) -> tuple[float, str | None]:
         """One engine step under the watchdog: (when the next step may start, the reason the
-        engine must die, if it must)."""
+        engine must die, if it must). A paced step that starts a little after it was `due` (the
+        thread woke late) is paced from `due`, so wake-up latency does not add to every step."""
         engine = self.parts.engine
         step_start, cpu_start = time.monotonic(), time.thread_time()
         self._step_began = step_start
@@ -350,7 +360,10 @@ class AsyncEngine:
         self._failed_in_a_row = 0
         step_s = time.monotonic() - step_start
         step_cpu_s = time.thread_time() - cpu_start
-        next_step_at = step_start + self._pace_s(step.result)
+        late = step_start - due
+        next_step_at = (due if 0 <= late < PACE_CATCH_UP_S else step_start) + self._pace_s(
+            step.result
+        )
         if step.scheduled.is_empty and engine.has_requests():
             next_step_at = max(next_step_at, step_start + IDLE_STEP_WAIT_S)
         self._after_step(step, step_s, step_cpu_s, batch)
