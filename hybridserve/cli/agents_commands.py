@@ -52,46 +52,55 @@ SHOWN = (
 )
 
 
+AgentsOpt = Annotated[int, typer.Option(help="Agents running jobs at once.")]
+DurationOpt = Annotated[
+    float, typer.Option(help="The run's length in wall seconds, warm-up included.")
+]
+WarmupOpt = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the agents' streams.")]
+TimeScaleOpt = Annotated[
+    float, typer.Option(help="Wall seconds per drawn tool second (a trace: per trace second).")
+]
+SystemPromptOpt = Annotated[int, typer.Option(help="The shared system/tool prompt's tokens.")]
+MaxContextOpt = Annotated[int, typer.Option(help="A job ends when its context would pass this.")]
+OutputTokensOpt = Annotated[
+    float | None, typer.Option(help="Median answer length [default: 150, E1's].")
+]
+ToolResultOpt = Annotated[
+    float | None, typer.Option(help="Median tool result length [default: 300, E1's].")
+]
+ConcurrencyOpt = Annotated[
+    int | None, typer.Option(help="Requests in flight at once [default: no limit].")
+]
+VocabOpt = Annotated[
+    int, typer.Option(help="Prompt token ids are sent in [0, N): at most the vocabulary.")
+]
+WorkloadOpt = Annotated[str, typer.Option(help=WORKLOAD_HELP)]
+OutOpt = Annotated[
+    Path | None, typer.Option(help="Also write report.json and plots to this folder.")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on the last line.")]
+
+
 @app.command("agents")
 def agents_cmd(
     url: UrlOption,
     model: ServedModelOption = None,
     api_key: ApiKeyOption = None,
-    agents: Annotated[int, typer.Option(help="Agents running jobs at once.")] = 20,
-    duration: Annotated[
-        float, typer.Option(help="The run's length in wall seconds, warm-up included.")
-    ] = 600.0,
-    warmup: Annotated[float, typer.Option(help="Seconds excluded from the metrics.")] = 60.0,
-    seed: Annotated[int, typer.Option(help="Seed of the agents' streams.")] = 0,
-    time_scale: Annotated[
-        float,
-        typer.Option(help="Wall seconds per drawn tool second (a trace: per trace second)."),
-    ] = 1.0,
-    system_prompt_tokens: Annotated[
-        int, typer.Option(help="The shared system/tool prompt.")
-    ] = 12_000,
-    max_context: Annotated[
-        int, typer.Option(help="A job ends when its context would pass this.")
-    ] = 131_072,
-    output_tokens: Annotated[
-        float | None, typer.Option(help="Median answer length [default: 150, E1's].")
-    ] = None,
-    tool_result_tokens: Annotated[
-        float | None, typer.Option(help="Median tool result length [default: 300, E1's].")
-    ] = None,
-    concurrency_limit: Annotated[
-        int | None, typer.Option(help="Requests in flight at once [default: no limit].")
-    ] = None,
-    vocab_size: Annotated[
-        int, typer.Option(help="Prompt token ids are sent in [0, N): at most the vocabulary.")
-    ] = 256,
-    workload: Annotated[str, typer.Option(help=WORKLOAD_HELP)] = "agents",
-    out: Annotated[
-        Path | None, typer.Option(help="Also write report.json and plots to this folder.")
-    ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object on the last line.")
-    ] = False,
+    agents: AgentsOpt = 20,
+    duration: DurationOpt = 600.0,
+    warmup: WarmupOpt = 60.0,
+    seed: SeedOpt = 0,
+    time_scale: TimeScaleOpt = 1.0,
+    system_prompt_tokens: SystemPromptOpt = 12_000,
+    max_context: MaxContextOpt = 131_072,
+    output_tokens: OutputTokensOpt = None,
+    tool_result_tokens: ToolResultOpt = None,
+    concurrency_limit: ConcurrencyOpt = None,
+    vocab_size: VocabOpt = 256,
+    workload: WorkloadOpt = "agents",
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Run the simulator's E1 agents (or a trace) against a running OpenAI-compatible server:
     token-id prompts on /v1/completions, streamed, and report what `bench` reports."""

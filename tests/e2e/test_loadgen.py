@@ -48,7 +48,8 @@ class Received:
 
 class Recording:
     """ASGI middleware: records each completion request and the cached tokens of its usage;
-    with `drop_every=N` it cuts every Nth streamed response after its third body chunk (the
+    with `drop_every=N` it cuts every Nth streamed response after its third body chunk, before
+    its [DONE] (the
     connection closes mid-stream)."""
 
     def __init__(self, app: Any, received: Received, drop_every: int | None = None) -> None:
@@ -60,15 +61,17 @@ class Recording:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
-        received, index = self.received, len(self.received.bodies)
-        drop = self.drop_every is not None and index % self.drop_every == self.drop_every - 1
+        received = self.received
         sent = 0
 
         async def snd(message: Any) -> None:
             nonlocal sent
+            every = self.drop_every
+            drop = every is not None and index % every == every - 1
             if message["type"] == "http.response.body":
                 sent += 1
-                if drop and sent > 3:
+                body = message.get("body", b"")
+                if drop and sent > 3 and body and b"[DONE]" not in body:
                     received.dropped += 1
                     raise RuntimeError("connection cut by the test")
                 for line in message.get("body", b"").decode().splitlines():
@@ -78,17 +81,19 @@ class Recording:
                         received.cached[key] = details.get("cached_tokens", -1)
             await send(message)
 
-        received.bodies.append({})
-        headers = dict(scope["headers"])
-        received.session_headers.append((headers.get(b"x-session-id") or b"").decode() or None)
-        # Read the body before the app does, so the record is there even if the app fails.
+        # Read the body before the app does; a request cut before its body came is not kept.
         message = await receive()
         chunks.append(message.get("body", b""))
         while message.get("more_body"):
             message = await receive()
             chunks.append(message.get("body", b""))
+        if message["type"] != "http.request":
+            return
         body = json.loads(b"".join(chunks))
-        received.bodies[index] = body
+        index = len(received.bodies)
+        received.bodies.append(body)
+        headers = dict(scope["headers"])
+        received.session_headers.append((headers.get(b"x-session-id") or b"").decode() or None)
         key = f"{body.get('user')}#{index}"
         replay = iter([{"type": "http.request", "body": b"".join(chunks), "more_body": False}])
 
