@@ -9,6 +9,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from hybridserve.executor.api import Executor
 from hybridserve.loadgen.run import LoadConfig, LoadRun, run_load
 from hybridserve.loadgen.tokens import SyntheticAnswers
 from hybridserve.server.app import ServerSettings
+from hybridserve.sim.arrivals import mooncake_arrivals
 from hybridserve.sim.workload import AgentParams, AgentWorkload, LogNormal
 from tests.e2e.conftest import LiveServer, free_port, serve_in_thread
 from tests.e2e.faulty_backend import FaultyBackend
@@ -300,3 +302,27 @@ def test_agents_json_prints_the_interface_keys_on_its_last_line(servers: list) -
     ):  # fmt: skip
         assert isinstance(payload[key], int | float), key
     assert payload["requests_sent"] > 0 and payload["requests_failed"] == 0
+
+
+def test_a_mooncake_trace_is_replayed_at_its_arrival_times(servers: list, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 250 * i, "input_length": 600, "output_length": 4, "hash_ids": [1, 2 + i]}
+        for i in range(6)
+    ]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    from hybridserve.cli.sim_backend import SimServingBackend
+
+    # Full attention only: a hit may end at any block (a hybrid's only at a kept state).
+    backend = SimServingBackend(model_profile="llama-3.1-8b", sim_speed=50.0, max_model_len=8192)
+    servers.append(recorded_server(backend))
+    server, received = servers[0]
+    config = LoadConfig(url=server.base_url, duration_s=2.0, warmup_s=0.0)
+    arrivals = list(mooncake_arrivals(trace))
+    run = asyncio.run(run_load(config, arrivals=arrivals))
+    assert len(received.bodies) == run.stats.requests_sent == 6
+    sent_at = [r.arrival_s for r in run.recorder.requests.values()]
+    assert all(abs(at - 0.25 * i) < 0.1 for i, at in enumerate(sent_at)), sent_at
+    assert run.stats.requests_completed == 6 and not run.stats.failures
+    # The trace's shared first block (hash id 1) is a prefix every later request hits.
+    assert all(r.hit_tokens > 0 for r in list(run.recorder.requests.values())[1:])
