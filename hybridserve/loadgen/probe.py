@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import secrets
 import statistics
 from collections.abc import Sequence
 from typing import Protocol
@@ -51,7 +52,10 @@ class Prober:
 
     def __init__(self, client: httpx.AsyncClient, target: ProbeTarget, model: str, seed: int):
         self.client, self.target, self.model = client, target, model
-        self.rng = random.Random(f"{seed}/calibrate-url")
+        self.rng = random.Random(f"{seed}/calibrate-url")  # the order of the shapes
+        # Token ids differ on every run: a second calibration of the same server must not hit
+        # the first one's cached prompts.
+        self._tokens = random.Random(secrets.randbits(64))
         self._primers: dict[int, list[int]] = {}
 
     async def primer(self, length: int) -> list[int]:
@@ -64,7 +68,7 @@ class Prober:
 
     def fresh(self, count: int) -> list[int]:
         vocab = self.target.vocab_size
-        return [self.rng.randrange(vocab) for _ in range(count)]
+        return [self._tokens.randrange(vocab) for _ in range(count)]
 
     async def send(self, prompt: list[int], max_tokens: int) -> Completion:
         body = completion_body(

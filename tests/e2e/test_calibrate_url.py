@@ -59,6 +59,8 @@ def test_calibrate_url_recovers_the_sim_servers_constants_within_5_percent(
         assert fitted == pytest.approx(true, rel=0.05), (name, fitted, true)
     assert profile.model == "llama-3.1-8b" and profile.device == "A100-80G"
     assert len(profile.samples) == 8 and profile.in_sample.median < 0.03
+    labels = [s.label for s in profile.samples]  # the primer was cached, the rest fresh
+    assert any(label.endswith("+ 1 x (1024 new after 16384)") for label in labels), labels
     assert json.loads(path.read_text())["black_box"]["request_overhead_s"] > 0
     # The file is a calibration `simulate` runs with.
     run = ["simulate", "--model", "llama-3.1-8b", "--calibration", str(path), "--agents", "2"]
