@@ -1,6 +1,7 @@
 """The `hybridserve` command line."""
 
 from hybridserve.cli import (
+    agents_commands,
     cache_commands,
     calibrate_commands,
     fleet_commands,
@@ -12,6 +13,7 @@ from hybridserve.cli import (
 from hybridserve.cli.app import app
 
 __all__ = [
+    "agents_commands",
     "app",
     "cache_commands",
     "calibrate_commands",

@@ -1,4 +1,5 @@
-"""`hybridserve calibrate`: fit the cost model's constants to step times measured on a device."""
+"""`hybridserve calibrate`: fit the cost model's constants to step times measured on a device, or
+(`--url`) on a running OpenAI-compatible server from the outside."""
 
 from __future__ import annotations
 
@@ -16,12 +17,62 @@ from hybridserve.core.errors import HybridServeError
 if TYPE_CHECKING:
     from hybridserve.sim.calibration import Calibration, ErrorSummary
 
-ModelOption = Annotated[Path, typer.Option(help="Checkpoint folder (config.json + safetensors).")]
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Checkpoint folder (config.json + safetensors); with --url, the served model's "
+        "name [default: the first /v1/models lists]."
+    ),
+]
 GpuNameOption = Annotated[
-    str,
+    str | None,
     typer.Option(
         help=f"The device's name: a catalog GPU ({listed(GPU_NAMES)}) keeps its datasheet "
-        "peaks; any other name (e.g. cpu) gets measured peaks."
+        "peaks; any other name (e.g. cpu) gets measured peaks. With --url: a catalog GPU, "
+        "or the device of --peaks-from [default with --url: H200]."
+    ),
+]
+UrlOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Calibrate a running OpenAI-compatible server (vLLM, hybridserve serve) from the "
+        "outside, over HTTP: its base URL, e.g. http://127.0.0.1:8000."
+    ),
+]
+ModelConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="With --url: the served model's config.json (or its folder), the shape the cost "
+        "model prices [default: --model, when it is a catalog profile or a local folder]."
+    ),
+]
+DtypeOption = Annotated[
+    str | None,
+    typer.Option(help="With --url: the weights' dtype (bf16, fp8, fp32) [default: bf16]."),
+]
+PeaksFromOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="With --url: take the device's peaks from this calibration file (one measured "
+        "on that device by `hybridserve calibrate --model ...`), for a device off the catalog."
+    ),
+]
+ServerSpeedOption = Annotated[
+    float,
+    typer.Option(
+        help="With --url: the server runs this many times faster than the device it models "
+        "(serve --executor sim --sim-speed); 1 for a real server."
+    ),
+]
+VocabOption = Annotated[int, typer.Option(help="With --url: prompt token ids are sent in [0, N).")]
+ApiKeyOption = Annotated[
+    str | None, typer.Option(help="With --url: sent as `Authorization: Bearer KEY`.")
+]
+ContextOption = Annotated[
+    int | None,
+    typer.Option(
+        help="With --url: the long cached context of the grid (prefills after it, decodes at "
+        "it) [default: 4096, --quick 8192]; the server's --max-model-len must hold it + 1100."
     ),
 ]
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
@@ -87,8 +138,8 @@ def _errors(summary: ErrorSummary) -> str:
 
 @app.command("calibrate")
 def calibrate_cmd(
-    model: ModelOption,
-    gpu_name: GpuNameOption,
+    model: ModelOption = None,
+    gpu_name: GpuNameOption = None,
     device: DeviceOption = "cpu",
     out: OutOption = None,
     quick: QuickOption = False,
@@ -96,9 +147,68 @@ def calibrate_cmd(
     holdout_fraction: HoldoutOption = 0.25,
     threads: ThreadsOption = None,
     clock: ClockOption = "wall",
+    url: UrlOption = None,
+    api_key: ApiKeyOption = None,
+    model_config: ModelConfigOption = None,
+    dtype: DtypeOption = None,
+    peaks_from: PeaksFromOption = None,
+    server_speed: ServerSpeedOption = 1.0,
+    vocab_size: VocabOption = 256,
+    context_tokens: ContextOption = None,
 ) -> None:
-    """Measure step times on a device, fit the cost model's constants, write a calibration file for
-    `hybridserve simulate --calibration FILE`."""
+    """Measure step times on a device (or, with --url, on a running server), fit the cost
+    model's constants, write a calibration file for `hybridserve simulate --calibration FILE`."""
+    if url is not None:
+        from hybridserve.cli.calibrate_url import calibrate_url
+
+        calibrate_url(
+            url=url,
+            model=model,
+            api_key=api_key,
+            gpu_name=gpu_name or "H200",
+            model_config=model_config,
+            dtype=dtype,
+            peaks_from=peaks_from,
+            server_speed=server_speed,
+            vocab_size=vocab_size,
+            context_tokens=context_tokens,
+            out=out,
+            quick=quick,
+            seed=seed,
+            holdout_fraction=holdout_fraction,
+        )
+        return
+    if model is None or gpu_name is None:
+        missing = "--model" if model is None else "--gpu-name"
+        raise fail(
+            f"{missing} is missing: give --model CHECKPOINT_FOLDER --gpu-name NAME to calibrate "
+            "this machine's device, or --url URL to calibrate a running server"
+        )
+    _calibrate_device(
+        Path(model),
+        gpu_name=gpu_name,
+        device=device,
+        out=out,
+        quick=quick,
+        seed=seed,
+        holdout_fraction=holdout_fraction,
+        threads=threads,
+        clock=clock,
+    )
+
+
+def _calibrate_device(
+    model: Path,
+    *,
+    gpu_name: str,
+    device: str,
+    out: Path | None,
+    quick: bool,
+    seed: int,
+    holdout_fraction: float,
+    threads: int | None,
+    clock: str,
+) -> None:
     from hybridserve.sim.calibration_fit import QUICK_GRID, Grid
 
     need_extra("models", *MODELS_EXTRA, what="hybridserve calibrate")
@@ -135,6 +245,10 @@ def calibrate_cmd(
         raise fail(str(exc)) from None
     path = out if out is not None else Path("runs") / "calibration" / f"{gpu_name}.json"
     profile.save(path)
+    print_summary(profile, path)
+
+
+def print_summary(profile: Calibration, path: Path) -> None:
     console = out_console()
     for table in _summary_tables(profile):
         console.print(table)

@@ -6,8 +6,10 @@ deliveries back to the event loop in one batch. Time is the wall clock (seconds 
 passed to `Engine.step(now)` like any other clock.
 
 Pacing: a backend may ask that a step last at least `pace_s(result)` wall seconds (the
-simulator's modelled duration over `--sim-speed`). The next step waits until then; commands
-keep being applied while it waits, so an abort frees its blocks at once.
+simulator's modelled duration over `--sim-speed`). The step's outputs are held until then, as a
+real engine delivers a step's tokens when the step ends (so a TTFT includes the prefill's time),
+and the next step waits as long; commands keep being applied while it waits, so an abort frees
+its blocks at once.
 
 Faults: a step the executor fails ends its requests with a 500 (the engine already aborted
 them and freed their blocks) and the engine carries on; after `max_failed_steps` failed steps
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +56,8 @@ logger = logging.getLogger(__name__)
 # After a step that scheduled nothing while requests remain (none can run yet), wait this long
 # or for the next command before stepping again, instead of spinning.
 IDLE_STEP_WAIT_S = 0.005
+# A paced step that starts at most this late is paced from when it was due (see _step_once).
+PACE_CATCH_UP_S = 0.010
 # How often the watchdog looks at the running step, at most (smaller for short deadlines).
 WATCHDOG_POLL_S = 1.0
 
@@ -288,10 +293,12 @@ class AsyncEngine:
     def _serve_steps(self) -> None:
         next_step_at = 0.0
         engine = self.parts.engine
+        held: list[tuple[str, Delivery]] = []  # the last step's outputs, until its pace ends
+        busy = False  # requests were left after the last step: the next one is due at its end
         while True:
             with self._cond:
                 if not self._inbox and not self._stopping:
-                    if not engine.has_requests():
+                    if not engine.has_requests() and not held:
                         self._cond.wait(self._idle_wait_s())
                     elif (delay := next_step_at - time.monotonic()) > 0:
                         self._cond.wait(delay)
@@ -302,10 +309,20 @@ class AsyncEngine:
             dead_reason = None
             with self.lock:
                 self._apply(commands, batch)
+                due = stopping or time.monotonic() >= next_step_at
+                if due:  # the last step's pace is over: its outputs go first
+                    batch[:0], held = held, []
                 if stopping:
                     self._abort_all(batch)
-                elif engine.has_requests() and time.monotonic() >= next_step_at:
-                    next_step_at, dead_reason = self._step_once(batch)
+                elif due and engine.has_requests():
+                    stepped: list[tuple[str, Delivery]] = []
+                    due_at = next_step_at if busy else -math.inf  # an idle engine starts afresh
+                    next_step_at, dead_reason = self._step_once(stepped, due=due_at)
+                    busy = engine.has_requests()
+                    if dead_reason is None and time.monotonic() < next_step_at:
+                        held = stepped
+                    else:
+                        batch.extend(stepped)
                 elif not engine.has_requests():
                     engine.release_expired_pins(self.now())
                 self.snapshot = self._read_snapshot()
@@ -325,9 +342,12 @@ class AsyncEngine:
         deadline = self.parts.engine.next_pin_deadline()
         return None if deadline is None else max(deadline - self.now(), 0.0) + 1e-3
 
-    def _step_once(self, batch: list[tuple[str, Delivery]]) -> tuple[float, str | None]:
+    def _step_once(
+        self, batch: list[tuple[str, Delivery]], *, due: float
+    ) -> tuple[float, str | None]:
         """One engine step under the watchdog: (when the next step may start, the reason the
-        engine must die, if it must)."""
+        engine must die, if it must). A paced step that starts a little after it was `due` (the
+        thread woke late) is paced from `due`, so wake-up latency does not add to every step."""
         engine = self.parts.engine
         step_start, cpu_start = time.monotonic(), time.thread_time()
         self._step_began = step_start
@@ -340,7 +360,10 @@ class AsyncEngine:
         self._failed_in_a_row = 0
         step_s = time.monotonic() - step_start
         step_cpu_s = time.thread_time() - cpu_start
-        next_step_at = step_start + self._pace_s(step.result)
+        late = step_start - due
+        next_step_at = (due if 0 <= late < PACE_CATCH_UP_S else step_start) + self._pace_s(
+            step.result
+        )
         if step.scheduled.is_empty and engine.has_requests():
             next_step_at = max(next_step_at, step_start + IDLE_STEP_WAIT_S)
         self._after_step(step, step_s, step_cpu_s, batch)

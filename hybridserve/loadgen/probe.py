@@ -1,0 +1,195 @@
+"""The controlled requests of `calibrate --url` (see hybridserve.loadgen.calibrate): fresh
+prompts, cached primers, a background stream around a prefill, concurrent decode streams, and
+`step_at`, the length of one step read off a stream's token times."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import secrets
+import statistics
+from collections.abc import Sequence
+from typing import Protocol
+
+import httpx
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.loadgen.client import (
+    Completion,
+    completion_body,
+    request_headers,
+    stream_completion,
+)
+from hybridserve.sim.cost_model import RequestShape, StepShape
+
+_OVERHEAD_TOKENS = 8  # answer length of the overhead probe
+_BACKGROUND_PROMPT = 8  # prompt tokens of the background stream of a prefill measurement
+_BACKGROUND_BEFORE = 6  # its tokens before the prefill is sent
+_BACKGROUND_AFTER = 5  # and after the mixed step
+_DECODE_FRESH = 8  # fresh prompt tokens of each decode stream, after its cached primer
+
+
+class ProbeTarget(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def decode_steps(self) -> int: ...
+
+    @property
+    def server_speed(self) -> float: ...
+
+
+class Prober:
+    """Sends the controlled requests; every prompt is fresh random ids."""
+
+    def __init__(self, client: httpx.AsyncClient, target: ProbeTarget, model: str, seed: int):
+        self.client, self.target, self.model = client, target, model
+        self.rng = random.Random(f"{seed}/calibrate-url")  # the order of the shapes
+        # Token ids differ on every run: a second calibration of the same server must not hit
+        # the first one's cached prompts.
+        self._tokens = random.Random(secrets.randbits(64))
+        self._primers: dict[int, list[int]] = {}
+
+    async def primer(self, length: int) -> list[int]:
+        """A prefix of `length` fresh tokens, sent once (untimed) so the server caches it."""
+        if length not in self._primers:
+            self._primers[length] = self.fresh(length)
+            if length:
+                await self.send(self._primers[length], 1)
+        return self._primers[length]
+
+    def fresh(self, count: int) -> list[int]:
+        vocab = self.target.vocab_size
+        return [self._tokens.randrange(vocab) for _ in range(count)]
+
+    async def send(self, prompt: list[int], max_tokens: int) -> Completion:
+        body = completion_body(
+            model=self.model, prompt=prompt, max_tokens=max_tokens, session_id=None
+        )
+        done = await stream_completion(
+            self.client, body, headers=request_headers(self.target.api_key, None)
+        )
+        if done.failure is not None or not done.token_times_s:
+            raise self.failed(len(prompt), done.failure or "no token")
+        return done
+
+    async def overhead(self) -> float:
+        done = await self.send(self.fresh(1), _OVERHEAD_TOKENS)
+        times = done.token_times_s
+        step = statistics.median(b - a for a, b in itertools.pairwise(times))
+        return max(times[0] - done.sent_s - step, 0.0)
+
+    def watch(
+        self, prompt: list[int], max_tokens: int
+    ) -> tuple[Completion, asyncio.Task[Completion]]:
+        """Start a stream whose Completion fills as its tokens come."""
+        live = Completion(sent_s=0.0)
+        body = completion_body(
+            model=self.model, prompt=prompt, max_tokens=max_tokens, session_id=None
+        )
+        headers = request_headers(self.target.api_key, None)
+        task = asyncio.ensure_future(
+            stream_completion(self.client, body, headers=headers, into=live)
+        )
+        return live, task
+
+    async def until(self, live: Completion, task: asyncio.Task[Completion], tokens: int) -> None:
+        """Until `live` has `tokens` tokens; raises if its stream ends first."""
+        while len(live.token_times_s) < tokens:
+            if task.done():
+                raise self.failed(len(live.token_times_s), live.failure or "ended early")
+            await asyncio.sleep(0.0005)
+
+    async def prefill(self, primer: list[int], new: int) -> tuple[StepShape, float]:
+        """The mixed step that prefills `primer` + `new` fresh tokens next to one decode, and
+        its seconds: the step that ends at the background's token that came with the
+        prefill's first token (`step_at`)."""
+        background, task = self.watch(self.fresh(_BACKGROUND_PROMPT), 4096)
+        try:
+            await self.until(background, task, _BACKGROUND_BEFORE)
+            sent = len(background.token_times_s)
+            done = await self.send([*primer, *self.fresh(new)], 1)
+            first = done.token_times_s[0]
+            times = background.token_times_s
+            while times[-1] < first - 1e-4:
+                await self.until(background, task, len(times) + 1)
+            k = min(range(sent, len(times)), key=lambda i: abs(times[i] - first))
+            await self.until(background, task, k + 1 + _BACKGROUND_AFTER)
+        finally:
+            task.cancel()
+        step = step_at(times[: k + 1 + _BACKGROUND_AFTER], k, clean_until=sent)
+        cached = done.cached_tokens if done.cached_tokens is not None else len(primer)
+        total = len(primer) + new
+        shape = StepShape(
+            (
+                RequestShape(1, _BACKGROUND_PROMPT + k),
+                RequestShape(total - cached, cached),
+            )
+        )
+        return shape, step
+
+    def failed(self, num_prompt: int, why: str) -> ConfigError:
+        return ConfigError(
+            "--url",
+            self.target.url,
+            f"a calibration request of {num_prompt} prompt tokens failed ({why}); check the "
+            "server's log and its --max-model-len",
+        )
+
+    async def decode(self, batch: int, primer: list[int]) -> tuple[StepShape, float]:
+        """A step of `batch` decodes, each after `primer` (cached, so their prefills are a few
+        fresh tokens each and they start in one step) and a few fresh tokens: once every stream
+        has two tokens, each stream's mean gap over the next `decode_steps` tokens; the median
+        over the streams."""
+        steps = self.target.decode_steps
+        streams = [
+            self.watch([*primer, *self.fresh(_DECODE_FRESH)], 4 * steps) for _ in range(batch)
+        ]
+        try:
+            for live, task in streams:
+                await self.until(live, task, 2)
+            marks = [len(live.token_times_s) for live, _ in streams]
+            for (live, task), mark in zip(streams, marks, strict=True):
+                await self.until(live, task, mark + steps)
+        finally:
+            for _, task in streams:
+                task.cancel()
+        periods = [
+            (live.token_times_s[mark + steps - 1] - live.token_times_s[mark - 1]) / steps
+            for (live, _), mark in zip(streams, marks, strict=True)
+        ]
+        context = len(primer) + _DECODE_FRESH + max(marks) + steps // 2
+        return StepShape.decode(batch=batch, context_tokens=context), statistics.median(periods)
+
+
+def step_at(times: Sequence[float], k: int, *, clean_until: int | None = None) -> float:
+    """The length of the step that ends at token `k` of a stream whose other steps all last
+    the same: token times follow a line of one slope with a jump at `k`; the least-squares
+    slope (pooled over both sides) plus the jump. Tokens from `clean_until` to k - 1 (those
+    that came while the prefill was sent and admitted, which the admission may delay) are left
+    out. Every other timestamp counts, so one late token moves the answer by a fraction of its
+    lateness."""
+    before_end = k if clean_until is None else min(clean_until, k)
+    if before_end < 2 or len(times) - k < 2:
+        raise ValueError(f"k={k}: the step needs two tokens on each side of it")
+    sides = [list(enumerate(times[:before_end])), list(enumerate(times[k:], start=k))]
+    means = [
+        (statistics.fmean(i for i, _ in side), statistics.fmean(t for _, t in side))
+        for side in sides
+    ]
+    covariance = variance = 0.0
+    for side, (mean_i, mean_t) in zip(sides, means, strict=True):
+        covariance += sum((i - mean_i) * (t - mean_t) for i, t in side)
+        variance += sum((i - mean_i) ** 2 for i, _ in side)
+    slope = covariance / variance
+    (before_i, before_t), (after_i, after_t) = means
+    jump = (after_t - slope * after_i) - (before_t - slope * before_i)
+    return slope + jump
