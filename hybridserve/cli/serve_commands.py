@@ -188,7 +188,7 @@ StepTimeoutOpt = Annotated[
     typer.Option(
         parser=FINITE_FLOAT,
         help="The watchdog: a step running longer than this many seconds kills the engine "
-        "(/health 503, exit 1); 0 = no watchdog."
+        "(/health 503, exit 1); 0 = no watchdog.",
     ),
 ]
 ServeDcpOpt = Annotated[
