@@ -14,7 +14,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridserve.cli.app import app, err, fail, install_hint, out_console
+from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
 from hybridserve.core.errors import HybridServeError
 
 if TYPE_CHECKING:
@@ -54,20 +54,28 @@ SHOWN = (
 
 AgentsOpt = Annotated[int, typer.Option(help="Agents running jobs at once.")]
 DurationOpt = Annotated[
-    float, typer.Option(help="The run's length in wall seconds, warm-up included.")
+    float,
+    typer.Option(parser=FINITE_FLOAT, help="The run's length in wall seconds, warm-up included."),
 ]
-WarmupOpt = Annotated[float, typer.Option(help="Seconds excluded from the metrics.")]
+WarmupOpt = Annotated[
+    float, typer.Option(parser=FINITE_FLOAT, help="Seconds excluded from the metrics.")
+]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the agents' streams.")]
 TimeScaleOpt = Annotated[
-    float, typer.Option(help="Wall seconds per drawn tool second (a trace: per trace second).")
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT, help="Wall seconds per drawn tool second (a trace: per trace second)."
+    ),
 ]
 SystemPromptOpt = Annotated[int, typer.Option(help="The shared system/tool prompt's tokens.")]
 MaxContextOpt = Annotated[int, typer.Option(help="A job ends when its context would pass this.")]
 OutputTokensOpt = Annotated[
-    float | None, typer.Option(help="Median answer length [default: 150, E1's].")
+    float | None,
+    typer.Option(parser=FINITE_FLOAT, help="Median answer length [default: 150, E1's]."),
 ]
 ToolResultOpt = Annotated[
-    float | None, typer.Option(help="Median tool result length [default: 300, E1's].")
+    float | None,
+    typer.Option(parser=FINITE_FLOAT, help="Median tool result length [default: 300, E1's]."),
 ]
 ConcurrencyOpt = Annotated[
     int | None, typer.Option(help="Requests in flight at once [default: no limit].")

@@ -60,8 +60,9 @@ PeaksFromOption = Annotated[
 ServerSpeedOption = Annotated[
     float,
     typer.Option(
+        parser=FINITE_FLOAT,
         help="With --url: the server runs this many times faster than the device it models "
-        "(serve --executor sim --sim-speed); 1 for a real server."
+        "(serve --executor sim --sim-speed); 1 for a real server.",
     ),
 ]
 VocabOption = Annotated[int, typer.Option(help="With --url: prompt token ids are sent in [0, N).")]

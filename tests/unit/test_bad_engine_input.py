@@ -282,23 +282,27 @@ def test_scheduler_config_refuses_nan_and_inf_in_every_float_field(name: str) ->
             SchedulerConfig(**{name: value})
 
 
-def _float_flags() -> list[tuple[str, str]]:
+def _float_flags() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(command, float flag, the command's required options with a placeholder value)."""
     import typer
 
     command = typer.main.get_command(app)
     found = []
     for name, sub in command.commands.items():  # type: ignore[attr-defined]
+        required = tuple(
+            arg for p in sub.params if p.required and p.opts for arg in (p.opts[0], "x")
+        )
         for param in sub.params:
             if getattr(param.type_descriptor, "annotation", None) is float:
-                found.append((name, param.opts[0]))
+                found.append((name, param.opts[0], required))
     return found
 
 
 def test_every_float_flag_of_the_command_line_refuses_nan_and_inf() -> None:
     flags = _float_flags()
-    assert ("serve", "--target-mixed-step-ms") in flags and len(flags) >= 20
-    for command, flag in flags:
+    assert ("serve", "--target-mixed-step-ms", ()) in flags and len(flags) >= 20
+    for command, flag, required in flags:
         for value in ("nan", "inf"):
-            code, text = _run([command, flag, value])
+            code, text = _run([command, *required, flag, value])
             assert code == 2, (command, flag, text)
             assert f"Invalid value for '{flag}'" in text and "not a finite number" in text
