@@ -566,33 +566,7 @@ def run_fleet(
     done = recorder.finished_in(start, end_s)
     loads = sim.mean_outstanding(end_s)
     hours = (end_s - start) / 3600.0
-    per_replica = []
-    for index, replica in enumerate(sim.replicas):
-        mine = [
-            r for r in done if index in (sim.replica_of.get(r.req_id), sim.decode_of.get(r.req_id))
-        ]
-        jobs = [
-            j
-            for j in recorder.jobs.values()
-            if j.finish_s is not None
-            and start <= j.finish_s <= end_s
-            and sim.job_replica.get(j.job_id) == index
-        ]
-        per_replica.append(
-            {
-                "replica": index,
-                "role": "colocated"
-                if fleet.pd is None
-                else ("prefill" if index < sim.num_prefill else "decode"),
-                "requests_completed": float(len(mine)),
-                "job_goodput_per_hour": len(jobs) / hours,
-                **_latency(mine),
-                "hit_rate": _hit_rate(mine),
-                "mean_outstanding_tokens": loads[index],
-                "gpu_busy_frac": replica.busy_s / (end_s - start),
-                "steps": float(replica.steps),
-            }
-        )
+    per_replica = _per_replica(sim, done, loads, start=start, end_s=end_s)
     hit = _hit_rate(done)
     ideal = _hit_rate(done, sim.global_ideal)
     gpus = fleet.replicas * config.tp
@@ -613,17 +587,7 @@ def run_fleet(
         "per_replica": per_replica,
     }
     if fleet.pd is not None:
-        moves = sim.transfer_s
-        report["pd"] = {
-            "prefill": fleet.pd[0],
-            "decode": fleet.pd[1],
-            "link": sim.link.name,
-            "link_gb_per_s": sim.link.bytes_per_s / 1e9,
-            "handoffs": len(moves),
-            "transferred_gb_per_gpu": sim.transfer_bytes / 1e9,
-            "transfer_ms_mean": 1000 * sum(moves) / len(moves) if moves else math.nan,
-            "transfer_ms_p99": 1000 * percentile(moves, 99) if moves else math.nan,
-        }
+        report["pd"] = _pd_report(sim, fleet.pd)
     notices = tuple(dict.fromkeys(n for r in sim.replicas for n in r.scheduler.notices))
     run = SimRun(
         config,
@@ -635,6 +599,62 @@ def run_fleet(
         notices=notices,
     )
     return FleetRun(run, report)
+
+
+def _per_replica(
+    sim: FleetSimulation,
+    done: list[RequestRecord],
+    loads: list[float],
+    *,
+    start: float,
+    end_s: float,
+) -> list[dict[str, Any]]:
+    """Each replica's share of the window: its requests, jobs, latencies, hits and load."""
+    fleet, recorder = sim.fleet, sim.recorder
+    hours = (end_s - start) / 3600.0
+    out = []
+    for index, replica in enumerate(sim.replicas):
+        mine = [
+            r for r in done if index in (sim.replica_of.get(r.req_id), sim.decode_of.get(r.req_id))
+        ]
+        jobs = [
+            j
+            for j in recorder.jobs.values()
+            if j.finish_s is not None
+            and start <= j.finish_s <= end_s
+            and sim.job_replica.get(j.job_id) == index
+        ]
+        out.append(
+            {
+                "replica": index,
+                "role": "colocated"
+                if fleet.pd is None
+                else ("prefill" if index < sim.num_prefill else "decode"),
+                "requests_completed": float(len(mine)),
+                "job_goodput_per_hour": len(jobs) / hours,
+                **_latency(mine),
+                "hit_rate": _hit_rate(mine),
+                "mean_outstanding_tokens": loads[index],
+                "gpu_busy_frac": replica.busy_s / (end_s - start),
+                "steps": float(replica.steps),
+            }
+        )
+    return out
+
+
+def _pd_report(sim: FleetSimulation, pd: tuple[int, int]) -> dict[str, Any]:
+    """The prefill/decode split's handoffs over the window."""
+    moves = sim.transfer_s
+    return {
+        "prefill": pd[0],
+        "decode": pd[1],
+        "link": sim.link.name,
+        "link_gb_per_s": sim.link.bytes_per_s / 1e9,
+        "handoffs": len(moves),
+        "transferred_gb_per_gpu": sim.transfer_bytes / 1e9,
+        "transfer_ms_mean": 1000 * sum(moves) / len(moves) if moves else math.nan,
+        "transfer_ms_p99": 1000 * percentile(moves, 99) if moves else math.nan,
+    }
 
 
 def rounded(value: Any) -> Any:

@@ -460,17 +460,7 @@ def run_simulation(
 
         return run_fleet(config, config.fleet, progress=progress, cpu_clock=cpu_clock).run
     if config.bound == "infinite-engine":
-        recorder = infinite_engine_recorder(
-            config.agents, seed=config.seed, until_s=config.duration_s
-        )
-        summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=config.duration_s)
-        summary.update(time_breakdown(recorder, {}, {}, config.warmup_s, config.duration_s))
-        # No engine, no cache: recomputation is not defined.
-        summary["recomputed_prompt_tokens_per_turn"] = math.nan
-        summary["ideal_prompt_tokens_per_turn"] = math.nan
-        summary["steps"] = 0.0
-        summary["simulated_s"] = config.duration_s
-        return SimRun(config, summary, recorder, {})
+        return _infinite_engine_run(config)
     holder: list[Simulation] = []
     queue = QueueTrace(config.warmup_s)
     ideal: dict[str, int] = {}
@@ -509,6 +499,19 @@ def run_simulation(
         rejected=tuple(sim.rejected),
         notices=tuple(scheduler.notices),
     )
+
+
+def _infinite_engine_run(config: SimConfig) -> SimRun:
+    """The infinite-engine bound: every request served at once, no engine and no cache."""
+    recorder = infinite_engine_recorder(config.agents, seed=config.seed, until_s=config.duration_s)
+    summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=config.duration_s)
+    summary.update(time_breakdown(recorder, {}, {}, config.warmup_s, config.duration_s))
+    # No engine, no cache: recomputation is not defined.
+    summary["recomputed_prompt_tokens_per_turn"] = math.nan
+    summary["ideal_prompt_tokens_per_turn"] = math.nan
+    summary["steps"] = 0.0
+    summary["simulated_s"] = config.duration_s
+    return SimRun(config, summary, recorder, {})
 
 
 def pin_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
