@@ -563,10 +563,29 @@ def run_fleet(
         sum(r.scheduler.cache.layout.num_blocks for r in sim.replicas)
     )
     summary.update(pin_counters([r.scheduler for r in sim.replicas]))
-    done = recorder.finished_in(start, end_s)
+    report = _fleet_report(sim, summary, start=start, end_s=end_s)
+    notices = tuple(dict.fromkeys(n for r in sim.replicas for n in r.scheduler.notices))
+    run = SimRun(
+        config,
+        summary,
+        recorder,
+        cache,
+        rejected=tuple(sim.sim.rejected),
+        fleet=report,
+        notices=notices,
+    )
+    return FleetRun(run, report)
+
+
+def _fleet_report(
+    sim: FleetSimulation, summary: dict[str, float], *, start: float, end_s: float
+) -> dict[str, Any]:
+    """The fleet's own report: routing, hit rate against the global ideal, balance, SLO
+    goodput per GPU, each replica's share and the P/D handoffs."""
+    fleet, config = sim.fleet, sim.config
+    done = sim.recorder.finished_in(start, end_s)
     loads = sim.mean_outstanding(end_s)
     hours = (end_s - start) / 3600.0
-    per_replica = _per_replica(sim, done, loads, start=start, end_s=end_s)
     hit = _hit_rate(done)
     ideal = _hit_rate(done, sim.global_ideal)
     gpus = fleet.replicas * config.tp
@@ -584,21 +603,11 @@ def run_fleet(
         # Requests within the SLO (TTFT <= 15 s, p99 gap <= 100 ms) per GPU-hour.
         "slo_requests_per_gpu_hour": len(within) / hours / gpus,
         "job_goodput_per_gpu_hour": summary["job_goodput_per_hour"] / gpus,
-        "per_replica": per_replica,
+        "per_replica": _per_replica(sim, done, loads, start=start, end_s=end_s),
     }
     if fleet.pd is not None:
         report["pd"] = _pd_report(sim, fleet.pd)
-    notices = tuple(dict.fromkeys(n for r in sim.replicas for n in r.scheduler.notices))
-    run = SimRun(
-        config,
-        summary,
-        recorder,
-        cache,
-        rejected=tuple(sim.sim.rejected),
-        fleet=report,
-        notices=notices,
-    )
-    return FleetRun(run, report)
+    return report
 
 
 def _per_replica(
