@@ -24,11 +24,9 @@ from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.run import (
     DEFAULT_SPECULATIVE_TOKENS,
     SimConfig,
-    gpu_of,
-    loaded_model,
+    resolve_deployment,
     simulated_cost_model,
     simulated_pool_blocks,
-    speculative_of,
 )
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
@@ -101,7 +99,7 @@ class SimServingBackend:
                 eos_probability,
                 "use a probability in [0, 1] (0: answers end at max_tokens or a stop)",
             )
-        self.deployment = SimConfig(
+        config = SimConfig(
             model=model_profile,
             gpu=gpu,
             tp=tp,
@@ -113,10 +111,11 @@ class SimServingBackend:
             preset=preset,
             seed=seed,
         )
-        self._model = loaded_model(self.deployment)
-        self._gpu = gpu_of(self.deployment)
-        self._cost = simulated_cost_model(self.deployment)  # checks tp and kv_dtype
-        self._speculative = speculative_of(self.deployment)
+        self.deployment = resolve_deployment(config)  # checks the model, tp and kv_dtype
+        self._model = self.deployment.model
+        self._gpu = self.deployment.gpu
+        self._cost = simulated_cost_model(self.deployment)
+        self._speculative = self.deployment.speculative
         self._eos_probability = eos_probability
         self._tp, self._dtype = tp, dtype
         self._acceptance_rate = acceptance_rate

@@ -22,7 +22,7 @@ from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 
 if TYPE_CHECKING:
     from hybridserve.sim.fleet import FleetConfig
-    from hybridserve.sim.run import SimConfig, SimRun
+    from hybridserve.sim.run import Deployment, SimConfig, SimRun
     from hybridserve.sim.sweep import Trial
 
 REPORT_KEYS = RUN_KEYS
@@ -36,14 +36,16 @@ def _sim_config(*, num_agents: int, **options: Any) -> SimConfig:
     return SimConfig(agents=AgentParams(num_agents=num_agents), **options)
 
 
-def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> SimRun:
+def _run_sim(
+    config: SimConfig, *, label: str, quiet: bool, deployment: Deployment | None = None
+) -> SimRun:
     """One run, with a progress bar in simulated seconds on stderr unless `quiet`."""
     from hybridserve.sim.run import run_simulation
 
     # The measured-CPU option needs a clock; the simulator never reads one itself.
     clock = time.perf_counter if config.include_scheduler_cpu else None
     if quiet:
-        return run_simulation(config, cpu_clock=clock)
+        return run_simulation(config, cpu_clock=clock, deployment=deployment)
     columns = (
         TextColumn("{task.description}", markup=False),
         BarColumn(),
@@ -53,7 +55,10 @@ def _run_sim(config: SimConfig, *, label: str, quiet: bool) -> SimRun:
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(label, total=config.duration_s)
         return run_simulation(
-            config, progress=lambda now: bar.update(task, completed=now), cpu_clock=clock
+            config,
+            progress=lambda now: bar.update(task, completed=now),
+            cpu_clock=clock,
+            deployment=deployment,
         )
 
 
@@ -225,13 +230,13 @@ def _warn_about_run(run: SimRun) -> None:
         )
 
 
-def _simulated_model(config: SimConfig) -> tuple[str, str]:
+def _simulated_model(config: SimConfig | Deployment) -> tuple[str, str]:
     """(the model's name, the speculative method) that `config` simulates: the profile parsed
     from --model-config when given, and the resolved --spec (auto: from the model)."""
-    from hybridserve.sim.run import model_profile, speculative_method
+    from hybridserve.sim.run import resolve_deployment, speculative_method
 
-    profile = model_profile(config)
-    return profile.name, speculative_method(config.spec, profile)
+    deployment = resolve_deployment(config)
+    return deployment.profile.name, speculative_method(deployment.config.spec, deployment.profile)
 
 
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
@@ -502,42 +507,44 @@ def simulate_cmd(
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
     flags = SimulateFlags(**locals())
     try:
-        config, pool, run, fleet_report = _simulate(flags)
+        deployment, pool, run, fleet_report = _simulate(flags)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
         raise interrupted("the run did not finish; nothing was written") from None
-    _report_simulation(flags, config, run, pool, fleet_report)
+    _report_simulation(flags, deployment, run, pool, fleet_report)
 
 
-Simulated = tuple["SimConfig", dict[str, Any], "SimRun", dict[str, Any] | None]
+Simulated = tuple["Deployment", dict[str, Any], "SimRun", dict[str, Any] | None]
 
 
 def _simulate(flags: SimulateFlags) -> Simulated:
-    """One engine, or a fleet behind a router: the config, its pool, the run and, for a
-    fleet, its report."""
-    from hybridserve.sim.run import pool_report
+    """One engine, or a fleet behind a router: the deployment (resolved once), its pool, the
+    run and, for a fleet, its report."""
+    from hybridserve.sim.run import pool_report, resolve_deployment
 
     config = replace(flags.config(), fleet=fleet_option(flags))
-    pool = pool_report(config)  # a pool that does not fit fails before anything runs
+    deployment = resolve_deployment(config)  # the model and the preset, resolved once
+    pool = pool_report(deployment)  # a pool that does not fit fails before anything runs
     label = run_label(config.preset, flags.config_file)
-    run = _run_sim(config, label=f"simulate ({label})", quiet=flags.as_json)
-    return config, pool, run, run.fleet
+    run = _run_sim(config, label=f"simulate ({label})", quiet=flags.as_json, deployment=deployment)
+    return deployment, pool, run, run.fleet
 
 
 def _report_simulation(
     flags: SimulateFlags,
-    config: SimConfig,
+    deployment: Deployment,
     run: SimRun,
     pool: dict[str, Any],
     fleet_report: dict[str, Any] | None,
 ) -> None:
     """The run's metrics: as JSON, or as a table (and report.json plus plots with --out)."""
+    config = deployment.config
     summary = dict(run.summary)
     summary["kv_cache_tokens"] = float(pool["kv_cache_tokens"])
     summary["max_concurrency"] = float(pool["max_concurrency"])
     _warn_about_run(run)
-    name, method = _simulated_model(config)
+    name, method = _simulated_model(deployment)
     label = run_label(config.preset, flags.config_file)
     if flags.out is not None:
         setup = {"model": name, "spec": method, "gpu": config.gpu, "workload": flags.workload}

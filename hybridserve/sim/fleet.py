@@ -56,15 +56,15 @@ from hybridserve.sim.routers import (
 from hybridserve.sim.run import (
     TBT_SLO_S,
     TTFT_SLO_S,
+    Deployment,
     QueueTrace,
     SimConfig,
     SimRun,
     _require_completed,
-    gpu_of,
     group_hit_rates,
-    loaded_model,
     make_simulation,
     pin_counters,
+    resolve_deployment,
     simulated_engine,
     time_breakdown,
 )
@@ -196,6 +196,7 @@ class FleetSimulation:
         *,
         progress: Callable[[float], None] | None = None,
         cpu_clock: Callable[[], float] | None = None,
+        deployment: Deployment | None = None,
     ) -> None:
         if config.bound is not None:
             raise ConfigError(
@@ -205,15 +206,17 @@ class FleetSimulation:
         self.fleet = fleet
         self.progress = progress
         self.ideal: dict[str, int] = {}
+        # Resolved once; every replica is built from it (`deployment` of the run's config).
+        self.deployment = deployment or resolve_deployment(config)
         built = [
-            simulated_engine(config, cpu_clock=cpu_clock, ideal_prefix=self.ideal)
+            simulated_engine(self.deployment, cpu_clock=cpu_clock, ideal_prefix=self.ideal)
             for _ in range(fleet.replicas)
         ]
         self.replicas = [_Replica(parts.engine, parts.scheduler) for parts in built]
         num_prefill = fleet.pd[0] if fleet.pd is not None else fleet.replicas
         self.num_prefill = num_prefill
         if fleet.pd is not None:
-            self.link = link_of(fleet.pd_link, gpu_of(config))
+            self.link = link_of(fleet.pd_link, self.deployment.gpu)
         self.sim: Simulation = make_simulation(config, self.replicas[0].engine, lambda _s: None)
         self.sim.ideal_prefix = self.ideal
         self.recorder: MetricsRecorder = self.sim.recorder
@@ -430,7 +433,7 @@ class FleetSimulation:
         resident = cache.find_hit(hashes, len(tokens)).num_tokens
         moved = max(len(flight.tokens) - resident, 0)
         num_bytes = handoff_bytes(
-            loaded_model(self.config),
+            self.deployment.model,
             moved_tokens=moved,
             kv_dtype=self.config.kv_dtype,
             tp=self.config.tp,
@@ -539,10 +542,15 @@ def run_fleet(
     *,
     progress: Callable[[float], None] | None = None,
     cpu_clock: Callable[[], float] | None = None,
+    deployment: Deployment | None = None,
 ) -> FleetRun:
     """Run the workload on the fleet; the summary has the single-engine keys, fleet-wide."""
     config = replace(config, fleet=fleet)
-    sim = FleetSimulation(config, fleet, progress=progress, cpu_clock=cpu_clock)
+    if deployment is not None:
+        deployment = replace(deployment, config=config)
+    sim = FleetSimulation(
+        config, fleet, progress=progress, cpu_clock=cpu_clock, deployment=deployment
+    )
     recorder = sim.run(config.duration_s)
     start = config.warmup_s
     end_s = sim.now if start < sim.now < config.duration_s else config.duration_s

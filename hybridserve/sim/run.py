@@ -284,41 +284,80 @@ def scheduler_preset(config: SimConfig, model: ModelProfile) -> Preset:
     )
 
 
-def pool_budget(config: SimConfig) -> KvBudget:
-    """One rank's memory account as vLLM's profile run would make it (hybridserve.sim.memory)."""
-    model = loaded_model(config)
-    scheduler = scheduler_preset(config, model).scheduler
-    return vllm_kv_budget(
-        gpu_of(config),
-        model,
-        tp=config.tp,
-        dcp=config.dcp,
-        dtype=config.dtype,
-        kv_dtype=config.kv_dtype,
-        max_num_seqs=scheduler.max_num_seqs,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """A run's simulated deployment, resolved once from its `SimConfig`: the model (as named
+    and as loaded), the device, the speculation and the scheduler settings. Every engine of
+    the run (one, or a fleet's replicas), its pool, its cost model and the serving backend
+    are built from it; nothing below re-resolves the model or the preset."""
+
+    config: SimConfig
+    profile: ModelProfile  # as named, or parsed from --model-config
+    model: ModelProfile  # as served: MTP layers only when it speculates with MTP
+    gpu: GpuSpec
+    speculative: SpeculativeConfig
+    settings: Preset  # the preset, then the file's and the run's overrides
+
+
+def resolve_deployment(config: SimConfig | Deployment) -> Deployment:
+    """The deployment `config` describes (a Deployment is returned as it is)."""
+    if isinstance(config, Deployment):
+        return config
+    profile = model_profile(config)
+    method = speculative_method(config.spec, profile)
+    speculative = SpeculativeConfig.from_name(
+        method,
+        config.num_speculative_tokens if method != "none" else 0,
+        lookahead_block_hashes=preset_uses_lookahead(config.preset),
+    )
+    model = profile.loaded(mtp=speculative.method is SpecMethod.MTP)
+    check_tensor_parallel(model, config.tp)
+    check_kv_dtype(config.kv_dtype)
+    return Deployment(
+        config=config,
+        profile=profile,
+        model=model,
+        gpu=gpu_of(config),
+        speculative=speculative,
+        settings=scheduler_preset(config, model),
     )
 
 
-def pool_report(config: SimConfig) -> dict[str, Any]:
+def pool_budget(config: SimConfig | Deployment) -> KvBudget:
+    """One rank's memory account as vLLM's profile run would make it (hybridserve.sim.memory)."""
+    deployment = resolve_deployment(config)
+    run, scheduler = deployment.config, deployment.settings.scheduler
+    return vllm_kv_budget(
+        deployment.gpu,
+        deployment.model,
+        tp=run.tp,
+        dcp=run.dcp,
+        dtype=run.dtype,
+        kv_dtype=run.kv_dtype,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        gpu_memory_utilization=run.gpu_memory_utilization,
+    )
+
+
+def pool_report(config: SimConfig | Deployment) -> dict[str, Any]:
     """The pool's figures and the lines vLLM would log for it ("GPU KV cache size: N tokens",
     "Maximum concurrency for L tokens per request: Xx"), L = the scheduler's max_model_len."""
-    model = loaded_model(config)
-    scheduler = scheduler_preset(config, model).scheduler
-    budget = pool_budget(config)
-    groups = model.kv_cache_groups()
+    deployment = resolve_deployment(config)
+    scheduler, dcp = deployment.settings.scheduler, deployment.config.dcp
+    budget = pool_budget(deployment)
+    groups = deployment.model.kv_cache_groups()
     num_blocks = budget.num_blocks
     return {
         **{k: round(v, 4) for k, v in budget.as_dict().items()},
-        "kv_cache_tokens": kv_cache_tokens(num_blocks, groups, dcp=config.dcp),
+        "kv_cache_tokens": kv_cache_tokens(num_blocks, groups, dcp=dcp),
         "max_concurrency": round(
             max_concurrency(
                 num_blocks,
                 groups,
                 scheduler.max_model_len,
                 max_num_batched_tokens=scheduler.max_num_batched_tokens,
-                dcp=config.dcp,
+                dcp=dcp,
             ),
             4,
         ),
@@ -328,47 +367,48 @@ def pool_report(config: SimConfig) -> dict[str, Any]:
             groups=groups,
             max_model_len=scheduler.max_model_len,
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
-            dcp=config.dcp,
+            dcp=dcp,
         ),
     }
 
 
-def simulated_cost_model(config: SimConfig) -> RooflineCostModel:
+def simulated_cost_model(config: SimConfig | Deployment) -> RooflineCostModel:
     """The cost model of the run's deployment (GPU, model as loaded, TP, DCP, dtypes, the
     draft passes its speculation charges): what every simulated engine's steps cost."""
-    model = loaded_model(config)
-    check_tensor_parallel(model, config.tp)
-    check_kv_dtype(config.kv_dtype)
+    deployment = resolve_deployment(config)
+    run = deployment.config
     return RooflineCostModel(
-        gpu_of(config),
-        model,
-        tp=config.tp,
-        dcp=config.dcp,
-        dtype=config.dtype,
-        kv_dtype=config.kv_dtype,
-        efficiency=config.efficiency,
-        num_draft_passes=draft_passes(speculative_of(config)),
+        deployment.gpu,
+        deployment.model,
+        tp=run.tp,
+        dcp=run.dcp,
+        dtype=run.dtype,
+        kv_dtype=run.kv_dtype,
+        efficiency=run.efficiency,
+        num_draft_passes=draft_passes(deployment.speculative),
     )
 
 
-def simulated_pool_blocks(config: SimConfig, scheduler: SchedulerConfig) -> int:
+def simulated_pool_blocks(config: SimConfig | Deployment, scheduler: SchedulerConfig) -> int:
     """The blocks the deployment's pool holds under `scheduler` (vLLM's profile run sizes its
     activations by max_num_seqs and max_num_batched_tokens)."""
+    deployment = resolve_deployment(config)
+    run = deployment.config
     return kv_pool_blocks(
-        gpu_of(config),
-        loaded_model(config),
-        tp=config.tp,
-        dcp=config.dcp,
-        dtype=config.dtype,
-        kv_dtype=config.kv_dtype,
+        deployment.gpu,
+        deployment.model,
+        tp=run.tp,
+        dcp=run.dcp,
+        dtype=run.dtype,
+        kv_dtype=run.kv_dtype,
         max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        gpu_memory_utilization=run.gpu_memory_utilization,
     )
 
 
 def simulated_engine(
-    config: SimConfig,
+    deployment: SimConfig | Deployment,
     *,
     cpu_clock: Callable[[], float] | None = None,
     ideal_prefix: Mapping[str, int] | None = None,
@@ -376,13 +416,13 @@ def simulated_engine(
     """The real Engine over a simulated executor. `cpu_clock` is required (and only used) with
     `config.include_scheduler_cpu`; `ideal_prefix` (per request, the prompt tokens an ideal
     cache holds) is what the `ideal-hits` bound reads."""
+    resolved = resolve_deployment(deployment)
+    config = resolved.config
     if config.bound == "infinite-engine":
         raise ConfigError("bound", config.bound, "an infinite engine has no engine to build")
-    model = loaded_model(config)
-    speculative = speculative_of(config)
-    cost = simulated_cost_model(config)
-    chosen = scheduler_preset(config, model)
-    num_blocks = simulated_pool_blocks(config, chosen.scheduler)
+    model, speculative, chosen = resolved.model, resolved.speculative, resolved.settings
+    cost = simulated_cost_model(resolved)
+    num_blocks = simulated_pool_blocks(resolved, chosen.scheduler)
     bound, ideal = config.bound, ideal_prefix if ideal_prefix is not None else {}
     # Under a step-cost bound the prompt tokens it makes free take no token budget either
     # (the pool above is still the one the real budget's profile run leaves).
@@ -452,19 +492,26 @@ def run_simulation(
     *,
     progress: Callable[[float], None] | None = None,
     cpu_clock: Callable[[], float] | None = None,
+    deployment: Deployment | None = None,
 ) -> SimRun:
     """Run the workload; `progress(simulated_s)` is called after every 256 steps. With
-    `config.fleet`, the workload runs on the fleet (`SimRun.fleet` is its report)."""
+    `config.fleet`, the workload runs on the fleet (`SimRun.fleet` is its report).
+    `deployment`, when the caller resolved it already, is `config`'s (it is not resolved
+    again)."""
+    if deployment is not None and deployment.config != config:
+        raise ConfigError("deployment", "another run's", "resolve it from this config")
     if config.fleet is not None:
         from hybridserve.sim.fleet import run_fleet
 
-        return run_fleet(config, config.fleet, progress=progress, cpu_clock=cpu_clock).run
+        return run_fleet(
+            config, config.fleet, progress=progress, cpu_clock=cpu_clock, deployment=deployment
+        ).run
     if config.bound == "infinite-engine":
         return _infinite_engine_run(config)
     holder: list[Simulation] = []
     queue = QueueTrace(config.warmup_s)
     ideal: dict[str, int] = {}
-    parts = simulated_engine(config, cpu_clock=cpu_clock, ideal_prefix=ideal)
+    parts = simulated_engine(deployment or config, cpu_clock=cpu_clock, ideal_prefix=ideal)
     engine, scheduler = parts.engine, parts.scheduler
 
     def on_step(step: EngineStep) -> None:
