@@ -159,6 +159,12 @@ class ProgramPriority(StrEnum):
     FCFS = "fcfs"  # earliest session arrival first (program-level FCFS)
 
 
+# vLLM's engine defaults, the one place they are written: everything that defaults one of these
+# knobs (the simulator's memory rule and cost model) reads them from here.
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerConfig:
     """Token-budget scheduler limits (vLLM v1 semantics) and the prefill/decode controls.
@@ -166,8 +172,8 @@ class SchedulerConfig:
     Every control defaults to 0, which means off; with all of them off the schedule is vLLM's.
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 131072
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0

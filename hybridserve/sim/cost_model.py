@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Protocol
 
+from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
@@ -403,8 +404,8 @@ def kv_pool_blocks(
     dcp: int = 1,
     dtype: str = "bf16",
     kv_dtype: str = "bf16",
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     gpu_memory_utilization: float = 0.9,
 ) -> int:
     """Block ids that fit on one GPU, as vLLM sizes its pool (hybridserve.sim.memory).

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
 from hybridserve.sim.gpus import GpuSpec
@@ -133,8 +134,8 @@ def vllm_kv_budget(
     dcp: int = 1,
     dtype: str = "bf16",
     kv_dtype: str = "bf16",
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     gpu_memory_utilization: float = 0.9,
 ) -> KvBudget:
     """The memory account of one GPU of a `tp`-wide replica. Raises ConfigError for a
@@ -166,7 +167,7 @@ def blocks_per_request(
     groups: tuple[GroupSpec, ...],
     max_model_len: int,
     *,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     dcp: int = 1,
 ) -> int:
     """Block ids one request of `max_model_len` tokens can hold, summed over the groups, as
@@ -200,7 +201,7 @@ def vllm_log_lines(
     num_blocks: int,
     groups: tuple[GroupSpec, ...],
     max_model_len: int,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     dcp: int = 1,
 ) -> list[str]:
     """The lines vLLM logs about the pool, with this pool's figures, so they can be held against a

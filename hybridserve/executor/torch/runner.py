@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.core.config import SpecMethod, SpeculativeConfig
+from hybridserve.core.config import DEFAULT_MAX_NUM_SEQS, SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult, TokenLogprob
 from hybridserve.core.request import SamplingParams, keep_sampled
@@ -72,7 +72,7 @@ class TorchExecutor:
         block_size: int = 16,
         device: str | torch.device = "cpu",
         speculative: SpeculativeConfig | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
         seed: int = 0,
         dcp: DcpGroup | None = None,
