@@ -4,6 +4,8 @@ every command's --help lists the valid models, GPUs and speculative methods, the
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +82,13 @@ def test_a_bracketed_value_in_a_table_title_is_printed_as_given(tmp_path: Path) 
     assert result.exit_code == 0, result.output
     # A long temporary path may wrap anywhere; markup would have eaten the brackets.
     assert "trace[1].jsonl" in re.sub(r"\s+", "", result.output)
+
+
+def test_bench_shows_a_progress_bar_over_its_runs_with_the_time_left(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "hybridserve.cli", "bench", "--agents", "2"]
+    command += ["--duration", "40", "--warmup", "5", "--seeds", "2", "--no-bounds"]
+    command += ["--workers", "1"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Four runs (two configurations on two seeds): the bar ends at 4/4 with the time left.
+    assert "4/4 hybridserve seed=1" in done.stderr and "left" in done.stderr
