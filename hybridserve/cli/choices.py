@@ -4,6 +4,7 @@ same models, GPUs and speculative methods, taken from the catalogs themselves.""
 from __future__ import annotations
 
 from hybridserve.core.config import SPEC_NAMES
+from hybridserve.engine.settings import DEFAULT_PRESET, PRESETS
 from hybridserve.layouts import LAYOUTS
 from hybridserve.sim.gpus import GPUS
 from hybridserve.sim.model_profiles import MODELS
@@ -25,6 +26,7 @@ SPEC_HELP = (
     "(eagle, eagle3 and mtp use vLLM 0.33's lookahead block hashes; their -legacy forms drop "
     "the last matched block of a prefix hit instead)."
 )
+PRESET_HELP = f"{listed(PRESETS)} [default: the --config file's preset, else {DEFAULT_PRESET}]."
 # The torch device of every command that runs a real model (`serve`, `generate`): one default.
 DEFAULT_DEVICE = "auto"
 DEVICE_HELP = "Torch: auto (CUDA when available, else cpu), cpu, cuda, cuda:N."

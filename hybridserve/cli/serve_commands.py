@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, install_hint, need_extra
-from hybridserve.cli.choices import DEFAULT_DEVICE, DEVICE_HELP, MODEL_HELP, SPEC_HELP
+from hybridserve.cli.choices import (
+    DEFAULT_DEVICE,
+    DEVICE_HELP,
+    MODEL_HELP,
+    PRESET_HELP,
+    SPEC_HELP,
+)
 from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
 from hybridserve.core.errors import HybridServeError
 
@@ -100,11 +106,7 @@ SimSpeedOpt = Annotated[
 ]
 PresetOpt = Annotated[
     str | None,
-    typer.Option(
-        help="baseline, legacy, hybridserve, decode-first, controls-only or retention-only "
-        "[default: the "
-        "--config file's preset, else hybridserve]."
-    ),
+    typer.Option(help=PRESET_HELP),
 ]
 ConfigOpt = Annotated[
     Path | None,

@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
-from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, SPEC_HELP
+from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, PRESET_HELP, SPEC_HELP
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 
@@ -347,11 +347,7 @@ CpuOption = Annotated[
 
 SimPresetOption = Annotated[
     str | None,
-    typer.Option(
-        help="baseline, legacy, hybridserve, decode-first, controls-only or retention-only "
-        "[default: the "
-        "--config file's preset, else hybridserve]."
-    ),
+    typer.Option(help=PRESET_HELP),
 ]
 SimWarmupOption = Annotated[
     float | None,

@@ -186,6 +186,11 @@ class SchedulerConfig:
     decode_prefill_max_wait_ms: float = 0.0
     # SPEC.md 5.3: adaptive time budget, 0 = off.
     target_mixed_step_ms: float = 0.0
+    # The adaptive prefill budget (scheduler/adaptive.py), 0 = off: the duration that steps
+    # carrying decodes aim for, and the oldest waiter's wait past which the budget grows
+    # whatever the step time (0: never). Its ceiling is max_num_batched_tokens.
+    adaptive_budget_itl_ms: float = 0.0
+    adaptive_budget_queue_ms: float = 0.0
     # Agent-aware controls, all off by default (docs/vllm_baseline.md "differs on purpose").
     # Tool-call TTL pinning: the fraction of the pool a finished turn's prefix may hold out
     # of eviction until its session returns (0 = off), the TTL cap and the gap quantile.
@@ -240,9 +245,20 @@ class SchedulerConfig:
             "decode_prefill_min_decode_steps",
         ):
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
-        for name in ("decode_prefill_max_wait_ms", "target_mixed_step_ms"):
+        for name in (
+            "decode_prefill_max_wait_ms",
+            "target_mixed_step_ms",
+            "adaptive_budget_itl_ms",
+            "adaptive_budget_queue_ms",
+        ):
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
         self._check_agent_controls()
+        if self.adaptive_budget_queue_ms > 0 and not self.adaptive_budget_itl_ms:
+            raise ConfigError(
+                "scheduler.adaptive_budget_queue_ms",
+                self.adaptive_budget_queue_ms,
+                "the queue valve belongs to the adaptive budget: set adaptive_budget_itl_ms > 0",
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "scheduler.max_num_batched_tokens",

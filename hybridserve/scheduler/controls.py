@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request
+from hybridserve.scheduler.adaptive import AdaptiveBudget
 from hybridserve.scheduler.step_model import StepTimeModel
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class PrefillPlan:
     mixed_budget: int = 0  # Bp, the governed prefill tokens of a mixed step
     rotation: int | None = None
     adaptive_fallback: bool = False  # the time grant fell back: its prediction error is high
+    queue_pressure: bool = False  # the adaptive budget's queue valve was open for this plan
 
     @property
     def unlimited(self) -> bool:
@@ -167,6 +169,8 @@ class ControlStats:
     decode_only_steps_while_pending: int = 0
     deadline_bypasses: int = 0
     adaptive_fallbacks: int = 0
+    queue_pressure_steps: int = 0  # mixed steps planned with the adaptive queue valve open
+    adaptive_budget_tokens: int = 0  # gauge: the adaptive prefill budget now (0: off)
     active_partial_prefills: int = 0  # gauge, after the last step
     last_grants: dict[str, int] = field(default_factory=dict)
 
@@ -193,6 +197,16 @@ class ControlStats:
                 "hybridserve:scheduler_adaptive_budget_fallbacks_total",
                 "counter",
                 self.adaptive_fallbacks,
+            ),
+            (
+                "hybridserve:scheduler_adaptive_prefill_budget_tokens",
+                "gauge",
+                self.adaptive_budget_tokens,
+            ),
+            (
+                "hybridserve:scheduler_queue_pressure_steps_total",
+                "counter",
+                self.queue_pressure_steps,
             ),
         ]
 
@@ -223,10 +237,22 @@ class PrefillController:
         self.max_wait_s = config.decode_prefill_max_wait_ms / 1000.0
         self.target_s = config.target_mixed_step_ms / 1000.0
         self.model = step_model if step_model is not None else StepTimeModel()
-        self.enabled = bool(self.cap or self.max_partials or self.min_decode_steps or self.target_s)
+        self.adaptive = (
+            AdaptiveBudget(config, quantum=quantum) if config.adaptive_budget_itl_ms > 0 else None
+        )
+        self.enabled = bool(
+            self.cap
+            or self.max_partials
+            or self.min_decode_steps
+            or self.target_s
+            or self.adaptive is not None
+        )
         self.since = 0  # decode-only steps since the last prefill release, saturating at D
         self.rot = 0
         self.stats = ControlStats()
+        if self.adaptive is not None:
+            self.stats.adaptive_budget_tokens = self.adaptive.tokens()
+        self._last_plan = UNLIMITED  # the plan of the step `learn` hears about next
 
     # ----- plan -------------------------------------------------------------------------------
 
@@ -279,6 +305,13 @@ class PrefillController:
                 )
             bypass = True
         decode_tokens = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
+        pressure = (
+            self.adaptive is not None
+            and pending
+            and self.adaptive.under_pressure(
+                max(_oldest_age(waiting, now), _oldest_age(partials, now))
+            )
+        )
         budget, fallback = self._mixed_budget(token_budget - decode_tokens, decodes, partials)
         if budget is None:  # only Mp / D / W are on: no token cap
             return PrefillPlan(
@@ -295,6 +328,7 @@ class PrefillController:
             mixed_budget=budget,
             rotation=rotation,
             adaptive_fallback=fallback,
+            queue_pressure=pressure,
         )
 
     def commit(self, plan: PrefillPlan) -> None:
@@ -305,17 +339,22 @@ class PrefillController:
             self.stats.adaptive_fallbacks += 1
         if plan.grants is not None:
             self.stats.last_grants = dict(plan.grants)
+        if plan.queue_pressure:
+            self.stats.queue_pressure_steps += 1
+        self._last_plan = plan
 
     def _mixed_budget(
         self, room: int, decodes: Sequence[Request], partials: Sequence[Request]
     ) -> tuple[int | None, bool]:
         """Bp (None: no cap is on), the token cap and/or the adaptive time grant floored to the
         quantum; and whether the time grant fell back."""
-        if not self.cap and not self.target_s:
+        if not self.cap and not self.target_s and self.adaptive is None:
             return None, False
         limit = max(room, 0)
         if self.cap:
             limit = min(limit, self.cap)
+        if self.adaptive is not None:
+            limit = min(limit, self.adaptive.tokens())
         fallback = False
         if self.target_s:
             # At least one quantum: prefill never starves (a deadline bypass always moves),
@@ -402,9 +441,19 @@ class PrefillController:
                 stats.decode_only_steps_while_pending += 1
 
     def learn(self, *, decode: int, prefill: int, kv_tokens_read: int, duration_s: float) -> None:
-        """Feed a finished step's measured (or simulated) duration to the step-time model."""
+        """Feed a finished step's measured (or simulated) duration to the step-time model and
+        to the adaptive budget (a step that carried decodes under a token budget)."""
         if self.target_s and duration_s > 0:
             self.model.update(self.model.features(decode, prefill, kv_tokens_read), duration_s)
+        plan, self._last_plan = self._last_plan, UNLIMITED
+        if self.adaptive is not None and decode and plan.grants is not None:
+            self.adaptive.update(
+                duration_s=duration_s,
+                prefill_tokens=prefill,
+                budget=plan.mixed_budget,
+                pressure=plan.queue_pressure,
+            )
+            self.stats.adaptive_budget_tokens = self.adaptive.tokens()
 
 
 def _oldest_age(waiting: Sequence[Request], now: float) -> float:

@@ -61,6 +61,7 @@ from hybridserve.sim.run import (
     SimConfig,
     SimRun,
     _require_completed,
+    control_counters,
     group_hit_rates,
     make_simulation,
     pin_counters,
@@ -571,6 +572,7 @@ def run_fleet(
         sum(r.scheduler.cache.layout.num_blocks for r in sim.replicas)
     )
     summary.update(pin_counters([r.scheduler for r in sim.replicas]))
+    summary.update(control_counters([r.scheduler for r in sim.replicas]))
     report = _fleet_report(sim, summary, start=start, end_s=end_s)
     notices = tuple(dict.fromkeys(n for r in sim.replicas for n in r.scheduler.notices))
     run = SimRun(

@@ -538,6 +538,7 @@ def run_simulation(
     summary.update(group_hit_rates(cache))
     summary["kv_cache_blocks"] = float(scheduler.cache.layout.num_blocks)
     summary.update(pin_counters([scheduler]))
+    summary.update(control_counters([scheduler]))
     return SimRun(
         config,
         summary,
@@ -568,6 +569,21 @@ def pin_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
         if scheduler.pinning:
             for name, value in dataclasses.asdict(scheduler.cache.pin_stats).items():
                 out[f"kv_pins_{name}"] = out.get(f"kv_pins_{name}", 0.0) + float(value)
+    return out
+
+
+def control_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
+    """The adaptive budget's counters summed over the engines (none when it is off): the mixed
+    steps planned with its queue valve open, and the budget each engine ended on."""
+    out: dict[str, float] = {}
+    for scheduler in schedulers:
+        if scheduler.controls.adaptive is not None:
+            stats = scheduler.controls.stats
+            for name, value in (
+                ("adaptive_queue_pressure_steps", stats.queue_pressure_steps),
+                ("adaptive_budget_tokens_at_end", stats.adaptive_budget_tokens),
+            ):
+                out[name] = out.get(name, 0.0) + float(value)
     return out
 
 

@@ -1,0 +1,72 @@
+"""The adaptive prefill budget: how many prefill tokens a step that carries decodes may take,
+moved by what the engine measures rather than fixed by one workload's tuning. Off unless
+`adaptive_budget_itl_ms` > 0; `PrefillController` asks it for the budget and feeds it each
+step's duration.
+
+A step that carries decodes is one inter-token gap for every request it decodes, so its duration
+is what the ITL SLO sees. The budget P (prefill tokens of such a step) moves multiplicatively
+after each one, by the ratio of the target T to the measured duration d:
+
+* down when the step ran past T: P <- P * max(T / d, 1/2). A step costs about a + b * P (a the
+  decodes' share), so this lands at (T - a) / b within a few steps, from either side;
+* up when it stayed under T and the budget bound (prefill work was left for later):
+  P <- P * min(T / d, 5/4);
+* up by 5/4 per step, whatever the step time, while the oldest request still in its prefill
+  (waiting, or a partial prefill) has waited past the queue limit W and the budget binds: when
+  arrivals outgrow the prefill that T allows, the engine trades ITL for time to first token
+  instead of letting every waiter miss it, up to vLLM's whole token budget. W = 0 turns this
+  valve off.
+
+P stays within [floor, max_num_batched_tokens] and is handed out in whole quanta (q, the state
+block; SPEC.md 5.2). It starts at max_num_batched_tokens, vLLM's budget, and learns down.
+"""
+
+from __future__ import annotations
+
+from hybridserve.core.config import SchedulerConfig
+
+MAX_STEP_UP = 1.25  # the most one step may grow the budget by
+MAX_STEP_DOWN = 0.5  # the most one step may shrink it by
+MIN_BUDGET_TOKENS = 256  # the floor, rounded down to whole quanta (at least one quantum)
+
+
+class AdaptiveBudget:
+    """The prefill budget of mixed steps, fed by measured step durations."""
+
+    __slots__ = ("ceiling", "floor", "quantum", "queue_limit_s", "target_s", "tokens_f")
+
+    def __init__(self, config: SchedulerConfig, *, quantum: int) -> None:
+        self.target_s = config.adaptive_budget_itl_ms / 1000.0
+        self.queue_limit_s = config.adaptive_budget_queue_ms / 1000.0
+        self.quantum = quantum
+        self.ceiling = config.max_num_batched_tokens
+        self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
+        self.tokens_f = float(self.ceiling)
+
+    def tokens(self) -> int:
+        """The budget now: whole quanta, at least one, at most max_num_batched_tokens."""
+        whole = int(self.tokens_f) // self.quantum * self.quantum
+        return min(max(whole, self.floor), self.ceiling)
+
+    def under_pressure(self, oldest_wait_s: float) -> bool:
+        """The queue valve: the oldest waiter has waited past W."""
+        return self.queue_limit_s > 0 and oldest_wait_s >= self.queue_limit_s
+
+    def update(
+        self, *, duration_s: float, prefill_tokens: int, budget: int, pressure: bool
+    ) -> None:
+        """Move the budget by one step that carried decodes: it ran `duration_s`, took
+        `prefill_tokens` of its `budget` and was planned `pressure`d (the queue valve open)."""
+        if duration_s <= 0:
+            return
+        ratio = self.target_s / duration_s
+        binds = prefill_tokens + self.quantum > budget
+        if ratio < 1.0 and not pressure:
+            tokens = budget * max(ratio, MAX_STEP_DOWN)
+        elif binds and (pressure or ratio > 1.0):
+            # From the budget the step had; at least a quantum more, so flooring never sticks.
+            factor = MAX_STEP_UP if pressure else min(ratio, MAX_STEP_UP)
+            tokens = max(budget * factor, float(budget + self.quantum))
+        else:
+            return
+        self.tokens_f = min(max(tokens, float(self.floor)), float(self.ceiling))

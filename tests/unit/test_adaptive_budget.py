@@ -1,0 +1,163 @@
+"""The adaptive prefill budget (hybridserve/scheduler/adaptive.py): it converges on a constant
+load, stays within [floor, max_num_batched_tokens] in whole quanta, opens its queue valve when
+prefill waits too long, and is off unless asked for (so `baseline` stays vLLM's schedule)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.engine.settings import PRESETS, preset
+from hybridserve.scheduler.adaptive import AdaptiveBudget
+from hybridserve.scheduler.controls import PrefillController
+from tests.conftest import make_request, make_scheduler
+
+
+def budget(quantum: int = 1, **config: object) -> AdaptiveBudget:
+    return AdaptiveBudget(SchedulerConfig(**config), quantum=quantum)  # type: ignore[arg-type]
+
+
+def test_the_budget_converges_to_the_prefill_that_meets_the_target_on_a_constant_load() -> None:
+    # A step costs 30 ms plus 25 us per prefill token: 80 ms allows (80 - 30) / 0.025 = 2,000
+    # tokens, 1,920 in whole quanta of 64.
+    adaptive = budget(64, adaptive_budget_itl_ms=80.0, max_num_batched_tokens=8192)
+    seen = []
+    for _ in range(40):
+        tokens = adaptive.tokens()
+        seen.append(tokens)
+        adaptive.update(
+            duration_s=0.030 + 25e-6 * tokens, prefill_tokens=tokens, budget=tokens, pressure=False
+        )
+    assert seen[0] == 8192  # it starts at vLLM's budget and learns down
+    assert all(1920 - 64 <= t <= 2000 + 64 for t in seen[-10:]), seen
+    assert all(t % 64 == 0 for t in seen)
+
+
+def test_the_budget_grows_back_when_the_load_gets_lighter() -> None:
+    adaptive = budget(64, adaptive_budget_itl_ms=80.0, max_num_batched_tokens=8192)
+    for cost in (50e-6, 5e-6):  # heavy tokens first, then light ones
+        for _ in range(60):
+            tokens = adaptive.tokens()
+            adaptive.update(
+                duration_s=0.030 + cost * tokens,
+                prefill_tokens=tokens,
+                budget=tokens,
+                pressure=False,
+            )
+        if cost == 50e-6:
+            assert adaptive.tokens() <= 1088  # (80 - 30) / 0.05 = 1,000 (+ a quantum)
+    assert adaptive.tokens() == 8192  # 30 + 5 us x 8,192 = 71 ms: the whole budget fits
+
+
+def test_a_budget_that_does_not_bind_does_not_grow() -> None:
+    adaptive = budget(1, adaptive_budget_itl_ms=80.0, max_num_batched_tokens=8192)
+    adaptive.tokens_f = 1000.0
+    adaptive.update(duration_s=0.010, prefill_tokens=100, budget=1000, pressure=False)
+    assert adaptive.tokens() == 1000  # fast, but prefill left nothing waiting: no evidence
+
+
+def test_the_queue_valve_grows_the_budget_to_the_ceiling_whatever_the_step_time() -> None:
+    valve = {"adaptive_budget_queue_ms": 2000.0, "max_num_batched_tokens": 4096}
+    adaptive = budget(16, adaptive_budget_itl_ms=50.0, **valve)
+    adaptive.tokens_f = 256.0
+    assert not adaptive.under_pressure(1.9) and adaptive.under_pressure(2.0)
+    for _ in range(30):
+        tokens = adaptive.tokens()
+        adaptive.update(duration_s=0.200, prefill_tokens=tokens, budget=tokens, pressure=True)
+    assert adaptive.tokens() == 4096
+    adaptive.update(duration_s=0.200, prefill_tokens=4096, budget=4096, pressure=False)
+    assert adaptive.tokens() == 2048  # the valve closed: slow steps halve it again
+
+
+def test_without_a_queue_limit_the_valve_never_opens() -> None:
+    adaptive = budget(1, adaptive_budget_itl_ms=50.0)
+    assert not adaptive.under_pressure(1e9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    quantum=st.sampled_from([1, 16, 64, 544]),
+    ceiling=st.integers(min_value=1, max_value=20_000),
+    steps=st.lists(
+        st.tuples(
+            st.floats(min_value=1e-4, max_value=2.0),
+            st.floats(min_value=0.0, max_value=1.0),
+            st.booleans(),
+        ),
+        max_size=60,
+    ),
+)
+def test_the_budget_never_leaves_its_bounds_and_is_whole_quanta(
+    quantum: int, ceiling: int, steps: list[tuple[float, float, bool]]
+) -> None:
+    adaptive = budget(
+        quantum,
+        adaptive_budget_itl_ms=80.0,
+        adaptive_budget_queue_ms=1000.0,
+        max_num_batched_tokens=ceiling,
+    )
+    for duration, used, pressure in steps:
+        tokens = adaptive.tokens()
+        assert 1 <= tokens <= ceiling
+        assert tokens == ceiling or tokens % quantum == 0
+        adaptive.update(
+            duration_s=duration,
+            prefill_tokens=int(tokens * used),
+            budget=tokens,
+            pressure=pressure,
+        )
+    assert adaptive.tokens() <= ceiling
+
+
+def test_it_is_off_by_default_and_in_the_vllm_presets() -> None:
+    assert SchedulerConfig().adaptive_budget_itl_ms == 0
+    assert not PrefillController(SchedulerConfig(), quantum=1).enabled
+    for name in ("baseline", "legacy"):
+        config = preset(name, quantum=544, max_model_len=131_072).scheduler
+        assert config.adaptive_budget_itl_ms == 0 and config.adaptive_budget_queue_ms == 0
+        assert not PrefillController(config, quantum=544).enabled
+    assert "baseline" in PRESETS
+
+
+def test_a_queue_limit_without_the_budget_is_refused() -> None:
+    with pytest.raises(ConfigError, match="adaptive_budget_queue_ms"):
+        SchedulerConfig(adaptive_budget_queue_ms=5000.0)
+    with pytest.raises(ConfigError, match="adaptive_budget_itl_ms"):
+        SchedulerConfig(adaptive_budget_itl_ms=-1.0)
+
+
+def _run(scheduler_config: dict[str, object], *, per_token_s: float) -> list[tuple[int, int]]:
+    """Two decodes beside one long prompt on a scheduler whose steps cost 20 ms plus
+    `per_token_s` per prefill token: (prefill tokens, decode tokens) of each step."""
+    scheduler = make_scheduler(**scheduler_config)
+    for request in (
+        make_request("a", 8, max_tokens=400),
+        make_request("b", 8, max_tokens=400, base=100),
+        make_request("long", 20_000, max_tokens=2, base=10_000, arrival=0.01),
+    ):
+        scheduler.add_request(request)
+    shapes, now = [], 0.0
+    for _ in range(120):
+        out = scheduler.schedule(now)
+        duration = 0.020 + per_token_s * out.num_prefill_tokens
+        sampled = {c.req_id: (7,) for c in out.plan.chunks if c.sample}
+        scheduler.update(out, StepResult(out.plan.step_id, sampled, duration))
+        shapes.append((out.num_prefill_tokens, out.num_decode_tokens))
+        now += duration
+    assert isinstance(out.plan, StepPlan)
+    return shapes
+
+
+def test_in_the_scheduler_mixed_steps_shrink_to_the_target_and_decodes_always_run() -> None:
+    config = {"adaptive_budget_itl_ms": 60.0, "max_num_batched_tokens": 4096}
+    shapes = _run(config, per_token_s=20e-6)  # 60 ms allows (60 - 20) / 0.02 = 2,000 tokens
+    mixed = [p for p, d in shapes if p and d]
+    assert mixed and max(p for p, _ in shapes) <= 4096
+    assert mixed[0] > 2000 and all(p <= 2000 + 16 for p in mixed[4:])
+    assert all(d >= 2 for _, d in shapes[1:50])  # both decodes run in every step after the first
+    baseline = _run({"max_num_batched_tokens": 4096}, per_token_s=20e-6)
+    assert max(p for p, d in baseline if d) > 2000  # without it vLLM fills the budget
