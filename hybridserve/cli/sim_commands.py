@@ -227,10 +227,16 @@ def _warn_about_run(run: SimRun) -> None:
         )
     s = run.summary
     if s.get("never_drains"):
+        rates = ""
+        if s.get("arrival_rate_per_s"):
+            rates = (
+                f"; requests arrived at {s['arrival_rate_per_s']:.2f}/s and were served at "
+                f"{s['service_rate_per_s']:.2f}/s"
+            )
         err.print(
             f"warning: the run never drains: the waiting queue grew through the window (mean "
             f"{s['waiting_first_quarter']:.0f} requests in its first quarter, "
-            f"{s['waiting_last_quarter']:.0f} in its last), so arrivals outpace this "
+            f"{s['waiting_last_quarter']:.0f} in its last){rates}, so arrivals outpace this "
             "configuration and latencies keep growing with the run's length instead of settling. "
             "Lower the "
             "load (--time-scale above 1, fewer --agents) or compare another --preset.",

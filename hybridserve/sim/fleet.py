@@ -560,7 +560,7 @@ def run_fleet(
     summary["steps"] = float(sim.steps)
     summary["simulated_s"] = sim.now
     summary["requests_rejected"] = float(len(sim.sim.rejected))
-    summary.update(sim.queue.summary(end_s))
+    summary.update(sim.queue.summary(end_s, recorder))
     summary.update(time_breakdown(recorder, sim.gpu_seconds, sim.ideal, start, end_s))
     # GPU fractions are of the fleet's GPU time: N replicas give N x the window.
     for key in [k for k in summary if k.startswith("gpu_") and k.endswith("_frac")]:

@@ -532,7 +532,7 @@ def run_simulation(
     summary["steps"] = float(sim.steps)
     summary["simulated_s"] = sim.now
     summary["requests_rejected"] = float(len(sim.rejected))
-    summary.update(queue.summary(end_s))
+    summary.update(queue.summary(end_s, recorder))
     summary.update(time_breakdown(recorder, sim.gpu_seconds, ideal, config.warmup_s, end_s))
     cache = scheduler.cache.metrics_snapshot()
     summary.update(group_hit_rates(cache))
@@ -609,6 +609,9 @@ class QueueTrace:
 
     GROWTH = 2.0  # the last quarter's mean queue exceeds GROWTH x the first quarter's, plus
     MIN_WAITING = 8.0  # MIN_WAITING requests: too many to be noise
+    # Or, relative to the arrival rate (a queue that saturated before the window opened): while
+    # requests arrived, they were served under SERVED x their rate and fell MIN_WAITING behind.
+    SERVED = 0.9
 
     def __init__(self, window_start_s: float) -> None:
         self.window_start_s = window_start_s
@@ -618,18 +621,35 @@ class QueueTrace:
         if now >= self.window_start_s:
             self.samples.append((now, num_waiting))
 
-    def summary(self, end_s: float) -> dict[str, float]:
+    def summary(self, end_s: float, recorder: MetricsRecorder | None = None) -> dict[str, float]:
+        """The queue's first and last quarter means and whether it never drains; with the
+        run's `recorder`, also the window's arrival and service rates (requests per second)."""
         span = end_s - self.window_start_s
         first = [w for t, w in self.samples if t < self.window_start_s + span / 4]
         last = [w for t, w in self.samples if self.window_start_s + 3 * span / 4 <= t <= end_s]
         first_mean = sum(first) / len(first) if first else 0.0
         last_mean = sum(last) / len(last) if last else 0.0
         growing = last_mean > self.GROWTH * first_mean + self.MIN_WAITING
-        return {
-            "waiting_first_quarter": first_mean,
-            "waiting_last_quarter": last_mean,
-            "never_drains": 1.0 if growing else 0.0,
-        }
+        out = {"waiting_first_quarter": first_mean, "waiting_last_quarter": last_mean}
+        if recorder is not None and self._behind(recorder, end_s, out):
+            growing = True
+        out["never_drains"] = 1.0 if growing else 0.0
+        return out
+
+    def _behind(self, recorder: MetricsRecorder, end_s: float, out: dict[str, float]) -> bool:
+        """Whether service fell behind the arrival rate while requests arrived: add both rates
+        (requests per second, over the window until its last arrival) to `out`. A finite trace
+        that drains after its arrivals end is judged up to its last arrival, not its drain."""
+        start = self.window_start_s
+        arrived = [r.arrival_s for r in recorder.requests.values() if start <= r.arrival_s <= end_s]
+        last = max(arrived, default=start)
+        if len(arrived) < 2 or last <= start:
+            return False
+        served = len(recorder.finished_in(start, last))
+        out["arrival_rate_per_s"] = len(arrived) / (last - start)
+        out["service_rate_per_s"] = served / (last - start)
+        behind = len(arrived) - served >= self.MIN_WAITING
+        return behind and out["service_rate_per_s"] < self.SERVED * out["arrival_rate_per_s"]
 
 
 TTFT_SLO_S = 15.0  # the SLO tiers of DESIGN.md section 6: TTFT <= 15 s ...

@@ -15,6 +15,7 @@ from hybridserve.cli import app
 from hybridserve.cli.sim_backend import PrintableTokens
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.server.tokenizer import BYTE_EOS_ID
 from hybridserve.sim.run import QueueTrace, SimConfig, simulate, simulated_engine
 from hybridserve.sim.workload import AgentParams
@@ -125,6 +126,31 @@ def test_queue_trace_tells_a_growing_queue_from_a_steady_one() -> None:
         steady.on_step(float(t), 5 + t % 3)
     assert growing.summary(100.0)["never_drains"] == 1.0
     assert steady.summary(100.0)["never_drains"] == 0.0
+
+
+def _recorded(arrivals: list[float], finishes: list[float]) -> MetricsRecorder:
+    recorder = MetricsRecorder()
+    for i, (arrival, finish) in enumerate(zip(arrivals, finishes, strict=True)):
+        recorder.on_arrival(f"r{i}", arrival, 100)
+        recorder.on_finish(f"r{i}", finish)
+    return recorder
+
+
+def test_a_queue_full_before_the_window_opened_never_drains_relative_to_its_arrival_rate() -> None:
+    # 100 requests at 1/s; served at 0.5/s: the queue was as long in the first quarter as in
+    # the last (it saturated early), so only the rates tell it from a steady run.
+    arrivals = [float(t) for t in range(100)]
+    slow, steady = QueueTrace(0.0), QueueTrace(0.0)
+    for t in range(200):
+        slow.on_step(float(t), 50)
+        steady.on_step(float(t), 50)
+    behind = slow.summary(200.0, _recorded(arrivals, [2.0 * t + 1 for t in range(100)]))
+    assert behind["never_drains"] == 1.0
+    assert behind["arrival_rate_per_s"] == pytest.approx(100 / 99)
+    assert behind["service_rate_per_s"] == pytest.approx(50 / 99)
+    # The same trace served as it arrives, with one slow request at the end: it drains.
+    keeping_up = [t + 1.0 for t in arrivals[:-1]] + [150.0]
+    assert steady.summary(200.0, _recorded(arrivals, keeping_up))["never_drains"] == 0.0
 
 
 def test_an_overloaded_run_warns_that_it_never_drains() -> None:
