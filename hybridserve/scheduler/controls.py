@@ -317,7 +317,11 @@ class PrefillController:
             return PrefillPlan(
                 max_partials=bound, bypass=bypass, eligible_decode=True, pending=pending
             )
-        grants, rotation, waiter_tokens = self._share(budget, partials, waiting, seq_slot_free)
+        if self.cap or self.target_s:
+            grants, rotation, waiter_tokens = self._share(budget, partials, waiting, seq_slot_free)
+        else:  # the adaptive budget alone: vLLM's order, the oldest prefill first
+            grants, waiter_tokens = self._in_order(budget, partials)
+            rotation = None
         return PrefillPlan(
             grants=MappingProxyType(grants),
             waiter_tokens=waiter_tokens,
@@ -403,6 +407,20 @@ class PrefillController:
             max(grants[r.req_id] - (r.num_tokens - r.num_computed_tokens), 0) for r in partials
         )
         return grants, rotation, reserve * self.quantum + unused // self.quantum * self.quantum
+
+    def _in_order(self, budget: int, partials: Sequence[Request]) -> tuple[dict[str, int], int]:
+        """Bp as vLLM's loop would spend it: the running partial prefills in running order, each
+        as much as it needs (in whole quanta, unless it completes), then the waiters what is
+        left. (grants, waiter tokens)."""
+        q = self.quantum
+        left = budget
+        grants = {}
+        for request in partials:
+            remaining = request.num_tokens - request.num_computed_tokens
+            grant = remaining if remaining <= left else left // q * q
+            grants[request.req_id] = grant
+            left -= grant
+        return grants, left // q * q
 
     def _rotate(
         self, partials: Sequence[Request], quanta: int
