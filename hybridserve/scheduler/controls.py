@@ -170,7 +170,6 @@ class ControlStats:
     deadline_bypasses: int = 0
     adaptive_fallbacks: int = 0
     queue_pressure_steps: int = 0  # mixed steps planned with the adaptive queue valve open
-    adaptive_budget_tokens: int = 0  # gauge: the adaptive prefill budget now (0: off)
     active_partial_prefills: int = 0  # gauge, after the last step
     last_grants: dict[str, int] = field(default_factory=dict)
 
@@ -197,11 +196,6 @@ class ControlStats:
                 "hybridserve:scheduler_adaptive_budget_fallbacks_total",
                 "counter",
                 self.adaptive_fallbacks,
-            ),
-            (
-                "hybridserve:scheduler_adaptive_prefill_budget_tokens",
-                "gauge",
-                self.adaptive_budget_tokens,
             ),
             (
                 "hybridserve:scheduler_queue_pressure_steps_total",
@@ -250,8 +244,6 @@ class PrefillController:
         self.since = 0  # decode-only steps since the last prefill release, saturating at D
         self.rot = 0
         self.stats = ControlStats()
-        if self.adaptive is not None:
-            self.stats.adaptive_budget_tokens = self.adaptive.tokens()
         self._last_plan = UNLIMITED  # the plan of the step `learn` hears about next
 
     # ----- plan -------------------------------------------------------------------------------
@@ -471,7 +463,6 @@ class PrefillController:
                 budget=plan.mixed_budget,
                 pressure=plan.queue_pressure,
             )
-            self.stats.adaptive_budget_tokens = self.adaptive.tokens()
 
 
 def _oldest_age(waiting: Sequence[Request], now: float) -> float:

@@ -141,6 +141,10 @@ class Scheduler:
     def metrics_snapshot(self) -> dict[str, float]:
         """Scheduler-control counters (SPEC.md 6.3) and queue gauges, by Prometheus name."""
         out: dict[str, float] = {name: value for name, _, value in self.controls.stats.samples()}
+        if self.controls.adaptive is not None:
+            out["hybridserve:scheduler_adaptive_prefill_budget_tokens"] = (
+                self.controls.adaptive.tokens()
+            )
         out["hybridserve:num_requests_running"] = len(self.running)
         out["hybridserve:num_requests_waiting"] = len(self.waiting)
         out["hybridserve:kv_cache_usage_perc"] = self.cache.usage()

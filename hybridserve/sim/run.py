@@ -577,11 +577,11 @@ def control_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
     steps planned with its queue valve open, and the budget each engine ended on."""
     out: dict[str, float] = {}
     for scheduler in schedulers:
-        if scheduler.controls.adaptive is not None:
-            stats = scheduler.controls.stats
+        adaptive = scheduler.controls.adaptive
+        if adaptive is not None:
             for name, value in (
-                ("adaptive_queue_pressure_steps", stats.queue_pressure_steps),
-                ("adaptive_budget_tokens_at_end", stats.adaptive_budget_tokens),
+                ("adaptive_queue_pressure_steps", scheduler.controls.stats.queue_pressure_steps),
+                ("adaptive_budget_tokens_at_end", adaptive.tokens()),
             ):
                 out[name] = out.get(name, 0.0) + float(value)
     return out
@@ -631,25 +631,29 @@ class QueueTrace:
         last_mean = sum(last) / len(last) if last else 0.0
         growing = last_mean > self.GROWTH * first_mean + self.MIN_WAITING
         out = {"waiting_first_quarter": first_mean, "waiting_last_quarter": last_mean}
-        if recorder is not None and self._behind(recorder, end_s, out):
-            growing = True
+        if recorder is not None:
+            rates, backlog = self._rates(recorder, end_s)
+            out.update(rates)
+            if rates and backlog >= self.MIN_WAITING:
+                growing = growing or (
+                    rates["service_rate_per_s"] < self.SERVED * rates["arrival_rate_per_s"]
+                )
         out["never_drains"] = 1.0 if growing else 0.0
         return out
 
-    def _behind(self, recorder: MetricsRecorder, end_s: float, out: dict[str, float]) -> bool:
-        """Whether service fell behind the arrival rate while requests arrived: add both rates
-        (requests per second, over the window until its last arrival) to `out`. A finite trace
-        that drains after its arrivals end is judged up to its last arrival, not its drain."""
+    def _rates(self, recorder: MetricsRecorder, end_s: float) -> tuple[dict[str, float], int]:
+        """The arrival and service rates (requests per second) over the window until its last
+        arrival, and the requests left behind then: a finite trace that drains after its
+        arrivals end is judged up to its last arrival, not its drain. ({}, 0): too few."""
         start = self.window_start_s
         arrived = [r.arrival_s for r in recorder.requests.values() if start <= r.arrival_s <= end_s]
         last = max(arrived, default=start)
         if len(arrived) < 2 or last <= start:
-            return False
+            return {}, 0
         served = len(recorder.finished_in(start, last))
-        out["arrival_rate_per_s"] = len(arrived) / (last - start)
-        out["service_rate_per_s"] = served / (last - start)
-        behind = len(arrived) - served >= self.MIN_WAITING
-        return behind and out["service_rate_per_s"] < self.SERVED * out["arrival_rate_per_s"]
+        span = last - start
+        rates = {"arrival_rate_per_s": len(arrived) / span, "service_rate_per_s": served / span}
+        return rates, len(arrived) - served
 
 
 TTFT_SLO_S = 15.0  # the SLO tiers of DESIGN.md section 6: TTFT <= 15 s ...

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.core.plan import StepResult
 from hybridserve.engine.settings import PRESETS, preset
 from hybridserve.scheduler.adaptive import AdaptiveBudget
 from hybridserve.scheduler.controls import PrefillController
@@ -148,7 +148,6 @@ def _run(scheduler_config: dict[str, object], *, per_token_s: float) -> list[tup
         scheduler.update(out, StepResult(out.plan.step_id, sampled, duration))
         shapes.append((out.num_prefill_tokens, out.num_decode_tokens))
         now += duration
-    assert isinstance(out.plan, StepPlan)
     return shapes
 
 
@@ -161,3 +160,12 @@ def test_in_the_scheduler_mixed_steps_shrink_to_the_target_and_decodes_always_ru
     assert all(d >= 2 for _, d in shapes[1:50])  # both decodes run in every step after the first
     baseline = _run({"max_num_batched_tokens": 4096}, per_token_s=20e-6)
     assert max(p for p, d in baseline if d) > 2000  # without it vLLM fills the budget
+
+
+def test_the_scheduler_snapshot_carries_the_budget_and_the_valve_steps_only_when_it_is_on() -> None:
+    on = make_scheduler(adaptive_budget_itl_ms=60.0, max_num_batched_tokens=4096)
+    snapshot = on.metrics_snapshot()
+    assert snapshot["hybridserve:scheduler_adaptive_prefill_budget_tokens"] == 4096
+    assert snapshot["hybridserve:scheduler_queue_pressure_steps_total"] == 0
+    off = make_scheduler().metrics_snapshot()
+    assert "hybridserve:scheduler_adaptive_prefill_budget_tokens" not in off
