@@ -9,6 +9,7 @@ from hybridserve.cli import (
     parallel_commands,
     serve_commands,
     sim_commands,
+    suite_commands,
 )
 from hybridserve.cli.app import app
 
@@ -23,6 +24,7 @@ __all__ = [
     "parallel_commands",
     "serve_commands",
     "sim_commands",
+    "suite_commands",
 ]
 
 

@@ -6,8 +6,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
@@ -15,16 +14,15 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol
 import typer
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
 from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, PRESET_HELP, SPEC_HELP
+from hybridserve.cli.progress import interrupted, runs_progress
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 
@@ -138,12 +136,6 @@ def run_label(preset: str, config_file: Path | None) -> str:
     """What a run is called in tables, plots and report.json: its preset, and the --config file
     that changed it (a modified baseline is not the baseline)."""
     return preset if config_file is None else f"{preset} + {config_file.name}"
-
-
-def interrupted(what: str) -> typer.Exit:
-    """Ctrl-C: say what happened to the work, and exit 130 (128 + SIGINT), as shells expect."""
-    err.print(f"interrupted: {what}", soft_wrap=True)
-    return typer.Exit(code=130)
 
 
 def bench_folder(name: str | None, now: float | None = None) -> Path:
@@ -915,7 +907,7 @@ def _bench(
     simulated = _simulated_model(config)
     seed_list = flags.seed_list
     fleets: dict[str, dict[int, dict[str, Any]]] = {}
-    with _runs_progress(len(configs) * len(seed_list), quiet=flags.as_json) as log:
+    with runs_progress(len(configs) * len(seed_list), quiet=flags.as_json) as log:
         results, kept = run_configs(
             configs,
             seed_list,
@@ -940,30 +932,6 @@ def _bench(
     report["pool"] = pools
     report["setup"] = _bench_setup(flags, config, simulated, base_preset, search)
     return report, results, kept
-
-
-@contextmanager
-def _runs_progress(total: int, *, quiet: bool) -> Iterator[Callable[[str], None] | None]:
-    """A progress bar over `total` runs on stderr, with the time left, fed one line per
-    finished run (`3/21 baseline seed=0`); nothing when `quiet`."""
-    if quiet:
-        yield None
-        return
-    columns = (
-        TextColumn("{task.description}", markup=False),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=err) as bar:
-        task = bar.add_task("runs", total=total)
-
-        def log(line: str) -> None:
-            bar.update(task, advance=1, description=line)
-
-        yield log
 
 
 def _bench_setup(

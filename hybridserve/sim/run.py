@@ -49,6 +49,7 @@ from hybridserve.sim.memory import (
     vllm_kv_budget,
     vllm_log_lines,
 )
+from hybridserve.sim.mixed_workload import AgentsWithRagSimulation, RagTenant, bursty_simulation
 from hybridserve.sim.model_profiles import ModelProfile, get_model
 from hybridserve.sim.workload import AgentParams, AgentWorkload
 
@@ -138,7 +139,8 @@ class SimConfig:
 def _check_max_model_len(max_model_len: int, workload: str, agents: AgentParams) -> None:
     if max_model_len < 2:
         raise ConfigError("max_model_len (--max-model-len)", max_model_len, "use 2 or more")
-    if workload.partition(":")[0] == "agents" and max_model_len <= agents.context_limit:
+    agentic = workload.partition(":")[0] in ("agents", "agents+rag")
+    if agentic and max_model_len <= agents.context_limit:
         raise ConfigError(
             "max_model_len (--max-model-len)",
             max_model_len,
@@ -153,10 +155,10 @@ _FINITE_KINDS = ("mooncake", "azure", "poisson")
 
 def finite_workload(workload: str) -> bool:
     """True for a workload with a fixed number of requests (a trace, poisson, or fixed with
-    requests=N), which may end long before a 300 s warm-up; agents and an open-ended fixed
-    workload run for the whole duration."""
+    requests=N), which may end long before a 300 s warm-up; agents and an open-ended fixed or
+    bursty workload run for the whole duration."""
     kind, _, arg = workload.partition(":")
-    if kind == "fixed":
+    if kind in ("fixed", "bursty"):
         return any(item.startswith("requests=") for item in arg.split(","))
     return kind in _FINITE_KINDS
 
@@ -700,7 +702,32 @@ def time_breakdown(
         and (not r.gaps_s or percentile(r.gaps_s, 99) <= TBT_SLO_S)
     ]
     out["slo_attainment"] = len(met) / len(done) if done else math.nan
+    out.update(slo_goodput(recorder, len(met), start_s, end_s))
     return out
+
+
+def slo_goodput(
+    recorder: MetricsRecorder, requests_met: int, start_s: float, end_s: float
+) -> dict[str, float]:
+    """Goodput under the SLO over [start_s, end_s]: requests that met both bounds per second,
+    and jobs whose inter-token gaps (all of the job's turns together) kept their p99 within the
+    ITL bound per hour (a job's turns wait on tools, so its TTFTs are not its user's wait)."""
+    gaps: dict[str, list[float]] = {}
+    for r in recorder.requests.values():
+        if r.job_id is not None:
+            gaps.setdefault(r.job_id, []).extend(r.gaps_s)
+    jobs_met = sum(
+        1
+        for j in recorder.jobs.values()
+        if j.finish_s is not None
+        and start_s <= j.finish_s <= end_s
+        and (not gaps.get(j.job_id) or percentile(gaps[j.job_id], 99) <= TBT_SLO_S)
+    )
+    window = end_s - start_s
+    return {
+        "slo_requests_per_s": requests_met / window,
+        "slo_jobs_per_hour": jobs_met * 3600.0 / window,
+    }
 
 
 _STEP_KINDS = ("decode", "prefill", "mixed")
@@ -741,6 +768,19 @@ def make_simulation(
         return fixed_simulation(
             arg, engine, duration_s=config.duration_s, seed=config.seed, on_step=on_step
         )
+    if kind == "bursty":
+        return bursty_simulation(
+            arg, engine, duration_s=config.duration_s, seed=config.seed, on_step=on_step
+        )
+    if kind == "agents+rag":
+        return AgentsWithRagSimulation(
+            engine,
+            AgentWorkload(config.agents, seed=config.seed),
+            RagTenant.parse(arg),
+            duration_s=config.duration_s,
+            seed=config.seed,
+            on_step=on_step,
+        )
     # A trace prompt the engine would refuse is refused (and reported) before it is built.
     rejected: list[tuple[str, int, str]] = []
     loaders = {"mooncake": mooncake_arrivals, "azure": azure_arrivals}
@@ -760,8 +800,9 @@ def make_simulation(
         raise ConfigError(
             "workload",
             config.workload,
-            "use agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N,input=I,output=O "
-            "or fixed:input=I,output=O,concurrency=C|rate=R[,requests=N]",
+            "use agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N,input=I,output=O, "
+            "fixed:input=I,output=O,concurrency=C|rate=R[,requests=N], "
+            "bursty:rate=R,on=S,off=S,input=I,output=O or agents+rag:rate=R,input=I,output=O",
         )
     sim = OpenLoopSimulation(engine, arrivals, on_step=on_step)
     sim.rejected.extend(rejected)

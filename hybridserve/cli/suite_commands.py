@@ -1,0 +1,231 @@
+"""`hybridserve suite`: one deployment over the workload suite, against vLLM 0.33."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
+from hybridserve.cli.progress import interrupted, runs_progress
+from hybridserve.cli.sim_commands import (
+    JsonOption,
+    NameOption,
+    SimGpuOption,
+    SimOption,
+    WorkersOption,
+)
+from hybridserve.core.errors import ConfigError, HybridServeError
+
+if TYPE_CHECKING:
+    from hybridserve.sim.suite import Mode
+
+RowsOption = Annotated[
+    str,
+    typer.Option(
+        help="Rows: all, choose (the rows the shipped preset is chosen on), report (the rows "
+        "it is only checked on), or names separated by commas (see docs/suite.md)."
+    ),
+]
+FullOption = Annotated[
+    bool,
+    typer.Option(
+        "--full",
+        help="The full suite (30-40 minute agent runs, 1,500-request traces; hours here) "
+        "instead of the screen (shorter runs, under 10 minutes here with 2 seeds).",
+    ),
+]
+PresetsOption = Annotated[
+    str,
+    typer.Option(
+        help="Presets to run beside vLLM's defaults and the tuned vLLM, comma-separated "
+        "(e.g. hybridserve,adaptive)."
+    ),
+]
+TunedSuiteOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tuned",
+        help="The tuned vLLM of every row: a `sweep --space vllm` JSON "
+        "[default: docs/sweep_vllm_e1_20_agents.json].",
+    ),
+]
+ScaleOption = Annotated[
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT,
+        help="Multiply every run's duration, warm-up and trace requests (0.25: a quick look).",
+    ),
+]
+SuiteSeedsOption = Annotated[int, typer.Option(help="Paired seeds per row.")]
+FirstSeedOption = Annotated[int, typer.Option("--seed", help="The first seed.")]
+
+
+@app.command("suite")
+def suite_cmd(
+    rows: RowsOption = "all",
+    full: FullOption = False,
+    presets: PresetsOption = "hybridserve",
+    seeds: SuiteSeedsOption = 2,
+    seed: FirstSeedOption = 0,
+    model: SimOption = "qwen3-next-80b-a3b",
+    gpu: SimGpuOption = None,
+    tuned: TunedSuiteOption = None,
+    scale: ScaleOption = 1.0,
+    workers: WorkersOption = 2,
+    name: NameOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Run presets over the workload suite against vLLM 0.33's defaults and one tuned vLLM
+    setting: per row, goodput under the SLO, p99 latencies and paired ratios with 95% intervals,
+    and whether the row holds "never loses". Writes runs/NAME/report.json and suite.png."""
+    from hybridserve.sim.run import SimConfig
+    from hybridserve.sim.suite import TUNED, pick_rows, run_suite, suite_configs, suite_report
+
+    mode: Mode = "full" if full else "screen"
+    try:
+        if seeds < 2:
+            raise ConfigError("--seeds", seeds, "paired ratios need 2 or more seeds")
+        if not scale > 0:
+            raise ConfigError("--scale", scale, "use a positive factor")
+        if workers < 1:
+            raise ConfigError("--workers", workers, "use 1 or more")
+        chosen = pick_rows(rows)
+        names = [p.strip() for p in presets.split(",") if p.strip()]
+        base = SimConfig(model=model, gpu=gpu or "H200")
+        configs, search = suite_configs(base, names, tuned or TUNED)
+    except HybridServeError as exc:
+        raise fail(str(exc)) from None
+    seed_list = list(range(seed, seed + seeds))
+    folder = _folder(name)
+    total = len(chosen) * len(configs) * len(seed_list)
+    if not as_json:
+        err.print(_intro(mode, len(chosen), list(configs), seed_list, total), soft_wrap=True)
+    started = time.monotonic()
+    try:
+        with runs_progress(total, quiet=as_json) as log:
+            results, errors = run_suite(
+                chosen, configs, seed_list, mode=mode, scale=scale, workers=workers, log=log
+            )
+    except KeyboardInterrupt:
+        raise interrupted("the suite did not finish; nothing was written") from None
+    report = suite_report(chosen, configs, seed_list, results, errors, mode=mode, search=search)
+    report["suite"]["scale"] = scale
+    report["suite"]["wall_s"] = round(time.monotonic() - started, 1)
+    files = _write(folder, report)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return
+    console = out_console()
+    if not console.is_terminal:
+        console.width = max(console.width, 180)  # a file or a pipe gets the whole table
+    console.print(suite_table(report))
+    for line in summary_lines(report):
+        console.print(line, soft_wrap=True)
+    console.print(f"files: {', '.join(str(f) for f in files)}", soft_wrap=True)
+
+
+def _intro(mode: str, rows: int, configs: list[str], seeds: list[int], total: int) -> str:
+    what = (
+        "the screen: shorter runs than the full suite (--full, or benchmarks/suite.py)"
+        if mode == "screen"
+        else "the full suite"
+    )
+    return (
+        f"suite ({what}): {rows} rows x {len(configs)} configurations ({', '.join(configs)}) "
+        f"x seeds {seeds[0]}-{seeds[-1]} = {total} simulated runs"
+    )
+
+
+def _folder(name: str | None) -> Path:
+    if name is not None:
+        return Path("runs") / name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder, n = Path("runs") / f"suite-{stamp}", 1
+    while folder.exists():
+        n += 1
+        folder = Path("runs") / f"suite-{stamp}-{n}"
+    return folder
+
+
+def _write(folder: Path, report: dict[str, Any]) -> list[Path]:
+    from hybridserve.metrics.plots import plots_available
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "report.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    if not plots_available():
+        err.print(f"plot skipped: matplotlib is not installed ({install_hint('sim')})")
+        return [path]
+    from hybridserve.metrics.suite_plot import write_suite_plot
+
+    return [path, write_suite_plot(folder / "suite.png", report)]
+
+
+def _ratio_cell(ratio: dict[str, Any] | None) -> str:
+    if ratio is None or ratio.get("mean") is None:
+        return "n/a"
+    ci = ratio.get("ci95")
+    band = f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
+    return f"{ratio['mean']:.2f}{band}"
+
+
+def _value(value: float | None, metric: str) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.1f}" if metric == "slo_jobs_per_hour" else f"{value:.2f}"
+
+
+def suite_table(report: dict[str, Any]) -> Table:
+    """One line per row: its goodput for each configuration, each preset's ratios to vLLM's
+    defaults and the tuned vLLM (95% intervals), its p99 ITL ratio and whether it holds."""
+    labels = report["suite"]["configs"]
+    ours = [label for label in labels if label not in ("vllm", "vllm-tuned")]
+    table = Table(title=f"suite ({report['suite']['mode']}), goodput under the SLO")
+    for column in ("row", "role", "goodput", *labels):
+        table.add_column(
+            column, justify="left" if column in ("row", "role", "goodput") else "right"
+        )
+    for label in ours:
+        table.add_column(f"{label} / vllm", justify="right")
+        table.add_column(f"{label} / tuned", justify="right")
+        table.add_column("p99 ITL / vllm", justify="right")
+        table.add_column("holds", justify="left")
+    for name, row in report["rows"].items():
+        if "error" in row:
+            table.add_row(name, row["role"], "failed: " + row["error"][:60])
+            continue
+        metric = row["goodput_metric"]
+        unit = "jobs/h" if metric == "slo_jobs_per_hour" else "req/s"
+        cells = [name, row["role"], unit]
+        cells += [_value(row["configs"][label]["goodput"], metric) for label in labels]
+        for label in ours:
+            ratios = row["ratios"][label]
+            cells += [
+                _ratio_cell(ratios["vllm"]["goodput"]),
+                _ratio_cell(ratios["vllm-tuned"]["goodput"]),
+                _ratio_cell(ratios["vllm"]["itl_p99"]),
+                "yes" if row["verdict"][label]["holds"] else "no",
+            ]
+        table.add_row(*cells)
+    return table
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """Per preset: the rows it holds on, chosen and reported apart, and the rows it loses."""
+    lines = []
+    for label, summary in report["summary"].items():
+        parts = []
+        for role, what in (("choose", "rows it is chosen on"), ("report", "rows it never saw")):
+            s = summary[role]
+            loses = f" (loses {', '.join(s['loses'])})" if s["loses"] else ""
+            parts.append(f"{s['holds']}/{s['rows']} {what}{loses}")
+        failed = summary["failed_rows"]
+        tail = f"; failed rows: {', '.join(failed)}" if failed else ""
+        lines.append(f"{label} never loses on {'; '.join(parts)}{tail}")
+    return lines
