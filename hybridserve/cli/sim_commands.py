@@ -267,7 +267,18 @@ def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRu
             f"plots skipped: matplotlib is not installed ({install_hint('sim')})", markup=False
         )
         return [path]
-    return [path, *write_plots(folder, runs)]
+    setup = report.get("setup")
+    seeds = setup.get("seeds") if isinstance(setup, dict) else None
+    if not seeds:
+        return [path, *write_plots(folder, runs)]
+    from hybridserve.sim.bounds import BOUNDS
+    from hybridserve.sim.experiment import goodput_ratios
+
+    ratios = goodput_ratios(report)
+    return [
+        path,
+        *write_plots(folder, runs, goodput_ratios=ratios, ratio_seeds=seeds, bounds=BOUNDS),
+    ]
 
 
 def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:

@@ -60,3 +60,20 @@ def test_zero_or_missing_values_are_not_usable_and_never_nan() -> None:
 def test_unpaired_lengths_are_refused() -> None:
     with pytest.raises(ValueError, match="pair"):
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_goodput_ratios_pair_every_configuration_with_the_baseline() -> None:
+    from hybridserve.sim.experiment import goodput_ratios
+
+    key = "per_seed_job_goodput_per_hour"
+    report = {
+        "baseline": {key: [100.0, 200.0]},
+        "hybridserve": {key: [200.0, 100.0]},
+        "free-prefill": {key: [400.0, 800.0]},
+        "setup": {"seeds": [0, 1]},
+    }
+    ratios = goodput_ratios(report)
+    assert set(ratios) == {"hybridserve", "free-prefill"}
+    assert ratios["hybridserve"]["mean"] == 1.0 and ratios["hybridserve"]["per_seed"] == [2.0, 0.5]
+    assert ratios["free-prefill"]["degenerate"] is True and ratios["free-prefill"]["mean"] == 4.0
+    assert goodput_ratios({"hybridserve": {key: [1.0]}}) == {}
