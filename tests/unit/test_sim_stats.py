@@ -77,3 +77,22 @@ def test_goodput_ratios_pair_every_configuration_with_the_baseline() -> None:
     assert ratios["hybridserve"]["mean"] == 1.0 and ratios["hybridserve"]["per_seed"] == [2.0, 0.5]
     assert ratios["free-prefill"]["degenerate"] is True and ratios["free-prefill"]["mean"] == 4.0
     assert goodput_ratios({"hybridserve": {key: [1.0]}}) == {}
+
+
+def test_the_bench_prints_ratios_in_words() -> None:
+    from rich.console import Console
+
+    from hybridserve.cli.sim_commands import _print_ratios
+
+    console = Console(record=True, width=200)
+    same = paired_ratio([10.0, 12.0, 14.0], [10.0, 12.0, 14.0])
+    report = {
+        "setup": {"seeds": [0, 1, 2], "baseline": "vllm"},
+        "ratios": {"job_goodput": same, "itl_p99": paired_ratio([1.0, 2.0, 4.0], [1.0] * 3)},
+        "ratios_vs": {"legacy": {"job_goodput": paired_ratio([0.0, 0.0, 0.0], [1.0] * 3)}},
+    }
+    _print_ratios(console, report)
+    text = console.export_text()
+    assert "vllm job_goodput: 1.00x (degenerate: every seed equal), 3 seeds" in text
+    assert "vllm itl_p99: 2.00x [0.36, 11.19], 3 seeds; per seed 1.00, 2.00, 4.00" in text
+    assert "hybridserve / legacy: job_goodput n/a (no usable seed)" in text
