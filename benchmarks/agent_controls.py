@@ -1,6 +1,6 @@
 """The agent-aware controls on paired seeds: each one added to a reference preset, with the
-paired ratios (control / reference, mean of per-seed ratios, 95% t interval), preemptions,
-hit rates and the pin counters. Prints one JSON object.
+paired ratios (control / reference, geometric mean of per-seed ratios, 95% t interval on the
+log scale), preemptions, hit rates and the pin counters. Prints one JSON object.
 
 The controls only matter under memory pressure: at the default pool (`--gmu 0.9`) 20 and 40
 agents see no preemption, and pinning changes nothing measurable. `--gmu 0.66` shrinks the pool

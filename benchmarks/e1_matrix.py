@@ -5,8 +5,8 @@ upper bounds.
 Every configuration runs on the same seeds, and a seed fixes every agent's jobs
 (hybridserve.sim.workload), so per-seed ratios are paired. Prints one JSON object: per agent
 count, each configuration's mean metrics and per-seed job goodput, the ratios hybridserve /
-baseline (mean of per-seed ratios, Student-t 95% interval, per-seed values), the bounds' job
-goodput and each configuration's goodput as a fraction of each bound.
+baseline (geometric mean of per-seed ratios, Student-t 95% interval on the log scale, per-seed
+values), the bounds' job goodput and each configuration's goodput as a fraction of each bound.
 
 Default: 10 seeds x 20 agents x (baseline, hybridserve, 3 bounds), 1,800 s runs with a 300 s
 warm-up: 40 full simulations (the infinite-engine bound takes no engine time). docs/e1.md's

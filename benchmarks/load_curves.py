@@ -27,9 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybridserve.metrics.plots import COLORS, seeds_caption
 from hybridserve.sim.experiment import baseline_preset, read_tuned, run_configs
 from hybridserve.sim.run import SimConfig, with_preset
-from hybridserve.sim.stats import mean_ci95
+from hybridserve.sim.stats import mean_ci95, paired_ratio
 from hybridserve.sim.workload import AgentParams
 
 CURVES = (
@@ -45,7 +46,7 @@ def curve_point(values: list[float | None]) -> dict[str, Any]:
     present = [v for v in values if v is not None]
     mean, ci = mean_ci95(present) if present else (math.nan, None)
     return {
-        "mean": round(mean, 4),
+        "mean": None if math.isnan(mean) else round(mean, 4),
         "ci95": None if ci is None else [round(ci[0], 4), round(ci[1], 4)],
         "per_seed": [None if v is None else round(v, 4) for v in values],
     }
@@ -59,7 +60,8 @@ def paired_ratios(
     curves: dict[str, dict[str, dict[str, Any]]], agents: list[int]
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Per configuration but the baseline, per agent count: the per-seed ratios configuration /
-    baseline of job goodput and p99 ITL (the seeds are paired), their mean and 95% t interval."""
+    baseline of job goodput and p99 ITL (the seeds are paired), their geometric mean and 95% t
+    interval on the log scale (hybridserve.sim.stats.paired_ratio)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for label, by_agents in curves.items():
         if label == "baseline":
@@ -70,9 +72,7 @@ def paired_ratios(
             for key in RATIO_KEYS:
                 ours = by_agents[str(a)][key]["per_seed"]
                 base = curves["baseline"][str(a)][key]["per_seed"]
-                point[key] = curve_point(
-                    [x / y if y else None for x, y in zip(ours, base, strict=True)]
-                )
+                point[key] = paired_ratio(ours, base)
             out[label][str(a)] = point
     return out
 
@@ -94,10 +94,13 @@ def _draw(
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, points in series.items():
-        means = [p["mean"] for p in points]
+        means = [math.nan if p["mean"] is None else p["mean"] for p in points]
         low = [m - (p["ci95"][0] if p["ci95"] else m) for m, p in zip(means, points, strict=True)]
         high = [(p["ci95"][1] if p["ci95"] else m) - m for m, p in zip(means, points, strict=True)]
-        ax.errorbar(agents, means, yerr=[low, high], marker="o", capsize=3, label=label)
+        colour = COLORS.get(label)
+        ax.errorbar(
+            agents, means, yerr=[low, high], marker="o", capsize=3, label=label, color=colour
+        )
     if unity:
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xscale("log", base=2)
@@ -113,7 +116,9 @@ def _draw(
     return str(path)
 
 
-def plot_ratios(ratios: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> str:
+def plot_ratios(
+    ratios: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path, seeds: list[int]
+) -> str:
     """One PNG: job goodput over the baseline's, per configuration, with paired intervals."""
     series = {
         label: [by_agents[str(a)]["job_goodput_per_hour"] for a in agents]
@@ -124,19 +129,22 @@ def plot_ratios(ratios: dict[str, dict[str, dict[str, Any]]], agents: list[int],
         agents,
         out / RATIO_PNG,
         ylabel="job goodput / baseline's (same seed)",
-        title="paired job goodput ratio vs load (mean, 95% t interval)",
+        title="paired job goodput ratio vs load\n"
+        f"({seeds_caption(seeds, mean='geometric mean')}, 95% t interval)",
         unity=True,
     )
 
 
-def plot(curves: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path) -> list[str]:
+def plot(
+    curves: dict[str, dict[str, dict[str, Any]]], agents: list[int], out: Path, seeds: list[int]
+) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for key, label, name in CURVES:
         series = {
             config: [by_agents[str(a)][key] for a in agents] for config, by_agents in curves.items()
         }
-        title = f"{label} vs load (mean, 95% CI over seeds)"
+        title = f"{label} vs load ({seeds_caption(seeds)}, 95% CI)"
         written.append(_draw(series, agents, out / name, ylabel=label, title=title))
     return written
 
@@ -214,8 +222,9 @@ def _report(
 ) -> dict[str, Any]:
     """The printed JSON: setup, curves, paired ratios, and the PNGs drawn into `out`."""
     ratios = paired_ratios(curves, agents)
-    files = plot(curves, agents, out)
-    files.append(plot_ratios(ratios, agents, out))
+    seeds = [int(s) for s in setup["seeds"]]
+    files = plot(curves, agents, out, seeds)
+    files.append(plot_ratios(ratios, agents, out, seeds))
     return {"setup": setup, "curves": curves, "ratios": ratios, "files": files}
 
 

@@ -306,7 +306,8 @@ def _write(folder: Path, setup: dict[str, Any], rows: list[dict[str, Any]]) -> l
             f"plot skipped: matplotlib is not installed ({install_hint('sim')})", markup=False
         )
         return [str(path)]
-    return [str(path), str(write_fleet_sweep_plot(folder / "fleet_sweep.png", rows))]
+    plot = write_fleet_sweep_plot(folder / "fleet_sweep.png", rows, seed=setup.get("seed"))
+    return [str(path), str(plot)]
 
 
 _COLUMNS = {

@@ -259,7 +259,18 @@ def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRu
             f"plots skipped: matplotlib is not installed ({install_hint('sim')})", markup=False
         )
         return [path]
-    return [path, *write_plots(folder, runs)]
+    setup = report.get("setup")
+    seeds = setup.get("seeds") if isinstance(setup, dict) else None
+    if not seeds:
+        return [path, *write_plots(folder, runs)]
+    from hybridserve.sim.bounds import BOUNDS
+    from hybridserve.sim.experiment import goodput_ratios
+
+    ratios = goodput_ratios(report)
+    return [
+        path,
+        *write_plots(folder, runs, goodput_ratios=ratios, ratio_seeds=seeds, bounds=BOUNDS),
+    ]
 
 
 def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
@@ -1077,28 +1088,24 @@ def _bench_fleet_table(fleet: dict[str, Any], labels: list[str]) -> Table:
 
 def _print_ratios(console: Any, report: dict[str, Any]) -> None:
     """hybridserve over the baseline per metric, with its interval and per-seed values."""
+    from hybridserve.sim.stats import describe_ratio
+
     setup = report["setup"]
     n = len(setup["seeds"])
     base = setup["baseline"]
+    console.print(
+        "paired ratios: geometric mean of per-seed ratios [95% t interval, log scale]",
+        highlight=False,
+    )
     for name, ratio in report["ratios"].items():
-        ci = ratio["ci95"]
-        interval = (
-            "no interval with one seed" if ci is None else f"95% CI [{ci[0]:.2f}, {ci[1]:.2f}]"
-        )
         per_seed = ", ".join("-" if v is None else f"{v:.2f}" for v in ratio["per_seed"])
-        mean = ratio["mean"]
-        shown = "-" if mean is None else f"{mean:.2f}x"
         console.print(
-            f"hybridserve / {base} {name}: {shown} ({interval}; per seed {per_seed})",
+            f"hybridserve / {base} {name}: {describe_ratio(ratio)}; per seed {per_seed}",
             highlight=False,
         )
     for other, ratios in report.get("ratios_vs", {}).items():
-        parts = []
-        for name, ratio in ratios.items():
-            ci, mean = ratio["ci95"], ratio["mean"]
-            shown = "-" if mean is None else f"{mean:.2f}x"
-            parts.append(f"{name} {shown}" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]"))
-        console.print(f"hybridserve / {other}: " + ", ".join(parts), highlight=False)
+        parts = [f"{name} {describe_ratio(ratio)}" for name, ratio in ratios.items()]
+        console.print(f"hybridserve / {other}: " + "; ".join(parts), highlight=False)
     if n < 10:
         console.print(
             f"{n} seeds: a short screen. The full design (10 paired seeds, {E1_DESIGN}) is "

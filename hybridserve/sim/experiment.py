@@ -262,6 +262,21 @@ def paired_report(
     return report
 
 
+def goodput_ratios(report: Mapping[str, Any], baseline: str = "baseline") -> dict[str, Any]:
+    """Per configuration of a paired report (bounds included) but `baseline`: the paired ratio
+    of its per-seed job goodput to the baseline's (goodput.png's points and reference lines);
+    empty without the baseline."""
+    key = "per_seed_job_goodput_per_hour"
+    base = report.get(baseline)
+    if not isinstance(base, Mapping) or key not in base:
+        return {}
+    return {
+        label: paired_ratio(m[key], base[key])
+        for label, m in report.items()
+        if label != baseline and isinstance(m, Mapping) and key in m
+    }
+
+
 def fleet_block(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """A bench's `fleet`: the fleet every configuration ran on (replicas, GPUs, router, view,
     load weight, P:D) and, per configuration, the means over seeds of its fleet report's

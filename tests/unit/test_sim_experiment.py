@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +31,6 @@ from hybridserve.sim.memory import (
 )
 from hybridserve.sim.model_profiles import get_model
 from hybridserve.sim.run import SimConfig, pool_budget, run_simulation, simulated_engine
-from hybridserve.sim.stats import paired_ratio, t975
 from hybridserve.sim.sweep import VLLM_GRID, draw_vllm_setting, vllm_sweep
 from hybridserve.sim.workload import AgentParams, AgentWorkload, LogNormal
 
@@ -157,17 +155,6 @@ def test_two_presets_on_one_seed_see_identical_job_sequences() -> None:
         assert base[req_id].prompt_tokens == ours[req_id].prompt_tokens, req_id
         if base[req_id].finish_s is not None and ours[req_id].finish_s is not None:
             assert base[req_id].output_tokens == ours[req_id].output_tokens, req_id
-
-
-def test_paired_ratio_is_the_mean_of_per_seed_ratios_with_a_t_interval() -> None:
-    ratio = paired_ratio([2.0, 3.0, 4.0], [1.0, 1.0, 2.0])
-    assert ratio["per_seed"] == [2.0, 3.0, 2.0]
-    assert ratio["mean"] == pytest.approx(7 / 3, abs=1e-4)
-    half = t975(2) * math.sqrt(1 / 3) / math.sqrt(3)
-    assert ratio["ci95"] == pytest.approx([7 / 3 - half, 7 / 3 + half], abs=1e-4)
-    assert paired_ratio([1.0], [2.0])["ci95"] is None
-    with pytest.raises(ValueError, match="pair"):
-        paired_ratio([1.0], [1.0, 2.0])
 
 
 # ---- bounds ------------------------------------------------------------------------------------
