@@ -155,3 +155,15 @@ def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
 def test_comparisons_catch_a_broken_kv_carry(checkpoint: Any, check: Any) -> None:
     with drop_earlier_kv(), pytest.raises(AssertionError):
         check(*checkpoint)
+
+
+def test_every_registered_model_shares_the_decoder_only_plumbing() -> None:
+    from hybridserve.executor.torch.models import base
+
+    base.load_model_class({"architectures": ["LlamaForCausalLM"]})  # imports every model
+    classes = set(base._BY_ARCHITECTURE.values())
+    assert len(classes) >= 8
+    for cls in classes:
+        assert issubclass(cls, base.DecoderOnlyLM), cls.__name__
+        own = set(vars(cls))
+        assert not own & {"forward", "optional_parameters", "tie_weights_after_load"}, cls.__name__
