@@ -152,6 +152,21 @@ def hybrid_generate(
     return run
 
 
+def random_prompt(length: int, seed: int, vocab: int = 96) -> list[int]:
+    """A prompt of `length` token ids in [3, vocab), the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[int] = torch.randint(3, vocab, (length,), generator=gen).tolist()
+    return ids
+
+
+def assert_greedy_matches(hf_model: Any, prompts: Sequence[Sequence[int]], run: HybridRun) -> None:
+    """Each request's tokens equal transformers' greedy continuation of its prompt."""
+    for i, prompt in enumerate(prompts):
+        got = run.tokens[f"r{i}"]
+        want, _ = transformers_greedy(hf_model, prompt, len(got))
+        assert got == want, f"request r{i} (prompt of {len(prompt)} tokens) diverged"
+
+
 @contextlib.contextmanager
 def drop_earlier_kv() -> Iterator[None]:
     """Break the K/V carry: every chunk attends only to the tokens it brings this step."""

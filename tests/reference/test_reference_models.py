@@ -6,7 +6,6 @@ batch, prefix-cache resume, preemption with recompute and n-gram speculation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +13,11 @@ import pytest
 import torch
 
 from tests.reference.helpers import (
-    HybridRun,
+    assert_greedy_matches,
     drop_earlier_kv,
     hybrid_generate,
     make_checkpoint,
+    random_prompt,
     transformers_greedy,
 )
 
@@ -74,20 +74,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return folder, hf_model
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 96, (length,), generator=gen).tolist()
-
-
-def _assert_matches(hf_model: Any, prompts: Sequence[Sequence[int]], run: HybridRun) -> None:
-    for i, prompt in enumerate(prompts):
-        got = run.tokens[f"r{i}"]
-        want, _ = transformers_greedy(hf_model, prompt, len(got))
-        assert got == want, f"request r{i} (prompt of {len(prompt)} tokens) diverged"
-
-
 def check_single_request(folder: Path, hf_model: Any) -> None:
-    prompt = _prompt(13, seed=1)
+    prompt = random_prompt(13, seed=1)
     run = hybrid_generate(folder, [prompt], max_tokens=10)
     want, want_logits = transformers_greedy(hf_model, prompt, 10)
     assert run.tokens["r0"] == want
@@ -96,37 +84,37 @@ def check_single_request(folder: Path, hf_model: Any) -> None:
 
 
 def check_chunked_batch(folder: Path, hf_model: Any) -> None:
-    prompts = [_prompt(n, seed=n) for n in (5, 11, 23, 37)]
+    prompts = [random_prompt(n, seed=n) for n in (5, 11, 23, 37)]
     # A 7-token budget splits blocks (4) and windows (8) at every offset.
     run = hybrid_generate(folder, prompts, max_tokens=8, max_num_batched_tokens=7)
-    _assert_matches(hf_model, prompts, run)
+    assert_greedy_matches(hf_model, prompts, run)
 
 
 def check_prefix_resume(folder: Path, hf_model: Any) -> None:
     # The second prompt extends the first (the next turn of a conversation): sliding-window
     # groups retain the window before the first prompt's end, so every group hits.
-    first = _prompt(30, seed=3)
-    prompts = [first, first + _prompt(9, seed=5)]
+    first = random_prompt(30, seed=3)
+    prompts = [first, first + random_prompt(9, seed=5)]
     run = hybrid_generate(folder, prompts, max_tokens=8, sequential=True)
     assert run.hit_tokens["r1"] >= 24, "the second request must resume from the shared prefix"
-    _assert_matches(hf_model, prompts, run)
+    assert_greedy_matches(hf_model, prompts, run)
 
 
 def check_preemption(folder: Path, hf_model: Any) -> None:
-    prompts = [_prompt(18, seed=10 + i) for i in range(4)]
+    prompts = [random_prompt(18, seed=10 + i) for i in range(4)]
     run = hybrid_generate(folder, prompts, max_tokens=16, num_blocks=26)
     assert run.num_preemptions > 0, "num_blocks is meant to force preemption"
-    _assert_matches(hf_model, prompts, run)
+    assert_greedy_matches(hf_model, prompts, run)
 
 
 def check_ngram_speculation(folder: Path, hf_model: Any) -> None:
-    motif = _prompt(6, seed=20)
-    prompts = [motif * 4 + _prompt(3, seed=21), _prompt(9, seed=22) * 2]
+    motif = random_prompt(6, seed=20)
+    prompts = [motif * 4 + random_prompt(3, seed=21), random_prompt(9, seed=22) * 2]
     plain = hybrid_generate(folder, prompts, max_tokens=24)
     spec = hybrid_generate(folder, prompts, max_tokens=24, spec_tokens=3)
     assert spec.num_drafted_steps > 0
     assert spec.tokens == plain.tokens
-    _assert_matches(hf_model, prompts, spec)
+    assert_greedy_matches(hf_model, prompts, spec)
 
 
 def test_single_request_tokens_and_logits_match_transformers(checkpoint: Any) -> None:
