@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from hybridserve.executor.torch import forward as forward_module
-from tests.reference.helpers import (
-    assert_greedy_matches,
-    hybrid_generate,
-    random_prompt,
-    transformers_greedy,
-)
+from tests.reference.helpers import GreedyChecks
 
 VOCAB = 96
 
@@ -60,49 +54,22 @@ def keep_rejected_draft_states() -> Iterator[None]:
         forward_module.ForwardContext.save_state = original  # type: ignore[method-assign]
 
 
-def check_single_request(folder: Path, hf_model: Any) -> None:
-    # Prefill in pieces of 67 and 3 tokens: the first crosses the delta rule's 64-token chunk
-    # (and Mamba2's 16-token chunks) and ends inside a block; decoding continues the state.
-    prompt = random_prompt(70, seed=1)
-    run = hybrid_generate(folder, [prompt], max_tokens=8, max_num_batched_tokens=67)
-    want, want_logits = transformers_greedy(hf_model, prompt, 8)
-    assert run.tokens["r0"] == want
-    got_logits = torch.stack(run.logits["r0"])
-    torch.testing.assert_close(got_logits, torch.stack(want_logits), atol=1e-4, rtol=0)
-
-
-def check_chunked_batch(folder: Path, hf_model: Any) -> None:
-    prompts = [random_prompt(n, seed=n) for n in (5, 11, 30, 70)]
-    # A 13-token budget shared by four requests splits blocks (4) at every offset.
-    run = hybrid_generate(folder, prompts, max_tokens=6, max_num_batched_tokens=13)
-    assert_greedy_matches(hf_model, prompts, run)
-
-
-def check_prefix_resume(folder: Path, hf_model: Any) -> None:
-    first = random_prompt(30, seed=3)
-    prompts = [first, first + random_prompt(9, seed=5)]
-    run = hybrid_generate(folder, prompts, max_tokens=6, sequential=True)
-    assert run.hit_tokens["r1"] >= 24, "the second request must resume from a state snapshot"
-    assert_greedy_matches(hf_model, prompts, run)
-
-
-def check_preemption(folder: Path, hf_model: Any) -> None:
-    prompts = [random_prompt(18, seed=10 + i) for i in range(4)]
-    run = hybrid_generate(folder, prompts, max_tokens=14, num_blocks=30)
-    assert run.num_preemptions > 0, "num_blocks is meant to force preemption"
-    assert_greedy_matches(hf_model, prompts, run)
-
-
-def check_ngram_speculation(folder: Path, hf_model: Any) -> None:
-    motif = random_prompt(6, seed=20)
-    prompts = [motif * 4 + random_prompt(3, seed=21), random_prompt(9, seed=22) * 2]
-    plain = hybrid_generate(folder, prompts, max_tokens=32)
-    spec = hybrid_generate(folder, prompts, max_tokens=32, spec_tokens=3)
-    # Both rejected drafts (state rolled back) and accepted ones (state committed) occur.
-    assert spec.num_accepted_drafts > 0
-    assert spec.num_drafted_steps * 3 > spec.num_accepted_drafts
-    assert spec.tokens == plain.tokens
-    assert_greedy_matches(hf_model, prompts, spec)
+# Prefill in pieces of 67 and 3 tokens: the first crosses the delta rule's 64-token chunk (and
+# Mamba2's 16-token chunks) and ends inside a block; decoding continues the state. A 13-token
+# budget shared by four requests splits blocks (4) at every offset.
+CHECKS = GreedyChecks(
+    single=(70, 8, 67),
+    batch=((5, 11, 30, 70), 6, 13),
+    resume_answer=6,
+    preempt=(14, 30),
+    ngram_answer=32,
+    ngram_accepts=True,
+)
+check_single_request = CHECKS.single_request
+check_chunked_batch = CHECKS.chunked_batch
+check_prefix_resume = CHECKS.prefix_resume
+check_preemption = CHECKS.preemption
+check_ngram_speculation = CHECKS.ngram_speculation
 
 
 class StateModelChecks:
