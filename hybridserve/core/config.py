@@ -209,9 +209,19 @@ class SchedulerConfig:
     kv_admission_horizon_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        self._coerce_enums()
+        for flag in _BOOL_FIELDS:
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"scheduler.{flag}", getattr(self, flag), "use true or false")
+        _require_finite(self)
+        self._check_ranges()
+        self._check_agent_controls()
+        self._check_dependencies()
+
+    def _coerce_enums(self) -> None:
+        """A policy or program priority given by name is coerced once here; anything else is
+        an error, never a silent fall-back to the default."""
         if not isinstance(self.policy, SchedulingPolicy):
-            # A policy given by name is coerced once here; anything else is an error, never
-            # a silent fall-back to fcfs.
             try:
                 object.__setattr__(self, "policy", SchedulingPolicy(str(self.policy).lower()))
             except ValueError:
@@ -231,10 +241,8 @@ class SchedulerConfig:
                     self.program_priority,
                     f"use one of {[p.value for p in ProgramPriority]}",
                 ) from None
-        for flag in _BOOL_FIELDS:
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"scheduler.{flag}", getattr(self, flag), "use true or false")
-        _require_finite(self)
+
+    def _check_ranges(self) -> None:
         _require_positive("scheduler.max_num_seqs", self.max_num_seqs)
         _require_positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _require_positive("scheduler.max_model_len", self.max_model_len)
@@ -252,7 +260,9 @@ class SchedulerConfig:
             "adaptive_budget_queue_ms",
         ):
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
-        self._check_agent_controls()
+
+    def _check_dependencies(self) -> None:
+        """Controls that only mean something alongside another one."""
         if self.adaptive_budget_queue_ms > 0 and not self.adaptive_budget_itl_ms:
             raise ConfigError(
                 "scheduler.adaptive_budget_queue_ms",

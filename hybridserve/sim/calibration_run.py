@@ -19,9 +19,11 @@ from hybridserve.sim.calibration_fit import (
     measured_gpu_spec,
     request_tokens,
 )
+from hybridserve.sim.cost_model import StepShape
 from hybridserve.sim.fit import CostSetup
 from hybridserve.sim.gpus import GPUS, GpuSpec, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
+from hybridserve.sim.model_profiles import ModelProfile
 
 Progress = Callable[[str, int, int], None]  # (what: "peaks" or "steps", done, total)
 
@@ -163,20 +165,44 @@ def run_calibration(
         with_peaks=not in_catalog,
         progress=progress,
     )
-    gpu = _gpu_spec(gpu_name, in_catalog=in_catalog, peaks=measured.peaks)
-    setup = CostSetup(gpu=gpu, model=profile_model, dtype=dtype, kv_dtype=dtype)
-    fit = fit_measurements(
+    return _fit_profile(
         list(zip(shapes, measured.seconds, strict=True)),
-        setup=setup,
-        holdout_fraction=holdout_fraction,
+        measured,
+        model=profile_model,
+        gpu_name=gpu_name,
+        in_catalog=in_catalog,
+        dtype=dtype,
+        device=device,
+        clock=clock,
         seed=seed,
+        holdout_fraction=holdout_fraction,
     )
+
+
+def _fit_profile(
+    timings: list[tuple[StepShape, float]],
+    measured: Measurement,
+    *,
+    model: ModelProfile,
+    gpu_name: str,
+    in_catalog: bool,
+    dtype: str,
+    device: str,
+    clock: str,
+    seed: int,
+    holdout_fraction: float,
+) -> Calibration:
+    """Fit the cost model to `timings` (seconds per step shape, from `measured`) and return
+    the profile."""
+    gpu = _gpu_spec(gpu_name, in_catalog=in_catalog, peaks=measured.peaks)
+    setup = CostSetup(gpu=gpu, model=model, dtype=dtype, kv_dtype=dtype)
+    fit = fit_measurements(timings, setup=setup, holdout_fraction=holdout_fraction, seed=seed)
     return Calibration(
         device=gpu_name,
         gpu=gpu,
         peaks="datasheet" if in_catalog else "measured",
         efficiency=fit.efficiency,
-        model=profile_model.name,
+        model=model.name,
         dtype=dtype,
         kv_dtype=dtype,
         torch_version=measured.torch_version,

@@ -187,6 +187,22 @@ def state_grid(cache: KVCacheManager) -> int:
     return max(grids, default=0)
 
 
+def _replica_views(caches: list[KVCacheManager], mirrors: list[CacheMirror]) -> list[ReplicaView]:
+    """The router's view of each replica: its mirror's cache (precise, when `mirrors` are
+    given) or an estimate from the requests it was sent (approximate)."""
+    if mirrors:
+        return [PreciseView(m.cache) for m in mirrors]
+    return [
+        ApproximateView(
+            capacity=c.layout.num_blocks,
+            hash_block_size=c.layout.hash_block_size,
+            state_grid=state_grid(c),
+            alignment=c.layout.alignment_tokens,
+        )
+        for c in caches
+    ]
+
+
 class FleetSimulation:
     """Drives a workload's `Simulation` over several replicas (see the module docstring)."""
 
@@ -222,24 +238,12 @@ class FleetSimulation:
         self.sim.ideal_prefix = self.ideal
         self.recorder: MetricsRecorder = self.sim.recorder
         caches = [r.scheduler.cache for r in self.replicas]
-        first = caches[0]
-        self.hasher: BlockHasher = first.hasher
-        views: list[ReplicaView]
-        self.mirrors: list[CacheMirror] = []
-        if fleet.view == "precise":
-            # Each replica's KV events feed the router's mirror of its cache (routers.py).
-            self.mirrors = [CacheMirror.of(c) for c in caches]
-            views = [PreciseView(m.cache) for m in self.mirrors]
-        else:
-            views = [
-                ApproximateView(
-                    capacity=c.layout.num_blocks,
-                    hash_block_size=c.layout.hash_block_size,
-                    state_grid=state_grid(c),
-                    alignment=c.layout.alignment_tokens,
-                )
-                for c in caches
-            ]
+        self.hasher: BlockHasher = caches[0].hasher
+        # Precise, each replica's KV events feed the router's mirror of its cache (routers.py).
+        self.mirrors: list[CacheMirror] = (
+            [CacheMirror.of(c) for c in caches] if fleet.view == "precise" else []
+        )
+        views = _replica_views(caches, self.mirrors)
         # Arrivals go to the prefill replicas (all of them when colocated); handoffs to the
         # decode replicas, by the same policy.
         w = fleet.load_weight
@@ -249,12 +253,17 @@ class FleetSimulation:
             (self.router, i) if i < num_prefill else (self.decode_router, i - num_prefill)
             for i in range(fleet.replicas)
         ]
+        self._start_ledgers()
+
+    def _start_ledgers(self) -> None:
+        """The run's tallies, all empty: handoffs, step counts, routing, the global ideal and
+        the per-replica load integrals."""
         self._handoffs: list[_Handoff] = []
         self._handoff_seq = 0
         self.decode_of: dict[str, int] = {}
         self.transfer_s: list[float] = []
         self.transfer_bytes = 0.0
-        self.queue = QueueTrace(config.warmup_s)
+        self.queue = QueueTrace(self.config.warmup_s)
         self.now = 0.0
         self.steps = 0
         self.gpu_seconds = {"decode": 0.0, "prefill": 0.0, "mixed": 0.0}
@@ -270,8 +279,8 @@ class FleetSimulation:
             OrderedDict()
         )
         # Outstanding tokens, time-integrated over the window, per replica.
-        self._area = [0.0] * fleet.replicas
-        self._last_change = [0.0] * fleet.replicas
+        self._area = [0.0] * self.fleet.replicas
+        self._last_change = [0.0] * self.fleet.replicas
 
     # ----- the loop ---------------------------------------------------------------------------
 

@@ -152,6 +152,83 @@ def hybrid_generate(
     return run
 
 
+def random_prompt(length: int, seed: int, vocab: int = 96) -> list[int]:
+    """A prompt of `length` token ids in [3, vocab), the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[int] = torch.randint(3, vocab, (length,), generator=gen).tolist()
+    return ids
+
+
+def assert_greedy_matches(hf_model: Any, prompts: Sequence[Sequence[int]], run: HybridRun) -> None:
+    """Each request's tokens equal transformers' greedy continuation of its prompt."""
+    for i, prompt in enumerate(prompts):
+        got = run.tokens[f"r{i}"]
+        want, _ = transformers_greedy(hf_model, prompt, len(got))
+        assert got == want, f"request r{i} (prompt of {len(prompt)} tokens) diverged"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GreedyChecks:
+    """One model family's runs against transformers' greedy continuation: the sizes differ per
+    family (a recurrent model wants a prefill piece crossing its scan chunks), the checks do not.
+    Each takes (checkpoint folder, transformers model) and fails with an AssertionError."""
+
+    single: tuple[int, int, int]  # prompt tokens, answer tokens, token budget
+    batch: tuple[tuple[int, ...], int, int]  # prompt lengths, answer tokens, token budget
+    resume_answer: int
+    preempt: tuple[int, int]  # answer tokens, num_blocks (few enough to force preemption)
+    ngram_answer: int
+    # Whether greedy outputs repeat enough that drafts are both accepted and rejected.
+    ngram_accepts: bool = False
+
+    def single_request(self, folder: Path, hf_model: Any) -> None:
+        """One request: tokens identical, logits within 1e-4."""
+        length, answer, budget = self.single
+        prompt = random_prompt(length, seed=1)
+        run = hybrid_generate(folder, [prompt], max_tokens=answer, max_num_batched_tokens=budget)
+        want, want_logits = transformers_greedy(hf_model, prompt, answer)
+        assert run.tokens["r0"] == want
+        got_logits = torch.stack(run.logits["r0"])
+        torch.testing.assert_close(got_logits, torch.stack(want_logits), atol=1e-4, rtol=0)
+
+    def chunked_batch(self, folder: Path, hf_model: Any) -> None:
+        """A mixed batch under a token budget that splits blocks at every offset."""
+        lengths, answer, budget = self.batch
+        prompts = [random_prompt(n, seed=n) for n in lengths]
+        run = hybrid_generate(folder, prompts, max_tokens=answer, max_num_batched_tokens=budget)
+        assert_greedy_matches(hf_model, prompts, run)
+
+    def prefix_resume(self, folder: Path, hf_model: Any) -> None:
+        """The second prompt extends the first (the next turn of a conversation) and resumes
+        from the first's cached prefix (K/V, window or state snapshot)."""
+        first = random_prompt(30, seed=3)
+        prompts = [first, first + random_prompt(9, seed=5)]
+        run = hybrid_generate(folder, prompts, max_tokens=self.resume_answer, sequential=True)
+        assert run.hit_tokens["r1"] >= 24, "the second request must resume from the shared prefix"
+        assert_greedy_matches(hf_model, prompts, run)
+
+    def preemption(self, folder: Path, hf_model: Any) -> None:
+        answer, num_blocks = self.preempt
+        prompts = [random_prompt(18, seed=10 + i) for i in range(4)]
+        run = hybrid_generate(folder, prompts, max_tokens=answer, num_blocks=num_blocks)
+        assert run.num_preemptions > 0, "num_blocks is meant to force preemption"
+        assert_greedy_matches(hf_model, prompts, run)
+
+    def ngram_speculation(self, folder: Path, hf_model: Any) -> None:
+        motif = random_prompt(6, seed=20)
+        prompts = [motif * 4 + random_prompt(3, seed=21), random_prompt(9, seed=22) * 2]
+        plain = hybrid_generate(folder, prompts, max_tokens=self.ngram_answer)
+        spec = hybrid_generate(folder, prompts, max_tokens=self.ngram_answer, spec_tokens=3)
+        if self.ngram_accepts:
+            # Both rejected drafts (state rolled back) and accepted ones (committed) occur.
+            assert spec.num_accepted_drafts > 0
+            assert spec.num_drafted_steps * 3 > spec.num_accepted_drafts
+        else:
+            assert spec.num_drafted_steps > 0
+        assert spec.tokens == plain.tokens
+        assert_greedy_matches(hf_model, prompts, spec)
+
+
 @contextlib.contextmanager
 def drop_earlier_kv() -> Iterator[None]:
     """Break the K/V carry: every chunk attends only to the tokens it brings this step."""

@@ -17,16 +17,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.models.bamba import BambaForCausalLM
 from hybridserve.executor.torch.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from tests.reference.helpers import make_checkpoint
-from tests.reference.test_qwen3_next import (
-    VOCAB,
-    check_chunked_batch,
-    check_ngram_speculation,
-    check_preemption,
-    check_prefix_resume,
-    check_single_request,
-    keep_rejected_draft_states,
-    zero_state_at_chunk_starts,
-)
+from tests.reference.state_model_checks import VOCAB, StateModelChecks, check_single_request
 
 
 def _bamba_config() -> Any:
@@ -119,35 +110,8 @@ def test_granite_hybrid_without_experts_matches_transformers(
     check_single_request(*_saved(_granite_config(0), tmp_path_factory.mktemp("granite_dense")))
 
 
-def test_single_request_tokens_and_logits_match_transformers(checkpoint: Any) -> None:
-    check_single_request(*checkpoint)
-
-
-def test_chunked_prefill_of_mixed_batch_matches_transformers(checkpoint: Any) -> None:
-    check_chunked_batch(*checkpoint)
-
-
-def test_prefix_cache_resume_from_state_snapshot_matches_transformers(checkpoint: Any) -> None:
-    check_prefix_resume(*checkpoint)
-
-
-def test_preemption_and_recompute_continue_identically(checkpoint: Any) -> None:
-    check_preemption(*checkpoint)
-
-
-def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
-    check_ngram_speculation(*checkpoint)
-
-
-@pytest.mark.parametrize("check", [check_single_request, check_chunked_batch, check_prefix_resume])
-def test_comparisons_catch_a_zeroed_state_carry(checkpoint: Any, check: Any) -> None:
-    with zero_state_at_chunk_starts(), pytest.raises(AssertionError):
-        check(*checkpoint)
-
-
-def test_comparisons_catch_a_rollback_that_keeps_rejected_drafts(checkpoint: Any) -> None:
-    with keep_rejected_draft_states(), pytest.raises(AssertionError):
-        check_ngram_speculation(*checkpoint)
+class TestAgainstTransformers(StateModelChecks):
+    """The shared state-model checks on Bamba and Granite 4 hybrid (the `checkpoint` fixture)."""
 
 
 @pytest.mark.parametrize(

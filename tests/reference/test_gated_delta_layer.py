@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -13,11 +12,14 @@ from hybridserve.executor.torch.layers.gated_delta import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
 )
+from tests.reference.recurrent_layer import (
+    RecurrentLayerChecks,
+    inputs,
+    perturb,
+    snapshot_counts,
+)
 
 transformers = pytest.importorskip("transformers")
-
-TOLERANCE = 1e-4
-SEQ_LEN = 80  # longer than transformers' 64-token chunk
 
 
 def tiny_config() -> transformers.Qwen3NextConfig:
@@ -49,90 +51,19 @@ def layers() -> tuple[torch.nn.Module, GatedDeltaNet]:
     torch.manual_seed(0)
     config = tiny_config()
     reference = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if name == "A_log":
-                # Slow decay so that the state carried across chunks matters to the output.
-                param.copy_(torch.empty_like(param).uniform_(0.05, 0.5).log())
-            else:
-                param.add_(torch.randn_like(param) * 0.1)
+    perturb(reference)
     ours = GatedDeltaNet(config.to_dict(), layer_index=0).eval()
     ours.load_state_dict(reference.state_dict())
     return reference, ours
 
 
-def inputs(seed: int = 1, length: int = SEQ_LEN) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(length, 32, generator=generator)
-
-
-def reference_output(reference: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return reference(x[None])[0]
-
-
-def run_in_pieces(ours: GatedDeltaNet, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    state = ours.zero_state()
-    outs = []
-    bounds = [0, *cuts, x.shape[0]]
-    with torch.no_grad():
-        for start, end in itertools.pairwise(bounds):
-            out, state, _ = ours.forward_sequence(x[start:end], state)
-            outs.append(out)
-    return torch.cat(outs)
-
-
-def test_whole_sequence_matches_transformers(layers: tuple[torch.nn.Module, GatedDeltaNet]) -> None:
-    reference, ours = layers
-    x = inputs()
-    with torch.no_grad():
-        out, _, _ = ours.forward_sequence(x, ours.zero_state())
-    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
-
-
-@pytest.mark.parametrize("cuts", [[37], [5, 70], [16, 33, 64]])
-def test_chunks_with_carried_state_match_whole_sequence(
-    layers: tuple[torch.nn.Module, GatedDeltaNet], cuts: list[int]
-) -> None:
-    reference, ours = layers
-    x = inputs()
-    out = run_in_pieces(ours, x, cuts)
-    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
-
-
-def test_token_by_token_decode_matches_whole_sequence(
-    layers: tuple[torch.nn.Module, GatedDeltaNet],
-) -> None:
-    reference, ours = layers
-    x = inputs(length=24)
-    out = run_in_pieces(ours, x, list(range(1, 24)))
-    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
-
-
-def test_resuming_from_a_snapshot_matches_whole_sequence(
-    layers: tuple[torch.nn.Module, GatedDeltaNet],
-) -> None:
-    reference, ours = layers
-    x = inputs()
-    expected = reference_output(reference, x)
-    with torch.no_grad():
-        _, _, saved = ours.forward_sequence(x[:50], ours.zero_state(), snapshots=(16, 32, 33))
-        for count, state in zip((16, 32, 33), saved, strict=True):
-            resumed, _, _ = ours.forward_sequence(x[count:], state)
-            torch.testing.assert_close(resumed, expected[count:], atol=TOLERANCE, rtol=0)
-
-
-def test_zeroed_state_at_a_chunk_boundary_is_detected(
-    layers: tuple[torch.nn.Module, GatedDeltaNet],
-) -> None:
-    reference, ours = layers
-    x = inputs()
-    with torch.no_grad():
-        head, _, _ = ours.forward_sequence(x[:40], ours.zero_state())
-        tail, _, _ = ours.forward_sequence(x[40:], ours.zero_state())
-    broken = torch.cat([head, tail])
-    error = (broken - reference_output(reference, x)).abs().max().item()
-    assert error > 100 * TOLERANCE
+class TestAgainstTransformers(RecurrentLayerChecks):
+    SEQ_LEN = 80  # longer than transformers' 64-token chunk
+    CUTS = ([37], [5, 70], [16, 33, 64])
+    DECODE_LEN = 24
+    SNAPSHOT_PREFIX = 50
+    SNAPSHOTS = (16, 32, 33)
+    SPLIT = 40
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
@@ -173,13 +104,6 @@ def random_rule_inputs(
     return q * dk**-0.5, k, v, g, beta, state
 
 
-def snapshot_counts(length: int) -> tuple[int, ...]:
-    """Counts inside chunks, at a chunk's end, just past it and at the end (as the cache asks)."""
-    return tuple(
-        sorted({n for n in (1, 5, 63, 64, 65, length // 2, length - 1, length) if 0 < n <= length})
-    )
-
-
 @pytest.mark.parametrize("length", [1, 7, 64, 544, 4096])
 @pytest.mark.parametrize("start", ["zero", "carried"])
 def test_chunked_rule_with_snapshots_equals_token_loop(length: int, start: str) -> None:
@@ -202,24 +126,18 @@ def test_chunked_rule_with_snapshots_equals_token_loop(length: int, start: str) 
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"state after {count}")
 
 
-def test_layer_snapshots_equal_states_of_a_token_by_token_run(
+def test_short_chunk_snapshots_equal_states_of_a_token_by_token_run(
     layers: tuple[torch.nn.Module, GatedDeltaNet],
 ) -> None:
+    """A chunk short enough for the token loop (decode with two drafts)."""
     _, ours = layers
-    x = inputs(length=70)
-    counts = (3, 31, 64, 65, 70)
+    x = inputs(length=3)
     with torch.no_grad():
-        _, final, saved = ours.forward_sequence(x, ours.zero_state(), snapshots=counts)
+        _, _, short = ours.forward_sequence(x, ours.zero_state(), snapshots=(1, 2, 3))
         state, by_token = ours.zero_state(), {}
         for t in range(x.shape[0]):
             _, state, _ = ours.forward_sequence(x[t : t + 1], state)
             by_token[t + 1] = state
-    for count, snapshot in zip(counts, saved, strict=True):
-        for name in ("conv", "ssm"):
-            torch.testing.assert_close(snapshot[name], by_token[count][name], atol=1e-5, rtol=0)
-    torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)
-    with torch.no_grad():  # a chunk short enough for the token loop (decode with two drafts)
-        _, _, short = ours.forward_sequence(x[:3], ours.zero_state(), snapshots=(1, 2, 3))
     for count, snapshot in zip((1, 2, 3), short, strict=True):
         torch.testing.assert_close(snapshot["ssm"], by_token[count]["ssm"], atol=1e-5, rtol=0)
 

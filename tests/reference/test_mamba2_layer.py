@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -13,11 +11,9 @@ from hybridserve.executor.torch.layers.mamba2 import (
     ssd_chunked,
     ssd_recurrent,
 )
+from tests.reference.recurrent_layer import RecurrentLayerChecks, perturb, snapshot_counts
 
 transformers = pytest.importorskip("transformers")
-
-TOLERANCE = 1e-4
-SEQ_LEN = 50  # several of the 16-token scan chunks
 
 
 def tiny_config() -> transformers.BambaConfig:
@@ -46,89 +42,19 @@ def layers() -> tuple[torch.nn.Module, Mamba2Mixer]:
     torch.manual_seed(0)
     config = tiny_config()
     reference = BambaMixer(config, layer_idx=0).eval()
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if name == "A_log":
-                # Slow decay so that the state carried across chunks matters to the output.
-                param.copy_(torch.empty_like(param).uniform_(0.05, 0.5).log())
-            else:
-                param.add_(torch.randn_like(param) * 0.1)
+    perturb(reference)
     ours = Mamba2Mixer(Mamba2Dims.from_bamba_config(config.to_dict()), layer_index=0).eval()
     ours.load_state_dict(reference.state_dict())
     return reference, ours
 
 
-def inputs(seed: int = 1, length: int = SEQ_LEN) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(length, 32, generator=generator)
-
-
-def reference_output(reference: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return reference(x[None])[0]
-
-
-def run_in_pieces(ours: Mamba2Mixer, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    state = ours.zero_state()
-    outs = []
-    with torch.no_grad():
-        for start, end in itertools.pairwise([0, *cuts, x.shape[0]]):
-            out, state, _ = ours.forward_sequence(x[start:end], state)
-            outs.append(out)
-    return torch.cat(outs)
-
-
-def test_whole_sequence_matches_transformers(layers: tuple[torch.nn.Module, Mamba2Mixer]) -> None:
-    reference, ours = layers
-    x = inputs()
-    with torch.no_grad():
-        out, _, _ = ours.forward_sequence(x, ours.zero_state())
-    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
-
-
-@pytest.mark.parametrize("cuts", [[21], [3, 40], [16, 17, 32]])
-def test_chunks_with_carried_state_match_whole_sequence(
-    layers: tuple[torch.nn.Module, Mamba2Mixer], cuts: list[int]
-) -> None:
-    reference, ours = layers
-    x = inputs()
-    out = run_in_pieces(ours, x, cuts)
-    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
-
-
-def test_token_by_token_decode_matches_whole_sequence(
-    layers: tuple[torch.nn.Module, Mamba2Mixer],
-) -> None:
-    reference, ours = layers
-    x = inputs(length=20)
-    out = run_in_pieces(ours, x, list(range(1, 20)))
-    torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
-
-
-def test_resuming_from_a_snapshot_matches_whole_sequence(
-    layers: tuple[torch.nn.Module, Mamba2Mixer],
-) -> None:
-    reference, ours = layers
-    x = inputs()
-    expected = reference_output(reference, x)
-    with torch.no_grad():
-        _, _, saved = ours.forward_sequence(x[:40], ours.zero_state(), snapshots=(8, 16, 17))
-        for count, state in zip((8, 16, 17), saved, strict=True):
-            resumed, _, _ = ours.forward_sequence(x[count:], state)
-            torch.testing.assert_close(resumed, expected[count:], atol=TOLERANCE, rtol=0)
-
-
-def test_zeroed_state_at_a_chunk_boundary_is_detected(
-    layers: tuple[torch.nn.Module, Mamba2Mixer],
-) -> None:
-    reference, ours = layers
-    x = inputs()
-    with torch.no_grad():
-        head, _, _ = ours.forward_sequence(x[:25], ours.zero_state())
-        tail, _, _ = ours.forward_sequence(x[25:], ours.zero_state())
-    broken = torch.cat([head, tail])
-    error = (broken - reference_output(reference, x)).abs().max().item()
-    assert error > 100 * TOLERANCE
+class TestAgainstTransformers(RecurrentLayerChecks):
+    SEQ_LEN = 50  # several of the 16-token scan chunks
+    CUTS = ([21], [3, 40], [16, 17, 32])
+    DECODE_LEN = 20
+    SNAPSHOT_PREFIX = 40
+    SNAPSHOTS = (8, 16, 17)
+    SPLIT = 25
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
@@ -168,13 +94,6 @@ def random_scan_inputs(
     return x, dt, a, b, c, state
 
 
-def snapshot_counts(length: int) -> tuple[int, ...]:
-    """Counts inside chunks, at a chunk's end, just past it and at the end (as the cache asks)."""
-    return tuple(
-        sorted({n for n in (1, 5, 63, 64, 65, length // 2, length - 1, length) if 0 < n <= length})
-    )
-
-
 @pytest.mark.parametrize("length", [1, 7, 64, 544, 4096])
 @pytest.mark.parametrize("start", ["zero", "carried"])
 def test_chunked_scan_with_snapshots_equals_token_loop(length: int, start: str) -> None:
@@ -195,21 +114,3 @@ def test_chunked_scan_with_snapshots_equals_token_loop(length: int, start: str) 
         assert len(saved) == len(counts)
         for count, got, want in zip(counts, saved, expected_saved, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"state after {count}")
-
-
-def test_layer_snapshots_equal_states_of_a_token_by_token_run(
-    layers: tuple[torch.nn.Module, Mamba2Mixer],
-) -> None:
-    _, ours = layers
-    x = inputs(length=70)
-    counts = (3, 31, 64, 65, 70)
-    with torch.no_grad():
-        _, final, saved = ours.forward_sequence(x, ours.zero_state(), snapshots=counts)
-        state, by_token = ours.zero_state(), {}
-        for t in range(x.shape[0]):
-            _, state, _ = ours.forward_sequence(x[t : t + 1], state)
-            by_token[t + 1] = state
-    for count, snapshot in zip(counts, saved, strict=True):
-        for name in ("conv", "ssm"):
-            torch.testing.assert_close(snapshot[name], by_token[count][name], atol=1e-5, rtol=0)
-    torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)

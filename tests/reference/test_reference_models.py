@@ -6,19 +6,14 @@ batch, prefix-cache resume, preemption with recompute and n-gram speculation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.reference.helpers import (
-    HybridRun,
+    GreedyChecks,
     drop_earlier_kv,
-    hybrid_generate,
     make_checkpoint,
-    transformers_greedy,
 )
 
 
@@ -74,59 +69,20 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return folder, hf_model
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 96, (length,), generator=gen).tolist()
-
-
-def _assert_matches(hf_model: Any, prompts: Sequence[Sequence[int]], run: HybridRun) -> None:
-    for i, prompt in enumerate(prompts):
-        got = run.tokens[f"r{i}"]
-        want, _ = transformers_greedy(hf_model, prompt, len(got))
-        assert got == want, f"request r{i} (prompt of {len(prompt)} tokens) diverged"
-
-
-def check_single_request(folder: Path, hf_model: Any) -> None:
-    prompt = _prompt(13, seed=1)
-    run = hybrid_generate(folder, [prompt], max_tokens=10)
-    want, want_logits = transformers_greedy(hf_model, prompt, 10)
-    assert run.tokens["r0"] == want
-    got_logits = torch.stack(run.logits["r0"])
-    torch.testing.assert_close(got_logits, torch.stack(want_logits), atol=1e-4, rtol=0)
-
-
-def check_chunked_batch(folder: Path, hf_model: Any) -> None:
-    prompts = [_prompt(n, seed=n) for n in (5, 11, 23, 37)]
-    # A 7-token budget splits blocks (4) and windows (8) at every offset.
-    run = hybrid_generate(folder, prompts, max_tokens=8, max_num_batched_tokens=7)
-    _assert_matches(hf_model, prompts, run)
-
-
-def check_prefix_resume(folder: Path, hf_model: Any) -> None:
-    # The second prompt extends the first (the next turn of a conversation): sliding-window
-    # groups retain the window before the first prompt's end, so every group hits.
-    first = _prompt(30, seed=3)
-    prompts = [first, first + _prompt(9, seed=5)]
-    run = hybrid_generate(folder, prompts, max_tokens=8, sequential=True)
-    assert run.hit_tokens["r1"] >= 24, "the second request must resume from the shared prefix"
-    _assert_matches(hf_model, prompts, run)
-
-
-def check_preemption(folder: Path, hf_model: Any) -> None:
-    prompts = [_prompt(18, seed=10 + i) for i in range(4)]
-    run = hybrid_generate(folder, prompts, max_tokens=16, num_blocks=26)
-    assert run.num_preemptions > 0, "num_blocks is meant to force preemption"
-    _assert_matches(hf_model, prompts, run)
-
-
-def check_ngram_speculation(folder: Path, hf_model: Any) -> None:
-    motif = _prompt(6, seed=20)
-    prompts = [motif * 4 + _prompt(3, seed=21), _prompt(9, seed=22) * 2]
-    plain = hybrid_generate(folder, prompts, max_tokens=24)
-    spec = hybrid_generate(folder, prompts, max_tokens=24, spec_tokens=3)
-    assert spec.num_drafted_steps > 0
-    assert spec.tokens == plain.tokens
-    _assert_matches(hf_model, prompts, spec)
+# A 7-token budget splits blocks (4) and windows (8) at every offset; sliding-window groups
+# retain the window before the first prompt's end, so every group hits on a resume.
+CHECKS = GreedyChecks(
+    single=(13, 10, 64),
+    batch=((5, 11, 23, 37), 8, 7),
+    resume_answer=8,
+    preempt=(16, 26),
+    ngram_answer=24,
+)
+check_single_request = CHECKS.single_request
+check_chunked_batch = CHECKS.chunked_batch
+check_prefix_resume = CHECKS.prefix_resume
+check_preemption = CHECKS.preemption
+check_ngram_speculation = CHECKS.ngram_speculation
 
 
 def test_single_request_tokens_and_logits_match_transformers(checkpoint: Any) -> None:
@@ -155,3 +111,16 @@ def test_ngram_speculation_equals_plain_greedy(checkpoint: Any) -> None:
 def test_comparisons_catch_a_broken_kv_carry(checkpoint: Any, check: Any) -> None:
     with drop_earlier_kv(), pytest.raises(AssertionError):
         check(*checkpoint)
+
+
+def test_every_registered_model_shares_the_decoder_only_plumbing() -> None:
+    from hybridserve.executor.torch.models import base
+
+    base.load_model_class({"architectures": ["LlamaForCausalLM"]})  # imports every model
+    package = "hybridserve.executor.torch.models."
+    classes = {c for c in base._BY_ARCHITECTURE.values() if c.__module__.startswith(package)}
+    assert len(classes) >= 8
+    for cls in classes:
+        assert issubclass(cls, base.DecoderOnlyLM), cls.__name__
+        own = set(vars(cls))
+        assert not own & {"forward", "optional_parameters", "tie_weights_after_load"}, cls.__name__

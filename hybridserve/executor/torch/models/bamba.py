@@ -6,10 +6,10 @@ factor when the config gives none).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.core.errors import ConfigError
@@ -19,7 +19,7 @@ from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
-    CausalLM,
+    DecoderOnlyLM,
     LayerCache,
     StateCache,
     register_model,
@@ -103,31 +103,19 @@ class BambaDecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class BambaModel(nn.Module):
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        attn = attention_layers(config)
-        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
-        self.layers = nn.ModuleList(
-            BambaDecoderLayer(config, i, attention=i in attn)
-            for i in range(int(config["num_hidden_layers"]))
-        )
-        self.final_layernorm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
-
-
 @register_model("BambaForCausalLM", model_types=("bamba",))
-class BambaForCausalLM(CausalLM):
+class BambaForCausalLM(DecoderOnlyLM):
     """Checkpoint tensors as transformers names them (`model.layers.N.mamba.in_proj.weight`,
     `model.layers.N.feed_forward.gate_proj.weight`, `model.final_layernorm.weight`, ...)."""
 
-    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(config, dtype)
-        self.model = BambaModel(config)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    final_norm_name = "final_layernorm"
+
+    def build_layers(self, config: dict[str, Any]) -> Iterable[nn.Module]:
+        attn = attention_layers(config)
+        return (
+            BambaDecoderLayer(config, i, attention=i in attn)
+            for i in range(int(config["num_hidden_layers"]))
+        )
 
     def decoder_layers(self) -> list[BambaDecoderLayer]:
         return [cast(BambaDecoderLayer, layer) for layer in self.model.layers]
@@ -142,25 +130,3 @@ class BambaForCausalLM(CausalLM):
             else:
                 caches.append(StateCache(shapes=layer.mamba.state_shapes()))
         return caches
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens.weight)
-
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.final_layernorm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def optional_parameters(self) -> set[str]:
-        return {"lm_head.weight"} if self.tied else set()
-
-    def checkpoint_renames(self, name: str) -> str | None:
-        if self.tied and name == "lm_head.weight":
-            return None
-        return name

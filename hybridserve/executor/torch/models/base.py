@@ -2,13 +2,16 @@
 
 How to add an architecture
 --------------------------
-1. Write `hybridserve/executor/torch/models/<name>.py` with a subclass of `CausalLM` and decorate
-   it with `@register_model("HfArchitectureName", model_types=("hf_model_type",))`. Every module
-   in this package is imported by `load_model_class`, so no list needs editing.
-2. In `__init__(self, config: dict[str, Any], dtype)` read the Hugging Face `config.json` dict
-   and build `torch.nn` modules whose parameter names equal the checkpoint tensor names
-   transformers uses (`model.layers.0.self_attn.q_proj.weight`, ...): `load_weights` then needs
-   no mapping. Override `load_weights` (or `checkpoint_renames`) only for genuine renames.
+1. Write `hybridserve/executor/torch/models/<name>.py` with a subclass of `DecoderOnlyLM` (or of
+   `CausalLM` for another layout) and decorate it with
+   `@register_model("HfArchitectureName", model_types=("hf_model_type",))`. Every module in this
+   package is imported by `load_model_class`, so no list needs editing.
+2. From the Hugging Face `config.json` dict build `torch.nn` modules whose parameter names equal
+   the checkpoint tensor names transformers uses (`model.layers.0.self_attn.q_proj.weight`,
+   ...): `load_weights` then needs no mapping. `DecoderOnlyLM` builds the embedding, the final
+   norm, the (optionally tied) `lm_head` and the layer loop; a subclass returns its layers from
+   `build_layers(config)`. Override `load_weights` (or `checkpoint_renames`) only for genuine
+   renames.
 3. Implement `layer_caches()`: one `LayerCache` per layer, in layer order:
    * `AttentionCache(num_kv_heads, head_dim, window=None | W)` for full or sliding-window layers;
    * `LatentCache(latent_dim, index_dim)` for an MLA layer (sparse when `index_dim > 0`);
@@ -62,12 +65,13 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.kvcache.spec import (
     FullAttentionSpec,
     GroupSpec,
@@ -238,6 +242,85 @@ class CausalLM(nn.Module):
 
     def tie_weights_after_load(self) -> None:
         """Called after loading; tie the output embedding here if the config says so."""
+
+
+class DecoderStack(nn.Module):
+    """`model.*` of a decoder-only checkpoint: the input embedding, the layers and the final
+    norm, registered in that order under transformers' names."""
+
+    def __init__(
+        self,
+        embed_tokens: nn.Embedding,
+        layers: Iterable[nn.Module],
+        norm: nn.Module,
+        *,
+        norm_name: str,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm_name = norm_name
+        self.add_module(norm_name, norm)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return cast(nn.Module, getattr(self, self.norm_name))
+
+
+class DecoderOnlyLM(CausalLM):
+    """A decoder-only model as transformers lays it out: `model.embed_tokens`, `model.layers`
+    (each called as `layer(x, positions, ctx)`), the final norm `model.<final_norm_name>` and
+    `lm_head`, tied to the input embedding when `tie_word_embeddings` (default
+    `tie_embeddings_by_default`) says so.
+
+    A subclass builds its layers in `build_layers(config)` and lists their caches in
+    `layer_caches()`; it overrides `embed` or `compute_logits` only for a scale of its own.
+    """
+
+    final_norm_name = "norm"
+    final_norm_offset = False  # the final norm scales by (1 + weight), as Gemma's do
+    tie_embeddings_by_default = False
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, dtype)
+        hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.model = DecoderStack(
+            nn.Embedding(vocab, hidden),
+            self.build_layers(config),
+            RMSNorm(hidden, eps, offset=self.final_norm_offset),
+            norm_name=self.final_norm_name,
+        )
+        self.tied = bool(config.get("tie_word_embeddings", self.tie_embeddings_by_default))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_layers(self, config: dict[str, Any]) -> Iterable[nn.Module]:
+        """The decoder layers, in order (`model.layers.<i>`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_layers()")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.model.embed_tokens(input_ids))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, ctx)
+        return cast(torch.Tensor, self.model.final_norm(x))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def optional_parameters(self) -> set[str]:
+        return {"lm_head.weight"} if self.tied else set()
+
+    def checkpoint_renames(self, name: str) -> str | None:
+        if self.tied and name == "lm_head.weight":
+            return None
+        return name
 
 
 ModelClass = type[CausalLM]

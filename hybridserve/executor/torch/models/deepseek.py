@@ -14,6 +14,7 @@ does: yarn frequencies, cos/sin times the attention factor, and the softmax scal
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,7 +27,12 @@ from hybridserve.executor.torch.forward import LatentIndex
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.layers.rotary import Rotary, inverse_frequencies
-from hybridserve.executor.torch.models.base import CausalLM, LatentCache, LayerCache, register_model
+from hybridserve.executor.torch.models.base import (
+    DecoderOnlyLM,
+    LatentCache,
+    LayerCache,
+    register_model,
+)
 from hybridserve.executor.torch.models.llama import rope_settings
 
 if TYPE_CHECKING:
@@ -336,59 +342,24 @@ class DeepseekDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, config: dict[str, Any], *, sparse: bool) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, sparse=sparse)
-            for i in range(config["num_hidden_layers"])
-        )
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-
-
 @register_model("DeepseekV3ForCausalLM", model_types=("deepseek_v3",))
-class DeepseekV3ForCausalLM(CausalLM):
+class DeepseekV3ForCausalLM(DecoderOnlyLM):
     """DeepSeek-V3. Multi-token-prediction layers in the checkpoint (`model.layers.<N>`, past
     `num_hidden_layers`) are not loaded."""
 
     sparse = False
 
-    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(config, dtype)
-        self.model = DeepseekModel(config, sparse=self.sparse)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def build_layers(self, config: dict[str, Any]) -> Iterable[nn.Module]:
+        return (
+            DeepseekDecoderLayer(config, i, sparse=self.sparse)
+            for i in range(config["num_hidden_layers"])
+        )
 
     def layer_caches(self) -> list[LayerCache]:
         config = self.config
         latent_dim = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
         index_dim = int(config["index_head_dim"]) if self.sparse else 0
         return [LatentCache(latent_dim, index_dim) for _ in self.model.layers]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def optional_parameters(self) -> set[str]:
-        return {"lm_head.weight"} if self.tied else set()
-
-    def checkpoint_renames(self, name: str) -> str | None:
-        if self.tied and name == "lm_head.weight":
-            return None
-        return name
 
 
 @register_model("DeepseekV32ForCausalLM", model_types=("deepseek_v32",))

@@ -3,6 +3,7 @@ q/k norms, sandwich norms around attention and MLP, scaled embeddings, optional 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -13,7 +14,7 @@ from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
-    CausalLM,
+    DecoderOnlyLM,
     LayerCache,
     register_model,
 )
@@ -96,27 +97,18 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3TextModel(nn.Module):
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, kind) for i, kind in enumerate(layer_types(config))
-        )
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), offset=True)
-
-
 @register_model("Gemma3ForCausalLM", model_types=("gemma3_text",))
-class Gemma3ForCausalLM(CausalLM):
+class Gemma3ForCausalLM(DecoderOnlyLM):
+    final_norm_offset = True
+    tie_embeddings_by_default = True
+
     def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, dtype)
-        self.model = Gemma3TextModel(config)
         self.embed_scale = float(config["hidden_size"]) ** 0.5
         self.final_softcap = config.get("final_logit_softcapping")
-        self.tied = bool(config.get("tie_word_embeddings", True))
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_layers(self, config: dict[str, Any]) -> Iterable[nn.Module]:
+        return (Gemma3DecoderLayer(config, i, kind) for i, kind in enumerate(layer_types(config)))
 
     def layer_caches(self) -> list[LayerCache]:
         caches: list[LayerCache] = []
@@ -130,24 +122,8 @@ class Gemma3ForCausalLM(CausalLM):
         scale = torch.tensor(self.embed_scale, dtype=weight.dtype, device=weight.device)
         return self.model.embed_tokens(input_ids) * scale
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-    def optional_parameters(self) -> set[str]:
-        return {"lm_head.weight"} if self.tied else set()
-
-    def checkpoint_renames(self, name: str) -> str | None:
-        if self.tied and name == "lm_head.weight":
-            return None
-        return name

@@ -6,6 +6,7 @@ Attention uses rotary only when `position_embedding_type == "rope"` (Granite 4.0
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -19,7 +20,7 @@ from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
-    CausalLM,
+    DecoderOnlyLM,
     LayerCache,
     StateCache,
     register_model,
@@ -166,32 +167,21 @@ class GraniteHybridDecoderLayer(nn.Module):
         return x + out * self.residual_multiplier
 
 
-class GraniteHybridModel(nn.Module):
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
-        self.layers = nn.ModuleList(
-            GraniteHybridDecoderLayer(config, i, attention=flag)
-            for i, flag in enumerate(attention_flags(config))
-        )
-        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
-
-
 @register_model("GraniteMoeHybridForCausalLM", model_types=("granitemoehybrid",))
-class GraniteMoeHybridForCausalLM(CausalLM):
+class GraniteMoeHybridForCausalLM(DecoderOnlyLM):
     """Checkpoint tensors as transformers names them (`model.layers.N.mamba.in_proj.weight`,
     `model.layers.N.shared_mlp.input_linear.weight`, `...block_sparse_moe.router.layer.weight`)."""
 
     def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, dtype)
-        self.model = GraniteHybridModel(config)
         self.embedding_multiplier = float(config.get("embedding_multiplier", 1.0))
         self.logits_scaling = float(config.get("logits_scaling", 1.0))
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_layers(self, config: dict[str, Any]) -> Iterable[nn.Module]:
+        return (
+            GraniteHybridDecoderLayer(config, i, attention=flag)
+            for i, flag in enumerate(attention_flags(config))
+        )
 
     def decoder_layers(self) -> list[GraniteHybridDecoderLayer]:
         return [cast(GraniteHybridDecoderLayer, layer) for layer in self.model.layers]
@@ -210,21 +200,5 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight) * self.embedding_multiplier
 
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) / self.logits_scaling).float()
-
-    def optional_parameters(self) -> set[str]:
-        return {"lm_head.weight"} if self.tied else set()
-
-    def checkpoint_renames(self, name: str) -> str | None:
-        if self.tied and name == "lm_head.weight":
-            return None
-        return name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -12,7 +13,7 @@ from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
-    CausalLM,
+    DecoderOnlyLM,
     LayerCache,
     register_model,
 )
@@ -79,53 +80,19 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config["num_hidden_layers"])
-        )
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-
-
 @register_model("LlamaForCausalLM", "MistralForCausalLM", model_types=("llama", "mistral"))
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(DecoderOnlyLM):
     def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
         super().__init__(config, dtype)
         if config.get("sliding_window") and config.get("model_type") == "mistral":
             self.window: int | None = int(config["sliding_window"])
         else:
             self.window = None
-        self.model = LlamaModel(config)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_layers(self, config: dict[str, Any]) -> Iterable[nn.Module]:
+        return (LlamaDecoderLayer(config, i) for i in range(config["num_hidden_layers"]))
 
     def layer_caches(self) -> list[LayerCache]:
         attn = cast(LlamaAttention, self.model.layers[0].self_attn)
         spec = AttentionCache(int(attn.num_kv_heads), int(attn.head_dim), self.window)
         return [spec for _ in self.model.layers]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def optional_parameters(self) -> set[str]:
-        return {"lm_head.weight"} if self.tied else set()
-
-    def checkpoint_renames(self, name: str) -> str | None:
-        if self.tied and name == "lm_head.weight":
-            return None
-        return name

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.core.errors import ConfigError
@@ -23,7 +22,7 @@ from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
-    CausalLM,
+    DecoderOnlyLM,
     LayerCache,
     StateCache,
     register_model,
@@ -171,18 +170,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextModel(nn.Module):
-    def __init__(self, config: dict[str, Any], *, qwen3_5: bool) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, kind, qwen3_5=qwen3_5)
-            for i, kind in enumerate(layer_types(config))
-        )
-        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)), offset=True)
-
-
 def split_fused_experts(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -204,20 +191,19 @@ def split_fused_experts(
 
 
 @register_model("Qwen3NextForCausalLM", model_types=("qwen3_next",))
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(DecoderOnlyLM):
     """Qwen3-Next; checkpoint tensors are named as transformers saves them (`model.layers.N.
     linear_attn.in_proj_qkvz.weight`, `model.layers.N.mlp.experts.E.gate_proj.weight`, ...).
     The multi-token-prediction head (`mtp.*`) is not used."""
 
+    final_norm_offset = True
     qwen3_5 = False
 
-    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(config, dtype)
-        self.model = Qwen3NextModel(config, qwen3_5=self.qwen3_5)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def build_layers(self, config: dict[str, Any]) -> Iterable[nn.Module]:
+        return (
+            DecoderLayer(config, i, kind, qwen3_5=self.qwen3_5)
+            for i, kind in enumerate(layer_types(config))
+        )
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.model.layers]
@@ -232,27 +218,10 @@ class Qwen3NextForCausalLM(CausalLM):
                 caches.append(AttentionCache(attn.num_kv_heads, attn.head_dim))
         return caches
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens.weight)
-
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def optional_parameters(self) -> set[str]:
-        return {"lm_head.weight"} if self.tied else set()
-
     def checkpoint_renames(self, name: str) -> str | None:
-        if name.startswith("mtp.") or (self.tied and name == "lm_head.weight"):
+        if name.startswith("mtp."):
             return None
-        return name
+        return super().checkpoint_renames(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(split_fused_experts(weights))

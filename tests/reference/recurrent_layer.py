@@ -1,0 +1,131 @@
+"""The checks a recurrent layer (Mamba2 mixer, gated delta net) passes against its transformers
+twin: whole sequences, chunks with the state carried, token-by-token decode, resuming from a
+snapshot, and a meta-check that a dropped state is caught. A test module subclasses
+`RecurrentLayerChecks` as `Test...`, sets the lengths and cuts, and defines a `layers` fixture
+giving (transformers layer, our layer) with equal weights."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+TOLERANCE = 1e-4
+
+
+def perturb(reference: torch.nn.Module) -> None:
+    """Randomise a freshly built transformers layer away from its init, with a slow decay so
+    that the state carried across chunks matters to the output."""
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name == "A_log":
+                param.copy_(torch.empty_like(param).uniform_(0.05, 0.5).log())
+            else:
+                param.add_(torch.randn_like(param) * 0.1)
+
+
+def inputs(length: int, seed: int = 1, hidden: int = 32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(length, hidden, generator=generator)
+
+
+def reference_output(reference: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = reference(x[None])[0]
+        return out
+
+
+def run_in_pieces(ours: Any, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """Our layer over `x` cut at `cuts`, each piece starting from the state the last one left."""
+    state = ours.zero_state()
+    outs = []
+    with torch.no_grad():
+        for start, end in itertools.pairwise([0, *cuts, x.shape[0]]):
+            out, state, _ = ours.forward_sequence(x[start:end], state)
+            outs.append(out)
+    return torch.cat(outs)
+
+
+def snapshot_counts(length: int) -> tuple[int, ...]:
+    """Counts inside chunks, at a chunk's end, just past it and at the end (as the cache asks)."""
+    return tuple(
+        sorted({n for n in (1, 5, 63, 64, 65, length // 2, length - 1, length) if 0 < n <= length})
+    )
+
+
+class RecurrentLayerChecks:
+    SEQ_LEN: ClassVar[int]
+    CUTS: ClassVar[tuple[list[int], list[int], list[int]]]  # where the chunked runs cut
+    DECODE_LEN: ClassVar[int]  # tokens of the token-by-token run
+    SNAPSHOT_PREFIX: ClassVar[int]  # tokens of the run that saves the snapshots
+    SNAPSHOTS: ClassVar[tuple[int, ...]]
+    SPLIT: ClassVar[int]  # where the meta-check restarts from a zero state
+
+    def test_whole_sequence_matches_transformers(self, layers: tuple[torch.nn.Module, Any]) -> None:
+        reference, ours = layers
+        x = inputs(self.SEQ_LEN)
+        with torch.no_grad():
+            out, _, _ = ours.forward_sequence(x, ours.zero_state())
+        torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
+
+    @pytest.mark.parametrize("which", [0, 1, 2])
+    def test_chunks_with_carried_state_match_whole_sequence(
+        self, layers: tuple[torch.nn.Module, Any], which: int
+    ) -> None:
+        reference, ours = layers
+        x = inputs(self.SEQ_LEN)
+        out = run_in_pieces(ours, x, self.CUTS[which])
+        torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
+
+    def test_token_by_token_decode_matches_whole_sequence(
+        self, layers: tuple[torch.nn.Module, Any]
+    ) -> None:
+        reference, ours = layers
+        x = inputs(self.DECODE_LEN)
+        out = run_in_pieces(ours, x, list(range(1, self.DECODE_LEN)))
+        torch.testing.assert_close(out, reference_output(reference, x), atol=TOLERANCE, rtol=0)
+
+    def test_resuming_from_a_snapshot_matches_whole_sequence(
+        self, layers: tuple[torch.nn.Module, Any]
+    ) -> None:
+        reference, ours = layers
+        x = inputs(self.SEQ_LEN)
+        expected = reference_output(reference, x)
+        with torch.no_grad():
+            _, _, saved = ours.forward_sequence(
+                x[: self.SNAPSHOT_PREFIX], ours.zero_state(), snapshots=self.SNAPSHOTS
+            )
+            for count, state in zip(self.SNAPSHOTS, saved, strict=True):
+                resumed, _, _ = ours.forward_sequence(x[count:], state)
+                torch.testing.assert_close(resumed, expected[count:], atol=TOLERANCE, rtol=0)
+
+    def test_zeroed_state_at_a_chunk_boundary_is_detected(
+        self, layers: tuple[torch.nn.Module, Any]
+    ) -> None:
+        reference, ours = layers
+        x = inputs(self.SEQ_LEN)
+        with torch.no_grad():
+            head, _, _ = ours.forward_sequence(x[: self.SPLIT], ours.zero_state())
+            tail, _, _ = ours.forward_sequence(x[self.SPLIT :], ours.zero_state())
+        broken = torch.cat([head, tail])
+        error = (broken - reference_output(reference, x)).abs().max().item()
+        assert error > 100 * TOLERANCE
+
+    def test_layer_snapshots_equal_states_of_a_token_by_token_run(
+        self, layers: tuple[torch.nn.Module, Any]
+    ) -> None:
+        _, ours = layers
+        x = inputs(length=70)
+        counts = (3, 31, 64, 65, 70)
+        with torch.no_grad():
+            _, final, saved = ours.forward_sequence(x, ours.zero_state(), snapshots=counts)
+            state, by_token = ours.zero_state(), {}
+            for t in range(x.shape[0]):
+                _, state, _ = ours.forward_sequence(x[t : t + 1], state)
+                by_token[t + 1] = state
+        for count, snapshot in zip(counts, saved, strict=True):
+            for name in ("conv", "ssm"):
+                torch.testing.assert_close(snapshot[name], by_token[count][name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)
