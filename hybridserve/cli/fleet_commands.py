@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
+from hybridserve.cli.progress import interrupted
 from hybridserve.cli.sim_commands import (
     AgentsOption,
     DurationOption,
@@ -33,7 +34,6 @@ from hybridserve.cli.sim_commands import (
     TimeScaleOption,
     WorkersOption,
     WorkloadOption,
-    interrupted,
 )
 from hybridserve.core.errors import ConfigError, HybridServeError
 

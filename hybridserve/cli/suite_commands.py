@@ -120,7 +120,12 @@ def suite_cmd(
     files = _write(folder, report)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
-        return
+    else:
+        print_report(report, files)
+
+
+def print_report(report: dict[str, Any], files: list[Path]) -> None:
+    """The table, the per-preset summary lines and the files written, on stdout."""
     console = out_console()
     if not console.is_terminal:
         console.width = max(console.width, 180)  # a file or a pipe gets the whole table
@@ -210,10 +215,17 @@ def suite_table(report: dict[str, Any]) -> Table:
                 _ratio_cell(ratios["vllm"]["goodput"]),
                 _ratio_cell(ratios["vllm-tuned"]["goodput"]),
                 _ratio_cell(ratios["vllm"]["itl_p99"]),
-                "yes" if row["verdict"][label]["holds"] else "no",
+                _holds_cell(row["verdict"][label]),
             ]
         table.add_row(*cells)
     return table
+
+
+def _holds_cell(verdict: dict[str, Any]) -> str:
+    if verdict["holds"]:
+        return "yes"
+    failed = [test for test in ("goodput", "interval", "itl") if not verdict[f"{test}_holds"]]
+    return "no: " + ", ".join(failed)
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -224,7 +236,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         for role, what in (("choose", "rows it is chosen on"), ("report", "rows it never saw")):
             s = summary[role]
             loses = f" (loses {', '.join(s['loses'])})" if s["loses"] else ""
-            parts.append(f"{s['holds']}/{s['rows']} {what}{loses}")
+            tests = ", ".join(
+                f"{test} {s[f'{test}_holds']}/{s['rows']}"
+                for test in ("goodput", "interval", "itl")
+            )
+            parts.append(f"{s['holds']}/{s['rows']} {what} [{tests}]{loses}")
         failed = summary["failed_rows"]
         tail = f"; failed rows: {', '.join(failed)}" if failed else ""
         lines.append(f"{label} never loses on {'; '.join(parts)}{tail}")

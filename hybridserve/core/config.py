@@ -188,9 +188,12 @@ class SchedulerConfig:
     target_mixed_step_ms: float = 0.0
     # The adaptive prefill budget (scheduler/adaptive.py), 0 = off: the duration that steps
     # carrying decodes aim for, and the oldest waiter's wait past which the budget grows
-    # whatever the step time (0: never). Its ceiling is max_num_batched_tokens.
+    # whatever the step time (0: never). Its ceiling is max_num_batched_tokens. While that
+    # valve is open, steps may run up to adaptive_budget_pressure_itl_ms (0: no step-time
+    # limit, the budget grows to its ceiling).
     adaptive_budget_itl_ms: float = 0.0
     adaptive_budget_queue_ms: float = 0.0
+    adaptive_budget_pressure_itl_ms: float = 0.0
     # Agent-aware controls, all off by default (docs/vllm_baseline.md "differs on purpose").
     # Tool-call TTL pinning: the fraction of the pool a finished turn's prefix may hold out
     # of eviction until its session returns (0 = off), the TTL cap and the gap quantile.
@@ -258,6 +261,7 @@ class SchedulerConfig:
             "target_mixed_step_ms",
             "adaptive_budget_itl_ms",
             "adaptive_budget_queue_ms",
+            "adaptive_budget_pressure_itl_ms",
         ):
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
 
@@ -268,6 +272,16 @@ class SchedulerConfig:
                 "scheduler.adaptive_budget_queue_ms",
                 self.adaptive_budget_queue_ms,
                 "the queue valve belongs to the adaptive budget: set adaptive_budget_itl_ms > 0",
+            )
+        pressure_ms = self.adaptive_budget_pressure_itl_ms
+        if pressure_ms > 0 and (
+            not self.adaptive_budget_queue_ms or pressure_ms < self.adaptive_budget_itl_ms
+        ):
+            raise ConfigError(
+                "scheduler.adaptive_budget_pressure_itl_ms",
+                pressure_ms,
+                "it is the queue valve's step-time limit: set adaptive_budget_queue_ms > 0 and "
+                f"use at least adaptive_budget_itl_ms={self.adaptive_budget_itl_ms}",
             )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(

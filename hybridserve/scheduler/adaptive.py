@@ -15,7 +15,9 @@ after each one, by the ratio of the target T to the measured duration d:
   (waiting, or a partial prefill) has waited past the queue limit W and the budget binds: when
   arrivals outgrow the prefill that T allows, the engine trades ITL for time to first token
   instead of letting every waiter miss it, up to vLLM's whole token budget. W = 0 turns this
-  valve off.
+  valve off. With a pressure limit Tp (`adaptive_budget_pressure_itl_ms` > 0), the open valve
+  instead moves P towards steps of Tp by the two rules above: the budget still grows for the
+  queue, but never past the step time the ITL SLO allows.
 
 P stays within [floor, max_num_batched_tokens] and is handed out in whole quanta (q, the state
 block; SPEC.md 5.2). It starts at max_num_batched_tokens, vLLM's budget, and learns down.
@@ -33,11 +35,20 @@ MIN_BUDGET_TOKENS = 256  # the floor, rounded down to whole quanta (at least one
 class AdaptiveBudget:
     """The prefill budget of mixed steps, fed by measured step durations."""
 
-    __slots__ = ("ceiling", "floor", "quantum", "queue_limit_s", "target_s", "tokens_f")
+    __slots__ = (
+        "ceiling",
+        "floor",
+        "pressure_target_s",
+        "quantum",
+        "queue_limit_s",
+        "target_s",
+        "tokens_f",
+    )
 
     def __init__(self, config: SchedulerConfig, *, quantum: int) -> None:
         self.target_s = config.adaptive_budget_itl_ms / 1000.0
         self.queue_limit_s = config.adaptive_budget_queue_ms / 1000.0
+        self.pressure_target_s = config.adaptive_budget_pressure_itl_ms / 1000.0
         self.quantum = quantum
         self.ceiling = config.max_num_batched_tokens
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
@@ -59,7 +70,10 @@ class AdaptiveBudget:
         `prefill_tokens` of its `budget` and was planned `pressure`d (the queue valve open)."""
         if duration_s <= 0:
             return
-        ratio = self.target_s / duration_s
+        limited = pressure and self.pressure_target_s > 0
+        if limited:  # the open valve under its step-time limit: the rules below, towards Tp
+            pressure = False
+        ratio = (self.pressure_target_s if limited else self.target_s) / duration_s
         binds = prefill_tokens + self.quantum > budget
         if ratio < 1.0 and not pressure:
             tokens = budget * max(ratio, MAX_STEP_DOWN)

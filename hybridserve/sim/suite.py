@@ -123,7 +123,9 @@ def _trace_rows(name: str, file: str, what: str, chosen: bool) -> list[SuiteRow]
     ]
 
 
-def _fixed_rows(name: str, inp: int, out: int, rates: Sequence[float], choose: float) -> list:
+def _fixed_rows(
+    name: str, inp: int, out: int, rates: Sequence[float], choose: float
+) -> list[SuiteRow]:
     return [
         SuiteRow(
             name=f"{name}-{rate:g}",
@@ -342,26 +344,32 @@ def _ratios(
 
 
 def verdict(ratios: Mapping[str, Mapping[str, Any]], configs: Mapping[str, Any]) -> dict[str, Any]:
-    """Does the row hold "never loses"? Goodput >= 0.98x vLLM's defaults (95% low >= 0.95) and
-    >= 0.98x the tuned vLLM, p99 ITL within 5% of both. A goodput that is zero on every seed for
-    a baseline cannot be lost to; one where ours is zero and theirs is not is lost."""
-    reasons: list[str] = []
+    """Does the row hold "never loses"? Three tests, each kept apart: `goodput` (>= 0.98x vLLM's
+    defaults and the tuned vLLM), `interval` (the 95% low end against vLLM's defaults >= 0.95;
+    with two seeds the t interval is wide, so the screen fails it more often than the full
+    suite) and `itl` (p99 ITL within 5% of both). A goodput that is zero on every seed for a
+    baseline cannot be lost to; one where ours is zero and theirs is not is lost."""
+    failed: dict[str, list[str]] = {"goodput": [], "interval": [], "itl": []}
     for against in (BASELINE, TUNED_LABEL):
         good = ratios[against]["goodput"]
         theirs = configs[against]["goodput"] or 0.0
         if good["mean"] is None:
             if theirs > 0:
-                reasons.append(f"goodput 0 against {against}'s {theirs:.3g}")
+                failed["goodput"].append(f"goodput 0 against {against}'s {theirs:.3g}")
         else:
             if good["mean"] < GOODPUT_FLOOR:
-                reasons.append(f"goodput {good['mean']:.2f}x {against}")
+                failed["goodput"].append(f"goodput {good['mean']:.2f}x {against}")
             low = good["ci95"][0] if good["ci95"] else None
             if against == BASELINE and low is not None and low < GOODPUT_CI_FLOOR:
-                reasons.append(f"goodput 95% low {low:.2f}x {against}")
+                failed["interval"].append(f"goodput 95% low {low:.2f}x {against}")
         itl = ratios[against]["itl_p99"]["mean"]
         if itl is not None and itl > ITL_CEILING:
-            reasons.append(f"p99 ITL {itl:.2f}x {against}")
-    return {"holds": not reasons, "why_not": reasons}
+            failed["itl"].append(f"p99 ITL {itl:.2f}x {against}")
+    return {
+        "holds": not any(failed.values()),
+        **{f"{test}_holds": not reasons for test, reasons in failed.items()},
+        "why_not": [reason for reasons in failed.values() for reason in reasons],
+    }
 
 
 def suite_report(

@@ -169,3 +169,37 @@ def test_the_scheduler_snapshot_carries_the_budget_and_the_valve_steps_only_when
     assert snapshot["hybridserve:scheduler_queue_pressure_steps_total"] == 0
     off = make_scheduler().metrics_snapshot()
     assert "hybridserve:scheduler_adaptive_prefill_budget_tokens" not in off
+
+
+def test_the_open_valve_with_a_step_time_limit_converges_on_that_limit_not_the_ceiling() -> None:
+    # 30 ms + 25 us per token: 80 ms allows 2,000 tokens, the 100 ms limit 2,800.
+    adaptive = budget(
+        64,
+        adaptive_budget_itl_ms=80.0,
+        adaptive_budget_queue_ms=1000.0,
+        adaptive_budget_pressure_itl_ms=100.0,
+        max_num_batched_tokens=8192,
+    )
+    for pressure in (False, True):
+        for _ in range(60):
+            tokens = adaptive.tokens()
+            adaptive.update(
+                duration_s=0.030 + 25e-6 * tokens,
+                prefill_tokens=tokens,
+                budget=tokens,
+                pressure=pressure,
+            )
+        if not pressure:
+            assert adaptive.tokens() <= 2000 + 64
+    assert 2800 - 128 <= adaptive.tokens() <= 2800 + 64  # not 8,192: the limit holds
+
+
+def test_a_pressure_limit_needs_the_valve_and_at_least_the_target() -> None:
+    with pytest.raises(ConfigError, match="adaptive_budget_pressure_itl_ms"):
+        SchedulerConfig(adaptive_budget_itl_ms=80.0, adaptive_budget_pressure_itl_ms=95.0)
+    with pytest.raises(ConfigError, match="at least adaptive_budget_itl_ms=80"):
+        SchedulerConfig(
+            adaptive_budget_itl_ms=80.0,
+            adaptive_budget_queue_ms=5000.0,
+            adaptive_budget_pressure_itl_ms=60.0,
+        )

@@ -32,9 +32,7 @@ def test_bursty_arrivals_fall_inside_bursts_in_order(
 
 
 def test_bursty_mean_rate_is_the_burst_rate_times_the_duty_cycle() -> None:
-    workload = BurstyWorkload(
-        rate_per_s=12, on_s=20, off_s=40, input_tokens=8, output_tokens=2
-    )
+    workload = BurstyWorkload(rate_per_s=12, on_s=20, off_s=40, input_tokens=8, output_tokens=2)
     times = list(workload.arrival_times(seed=3, until_s=6_000))
     assert workload.mean_rate_per_s == pytest.approx(4.0)
     assert len(times) / 6_000 == pytest.approx(4.0, rel=0.05)
@@ -46,7 +44,7 @@ def test_bursty_parse_and_errors_name_the_field() -> None:
     assert len(list(parsed.arrival_times(seed=0, until_s=1e9))) == 5
     with pytest.raises(ConfigError, match="off"):
         BurstyWorkload.parse("rate=1,on=2,input=8,output=2")
-    with pytest.raises(ConfigError, match="workload.rate"):
+    with pytest.raises(ConfigError, match=r"workload\.rate"):
         BurstyWorkload.parse("rate=0,on=2,off=1,input=8,output=2")
     with pytest.raises(ConfigError, match="burst=1"):
         BurstyWorkload.parse("burst=1")
