@@ -130,7 +130,7 @@ def print_report(report: dict[str, Any], files: list[Path]) -> None:
     if not console.is_terminal:
         console.width = max(console.width, 180)  # a file or a pipe gets the whole table
     console.print(suite_table(report))
-    for line in summary_lines(report):
+    for line in [*falloff_lines(report), *summary_lines(report)]:
         console.print(line, soft_wrap=True)
     console.print(f"files: {', '.join(str(f) for f in files)}", soft_wrap=True)
 
@@ -226,6 +226,31 @@ def _holds_cell(verdict: dict[str, Any]) -> str:
         return "yes"
     failed = [test for test in ("goodput", "interval", "itl") if not verdict[f"{test}_holds"]]
     return "no: " + ", ".join(failed)
+
+
+FALLOFF_SLO = 0.9  # the share of requests meeting the SLO below which a load is past capacity
+
+
+def falloff_lines(report: dict[str, Any]) -> list[str]:
+    """Where each configuration falls off as agents grow: the first agent row whose SLO
+    attainment drops under 0.9 (nothing when the report has fewer than two agent rows)."""
+    agent_rows = [
+        (name, row)
+        for name, row in report["rows"].items()
+        if "error" not in row and row["workload"] == "agents"
+    ]
+    if len(agent_rows) < 2:
+        return []
+    lines = []
+    for label in report["suite"]["configs"]:
+        shares = [(n, r["configs"][label]["slo_attainment"]) for n, r in agent_rows]
+        past = next((n for n, share in shares if share is not None and share < FALLOFF_SLO), None)
+        trail = ", ".join(
+            f"{n} {share:.2f}" if share is not None else f"{n} n/a" for n, share in shares
+        )
+        where = f"falls off at {past}" if past else f"holds through {agent_rows[-1][0]}"
+        lines.append(f"{label}: {where} (requests meeting the SLO: {trail})")
+    return lines
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

@@ -19,6 +19,11 @@ after each one, by the ratio of the target T to the measured duration d:
   instead moves P towards steps of Tp by the two rules above: the budget still grows for the
   queue, but never past the step time the ITL SLO allows.
 
+The valve has hysteresis: it opens when the oldest waiter has waited W and closes only when the
+oldest has waited less than W/4. Without it, a load past saturation holds the queue at W: the
+budget grows, the wait dips under W, the budget learns down and the queue grows back, at a
+throughput below vLLM's whole budget, and every waiter pays W more.
+
 P stays within [floor, max_num_batched_tokens] and is handed out in whole quanta (q, the state
 block; SPEC.md 5.2). It starts at max_num_batched_tokens, vLLM's budget, and learns down.
 """
@@ -30,6 +35,7 @@ from hybridserve.core.config import SchedulerConfig
 MAX_STEP_UP = 1.25  # the most one step may grow the budget by
 MAX_STEP_DOWN = 0.5  # the most one step may shrink it by
 MIN_BUDGET_TOKENS = 256  # the floor, rounded down to whole quanta (at least one quantum)
+VALVE_CLOSE_FRACTION = 0.25  # an open valve closes when the oldest wait falls under W/4
 
 
 class AdaptiveBudget:
@@ -43,6 +49,7 @@ class AdaptiveBudget:
         "queue_limit_s",
         "target_s",
         "tokens_f",
+        "valve_open",
     )
 
     def __init__(self, config: SchedulerConfig, *, quantum: int) -> None:
@@ -53,15 +60,24 @@ class AdaptiveBudget:
         self.ceiling = config.max_num_batched_tokens
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
         self.tokens_f = float(self.ceiling)
+        self.valve_open = False  # set by the controller from the plan of each mixed step
 
     def tokens(self) -> int:
         """The budget now: whole quanta, at least one, at most max_num_batched_tokens."""
         whole = int(self.tokens_f) // self.quantum * self.quantum
         return min(max(whole, self.floor), self.ceiling)
 
+    def covers(self, room: int) -> bool:
+        """The budget (before rounding to quanta) reaches `room`, a step's whole prefill room:
+        it does not bind, and the step is vLLM's."""
+        return self.tokens_f >= room
+
     def under_pressure(self, oldest_wait_s: float) -> bool:
-        """The queue valve: the oldest waiter has waited past W."""
-        return self.queue_limit_s > 0 and oldest_wait_s >= self.queue_limit_s
+        """The queue valve: the oldest waiter has waited past W (past W/4 once it is open)."""
+        if self.queue_limit_s <= 0:
+            return False
+        limit = self.queue_limit_s * (VALVE_CLOSE_FRACTION if self.valve_open else 1.0)
+        return oldest_wait_s >= limit
 
     def update(
         self, *, duration_s: float, prefill_tokens: int, budget: int, pressure: bool

@@ -67,6 +67,9 @@ class PrefillPlan:
     rotation: int | None = None
     adaptive_fallback: bool = False  # the time grant fell back: its prediction error is high
     queue_pressure: bool = False  # the adaptive budget's queue valve was open for this plan
+    # The adaptive budget governs this mixed step, and `learn` moves it by the step's time
+    # (grants stay None when it reaches the step's whole room: vLLM's own loop, unfloored).
+    adaptive_step: bool = False
 
     @property
     def unlimited(self) -> bool:
@@ -304,7 +307,21 @@ class PrefillController:
                 max(_oldest_age(waiting, now), _oldest_age(partials, now))
             )
         )
-        budget, fallback = self._mixed_budget(token_budget - decode_tokens, decodes, partials)
+        room = token_budget - decode_tokens
+        budget, fallback = self._mixed_budget(room, decodes, partials)
+        alone = self.adaptive is not None and not (self.cap or self.target_s)
+        if alone and self.adaptive is not None and self.adaptive.covers(room):
+            # The adaptive budget at the whole room does not bind: vLLM's loop spends it (a
+            # budget floored to quanta would take up to a quantum less than vLLM every step).
+            return PrefillPlan(
+                max_partials=bound,
+                bypass=bypass,
+                eligible_decode=True,
+                pending=pending,
+                mixed_budget=max(room, 0),
+                queue_pressure=pressure,
+                adaptive_step=True,
+            )
         if budget is None:  # only Mp / D / W are on: no token cap
             return PrefillPlan(
                 max_partials=bound, bypass=bypass, eligible_decode=True, pending=pending
@@ -325,6 +342,7 @@ class PrefillController:
             rotation=rotation,
             adaptive_fallback=fallback,
             queue_pressure=pressure,
+            adaptive_step=self.adaptive is not None,
         )
 
     def commit(self, plan: PrefillPlan) -> None:
@@ -337,6 +355,8 @@ class PrefillController:
             self.stats.last_grants = dict(plan.grants)
         if plan.queue_pressure:
             self.stats.queue_pressure_steps += 1
+        if self.adaptive is not None and plan.adaptive_step:
+            self.adaptive.valve_open = plan.queue_pressure
         self._last_plan = plan
 
     def _mixed_budget(
@@ -456,7 +476,7 @@ class PrefillController:
         if self.target_s and duration_s > 0:
             self.model.update(self.model.features(decode, prefill, kv_tokens_read), duration_s)
         plan, self._last_plan = self._last_plan, UNLIMITED
-        if self.adaptive is not None and decode and plan.grants is not None:
+        if self.adaptive is not None and decode and plan.adaptive_step:
             self.adaptive.update(
                 duration_s=duration_s,
                 prefill_tokens=prefill,

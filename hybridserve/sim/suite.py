@@ -184,9 +184,31 @@ def suite_rows() -> tuple[SuiteRow, ...]:
     )
 
 
+def capacity_rows() -> tuple[SuiteRow, ...]:
+    """The capacity view (`make run`): agents at 10, 20, 40 and 80 and the Mooncake trace, in
+    short runs (a first look in about two minutes: where each configuration falls off, not
+    the suite's steady state)."""
+    rows = {row.name: row for row in suite_rows()}
+    short = {"duration_s": (240.0, 600.0), "warmup_s": (60.0, 120.0)}
+    agents = [
+        replace(
+            rows.get(f"agents-{n}", rows["agents-20"]),
+            name=f"agents-{n}",
+            agents=n,
+            what=f"E1: {n} agents (short runs)",
+            role=rows[f"agents-{n}"].role if f"agents-{n}" in rows else "report",
+            **short,  # type: ignore[arg-type]
+        )
+        for n in (10, 20, 40, 80)
+    ]
+    return (*agents, rows["mooncake-1x"])
+
+
 def pick_rows(spec: str) -> list[SuiteRow]:
-    """`all`, `choose`, `report`, or names separated by commas. Raises ConfigError naming the
-    unknown row."""
+    """`all`, `choose`, `report`, `capacity` (the capacity view's own short rows), or names
+    separated by commas. Raises ConfigError naming the unknown row."""
+    if spec == "capacity":
+        return list(capacity_rows())
     rows = {row.name: row for row in suite_rows()}
     if spec in ("all", ""):
         return list(rows.values())
@@ -195,7 +217,9 @@ def pick_rows(spec: str) -> list[SuiteRow]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in rows]
     if unknown:
-        raise ConfigError("--rows", ",".join(unknown), f"use all, choose, report or {list(rows)}")
+        raise ConfigError(
+            "--rows", ",".join(unknown), f"use all, choose, report, capacity or {list(rows)}"
+        )
     return [rows[n] for n in names]
 
 

@@ -4,6 +4,8 @@ prefill waits too long, and is off unless asked for (so `baseline` stays vLLM's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -130,10 +132,10 @@ def test_a_queue_limit_without_the_budget_is_refused() -> None:
         SchedulerConfig(adaptive_budget_itl_ms=-1.0)
 
 
-def _run(scheduler_config: dict[str, object], *, per_token_s: float) -> list[tuple[int, int]]:
+def _run(scheduler_config: dict[str, Any], *, per_token_s: float) -> list[tuple[int, int]]:
     """Two decodes beside one long prompt on a scheduler whose steps cost 20 ms plus
     `per_token_s` per prefill token: (prefill tokens, decode tokens) of each step."""
-    scheduler = make_scheduler(**scheduler_config)
+    scheduler = make_scheduler(**scheduler_config)  # type: ignore[arg-type]
     for request in (
         make_request("a", 8, max_tokens=400),
         make_request("b", 8, max_tokens=400, base=100),
@@ -203,3 +205,31 @@ def test_a_pressure_limit_needs_the_valve_and_at_least_the_target() -> None:
             adaptive_budget_queue_ms=5000.0,
             adaptive_budget_pressure_itl_ms=60.0,
         )
+
+
+def test_an_open_valve_stays_open_until_the_oldest_wait_falls_under_a_quarter_of_w() -> None:
+    adaptive = budget(1, adaptive_budget_itl_ms=80.0, adaptive_budget_queue_ms=4000.0)
+    assert not adaptive.under_pressure(3.9)
+    adaptive.valve_open = True  # the controller sets it from the plan of each mixed step
+    assert adaptive.under_pressure(3.9) and adaptive.under_pressure(1.0)
+    assert not adaptive.under_pressure(0.99)
+
+
+def test_in_the_scheduler_a_budget_at_its_ceiling_is_vllms_step_unfloored() -> None:
+    # 20 ms + 5 us per token: 60 ms allows 8,000 tokens, so the budget stays at its ceiling and
+    # every step is vLLM's own, token for token (not floored to the 16-token quantum).
+    config = {"adaptive_budget_itl_ms": 60.0, "max_num_batched_tokens": 4090, "mamba": True}
+    vllm = _run({"max_num_batched_tokens": 4090, "mamba": True}, per_token_s=5e-6)
+    assert _run(config, per_token_s=5e-6) == vllm
+    scheduler = make_scheduler(**config)  # type: ignore[arg-type]
+    scheduler.add_request(make_request("a", 8, max_tokens=400))
+    first = scheduler.schedule(0.0)
+    scheduler.update(first, StepResult(first.plan.step_id, {"a": (7,)}, 0.03))
+    scheduler.add_request(make_request("long", 20_000, max_tokens=2, base=10_000))
+    mixed = scheduler.schedule(0.03)
+    # The whole room of the step (4,090 less one decode), not floored to the 16-token quantum.
+    assert mixed.num_decode_tokens == 1 and mixed.mixed_budget == 4089
+    # Slow tokens (100 us each): mixed steps learn down from the ceiling all the same.
+    shapes = _run(config, per_token_s=100e-6)
+    mixed = [p for p, d in shapes if p and d]
+    assert mixed[0] > 4000 and all(p <= 400 + 16 for p in mixed[6:])
