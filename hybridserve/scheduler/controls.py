@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -92,6 +92,8 @@ class PrefillPlan:
 
 
 UNLIMITED = PrefillPlan()  # every control off; a plan is tested with `plan.unlimited`, never `is`
+# A mixed step the adaptive budget governs but leaves to vLLM's loop (it covers the room).
+UNLIMITED_MIXED = PrefillPlan(eligible_decode=True, adaptive_step=True)
 
 
 # What the reclaim asks of the scheduler: (request, tokens already in the step, the total it may
@@ -300,28 +302,16 @@ class PrefillController:
                 )
             bypass = True
         decode_tokens = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
-        pressure = (
-            self.adaptive is not None
-            and pending
-            and self.adaptive.under_pressure(
-                max(_oldest_age(waiting, now), _oldest_age(partials, now))
-            )
-        )
+        pressure = pending and self._valve(waiting, partials, now)
         room = token_budget - decode_tokens
         budget, fallback = self._mixed_budget(room, decodes, partials)
-        alone = self.adaptive is not None and not (self.cap or self.target_s)
-        if alone and self.adaptive is not None and self.adaptive.covers(room):
+        if self._adaptive_alone_covers(room):
             # The adaptive budget at the whole room does not bind: vLLM's loop spends it (a
             # budget floored to quanta would take up to a quantum less than vLLM every step).
-            return PrefillPlan(
-                max_partials=bound,
-                bypass=bypass,
-                eligible_decode=True,
-                pending=pending,
-                mixed_budget=max(room, 0),
-                queue_pressure=pressure,
-                adaptive_step=True,
-            )
+            return replace(
+                UNLIMITED_MIXED, max_partials=bound, bypass=bypass, pending=pending,
+                mixed_budget=max(room, 0), queue_pressure=pressure,
+            )  # fmt: skip
         if budget is None:  # only Mp / D / W are on: no token cap
             return PrefillPlan(
                 max_partials=bound, bypass=bypass, eligible_decode=True, pending=pending
@@ -343,6 +333,19 @@ class PrefillController:
             adaptive_fallback=fallback,
             queue_pressure=pressure,
             adaptive_step=self.adaptive is not None,
+        )
+
+    def _valve(self, waiting: Sequence[Request], partials: Sequence[Request], now: float) -> bool:
+        """The adaptive budget's queue valve, judged by the oldest request still in prefill."""
+        oldest = max(_oldest_age(waiting, now), _oldest_age(partials, now))
+        return self.adaptive is not None and self.adaptive.under_pressure(oldest)
+
+    def _adaptive_alone_covers(self, room: int) -> bool:
+        """Only the adaptive budget caps prefill, and it reaches the step's whole room."""
+        return (
+            self.adaptive is not None
+            and not (self.cap or self.target_s)
+            and self.adaptive.covers(room)
         )
 
     def commit(self, plan: PrefillPlan) -> None:
