@@ -194,6 +194,9 @@ class SchedulerConfig:
     adaptive_budget_itl_ms: float = 0.0
     adaptive_budget_queue_ms: float = 0.0
     adaptive_budget_pressure_itl_ms: float = 0.0
+    # The first-token deadline of the waiting queue (scheduler/queue.py DeadlineQueue), 0 = off:
+    # a request that has waited this long goes behind every request that has not (FCFS only).
+    waiting_deadline_ms: float = 0.0
     # Agent-aware controls, all off by default (docs/vllm_baseline.md "differs on purpose").
     # Tool-call TTL pinning: the fraction of the pool a finished turn's prefix may hold out
     # of eviction until its session returns (0 = off), the TTL cap and the gap quantile.
@@ -262,6 +265,7 @@ class SchedulerConfig:
             "adaptive_budget_itl_ms",
             "adaptive_budget_queue_ms",
             "adaptive_budget_pressure_itl_ms",
+            "waiting_deadline_ms",
         ):
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
 
@@ -330,6 +334,16 @@ class SchedulerConfig:
                 "scheduler.program_priority",
                 self.program_priority.value,
                 "program priority orders an fcfs queue; set policy=fcfs or program_priority=off",
+            )
+        if self.waiting_deadline_ms > 0 and (
+            self.policy is SchedulingPolicy.PRIORITY
+            or self.program_priority is not ProgramPriority.OFF
+        ):
+            raise ConfigError(
+                "scheduler.waiting_deadline_ms",
+                self.waiting_deadline_ms,
+                "the deadline orders the plain fcfs queue; set policy=fcfs and "
+                "program_priority=off, or waiting_deadline_ms=0",
             )
 
     @property

@@ -1,5 +1,6 @@
-"""Waiting queues: FCFS (a deque; preempted requests go to the front), priority (a heap) and
-program-level priority (turns ordered by their session's attained service or arrival)."""
+"""Waiting queues: FCFS (a deque; preempted requests go to the front), FCFS with a deadline
+(requests that waited past it go behind the rest), priority (a heap) and program-level priority
+(turns ordered by their session's attained service or arrival)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,70 @@ class FcfsQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self._queue)
+
+
+class DeadlineQueue:
+    """FCFS, except that a request that has waited `deadline_s` (its time to first token can no
+    longer meet the SLO) goes behind every request that has not, and late requests keep their
+    arrival order among themselves. Preempted requests go to the front, as in vLLM.
+
+    Below saturation nobody waits that long and the order is vLLM's FCFS. Past it, FCFS spends
+    every prefill on a request that already missed its first-token deadline, so every request
+    misses it; this order spends it on requests that can still make it, and serves the late ones
+    when the load allows (their wait grows instead). `advance(now)` is called by the scheduler
+    at every step; arrivals come in time order, so the late ones are always at the head.
+    """
+
+    def __init__(self, deadline_s: float) -> None:
+        if not deadline_s > 0:
+            raise ValueError("a deadline queue needs a positive deadline")
+        self.deadline_s = deadline_s
+        self._front: deque[Request] = deque()  # preempted: resumed first
+        self._fresh: deque[Request] = deque()  # within the deadline, in arrival order
+        self._late: deque[Request] = deque()  # past it, in arrival order
+        self.num_demoted = 0  # requests that went behind the rest (a counter for metrics)
+
+    def advance(self, now: float) -> None:
+        """Move the requests that have waited `deadline_s` by `now` behind the rest."""
+        fresh = self._fresh
+        while fresh and now - fresh[0].arrival_time >= self.deadline_s:
+            self._late.append(fresh.popleft())
+            self.num_demoted += 1
+
+    def add(self, request: Request) -> None:
+        self._fresh.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._front.appendleft(request)
+
+    def _head(self) -> deque[Request]:
+        for part in (self._front, self._fresh, self._late):
+            if part:
+                return part
+        raise IndexError("peek from an empty queue")
+
+    def peek(self) -> Request:
+        return self._head()[0]
+
+    def pop(self) -> Request:
+        return self._head().popleft()
+
+    def remove(self, request: Request) -> None:
+        for part in (self._front, self._fresh, self._late):
+            if request in part:
+                part.remove(request)
+                return
+        raise ValueError(f"{request.req_id} is not waiting")
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._fresh) + len(self._late)
+
+    def __bool__(self) -> bool:
+        return bool(self._front or self._fresh or self._late)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In admission order."""
+        return iter([*self._front, *self._fresh, *self._late])
 
 
 class PriorityQueue:
@@ -174,4 +239,4 @@ class ProgramQueue:
         return iter([*self._front, *(request for _, request in ranked)])
 
 
-WaitingQueue = FcfsQueue | PriorityQueue | ProgramQueue
+WaitingQueue = FcfsQueue | DeadlineQueue | PriorityQueue | ProgramQueue

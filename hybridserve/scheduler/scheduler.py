@@ -25,7 +25,13 @@ from hybridserve.scheduler.align import AlignSplitter
 from hybridserve.scheduler.chunks import cut_chunks
 from hybridserve.scheduler.controls import PrefillController, count_partials
 from hybridserve.scheduler.output import SchedulerOutput
-from hybridserve.scheduler.queue import FcfsQueue, PriorityQueue, ProgramQueue
+from hybridserve.scheduler.queue import (
+    DeadlineQueue,
+    FcfsQueue,
+    PriorityQueue,
+    ProgramQueue,
+    WaitingQueue,
+)
 from hybridserve.scheduler.running import schedule_running, take_more
 from hybridserve.scheduler.sampled import keep_drafts, keep_sampled
 from hybridserve.scheduler.sessions import ToolGapModel
@@ -56,9 +62,13 @@ class Scheduler:
         self.config = config
         self.cache = cache
         self.num_lookahead_tokens = num_speculative_tokens
-        self.waiting: FcfsQueue | PriorityQueue | ProgramQueue = (
+        self.waiting: WaitingQueue = (
             PriorityQueue() if config.policy is SchedulingPolicy.PRIORITY else FcfsQueue()
         )
+        self.deadline_queue: DeadlineQueue | None = None
+        if config.waiting_deadline_ms > 0:
+            self.deadline_queue = DeadlineQueue(config.waiting_deadline_ms / 1000.0)
+            self.waiting = self.deadline_queue
         # Agent-aware controls (all off by default: vLLM's schedule).
         self.program_queue: ProgramQueue | None = None
         if config.program_priority is not ProgramPriority.OFF:
@@ -145,6 +155,10 @@ class Scheduler:
             out["hybridserve:scheduler_adaptive_prefill_budget_tokens"] = (
                 self.controls.adaptive.tokens()
             )
+        if self.deadline_queue is not None:
+            out["hybridserve:scheduler_requests_past_deadline_total"] = (
+                self.deadline_queue.num_demoted
+            )
         out["hybridserve:num_requests_running"] = len(self.running)
         out["hybridserve:num_requests_waiting"] = len(self.waiting)
         out["hybridserve:kv_cache_usage_perc"] = self.cache.usage()
@@ -191,6 +205,8 @@ class Scheduler:
             self.cache.expire_pins(now)
         if self.program_queue is not None:
             self.program_queue.now = now
+        if self.deadline_queue is not None:
+            self.deadline_queue.advance(now)
         plan = self.controls.plan(
             now=now,
             running=self.running,

@@ -576,7 +576,8 @@ def pin_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
 
 def control_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
     """The adaptive budget's counters summed over the engines (none when it is off): the mixed
-    steps planned with its queue valve open, and the budget each engine ended on."""
+    steps planned with its queue valve open, and the budget each engine ended on; with a
+    waiting deadline, the requests that waited past it."""
     out: dict[str, float] = {}
     for scheduler in schedulers:
         adaptive = scheduler.controls.adaptive
@@ -586,6 +587,9 @@ def control_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
                 ("adaptive_budget_tokens_at_end", adaptive.tokens()),
             ):
                 out[name] = out.get(name, 0.0) + float(value)
+        if scheduler.deadline_queue is not None:
+            demoted = float(scheduler.deadline_queue.num_demoted)
+            out["requests_past_deadline"] = out.get("requests_past_deadline", 0.0) + demoted
     return out
 
 

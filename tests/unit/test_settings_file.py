@@ -87,24 +87,40 @@ def test_policy_given_by_name_is_coerced_to_the_enum() -> None:
         resolve_settings("baseline", quantum=1, max_model_len=4096, flags={"policy": "lifo"})
 
 
-def test_hybridserve_preset_is_vllm_with_the_searched_budget_and_tool_call_pinning() -> None:
+def test_hybridserve_preset_is_vllm_with_the_adaptive_budget_deadline_and_pinning() -> None:
     ours = preset("hybridserve", quantum=544, max_model_len=4096)
     vllm = preset("baseline", quantum=544, max_model_len=4096)
-    tuned = replace(
+    chosen = replace(
+        vllm.scheduler,
+        max_num_seqs=512,
+        adaptive_budget_itl_ms=75.0,
+        adaptive_budget_queue_ms=2000.0,
+        adaptive_budget_pressure_itl_ms=88.0,
+        waiting_deadline_ms=12_000.0,
+        kv_pin_fraction=0.5,
+        kv_pin_exact_tail=True,
+    )
+    assert ours.scheduler == chosen and ours.retention == vllm.retention
+    assert ours.scheduler.max_num_batched_tokens == vllm.scheduler.max_num_batched_tokens
+    assert ours.lookahead_block_hashes
+
+
+def test_the_fixed_budget_preset_is_the_measured_overload_setting() -> None:
+    fixed = preset("fixed-budget", quantum=544, max_model_len=4096)
+    vllm = preset("baseline", quantum=544, max_model_len=4096)
+    assert fixed.scheduler == replace(
         vllm.scheduler,
         max_num_batched_tokens=2048,
         max_num_seqs=512,
         kv_pin_fraction=0.5,
         kv_pin_exact_tail=True,
     )
-    assert ours.scheduler == tuned and ours.retention == vllm.retention
-    assert ours.lookahead_block_hashes
     overload = load_settings_file(Path(__file__).parents[2] / "docs" / "agents_overload.toml")
     assert overload.preset == "baseline"
     from_file = resolve_settings(
         "baseline", quantum=544, max_model_len=4096, scheduler=overload.scheduler
     )
-    assert from_file == ours  # docs/agents_overload.toml, the measured setting, is this preset
+    assert from_file == fixed  # docs/agents_overload.toml, the measured setting, is this preset
 
 
 def test_no_file_and_no_flags_is_the_preset_itself() -> None:
