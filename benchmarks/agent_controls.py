@@ -21,8 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.experiment import paired_report, read_tuned, run_configs
-from hybridserve.sim.run import SimConfig
 from hybridserve.sim.workload import AgentParams
 
 CONTROLS: dict[str, dict[str, Any]] = {

@@ -41,7 +41,8 @@ from hybridserve.loadgen.calibrate import (
 )
 from hybridserve.loadgen.run import LoadConfig, run_load
 from hybridserve.sim.calibration import Calibration
-from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import run_simulation
 from hybridserve.sim.workload import AgentParams
 
 METRICS = (

@@ -39,10 +39,11 @@ from typing import Any
 
 from hybridserve.core.paths import data_path
 from hybridserve.sim.cost_model import Efficiency, StepShape, kv_pool_blocks, shape_from_plan
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.fit import CostSetup, Sample
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.hf_config import load_model_profile
-from hybridserve.sim.run import SimConfig, make_simulation, simulated_engine
+from hybridserve.sim.run import make_simulation, simulated_engine
 
 ROOT = Path(__file__).resolve().parent
 CONFIGS = ROOT / "configs"

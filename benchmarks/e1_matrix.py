@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hybridserve.sim.bounds import BOUNDS
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.experiment import (
     baseline_preset,
     paired_report,
@@ -32,7 +33,7 @@ from hybridserve.sim.experiment import (
     run_configs,
     tune_vllm,
 )
-from hybridserve.sim.run import SimConfig, with_preset
+from hybridserve.sim.run import with_preset
 from hybridserve.sim.workload import AgentParams
 
 ABLATIONS = ("decode-first", "controls-only", "retention-only")

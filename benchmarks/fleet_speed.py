@@ -12,8 +12,8 @@ import json
 import time
 
 from hybridserve.core.paths import data_path
-from hybridserve.sim.fleet import FleetConfig, run_fleet
-from hybridserve.sim.run import SimConfig
+from hybridserve.sim.deployment import FleetConfig, SimConfig
+from hybridserve.sim.run import run_fleet
 
 TRACE = data_path("traces", "conversation_trace.jsonl")
 

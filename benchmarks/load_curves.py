@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.metrics.plots import COLORS, seeds_caption
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.experiment import baseline_preset, read_tuned, run_configs
-from hybridserve.sim.run import SimConfig, with_preset
+from hybridserve.sim.run import with_preset
 from hybridserve.sim.stats import mean_ci95, paired_ratio
 from hybridserve.sim.workload import AgentParams
 

@@ -15,7 +15,8 @@ import sys
 import time
 
 from hybridserve.core.paths import data_path
-from hybridserve.sim.run import SimConfig, simulate
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import simulate
 
 TRACE = data_path("traces", "conversation_trace.jsonl")
 

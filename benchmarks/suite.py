@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridserve.sim.run import SimConfig
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.suite import TUNED, pick_rows, run_suite, suite_configs, suite_report
 
 

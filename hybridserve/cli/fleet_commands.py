@@ -38,8 +38,8 @@ from hybridserve.cli.sim_commands import (
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
+    from hybridserve.sim.deployment import SimConfig
     from hybridserve.sim.fleet_sweep import FleetOptions, FleetPoint
-    from hybridserve.sim.run import SimConfig
 
 ReplicasListOption = Annotated[
     str, typer.Option("--replicas", help="Colocated fleet sizes, comma-separated (none: '').")
@@ -195,9 +195,10 @@ def _counts(text: str) -> list[int]:
 
 def _fleet_grid(flags: FleetSweepFlags) -> tuple[SimConfig, list[FleetPoint], FleetOptions]:
     """The base config (workload, model, device, seed), the grid's points and what they share."""
+    from hybridserve.sim.deployment import SimConfig
     from hybridserve.sim.fleet_sweep import FleetOptions, fleet_grid
     from hybridserve.sim.pd import parse_pd
-    from hybridserve.sim.run import SimConfig, finite_workload
+    from hybridserve.sim.run import finite_workload
     from hybridserve.sim.workload import AgentParams
 
     warmup = flags.warmup
@@ -263,7 +264,7 @@ def _run_grid(
 
 def _setup(flags: FleetSweepFlags, base: SimConfig, options: FleetOptions) -> dict[str, Any]:
     """What every point shared: workload, model, device, window, seed, router view, link."""
-    from hybridserve.sim.run import model_profile, speculative_method
+    from hybridserve.sim.deployment import model_profile, speculative_method
 
     profile = model_profile(base)
     return {

@@ -20,14 +20,9 @@ from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
 from hybridserve.sim.cost_model import shape_from_plan
+from hybridserve.sim.deployment import DEFAULT_SPECULATIVE_TOKENS, SimConfig, resolve_deployment
 from hybridserve.sim.executor import SimulatedExecutor
-from hybridserve.sim.run import (
-    DEFAULT_SPECULATIVE_TOKENS,
-    SimConfig,
-    resolve_deployment,
-    simulated_cost_model,
-    simulated_pool_blocks,
-)
+from hybridserve.sim.run import simulated_cost_model, simulated_pool_blocks
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
 _PRINTABLE = frozenset(_ALPHABET)
@@ -71,8 +66,9 @@ class PrintableTokens:
 
 class SimServingBackend:
     """The simulator's deployment (model, GPU, speculation, pool, cost model) as a serving
-    backend, resolved by the same functions `simulate` uses (`hybridserve.sim.run`), so that
-    `serve --executor sim` and `simulate` build the same engine for the same settings."""
+    backend, resolved by the same functions `simulate` uses (`hybridserve.sim.deployment` and
+    `hybridserve.sim.run`), so that `serve --executor sim` and `simulate` build the same engine
+    for the same settings."""
 
     def __init__(
         self,

@@ -27,8 +27,8 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 
 if TYPE_CHECKING:
-    from hybridserve.sim.fleet import FleetConfig
-    from hybridserve.sim.run import Deployment, SimConfig, SimRun
+    from hybridserve.sim.deployment import Deployment, FleetConfig, SimConfig
+    from hybridserve.sim.summary import SimRun
     from hybridserve.sim.sweep import Trial
 
 REPORT_KEYS = RUN_KEYS
@@ -36,7 +36,7 @@ REPORT_KEYS = RUN_KEYS
 
 def _sim_config(*, num_agents: int, **options: Any) -> SimConfig:
     """Import the simulator only when a simulation command runs."""
-    from hybridserve.sim.run import SimConfig
+    from hybridserve.sim.deployment import SimConfig
     from hybridserve.sim.workload import AgentParams
 
     return SimConfig(agents=AgentParams(num_agents=num_agents), **options)
@@ -239,7 +239,7 @@ def _warn_about_run(run: SimRun) -> None:
 def _simulated_model(config: SimConfig | Deployment) -> tuple[str, str]:
     """(the model's name, the speculative method) that `config` simulates: the profile parsed
     from --model-config when given, and the resolved --spec (auto: from the model)."""
-    from hybridserve.sim.run import resolve_deployment, speculative_method
+    from hybridserve.sim.deployment import resolve_deployment, speculative_method
 
     deployment = resolve_deployment(config)
     return deployment.profile.name, speculative_method(deployment.config.spec, deployment.profile)
@@ -534,7 +534,8 @@ Simulated = tuple["Deployment", dict[str, Any], "SimRun", dict[str, Any] | None]
 def _simulate(flags: SimulateFlags) -> Simulated:
     """One engine, or a fleet behind a router: the deployment (resolved once), its pool, the
     run and, for a fleet, its report."""
-    from hybridserve.sim.run import pool_report, resolve_deployment
+    from hybridserve.sim.deployment import resolve_deployment
+    from hybridserve.sim.run import pool_report
 
     config = replace(flags.config(), fleet=fleet_option(flags))
     deployment = resolve_deployment(config)  # the model and the preset, resolved once
@@ -619,8 +620,8 @@ class _FleetFlags:
 
 
 def fleet_option(flags: FleetFlags) -> FleetConfig | None:
-    """The fleet the options ask for, or None for one engine (hybridserve.sim.fleet.fleet_of)."""
-    from hybridserve.sim.fleet import fleet_of
+    """The fleet the options ask for, or None for one engine (`sim.deployment.fleet_of`)."""
+    from hybridserve.sim.deployment import fleet_of
 
     return fleet_of(
         replicas=flags.replicas,
@@ -634,7 +635,7 @@ def fleet_option(flags: FleetFlags) -> FleetConfig | None:
 
 def fleet_json(report: dict[str, Any]) -> dict[str, Any]:
     """The fleet report, rounded as the metrics are (an undefined value becomes null)."""
-    from hybridserve.sim.fleet import rounded
+    from hybridserve.sim.summary import rounded
 
     out: dict[str, Any] = rounded(report)
     return out
@@ -1228,7 +1229,7 @@ def _sweep_trials(
     on_trial: Callable[[Trial], None],
 ) -> list[Trial]:
     """The trials of the `space` search (each also passed to `on_trial` as it finishes)."""
-    from hybridserve.sim.run import model_profile, state_quantum
+    from hybridserve.sim.deployment import model_profile, state_quantum
     from hybridserve.sim.sweep import sweep, vllm_sweep
 
     quantum = state_quantum(model_profile(config))

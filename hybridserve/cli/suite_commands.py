@@ -84,7 +84,7 @@ def suite_cmd(
     """Run presets over the workload suite against vLLM 0.33's defaults and one tuned vLLM
     setting: per row, goodput under the SLO, p99 latencies and paired ratios with 95% intervals,
     and whether the row holds "never loses". Writes runs/NAME/report.json and suite.png."""
-    from hybridserve.sim.run import SimConfig
+    from hybridserve.sim.deployment import SimConfig
     from hybridserve.sim.suite import TUNED, pick_rows, run_suite, suite_configs, suite_report
 
     mode: Mode = "full" if full else "screen"

@@ -44,7 +44,7 @@ from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.metrics.stats import percentile
 from hybridserve.sim.workload import AgentParams, AgentWorkload, Job
 
-# The SLO tiers of DESIGN.md section 6, as the simulator scores them (hybridserve.sim.run).
+# The SLO tiers of DESIGN.md section 6, as the simulator scores them (hybridserve.sim.summary).
 TTFT_SLO_S = 15.0
 TBT_SLO_S = 0.100
 

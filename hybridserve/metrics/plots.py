@@ -7,7 +7,7 @@ error bar and the bounds as reference lines, rather than bars from zero.
 
 matplotlib is an optional dependency (the `sim` extra, installed by `make run` and `make test`);
 without it the commands still write report.json and say the plots were skipped. A run is
-anything shaped like `hybridserve.sim.run.SimRun` (`PlottedRun`): this layer does not import
+anything shaped like `hybridserve.sim.summary.SimRun` (`PlottedRun`): this layer does not import
 the simulator.
 """
 

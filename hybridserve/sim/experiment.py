@@ -22,15 +22,17 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.engine.settings import PRESETS
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 from hybridserve.sim.bounds import BOUNDS
-from hybridserve.sim.run import SimConfig, SimRun, run_simulation
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import run_simulation
 from hybridserve.sim.stats import paired_ratio
+from hybridserve.sim.summary import SimRun
 
 # `--baseline NAME` -> the preset that stands for it.
 BASELINES = ("vllm", "vllm-tuned", "legacy")
 
 # Metrics every configuration reports (means over seeds).
 METRIC_KEYS = (*RUN_KEYS, "slo_attainment")
-# The fleet report's numbers a bench averages over seeds (hybridserve.sim.fleet.run_fleet).
+# The fleet report's numbers a bench averages over seeds (hybridserve.sim.fleet_report).
 FLEET_MEAN_KEYS = (
     "hit_rate",
     "global_ideal_hit_rate",
@@ -70,7 +72,7 @@ def tune_vllm(
     (token budget, long-prefill threshold, batch limit, retention) that `trials` random draws
     find under the p99 ITL SLO (hybridserve.sim.sweep.vllm_sweep: the same budget as the
     hybridserve sweep), searched on `config`'s own seed. Returns the config and the search."""
-    from hybridserve.sim.run import model_profile, state_quantum
+    from hybridserve.sim.deployment import model_profile, state_quantum
     from hybridserve.sim.sweep import best, vllm_sweep
 
     quantum = state_quantum(model_profile(config))
@@ -281,7 +283,7 @@ def fleet_block(reports: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str,
     """A bench's `fleet`: the fleet every configuration ran on (replicas, GPUs, router, view,
     load weight, P:D) and, per configuration, the means over seeds of its fleet report's
     numbers (FLEET_MEAN_KEYS) and every seed's report, rounded."""
-    from hybridserve.sim.fleet import rounded
+    from hybridserve.sim.summary import rounded
 
     first = next(iter(reports.values()))[0]
     pd = first.get("pd")

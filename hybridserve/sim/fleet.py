@@ -1,8 +1,8 @@
 """A simulated fleet: N replicas, each the production Engine + Scheduler + KVCacheManager on
-the simulated executor (`simulated_engine`), behind a router, in one deterministic event loop.
-
-The workload is the single-engine one (`make_simulation`: agents, a Mooncake or Azure trace,
-Poisson, fixed); the fleet loop drives its arrivals and answers instead of its own loop.
+the simulated executor, behind a router, in one deterministic event loop. The replicas and the
+workload are built as the single engine's are (`hybridserve.sim.run.fleet_simulation`:
+`simulated_engine`, and `make_simulation` for agents, a Mooncake or Azure trace, Poisson,
+fixed); the fleet loop drives the workload's arrivals and answers instead of its own loop.
 
 Events at one simulated time resolve in a fixed order: the steps that end then deliver their
 outputs (replica order), then the arrivals due are routed and admitted (in arrival order), then
@@ -17,10 +17,10 @@ computed (`Request.num_external_computed_tokens`, as vLLM's KV connector does): 
 computes the first answer token only, and the cache registers the received blocks as a
 one-chunk prefill would.
 
-The fleet report adds, over the measurement window: the reconciled hit rate against the global
-ideal (one infinite cache for the whole fleet: every block any replica computed, prompts and
-answers, kept forever, states at every block), and the load imbalance, max/mean over replicas of
-the time-averaged outstanding tokens.
+The fleet's report (`hybridserve.sim.fleet_report`) adds, over the measurement window: the
+reconciled hit rate against the global ideal (one infinite cache for the whole fleet: every block
+any replica computed, prompts and answers, kept forever, states at every block), and the load
+imbalance, max/mean over replicas of the time-averaged outstanding tokens.
 """
 
 from __future__ import annotations
@@ -28,113 +28,32 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, EngineStep
+from hybridserve.engine.assembly import EngineParts
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.kvcache.events import CacheMirror
 from hybridserve.kvcache.hashing import BlockHash, BlockHasher
 from hybridserve.kvcache.spec import GroupKind
-from hybridserve.metrics.recorder import MetricsRecorder, RequestRecord
-from hybridserve.metrics.stats import percentile
+from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.scheduler import Scheduler
+from hybridserve.sim.deployment import Deployment, FleetConfig
 from hybridserve.sim.loop import Simulation
-from hybridserve.sim.pd import handoff_bytes, link_of, parse_pd
+from hybridserve.sim.pd import handoff_bytes, link_of
 from hybridserve.sim.routers import (
-    ROUTERS,
-    VIEWS,
     ApproximateView,
     PreciseView,
     ReplicaView,
     Router,
     RouteRequest,
 )
-from hybridserve.sim.run import (
-    TBT_SLO_S,
-    TTFT_SLO_S,
-    Deployment,
-    QueueTrace,
-    SimConfig,
-    SimRun,
-    _require_completed,
-    control_counters,
-    group_hit_rates,
-    make_simulation,
-    pin_counters,
-    resolve_deployment,
-    simulated_engine,
-    time_breakdown,
-)
+from hybridserve.sim.summary import QueueTrace
 
 _RECENT_SESSIONS = 1_024  # sessions whose last prompt's hashes are kept for the next one
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FleetConfig:
-    replicas: int = 1
-    router: str = "round-robin"
-    view: str = "precise"  # precise | approximate (routers.py)
-    load_weight: float = 1.0  # the prefix routers' load term weight (routers.py)
-    # Prefill/decode disaggregation (pd.py): P prefill and D decode replicas, P + D = replicas.
-    pd: tuple[int, int] | None = None
-    pd_link: str = "nvlink"
-
-    def __post_init__(self) -> None:
-        if self.pd is not None and sum(self.pd) != self.replicas:
-            raise ConfigError(
-                "replicas (--replicas)",
-                self.replicas,
-                f"--pd {self.pd[0]}:{self.pd[1]} needs {sum(self.pd)} replicas: give that "
-                "or leave --replicas out",
-            )
-        if self.replicas < 1:
-            raise ConfigError("replicas (--replicas)", self.replicas, "use 1 or more replicas")
-        if self.router not in ROUTERS:
-            raise ConfigError("router (--router)", self.router, f"use one of {', '.join(ROUTERS)}")
-        if not self.load_weight >= 0:
-            raise ConfigError(
-                "load_weight (--router-load-weight)", self.load_weight, "use 0 or more"
-            )
-        if self.view not in VIEWS:
-            raise ConfigError(
-                "router_view (--router-view)", self.view, f"use one of {', '.join(VIEWS)}"
-            )
-
-
-def fleet_of(
-    *,
-    replicas: int | None,
-    router: str = "round-robin",
-    view: str = "precise",
-    load_weight: float = 1.0,
-    pd: str | None = None,
-    pd_link: str = "nvlink",
-) -> FleetConfig | None:
-    """The fleet the command-line options ask for (`simulate`, `bench` and `sweep` take the
-    same): None, one engine, unless `--replicas` or `--pd` is given (`--pd P:D` implies P + D
-    replicas). Router or link options without a fleet are an error, not silently ignored."""
-    split = None if pd is None else parse_pd(pd)
-    if split is not None and replicas is None:
-        replicas = sum(split)
-    if replicas is None:
-        given = (router, view, load_weight, pd_link) != ("round-robin", "precise", 1.0, "nvlink")
-        if given:
-            raise ConfigError(
-                "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
-            )
-        return None
-    return FleetConfig(
-        replicas=replicas,
-        router=router,
-        view=view,
-        load_weight=load_weight,
-        pd=split,
-        pd_link=pd_link,
-    )
 
 
 @dataclass(slots=True)
@@ -167,15 +86,6 @@ class _Handoff:
     route: RouteRequest = field(compare=False)
 
 
-@dataclass(frozen=True, slots=True)
-class FleetRun:
-    """A finished fleet run: the fleet-wide summary (the single-engine keys) and the fleet
-    report (`fleet_report`)."""
-
-    run: SimRun
-    fleet: dict[str, Any]
-
-
 def state_grid(cache: KVCacheManager) -> int:
     """Tokens between the positions a state group can resume at (0 without state groups)."""
     layout = cache.layout
@@ -204,39 +114,36 @@ def _replica_views(caches: list[KVCacheManager], mirrors: list[CacheMirror]) -> 
 
 
 class FleetSimulation:
-    """Drives a workload's `Simulation` over several replicas (see the module docstring)."""
+    """Drives a workload's `Simulation` over several replicas (see the module docstring):
+    `replicas` are the engines built from `deployment` (`hybridserve.sim.run.fleet_simulation`
+    builds them), `workload` the simulation whose arrivals and answers the fleet loop drives."""
 
     def __init__(
         self,
-        config: SimConfig,
+        deployment: Deployment,
         fleet: FleetConfig,
+        replicas: Sequence[EngineParts],
+        workload: Simulation,
         *,
         progress: Callable[[float], None] | None = None,
-        cpu_clock: Callable[[], float] | None = None,
-        deployment: Deployment | None = None,
     ) -> None:
-        if config.bound is not None:
+        if len(replicas) != fleet.replicas:
             raise ConfigError(
-                "bound (--bound)", config.bound, "bounds are single-engine: drop --bound"
+                "replicas", len(replicas), f"build one engine per replica ({fleet.replicas})"
             )
-        self.config = config
+        self.deployment = deployment
+        self.config = deployment.config
         self.fleet = fleet
         self.progress = progress
-        self.ideal: dict[str, int] = {}
-        # Resolved once; every replica is built from it (`deployment` of the run's config).
-        self.deployment = deployment or resolve_deployment(config)
-        built = [
-            simulated_engine(self.deployment, cpu_clock=cpu_clock, ideal_prefix=self.ideal)
-            for _ in range(fleet.replicas)
-        ]
-        self.replicas = [_Replica(parts.engine, parts.scheduler) for parts in built]
+        self.replicas = [_Replica(parts.engine, parts.scheduler) for parts in replicas]
         num_prefill = fleet.pd[0] if fleet.pd is not None else fleet.replicas
         self.num_prefill = num_prefill
         if fleet.pd is not None:
-            self.link = link_of(fleet.pd_link, self.deployment.gpu)
-        self.sim: Simulation = make_simulation(config, self.replicas[0].engine, lambda _s: None)
-        self.sim.ideal_prefix = self.ideal
-        self.recorder: MetricsRecorder = self.sim.recorder
+            self.link = link_of(fleet.pd_link, deployment.gpu)
+        self.sim = workload
+        # Per request, the prompt tokens an ideal cache holds (the workload records them).
+        self.ideal: dict[str, int] = workload.ideal_prefix
+        self.recorder: MetricsRecorder = workload.recorder
         caches = [r.scheduler.cache for r in self.replicas]
         self.hasher: BlockHasher = caches[0].hasher
         # Precise, each replica's KV events feed the router's mirror of its cache (routers.py).
@@ -518,200 +425,3 @@ class FleetSimulation:
                 area += router.outstanding[local] * (end_s - lo)
             out.append(area / span if span > 0 else 0.0)
         return out
-
-
-def imbalance(loads: list[float]) -> float:
-    """max/mean of the replicas' loads: 1.0 when balanced (or when there is no load)."""
-    mean = sum(loads) / len(loads) if loads else 0.0
-    return max(loads) / mean if mean > 0 else 1.0
-
-
-def _latency(records: list[RequestRecord]) -> dict[str, float]:
-    ttft = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
-    gaps = [g for r in records for g in r.gaps_s]
-    return {
-        "ttft_p50_ms": 1000 * percentile(ttft, 50),
-        "ttft_p99_ms": 1000 * percentile(ttft, 99),
-        "itl_p50_ms": 1000 * percentile(gaps, 50),
-        "itl_p99_ms": 1000 * percentile(gaps, 99),
-    }
-
-
-def _hit_rate(records: list[RequestRecord], hits: Mapping[str, int] | None = None) -> float:
-    prompt = sum(r.prompt_tokens for r in records)
-    if hits is None:
-        hit = sum(r.hit_tokens for r in records)
-    else:
-        hit = sum(hits.get(r.req_id, 0) for r in records)
-    return hit / prompt if prompt else 0.0
-
-
-def run_fleet(
-    config: SimConfig,
-    fleet: FleetConfig,
-    *,
-    progress: Callable[[float], None] | None = None,
-    cpu_clock: Callable[[], float] | None = None,
-    deployment: Deployment | None = None,
-) -> FleetRun:
-    """Run the workload on the fleet; the summary has the single-engine keys, fleet-wide."""
-    config = replace(config, fleet=fleet)
-    if deployment is not None:
-        deployment = replace(deployment, config=config)
-    sim = FleetSimulation(
-        config, fleet, progress=progress, cpu_clock=cpu_clock, deployment=deployment
-    )
-    recorder = sim.run(config.duration_s)
-    start = config.warmup_s
-    end_s = sim.now if start < sim.now < config.duration_s else config.duration_s
-    summary = recorder.summary(window_start_s=start, window_end_s=end_s)
-    _require_completed(summary, config, end_s=end_s, ran_until_s=sim.now)
-    summary["steps"] = float(sim.steps)
-    summary["simulated_s"] = sim.now
-    summary["requests_rejected"] = float(len(sim.sim.rejected))
-    summary.update(sim.queue.summary(end_s, recorder))
-    summary.update(time_breakdown(recorder, sim.gpu_seconds, sim.ideal, start, end_s))
-    # GPU fractions are of the fleet's GPU time: N replicas give N x the window.
-    for key in [k for k in summary if k.startswith("gpu_") and k.endswith("_frac")]:
-        summary[key] /= fleet.replicas
-    caches = [r.scheduler.cache.metrics_snapshot() for r in sim.replicas]
-    cache = caches[0] if fleet.replicas == 1 else _merged_cache(caches)
-    summary.update(group_hit_rates(cache))
-    summary["kv_cache_blocks"] = float(
-        sum(r.scheduler.cache.layout.num_blocks for r in sim.replicas)
-    )
-    summary.update(pin_counters([r.scheduler for r in sim.replicas]))
-    summary.update(control_counters([r.scheduler for r in sim.replicas]))
-    report = _fleet_report(sim, summary, start=start, end_s=end_s)
-    notices = tuple(dict.fromkeys(n for r in sim.replicas for n in r.scheduler.notices))
-    run = SimRun(
-        config,
-        summary,
-        recorder,
-        cache,
-        rejected=tuple(sim.sim.rejected),
-        fleet=report,
-        notices=notices,
-    )
-    return FleetRun(run, report)
-
-
-def _fleet_report(
-    sim: FleetSimulation, summary: dict[str, float], *, start: float, end_s: float
-) -> dict[str, Any]:
-    """The fleet's own report: routing, hit rate against the global ideal, balance, SLO
-    goodput per GPU, each replica's share and the P/D handoffs."""
-    fleet, config = sim.fleet, sim.config
-    done = sim.recorder.finished_in(start, end_s)
-    loads = sim.mean_outstanding(end_s)
-    hours = (end_s - start) / 3600.0
-    hit = _hit_rate(done)
-    ideal = _hit_rate(done, sim.global_ideal)
-    gpus = fleet.replicas * config.tp
-    within = [r for r in done if _meets_slo(r)]
-    report: dict[str, Any] = {
-        "replicas": fleet.replicas,
-        "gpus": gpus,
-        "router": fleet.router,
-        "router_view": fleet.view,
-        "load_weight": fleet.load_weight,
-        "hit_rate": hit,
-        "global_ideal_hit_rate": ideal,
-        "hit_rate_of_ideal": hit / ideal if ideal else math.nan,
-        "imbalance": imbalance(loads),
-        # Requests within the SLO (TTFT <= 15 s, p99 gap <= 100 ms) per GPU-hour.
-        "slo_requests_per_gpu_hour": len(within) / hours / gpus,
-        "job_goodput_per_gpu_hour": summary["job_goodput_per_hour"] / gpus,
-        "per_replica": _per_replica(sim, done, loads, start=start, end_s=end_s),
-    }
-    if fleet.pd is not None:
-        report["pd"] = _pd_report(sim, fleet.pd)
-    return report
-
-
-def _per_replica(
-    sim: FleetSimulation,
-    done: list[RequestRecord],
-    loads: list[float],
-    *,
-    start: float,
-    end_s: float,
-) -> list[dict[str, Any]]:
-    """Each replica's share of the window: its requests, jobs, latencies, hits and load."""
-    fleet, recorder = sim.fleet, sim.recorder
-    hours = (end_s - start) / 3600.0
-    out = []
-    for index, replica in enumerate(sim.replicas):
-        mine = [
-            r for r in done if index in (sim.replica_of.get(r.req_id), sim.decode_of.get(r.req_id))
-        ]
-        jobs = [
-            j
-            for j in recorder.jobs.values()
-            if j.finish_s is not None
-            and start <= j.finish_s <= end_s
-            and sim.job_replica.get(j.job_id) == index
-        ]
-        out.append(
-            {
-                "replica": index,
-                "role": "colocated"
-                if fleet.pd is None
-                else ("prefill" if index < sim.num_prefill else "decode"),
-                "requests_completed": float(len(mine)),
-                "job_goodput_per_hour": len(jobs) / hours,
-                **_latency(mine),
-                "hit_rate": _hit_rate(mine),
-                "mean_outstanding_tokens": loads[index],
-                "gpu_busy_frac": replica.busy_s / (end_s - start),
-                "steps": float(replica.steps),
-            }
-        )
-    return out
-
-
-def _pd_report(sim: FleetSimulation, pd: tuple[int, int]) -> dict[str, Any]:
-    """The prefill/decode split's handoffs over the window."""
-    moves = sim.transfer_s
-    return {
-        "prefill": pd[0],
-        "decode": pd[1],
-        "link": sim.link.name,
-        "link_gb_per_s": sim.link.bytes_per_s / 1e9,
-        "handoffs": len(moves),
-        "transferred_gb_per_gpu": sim.transfer_bytes / 1e9,
-        "transfer_ms_mean": 1000 * sum(moves) / len(moves) if moves else math.nan,
-        "transfer_ms_p99": 1000 * percentile(moves, 99) if moves else math.nan,
-    }
-
-
-def rounded(value: Any) -> Any:
-    """A report rounded as the metrics are (4 places; an undefined value, NaN, becomes None)."""
-    if isinstance(value, float):
-        return None if math.isnan(value) else round(value, 4)
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [rounded(v) for v in value]
-    return value
-
-
-def _meets_slo(record: RequestRecord) -> bool:
-    if record.first_token_s is None or record.first_token_s - record.arrival_s > TTFT_SLO_S:
-        return False
-    return not record.gaps_s or percentile(record.gaps_s, 99) <= TBT_SLO_S
-
-
-def _merged_cache(caches: list[dict[str, Any]]) -> dict[str, Any]:
-    """The replicas' cache counters summed (per group: offered hit tokens; queried tokens)."""
-    merged: dict[str, Any] = {
-        "queried_tokens": sum(c["queried_tokens"] for c in caches),
-        "groups": [
-            {
-                **group,
-                "offered_hit_tokens": sum(c["groups"][g]["offered_hit_tokens"] for c in caches),
-            }
-            for g, group in enumerate(caches[0]["groups"])
-        ],
-    }
-    return merged

@@ -21,9 +21,10 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.settings import PRESETS
-from hybridserve.sim.fleet import FleetConfig, rounded
+from hybridserve.sim.deployment import FleetConfig, SimConfig
 from hybridserve.sim.routers import ROUTERS
-from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.run import run_simulation
+from hybridserve.sim.summary import rounded
 from hybridserve.sim.sweep import run_map
 
 # From the fleet report (per GPU, hit rates, balance) and from the fleet-wide summary.

@@ -1,46 +1,39 @@
-"""One simulated run of experiment E1: build the engine from a model, a GPU and a preset, run
-the agents, and summarise. The presets (`hybridserve.engine.settings`) are what `hybridserve
-bench` compares.
+"""One simulated run of experiment E1: build the engines of a run's deployment
+(`hybridserve.sim.deployment`), run the workload on one engine or on a fleet, and summarise
+(`hybridserve.sim.summary`). The presets (`hybridserve.engine.settings`) are what
+`hybridserve bench` compares.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import statistics
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.engine.assembly import CpuMeter, EngineConfig, EngineParts, build_engine
-from hybridserve.engine.settings import Preset, preset_uses_lookahead, resolve_settings
 from hybridserve.kvcache import CacheLayout
-from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
-from hybridserve.metrics.recorder import MetricsRecorder
-from hybridserve.metrics.stats import percentile
-from hybridserve.scheduler import Scheduler
 from hybridserve.sim.arrivals import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.bounds import (
     bounded_shape,
-    check_bound,
     infinite_engine_recorder,
     lifted_budget,
 )
 from hybridserve.sim.cost_model import (
-    Efficiency,
     RooflineCostModel,
     kv_pool_blocks,
     shape_from_plan,
 )
+from hybridserve.sim.deployment import Deployment, FleetConfig, SimConfig, resolve_deployment
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.fixed_workload import fixed_simulation
-from hybridserve.sim.gpus import GpuSpec, get_gpu
-from hybridserve.sim.hf_config import load_model_profile
+from hybridserve.sim.fleet import FleetSimulation
+from hybridserve.sim.fleet_report import FleetRun, fleet_run
 from hybridserve.sim.loop import AgentSimulation, OpenLoopSimulation, Simulation
 from hybridserve.sim.memory import (
     KvBudget,
@@ -50,104 +43,15 @@ from hybridserve.sim.memory import (
     vllm_log_lines,
 )
 from hybridserve.sim.mixed_workload import AgentsWithRagSimulation, RagTenant, bursty_simulation
-from hybridserve.sim.model_profiles import ModelProfile, get_model
-from hybridserve.sim.workload import AgentParams, AgentWorkload
-
-if TYPE_CHECKING:
-    from hybridserve.sim.fleet import FleetConfig
-
-
-DEFAULT_SPECULATIVE_TOKENS = 2  # draft tokens per step (MTP's and EAGLE's k)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SimConfig:
-    model: str = "qwen3-next-80b-a3b"
-    gpu: str = "H200"
-    tp: int = 1
-    dtype: str = "fp8"
-    preset: str = "hybridserve"
-    spec: str = "auto"  # auto: mtp for a model with MTP layers, else none (speculative_method)
-    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
-    acceptance_rate: float = 0.7
-    duration_s: float = 1_800.0
-    warmup_s: float = 300.0
-    seed: int = 0
-    agents: AgentParams = field(default_factory=AgentParams)
-    workload: str = "agents"  # agents | mooncake:PATH | azure:PATH | poisson:rate=R,...
-    time_scale: float = 1.0
-    limit: int | None = None
-    # Scheduler overrides on top of the preset (a sweep trial, a --config file): field -> value.
-    controls: tuple[tuple[str, Any], ...] = ()
-    retention: str | None = None  # overrides the preset's retention policy
-    include_scheduler_cpu: bool = False  # add measured schedule()+update() time to each step
-    model_config: str | None = None  # a Hugging Face config.json (or its folder); beats `model`
-    kv_dtype: str = "bf16"  # KV cache and recurrent state dtype
-    efficiency: Efficiency = field(default_factory=Efficiency)  # cost-model constants
-    # A device outside the catalog (a calibration's measured peaks); beats `gpu`.
-    gpu_spec: GpuSpec | None = None
-    # The context limit; None: the agents' context limit + 1. Longer trace prompts are rejected.
-    max_model_len: int | None = None
-    # Decode context parallel: full-attention KV sharded over `dcp` of the `tp` ranks (vLLM's
-    # DCP reuses the TP ranks), state groups replicated; each rank sizes its own pool.
-    dcp: int = 1
-    bound: str | None = None  # an upper bound (hybridserve.sim.bounds): free-prefill, ...
-    acceptance_decay_per_doubling: float = 0.0  # draft acceptance falling with context
-    gpu_memory_utilization: float = 0.9
-    # A fleet of replicas behind a router (hybridserve.sim.fleet); None: one engine.
-    fleet: FleetConfig | None = None
-
-    def __post_init__(self) -> None:
-        if not self.warmup_s >= 0:
-            raise ConfigError("warmup_s (--warmup)", self.warmup_s, "use 0 or more seconds")
-        if self.duration_s <= self.warmup_s:
-            raise ConfigError(
-                "duration_s (--duration)",
-                self.duration_s,
-                f"it must exceed warmup_s={self.warmup_s}: raise it or lower --warmup",
-            )
-        check_bound(self.bound)
-        if self.bound in ("ideal-hits", "infinite-engine") and self.workload != "agents":
-            raise ConfigError(
-                "bound", self.bound, "this bound needs the agent workload (--workload agents)"
-            )
-        if self.dcp < 1 or self.tp % self.dcp:
-            raise ConfigError(
-                "dcp",
-                self.dcp,
-                f"DCP shards KV over the TP ranks: use a width that divides tp={self.tp} "
-                f"(e.g. --tp {max(self.dcp, 1)} --dcp {max(self.dcp, 1)})",
-            )
-        if self.max_model_len is not None:
-            _check_max_model_len(self.max_model_len, self.workload, self.agents)
-        if self.fleet is not None and self.bound is not None:
-            raise ConfigError(
-                "bound (--bound)",
-                self.bound,
-                "bounds are single-engine: drop --bound (bench: --no-bounds) or the fleet "
-                "options (--replicas, --pd)",
-            )
-
-    @property
-    def context_limit(self) -> int:
-        """The scheduler's max_model_len for this run."""
-        if self.max_model_len is not None:
-            return self.max_model_len
-        return self.agents.context_limit + 1
-
-
-def _check_max_model_len(max_model_len: int, workload: str, agents: AgentParams) -> None:
-    if max_model_len < 2:
-        raise ConfigError("max_model_len (--max-model-len)", max_model_len, "use 2 or more")
-    agentic = workload.partition(":")[0] in ("agents", "agents+rag")
-    if agentic and max_model_len <= agents.context_limit:
-        raise ConfigError(
-            "max_model_len (--max-model-len)",
-            max_model_len,
-            f"agents grow their contexts to {agents.context_limit} tokens; use more than "
-            "that, or a trace workload",
-        )
-
+from hybridserve.sim.summary import (
+    QueueTrace,
+    SimRun,
+    engine_counters,
+    time_breakdown,
+    window_end_s,
+    window_summary,
+)
+from hybridserve.sim.workload import AgentWorkload
 
 # Workloads that run out of requests: their warm-up defaults to 0 (finite_workload).
 _FINITE_KINDS = ("mooncake", "azure", "poisson")
@@ -163,166 +67,12 @@ def finite_workload(workload: str) -> bool:
     return kind in _FINITE_KINDS
 
 
-def gpu_of(config: SimConfig) -> GpuSpec:
-    """The run's device: `gpu_spec` when given, else the catalog entry `gpu`. Raises
-    ConfigError for tp > 1 on a device whose interconnect was not measured (link 0)."""
-    gpu = config.gpu_spec if config.gpu_spec is not None else get_gpu(config.gpu)
-    if config.tp > 1 and gpu.link_bytes_per_s <= 0:
-        raise ConfigError(
-            "tp", config.tp, f"{gpu.name} has no measured interconnect; simulate it with tp=1"
-        )
-    return gpu
-
-
-def state_quantum(model: str | ModelProfile) -> int:
-    """The control quantum q of a model: its state block size, or 1 without state groups."""
-    profile = get_model(model) if isinstance(model, str) else model
-    return quantum_of_groups(profile.cache_groups())
-
-
-AUTO_SPEC = "auto"
-# KV cache and recurrent-state dtypes the cost model and pool sizing express (fp32: a CPU
-# calibration). FP4 KV caches are not modelled: their scales and kernels are not.
-KV_DTYPES = ("bf16", "fp16", "fp8", "fp32")
-
-
-def check_kv_dtype(kv_dtype: str) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError("kv_dtype (--kv-dtype)", kv_dtype, f"use one of {', '.join(KV_DTYPES)}")
-
-
-def check_tensor_parallel(model: ModelProfile, tp: int) -> None:
-    """Tensor parallelism splits every layer's heads evenly over the GPUs, as vLLM requires:
-    `tp` must divide the query heads (and the Mamba / gated-delta-net heads); KV heads are split,
-    or replicated when there are fewer of them than GPUs (tp a multiple of them)."""
-    field = "tp (--tp)"
-    if tp < 1:
-        raise ConfigError(field, tp, "use 1 or more GPUs")
-    heads: list[tuple[str, int]] = []
-    if model.attention is not None:
-        heads.append(("attention heads", model.attention.num_heads))
-    if model.mla is not None:
-        heads.append(("MLA heads", model.mla.num_heads))
-    recurrent = model.recurrent
-    for name in ("num_heads", "num_value_heads", "num_key_heads"):
-        count = getattr(recurrent, name, None)
-        if isinstance(count, int):
-            heads.append((f"{type(recurrent).__name__} {name[4:].replace('_', ' ')}", count))
-    for what, count in heads:
-        if count % tp:
-            divisors = [d for d in range(1, count + 1) if count % d == 0]
-            raise ConfigError(
-                field,
-                tp,
-                f"{model.name} has {count} {what}, which {tp} GPUs cannot split "
-                f"evenly; use one of {divisors}",
-            )
-    kv = model.attention.num_kv_heads if model.attention is not None else 0
-    if kv and kv < tp and tp % kv:
-        raise ConfigError(
-            field,
-            tp,
-            f"{model.name} has {kv} KV heads: use a tp that divides them or that "
-            f"they divide (a multiple of {kv})",
-        )
-
-
-def speculative_method(spec: str, model: ModelProfile) -> str:
-    """The method a run simulates. `auto` is the model's own: `mtp` when it has MTP layers,
-    else `none`. MTP asked of a model without MTP layers is refused: it would simulate
-    speculation the model cannot do."""
-    if spec == AUTO_SPEC:
-        return "mtp" if model.num_mtp_layers > 0 else "none"
-    if spec in ("mtp", "mtp-legacy") and model.num_mtp_layers == 0:
-        raise ConfigError(
-            "spec",
-            spec,
-            f"{model.name} has no MTP layers; use --spec auto (here: none), none, or a "
-            "draft-head method such as eagle",
-        )
-    return spec
-
-
-def model_profile(config: SimConfig) -> ModelProfile:
-    """The run's model: parsed from `model_config` when given, else the named profile."""
-    if config.model_config is not None:
-        return load_model_profile(Path(config.model_config))
-    return get_model(config.model)
-
-
-def speculative_of(config: SimConfig) -> SpeculativeConfig:
-    """The run's speculation: the model's own method under `auto`; the `legacy` preset takes
-    the one-block drop instead of lookahead block hashes."""
-    method = speculative_method(config.spec, model_profile(config))
-    return SpeculativeConfig.from_name(
-        method,
-        config.num_speculative_tokens if method != "none" else 0,
-        lookahead_block_hashes=preset_uses_lookahead(config.preset),
-    )
-
-
 def draft_passes(speculative: SpeculativeConfig) -> int:
     """Draft forward passes per step the cost model charges: k for MTP and EAGLE-style heads
     (one decoder layer of the target's shape each); other methods are not charged."""
     if speculative.method in (SpecMethod.MTP, SpecMethod.EAGLE, SpecMethod.EAGLE3):
         return speculative.num_speculative_tokens
     return 0
-
-
-def loaded_model(config: SimConfig) -> ModelProfile:
-    """The model as served: its MTP layers (weights, KV) only when it speculates with MTP."""
-    return model_profile(config).loaded(mtp=speculative_of(config).method is SpecMethod.MTP)
-
-
-def scheduler_preset(config: SimConfig, model: ModelProfile) -> Preset:
-    """The preset's scheduler and retention with the run's overrides (a `--config` file, a
-    sweep trial) applied, in the order every command resolves them."""
-    return resolve_settings(
-        config.preset,
-        quantum=state_quantum(model),
-        max_model_len=config.context_limit,
-        scheduler=config.controls,
-        retention=config.retention,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Deployment:
-    """A run's simulated deployment, resolved once from its `SimConfig`: the model (as named
-    and as loaded), the device, the speculation and the scheduler settings. Every engine of
-    the run (one, or a fleet's replicas), its pool, its cost model and the serving backend
-    are built from it; nothing below re-resolves the model or the preset."""
-
-    config: SimConfig
-    profile: ModelProfile  # as named, or parsed from --model-config
-    model: ModelProfile  # as served: MTP layers only when it speculates with MTP
-    gpu: GpuSpec
-    speculative: SpeculativeConfig
-    settings: Preset  # the preset, then the file's and the run's overrides
-
-
-def resolve_deployment(config: SimConfig | Deployment) -> Deployment:
-    """The deployment `config` describes (a Deployment is returned as it is)."""
-    if isinstance(config, Deployment):
-        return config
-    profile = model_profile(config)
-    method = speculative_method(config.spec, profile)
-    speculative = SpeculativeConfig.from_name(
-        method,
-        config.num_speculative_tokens if method != "none" else 0,
-        lookahead_block_hashes=preset_uses_lookahead(config.preset),
-    )
-    model = profile.loaded(mtp=speculative.method is SpecMethod.MTP)
-    check_tensor_parallel(model, config.tp)
-    check_kv_dtype(config.kv_dtype)
-    return Deployment(
-        config=config,
-        profile=profile,
-        model=model,
-        gpu=gpu_of(config),
-        speculative=speculative,
-        settings=scheduler_preset(config, model),
-    )
 
 
 def pool_budget(config: SimConfig | Deployment) -> KvBudget:
@@ -469,26 +219,6 @@ def simulated_engine(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class SimRun:
-    """A finished run: the summary over the window, the recorder (samples, timeline) and the
-    cache's own counters."""
-
-    config: SimConfig
-    summary: dict[str, float]
-    recorder: MetricsRecorder
-    cache: dict[str, Any]
-    rejected: tuple[tuple[str, int, str], ...] = ()  # arrivals refused: id, length, reason
-    fleet: dict[str, Any] | None = None  # a fleet's report (hybridserve.sim.fleet.run_fleet)
-    notices: tuple[str, ...] = ()  # settings the layout could not take (the scheduler's)
-
-    def ttft_samples_s(self) -> list[float]:
-        return self.recorder.ttft_samples_s(self.config.warmup_s, self.config.duration_s)
-
-    def itl_samples_s(self) -> list[float]:
-        return self.recorder.itl_samples_s(self.config.warmup_s, self.config.duration_s)
-
-
 def run_simulation(
     config: SimConfig,
     *,
@@ -503,8 +233,6 @@ def run_simulation(
     if deployment is not None and deployment.config != config:
         raise ConfigError("deployment", "another run's", "resolve it from this config")
     if config.fleet is not None:
-        from hybridserve.sim.fleet import run_fleet
-
         return run_fleet(
             config, config.fleet, progress=progress, cpu_clock=cpu_clock, deployment=deployment
         ).run
@@ -526,21 +254,20 @@ def run_simulation(
     sim.breakdown_from_s = config.warmup_s
     holder.append(sim)
     recorder = sim.run(config.duration_s)
-    # A workload that ran out of requests ended early: rates are over the time it had work (as
-    # benchmark tools report them), not over an idle tail.
-    end_s = sim.now if config.warmup_s < sim.now < config.duration_s else config.duration_s
-    summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=end_s)
-    _require_completed(summary, config, end_s=end_s, ran_until_s=sim.now)
-    summary["steps"] = float(sim.steps)
-    summary["simulated_s"] = sim.now
-    summary["requests_rejected"] = float(len(sim.rejected))
-    summary.update(queue.summary(end_s, recorder))
-    summary.update(time_breakdown(recorder, sim.gpu_seconds, ideal, config.warmup_s, end_s))
+    end_s = window_end_s(config, sim.now)
+    summary = window_summary(
+        recorder,
+        config,
+        end_s=end_s,
+        ran_until_s=sim.now,
+        steps=sim.steps,
+        rejected=len(sim.rejected),
+        queue=queue,
+        gpu_seconds=sim.gpu_seconds,
+        ideal_prefix=ideal,
+    )
     cache = scheduler.cache.metrics_snapshot()
-    summary.update(group_hit_rates(cache))
-    summary["kv_cache_blocks"] = float(scheduler.cache.layout.num_blocks)
-    summary.update(pin_counters([scheduler]))
-    summary.update(control_counters([scheduler]))
+    summary.update(engine_counters(cache, [scheduler]))
     return SimRun(
         config,
         summary,
@@ -549,6 +276,48 @@ def run_simulation(
         rejected=tuple(sim.rejected),
         notices=tuple(scheduler.notices),
     )
+
+
+def fleet_simulation(
+    config: SimConfig,
+    fleet: FleetConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+    cpu_clock: Callable[[], float] | None = None,
+    deployment: Deployment | None = None,
+) -> FleetSimulation:
+    """The fleet's loop, ready to run: `fleet.replicas` engines built from the run's deployment
+    (resolved once; `deployment` when the caller has it), driving `config`'s workload."""
+    if config.bound is not None:
+        raise ConfigError("bound (--bound)", config.bound, "bounds are single-engine: drop --bound")
+    resolved = deployment or resolve_deployment(config)
+    ideal: dict[str, int] = {}
+    replicas = [
+        simulated_engine(resolved, cpu_clock=cpu_clock, ideal_prefix=ideal)
+        for _ in range(fleet.replicas)
+    ]
+    workload = make_simulation(config, replicas[0].engine, lambda _s: None)
+    workload.ideal_prefix = ideal
+    return FleetSimulation(resolved, fleet, replicas, workload, progress=progress)
+
+
+def run_fleet(
+    config: SimConfig,
+    fleet: FleetConfig,
+    *,
+    progress: Callable[[float], None] | None = None,
+    cpu_clock: Callable[[], float] | None = None,
+    deployment: Deployment | None = None,
+) -> FleetRun:
+    """Run the workload on the fleet; the summary has the single-engine keys, fleet-wide."""
+    config = replace(config, fleet=fleet)
+    if deployment is not None:
+        deployment = replace(deployment, config=config)
+    sim = fleet_simulation(
+        config, fleet, progress=progress, cpu_clock=cpu_clock, deployment=deployment
+    )
+    sim.run(config.duration_s)
+    return fleet_run(sim)
 
 
 def _infinite_engine_run(config: SimConfig) -> SimRun:
@@ -562,191 +331,6 @@ def _infinite_engine_run(config: SimConfig) -> SimRun:
     summary["steps"] = 0.0
     summary["simulated_s"] = config.duration_s
     return SimRun(config, summary, recorder, {})
-
-
-def pin_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
-    """Tool-call pinning's counters summed over the engines (none when pinning is off)."""
-    out: dict[str, float] = {}
-    for scheduler in schedulers:
-        if scheduler.pinning:
-            for name, value in dataclasses.asdict(scheduler.cache.pin_stats).items():
-                out[f"kv_pins_{name}"] = out.get(f"kv_pins_{name}", 0.0) + float(value)
-    return out
-
-
-def control_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
-    """The adaptive budget's counters summed over the engines (none when it is off): the mixed
-    steps planned with its queue valve open, and the budget each engine ended on; with a
-    waiting deadline, the requests that waited past it."""
-    out: dict[str, float] = {}
-    for scheduler in schedulers:
-        adaptive = scheduler.controls.adaptive
-        if adaptive is not None:
-            for name, value in (
-                ("adaptive_queue_pressure_steps", scheduler.controls.stats.queue_pressure_steps),
-                ("adaptive_budget_tokens_at_end", adaptive.tokens()),
-            ):
-                out[name] = out.get(name, 0.0) + float(value)
-        if scheduler.deadline_queue is not None:
-            demoted = float(scheduler.deadline_queue.num_demoted)
-            out["requests_past_deadline"] = out.get("requests_past_deadline", 0.0) + demoted
-    return out
-
-
-def _require_completed(
-    summary: dict[str, float], config: SimConfig, *, end_s: float, ran_until_s: float
-) -> None:
-    """A window in which no request finished has no latency to report: an error, with the fix,
-    never a report of nulls."""
-    if summary["requests_completed"] > 0:
-        return
-    raise ConfigError(
-        "warmup_s (--warmup)",
-        config.warmup_s,
-        f"no request finished inside the measurement window [{config.warmup_s:g}, "
-        f"{end_s:g}] s (the run had work until {ran_until_s:.1f} s); lower --warmup "
-        "(a finite workload's default is 0) or raise --duration",
-    )
-
-
-class QueueTrace:
-    """The waiting queue's length through the measurement window, to tell a run that never
-    drains (arrivals outpace service, so latency grows with the window) from a steady one."""
-
-    GROWTH = 2.0  # the last quarter's mean queue exceeds GROWTH x the first quarter's, plus
-    MIN_WAITING = 8.0  # MIN_WAITING requests: too many to be noise
-    # Or, relative to the arrival rate (a queue that saturated before the window opened): while
-    # requests arrived, they were served under SERVED x their rate and fell MIN_WAITING behind.
-    SERVED = 0.9
-
-    def __init__(self, window_start_s: float) -> None:
-        self.window_start_s = window_start_s
-        self.samples: list[tuple[float, int]] = []
-
-    def on_step(self, now: float, num_waiting: int) -> None:
-        if now >= self.window_start_s:
-            self.samples.append((now, num_waiting))
-
-    def summary(self, end_s: float, recorder: MetricsRecorder | None = None) -> dict[str, float]:
-        """The queue's first and last quarter means and whether it never drains; with the
-        run's `recorder`, also the window's arrival and service rates (requests per second)."""
-        span = end_s - self.window_start_s
-        first = [w for t, w in self.samples if t < self.window_start_s + span / 4]
-        last = [w for t, w in self.samples if self.window_start_s + 3 * span / 4 <= t <= end_s]
-        first_mean = sum(first) / len(first) if first else 0.0
-        last_mean = sum(last) / len(last) if last else 0.0
-        growing = last_mean > self.GROWTH * first_mean + self.MIN_WAITING
-        out = {"waiting_first_quarter": first_mean, "waiting_last_quarter": last_mean}
-        if recorder is not None:
-            rates, backlog = self._rates(recorder, end_s)
-            out.update(rates)
-            if rates and backlog >= self.MIN_WAITING:
-                growing = growing or (
-                    rates["service_rate_per_s"] < self.SERVED * rates["arrival_rate_per_s"]
-                )
-        out["never_drains"] = 1.0 if growing else 0.0
-        return out
-
-    def _rates(self, recorder: MetricsRecorder, end_s: float) -> tuple[dict[str, float], int]:
-        """The arrival and service rates (requests per second) over the window until its last
-        arrival, and the requests left behind then: a finite trace that drains after its
-        arrivals end is judged up to its last arrival, not its drain. ({}, 0): too few."""
-        start = self.window_start_s
-        arrived = [r.arrival_s for r in recorder.requests.values() if start <= r.arrival_s <= end_s]
-        last = max(arrived, default=start)
-        if len(arrived) < 2 or last <= start:
-            return {}, 0
-        served = len(recorder.finished_in(start, last))
-        span = last - start
-        rates = {"arrival_rate_per_s": len(arrived) / span, "service_rate_per_s": served / span}
-        return rates, len(arrived) - served
-
-
-TTFT_SLO_S = 15.0  # the SLO tiers of DESIGN.md section 6: TTFT <= 15 s ...
-TBT_SLO_S = 0.100  # ... and time between tokens <= 100 ms (p99 within the turn)
-
-
-def time_breakdown(
-    recorder: MetricsRecorder,
-    gpu_seconds: Mapping[str, float],
-    ideal_prefix: Mapping[str, int],
-    start_s: float,
-    end_s: float,
-) -> dict[str, float]:
-    """Where the time goes over [start_s, end_s]: GPU time by kind of step (fractions of the
-    window), job time (jobs finished in the window) in decode, tool wait and queue + TTFT, the
-    prompt tokens each turn recomputed against an ideal cache's, and the SLO attainment."""
-    window = end_s - start_s
-    out = {f"gpu_{kind}_frac": gpu_seconds.get(kind, 0.0) / window for kind in _STEP_KINDS}
-    out["gpu_busy_frac"] = sum(out.values())
-    jobs = {
-        j.job_id: j.finish_s - j.start_s
-        for j in recorder.jobs.values()
-        if j.finish_s is not None and start_s <= j.finish_s <= end_s
-    }
-    decode = queue = 0.0
-    for r in recorder.requests.values():
-        if r.job_id in jobs and r.finish_s is not None and r.first_token_s is not None:
-            decode += r.finish_s - r.first_token_s
-            queue += r.first_token_s - r.arrival_s
-    total = sum(jobs.values())
-    out["job_decode_frac"] = decode / total if total else math.nan
-    out["job_queue_ttft_frac"] = queue / total if total else math.nan
-    out["job_tool_frac"] = (total - decode - queue) / total if total else math.nan
-    done = recorder.finished_in(start_s, end_s)
-    recomputed = [r.prompt_tokens - r.hit_tokens for r in done]
-    ideal = [r.prompt_tokens - ideal_prefix.get(r.req_id, 0) for r in done]
-    out["recomputed_prompt_tokens_per_turn"] = statistics.fmean(recomputed) if done else math.nan
-    out["ideal_prompt_tokens_per_turn"] = statistics.fmean(ideal) if done else math.nan
-    met = [
-        r
-        for r in done
-        if r.first_token_s is not None
-        and r.first_token_s - r.arrival_s <= TTFT_SLO_S
-        and (not r.gaps_s or percentile(r.gaps_s, 99) <= TBT_SLO_S)
-    ]
-    out["slo_attainment"] = len(met) / len(done) if done else math.nan
-    out.update(slo_goodput(recorder, len(met), start_s, end_s))
-    return out
-
-
-def slo_goodput(
-    recorder: MetricsRecorder, requests_met: int, start_s: float, end_s: float
-) -> dict[str, float]:
-    """Goodput under the SLO over [start_s, end_s]: requests that met both bounds per second,
-    and jobs whose inter-token gaps (all of the job's turns together) kept their p99 within the
-    ITL bound per hour (a job's turns wait on tools, so its TTFTs are not its user's wait)."""
-    gaps: dict[str, list[float]] = {}
-    for r in recorder.requests.values():
-        if r.job_id is not None:
-            gaps.setdefault(r.job_id, []).extend(r.gaps_s)
-    jobs_met = sum(
-        1
-        for j in recorder.jobs.values()
-        if j.finish_s is not None
-        and start_s <= j.finish_s <= end_s
-        and (not gaps.get(j.job_id) or percentile(gaps[j.job_id], 99) <= TBT_SLO_S)
-    )
-    window = end_s - start_s
-    return {
-        "slo_requests_per_s": requests_met / window,
-        "slo_jobs_per_hour": jobs_met * 3600.0 / window,
-    }
-
-
-_STEP_KINDS = ("decode", "prefill", "mixed")
-
-
-def group_hit_rates(cache: dict[str, Any]) -> dict[str, float]:
-    """Per-group offered hit tokens over queried tokens, over the whole run (the cache counts
-    from the start): `group{g}_{kind}_hit_rate`. The reconciled rate is `prefix_hit_rate`."""
-    queried = cache["queried_tokens"]
-    return {
-        f"group{g['group']}_{g['kind']}_hit_rate": g["offered_hit_tokens"] / queried
-        if queried
-        else 0.0
-        for g in cache["groups"]
-    }
 
 
 def simulate(

@@ -25,8 +25,9 @@ from typing import Any, Literal
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.paths import data_path
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.experiment import mean_metrics, read_tuned
-from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.run import run_simulation
 from hybridserve.sim.stats import paired_ratio
 
 MOONCAKE = "conversation_trace.jsonl"

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import run_simulation
 
 R = TypeVar("R")
 

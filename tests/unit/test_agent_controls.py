@@ -476,7 +476,8 @@ def test_kv_aware_admission_reduces_preemptions_in_overload() -> None:
 
 
 def test_a_simulated_run_reports_pin_counters_only_when_pinning() -> None:
-    from hybridserve.sim.run import SimConfig, run_simulation
+    from hybridserve.sim.deployment import SimConfig
+    from hybridserve.sim.run import run_simulation
     from hybridserve.sim.workload import AgentParams
 
     base = SimConfig(

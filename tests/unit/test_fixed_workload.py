@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.fixed_workload import FixedWorkload
-from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.run import run_simulation
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 

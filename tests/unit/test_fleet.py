@@ -21,13 +21,15 @@ from hybridserve.engine.offline import run_to_completion
 from hybridserve.engine.settings import DEFAULT_PRESET, PRESETS
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager, MambaSpec
 from hybridserve.scheduler import Scheduler
+from hybridserve.sim.deployment import FleetConfig, SimConfig
 from hybridserve.sim.executor import SimulatedExecutor
-from hybridserve.sim.fleet import FleetConfig, FleetSimulation, imbalance, run_fleet
+from hybridserve.sim.fleet import FleetSimulation
+from hybridserve.sim.fleet_report import imbalance
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.model_profiles import get_model
 from hybridserve.sim.pd import Link, handoff_bytes, link_of, parse_pd
 from hybridserve.sim.routers import ApproximateView, PreciseView, Router, RouteRequest
-from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.run import fleet_simulation, run_fleet, run_simulation
 from hybridserve.sim.workload import AgentParams
 
 BLOCK = 32
@@ -297,7 +299,7 @@ def _first_gaps(
 ) -> tuple[list[float], FleetSimulation]:
     """Run SMALL on 1:1; `admitted` collects the tokens the decode replica scheduled for each
     handoff in the step that admitted it."""
-    sim = FleetSimulation(SMALL, PD)
+    sim = fleet_simulation(SMALL, PD)
     if link is not None:
         sim.link = link
     if admitted is not None:
@@ -335,7 +337,7 @@ def test_disaggregated_steps_can_add_the_measured_scheduler_cpu() -> None:
     """The decode replica's steps are costed as any replica's (nothing received is charged),
     so --include-scheduler-cpu applies to a P/D fleet too."""
     config = replace(SMALL, include_scheduler_cpu=True)
-    recorder = FleetSimulation(config, PD, cpu_clock=time.perf_counter).run(config.duration_s)
+    recorder = fleet_simulation(config, PD, cpu_clock=time.perf_counter).run(config.duration_s)
     assert any(r.gaps_s for r in recorder.requests.values())
 
 

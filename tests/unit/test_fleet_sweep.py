@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.fleet_sweep import FleetOptions, FleetPoint, fleet_grid, point_config
-from hybridserve.sim.run import SimConfig
 from hybridserve.sim.workload import AgentParams
 
 runner = CliRunner()

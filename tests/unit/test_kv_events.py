@@ -182,7 +182,7 @@ def test_wire_is_vllms_tagged_array_and_decodes_back() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["hybridserve.kvcache.events", "hybridserve.sim.fleet", "hybridserve.server.kv_events"],
+    ["hybridserve.kvcache.events", "hybridserve.sim.run", "hybridserve.server.kv_events"],
 )
 def test_the_event_types_and_the_simulator_import_without_zmq_or_msgpack(module: str) -> None:
     code = f"import sys, {module}; print(sorted({{'zmq', 'msgpack'}} & set(sys.modules)))"

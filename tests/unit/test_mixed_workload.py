@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.mixed_workload import BurstyWorkload, RagTenant
-from hybridserve.sim.run import SimConfig, run_simulation
+from hybridserve.sim.run import run_simulation
 from hybridserve.sim.workload import AgentParams
 
 

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridserve.cli import app
-from hybridserve.sim import run as sim_run
+from hybridserve.sim import deployment as sim_deployment
 
 runner = CliRunner()
 BASE = ["simulate", "--agents", "2", "--duration", "40", "--warmup", "10", "--json"]
@@ -18,7 +18,7 @@ BASE = ["simulate", "--agents", "2", "--duration", "40", "--warmup", "10", "--js
 
 def _counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     counts = {"model": 0, "preset": 0}
-    get_model, resolve_settings = sim_run.get_model, sim_run.resolve_settings
+    get_model, resolve_settings = sim_deployment.get_model, sim_deployment.resolve_settings
 
     def model(name: str) -> Any:
         counts["model"] += 1
@@ -28,8 +28,8 @@ def _counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         counts["preset"] += 1
         return resolve_settings(*args, **kwargs)
 
-    monkeypatch.setattr(sim_run, "get_model", model)
-    monkeypatch.setattr(sim_run, "resolve_settings", preset)
+    monkeypatch.setattr(sim_deployment, "get_model", model)
+    monkeypatch.setattr(sim_deployment, "resolve_settings", preset)
     return counts
 
 
@@ -45,13 +45,13 @@ def test_simulate_resolves_the_model_and_the_preset_once(
 
 def test_a_model_config_file_is_read_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     reads = []
-    load = sim_run.load_model_profile
+    load = sim_deployment.load_model_profile
 
     def counted(path: Any) -> Any:
         reads.append(path)
         return load(path)
 
-    monkeypatch.setattr(sim_run, "load_model_profile", counted)
+    monkeypatch.setattr(sim_deployment, "load_model_profile", counted)
     config = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b")
     result = runner.invoke(app, [*BASE, "--model-config", config])
     assert result.exit_code == 0, result.output

@@ -9,9 +9,10 @@ from hybridserve.cli.serve_commands import build_app
 from hybridserve.cli.sim_backend import SimServingBackend
 from hybridserve.engine.settings import PRESETS
 from hybridserve.server.app import ServerSettings
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.memory import kv_cache_tokens
 from hybridserve.sim.model_profiles import MODELS
-from hybridserve.sim.run import SimConfig, simulated_engine
+from hybridserve.sim.run import simulated_engine
 
 # The tensor-parallel width each built-in model needs to fit one simulated H200 rank.
 TP = {"deepseek-v3": 8}

@@ -16,7 +16,8 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.engine.settings import load_settings_file, preset, resolve_settings
 from hybridserve.server.app import ServerSettings
 from hybridserve.server.backend import serve_settings
-from hybridserve.sim.run import SimConfig, simulated_engine
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import simulated_engine
 
 SHARED = """\
 preset = "baseline"

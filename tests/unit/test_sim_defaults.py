@@ -17,7 +17,9 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.server.tokenizer import BYTE_EOS_ID
-from hybridserve.sim.run import QueueTrace, SimConfig, simulate, simulated_engine
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import simulate, simulated_engine
+from hybridserve.sim.summary import QueueTrace
 from hybridserve.sim.workload import AgentParams
 
 FIXED = "fixed:input=1000,output=100,concurrency=8,requests=100"

@@ -17,6 +17,7 @@ from hybridserve.core.plan import ScheduledChunk, StepPlan
 from hybridserve.engine.settings import PRESETS
 from hybridserve.sim.bounds import bounded_shape, infinite_engine_recorder
 from hybridserve.sim.cost_model import RooflineCostModel, StepShape
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.experiment import baseline_preset, paired_report, tune_vllm, tuned_config
 from hybridserve.sim.gpus import get_gpu
@@ -30,7 +31,7 @@ from hybridserve.sim.memory import (
     vllm_log_lines,
 )
 from hybridserve.sim.model_profiles import get_model
-from hybridserve.sim.run import SimConfig, pool_budget, run_simulation, simulated_engine
+from hybridserve.sim.run import pool_budget, run_simulation, simulated_engine
 from hybridserve.sim.sweep import VLLM_GRID, draw_vllm_setting, vllm_sweep
 from hybridserve.sim.workload import AgentParams, AgentWorkload, LogNormal
 
@@ -450,8 +451,8 @@ def test_a_bad_tuned_file_is_refused_naming_the_flag_and_the_knob(
     tmp_path: Path, text: str, named: str
 ) -> None:
     from hybridserve.core.errors import ConfigError
+    from hybridserve.sim.deployment import SimConfig
     from hybridserve.sim.experiment import read_tuned
-    from hybridserve.sim.run import SimConfig
 
     path = tmp_path / "tuned.json"
     path.write_text(text)

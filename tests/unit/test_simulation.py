@@ -246,7 +246,8 @@ def test_sweep_draws_valid_settings_and_picks_the_best_under_the_slo(tmp_path) -
 def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hybridserve.core.errors import ConfigError
     from hybridserve.engine.settings import load_settings_file
-    from hybridserve.sim.run import SimConfig, simulated_engine
+    from hybridserve.sim.deployment import SimConfig
+    from hybridserve.sim.run import simulated_engine
 
     path = tmp_path / "run.toml"
     path.write_text(
@@ -273,7 +274,8 @@ def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # t
 
 
 def test_measured_scheduler_cpu_time_lengthens_every_step() -> None:
-    from hybridserve.sim.run import SimConfig, simulate
+    from hybridserve.sim.deployment import SimConfig
+    from hybridserve.sim.run import simulate
     from hybridserve.sim.workload import AgentParams
 
     ticks = iter(range(10**9))
@@ -287,7 +289,7 @@ def test_measured_scheduler_cpu_time_lengthens_every_step() -> None:
 
 def test_sweep_runs_trials_as_ray_tasks() -> None:
     ray = pytest.importorskip("ray", reason="Ray is the optional ray extra")
-    from hybridserve.sim.run import SimConfig
+    from hybridserve.sim.deployment import SimConfig
     from hybridserve.sim.sweep import sweep
     from hybridserve.sim.workload import AgentParams
 

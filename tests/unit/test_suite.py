@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.run import SimConfig
+from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.suite import (
     MODES,
     SuiteRow,

@@ -130,3 +130,15 @@ def test_past_saturation_the_deadline_serves_requests_that_can_still_meet_it() -
     assert "hybridserve:scheduler_requests_past_deadline_total" not in (
         make_scheduler().metrics_snapshot()
     )
+
+
+def test_a_simulated_runs_summary_counts_the_requests_past_the_deadline_only_when_it_is_on() -> (
+    None
+):
+    from hybridserve.sim.summary import control_counters
+
+    on = make_scheduler(waiting_deadline_ms=1_000.0)
+    on.add_request(make_request("late", 8, arrival=0.0))
+    on.deadline_queue.advance(2.0)  # type: ignore[union-attr]
+    assert control_counters([on, on]) == {"requests_past_deadline": 2.0}
+    assert "requests_past_deadline" not in control_counters([make_scheduler()])
