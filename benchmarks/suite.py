@@ -19,7 +19,14 @@ import time
 from pathlib import Path
 
 from hybridserve.sim.deployment import SimConfig
-from hybridserve.sim.suite import TUNED, pick_rows, run_suite, suite_configs, suite_report
+from hybridserve.sim.suite import (
+    TUNED,
+    count_runs,
+    pick_rows,
+    run_suite,
+    suite_configs,
+    suite_report,
+)
 
 
 def main() -> None:
@@ -38,7 +45,7 @@ def main() -> None:
     seeds = list(range(args.seeds))
     mode = "screen" if args.screen else "full"
     started = time.monotonic()
-    total = len(rows) * len(configs) * len(seeds)
+    total = count_runs(rows, list(configs), seeds)
 
     def log(line: str) -> None:
         sys.stderr.write(f"[{time.monotonic() - started:7.0f} s] {line} (of {total})\n")

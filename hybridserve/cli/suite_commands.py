@@ -25,6 +25,8 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 if TYPE_CHECKING:
     from hybridserve.sim.suite import Mode
 
+BOUND = "free-prefill"  # hybridserve.sim.suite.BOUND, without importing the simulator here
+
 RowsOption = Annotated[
     str,
     typer.Option(
@@ -85,7 +87,14 @@ def suite_cmd(
     setting: per row, goodput under the SLO, p99 latencies and paired ratios with 95% intervals,
     and whether the row holds "never loses". Writes runs/NAME/report.json and suite.png."""
     from hybridserve.sim.deployment import SimConfig
-    from hybridserve.sim.suite import TUNED, pick_rows, run_suite, suite_configs, suite_report
+    from hybridserve.sim.suite import (
+        TUNED,
+        count_runs,
+        pick_rows,
+        run_suite,
+        suite_configs,
+        suite_report,
+    )
 
     mode: Mode = "full" if full else "screen"
     try:
@@ -103,7 +112,7 @@ def suite_cmd(
         raise fail(str(exc)) from None
     seed_list = list(range(seed, seed + seeds))
     folder = _folder(name)
-    total = len(chosen) * len(configs) * len(seed_list)
+    total = count_runs(chosen, list(configs), seed_list)
     if not as_json:
         err.print(_intro(mode, len(chosen), list(configs), seed_list, total), soft_wrap=True)
     started = time.monotonic()
@@ -144,6 +153,7 @@ def _intro(mode: str, rows: int, configs: list[str], seeds: list[int], total: in
     return (
         f"suite ({what}): {rows} rows x {len(configs)} configurations ({', '.join(configs)}) "
         f"x seeds {seeds[0]}-{seeds[-1]} = {total} simulated runs"
+        + (f" ({BOUND} on the agent rows only)" if BOUND in configs else "")
     )
 
 
@@ -180,18 +190,28 @@ def _ratio_cell(ratio: dict[str, Any] | None) -> str:
     return f"{ratio['mean']:.2f}{band}"
 
 
-def _value(value: float | None, metric: str) -> str:
+def _value(metrics: dict[str, Any] | None, metric: str, *, share: bool) -> str:
+    """A configuration's goodput on a row, with (`share`) its share of the bound where the row
+    has one; "-" where the configuration did not run on the row (the bound off its rows)."""
+    if metrics is None:
+        return "-"
+    value = metrics["goodput"]
     if value is None:
         return "n/a"
-    return f"{value:.1f}" if metric == "slo_jobs_per_hour" else f"{value:.2f}"
+    text = f"{value:.1f}" if metric == "slo_jobs_per_hour" else f"{value:.2f}"
+    fraction = metrics.get("share_of_bound") if share else None
+    return text if fraction is None else f"{text} ({fraction:.0%})"
 
 
 def suite_table(report: dict[str, Any]) -> Table:
     """One line per row: its goodput for each configuration, each preset's ratios to vLLM's
     defaults and the tuned vLLM (95% intervals), its p99 ITL ratio and whether it holds."""
     labels = report["suite"]["configs"]
-    ours = [label for label in labels if label not in ("vllm", "vllm-tuned")]
-    table = Table(title=f"suite ({report['suite']['mode']}), goodput under the SLO")
+    ours = list(report["summary"])
+    table = Table(
+        title=f"suite ({report['suite']['mode']}), goodput under the SLO"
+        + (f" (share of the {BOUND} bound)" if BOUND in labels else "")
+    )
     for column in ("row", "role", "goodput", *labels):
         table.add_column(
             column, justify="left" if column in ("row", "role", "goodput") else "right"
@@ -208,7 +228,9 @@ def suite_table(report: dict[str, Any]) -> Table:
         metric = row["goodput_metric"]
         unit = "jobs/h" if metric == "slo_jobs_per_hour" else "req/s"
         cells = [name, row["role"], unit]
-        cells += [_value(row["configs"][label]["goodput"], metric) for label in labels]
+        cells += [
+            _value(row["configs"].get(label), metric, share=label != BOUND) for label in labels
+        ]
         for label in ours:
             ratios = row["ratios"][label]
             cells += [
@@ -243,12 +265,18 @@ def falloff_lines(report: dict[str, Any]) -> list[str]:
         return []
     lines = []
     for label in report["suite"]["configs"]:
-        shares = [(n, r["configs"][label]["slo_attainment"]) for n, r in agent_rows]
+        shares = [
+            (n, r["configs"][label]["slo_attainment"])
+            for n, r in agent_rows
+            if label in r["configs"]
+        ]
+        if not shares:
+            continue
         past = next((n for n, share in shares if share is not None and share < FALLOFF_SLO), None)
         trail = ", ".join(
             f"{n} {share:.2f}" if share is not None else f"{n} n/a" for n, share in shares
         )
-        where = f"falls off at {past}" if past else f"holds through {agent_rows[-1][0]}"
+        where = f"falls off at {past}" if past else f"holds through {shares[-1][0]}"
         lines.append(f"{label}: {where} (requests meeting the SLO: {trail})")
     return lines
 

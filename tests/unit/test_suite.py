@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hybridserve.cli import app
+from hybridserve.cli import app, suite_commands
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.suite import (
+    BOUND,
     MODES,
     SuiteRow,
+    count_runs,
     pick_rows,
     row_report,
     run_suite,
@@ -177,6 +179,61 @@ def test_the_suite_command_prints_one_json_object_last(tmp_path: Path, monkeypat
     for f in folder.iterdir():
         f.unlink()
     folder.rmdir()
+
+
+def test_a_bounded_row_runs_the_bound_and_gives_each_configuration_its_share() -> None:
+    configs = _configs()
+    assert "free-prefill" in configs
+    bounded = replace(TINY, name="bounded", bounded=True)
+    results, errors = run_suite([TINY, bounded], configs, [0, 1], mode="screen")
+    assert not errors
+    assert {(row, label) for row, label, _ in results if label == "free-prefill"} == {
+        ("bounded", "free-prefill")
+    }  # the bound runs on bounded rows only
+    report = suite_report(
+        [TINY, bounded], configs, [0, 1], results, errors, mode="screen", search={}
+    )
+    row = report["rows"]["bounded"]
+    bound = row["configs"]["free-prefill"]["goodput"]
+    ours = row["configs"]["hybridserve"]
+    assert bound > 0 and ours["share_of_bound"] == pytest.approx(ours["goodput"] / bound, abs=1e-4)
+    assert "free-prefill" not in report["rows"]["tiny"]["configs"]
+    assert list(report["summary"]) == ["hybridserve"]  # the bound is compared against, not judged
+    assert set(row["ratios"]) == {"hybridserve"}
+    assert count_runs([TINY, bounded], list(configs), [0, 1]) == len(results) == 14
+    assert suite_commands.BOUND == BOUND  # the table names the bound the suite runs
+
+
+def test_the_summary_counts_each_test_per_role_and_names_the_rows_that_do_not_hold() -> None:
+    configs = _configs()
+    results, errors = run_suite([TINY], configs, [0, 1], mode="screen")
+    summary = suite_report([TINY], configs, [0, 1], results, errors, mode="screen", search={})[
+        "summary"
+    ]["hybridserve"]
+    chosen = summary["choose"]
+    assert chosen["rows"] == 1 and summary["report"]["rows"] == 0
+    for test in ("goodput", "interval", "itl"):
+        assert chosen[f"{test}_holds"] in (0, 1)
+    assert chosen["holds"] == (1 if not chosen["loses"] else 0)
+
+
+def test_the_suite_command_prints_its_table_and_what_each_preset_holds(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    name = f"test-suite-text-{tmp_path.name}"
+    result = CliRunner().invoke(
+        app, ["suite", "--rows", "azure-code-1x", "--scale", "0.1", "--name", name]
+    )
+    folder = Path("runs") / name
+    for f in folder.iterdir() if folder.exists() else ():
+        f.unlink()
+    if folder.exists():
+        folder.rmdir()
+    assert result.exit_code == 0, result.output
+    assert "azure-code-1x" in result.output
+    assert "hybridserve never loses on" in result.output
+    assert "rows it never saw [goodput 1/1" in result.output
 
 
 def test_the_suite_command_refuses_one_seed_and_an_unknown_row() -> None:
