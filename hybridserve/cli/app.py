@@ -5,11 +5,14 @@ from __future__ import annotations
 import importlib
 import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from hybridserve.engine.settings import SettingsFile
 
 app = typer.Typer(
     help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.",
@@ -107,3 +110,16 @@ def finite_float(value: Any) -> float:
 finite_float.__name__ = "float"
 # The parser of every float flag of the command line (a test checks that none is missed).
 FINITE_FLOAT = finite_float
+
+
+def read_settings_file(path: Path | None) -> SettingsFile | None:
+    """The `--config` file of any command, its deprecated spellings reported on stderr as
+    warnings."""
+    from hybridserve.engine.settings import load_settings_file
+
+    if path is None:
+        return None
+    file = load_settings_file(path)
+    for message in file.deprecations:
+        err.print(f"warning: {path}: {message}", soft_wrap=True, highlight=False)
+    return file

@@ -1,4 +1,8 @@
-"""`hybridserve generate`: offline batch generation through the Engine on the torch executor."""
+"""`hybridserve generate`: offline batch generation through the Engine on the torch executor.
+
+Scheduler settings resolve as in `hybridserve serve` and `simulate`: the preset, then
+`--config FILE.toml`, then the flags given on the command line (`hybridserve.engine.settings`).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,21 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, need_extra
-from hybridserve.cli.choices import DEFAULT_DEVICE, DEVICE_HELP
+from hybridserve.cli.app import (
+    FINITE_FLOAT,
+    MODELS_EXTRA,
+    app,
+    err,
+    fail,
+    need_extra,
+    read_settings_file,
+)
+from hybridserve.cli.choices import DEFAULT_DEVICE, DEVICE_HELP, PRESET_HELP
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
+from hybridserve.engine.settings import SettingsSources
 from hybridserve.offline.runtime import blocks_for, build_runtime, generation_progress, parse_spec
 
 if TYPE_CHECKING:
@@ -49,7 +62,14 @@ ThreadsOption = Annotated[
 ]
 BlockSizeOption = Annotated[int, typer.Option(help="Tokens per KV block.")]
 NumBlocksOption = Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")]
-BatchedTokensOption = Annotated[int, typer.Option(help="Token budget per step.")]
+BatchedTokensOption = Annotated[
+    int | None, typer.Option(help="Token budget per step [default: the preset's].")
+]
+PresetOption = Annotated[str | None, typer.Option(help=PRESET_HELP)]
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(help="TOML settings file: preset, [scheduler] fields, [cache] retention."),
+]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="One JSON object per prompt: token_ids, text.")
 ]
@@ -87,7 +107,9 @@ class GenerateSettings:
     threads: int | None = None
     block_size: int = 16
     num_blocks: int = 0
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the preset's
+    preset: str | None = None
+    config: Path | None = None
     as_json: bool = False
     dcp: int = 1
     dcp_interleave: int = 1
@@ -100,7 +122,7 @@ class GenerateSettings:
             )
         if self.num_blocks < 0:
             raise fail(f"--num-blocks={self.num_blocks} is invalid: use 0 (enough for all) or more")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise fail(
                 f"--max-num-batched-tokens={self.max_num_batched_tokens} is invalid: use 1 or more"
             )
@@ -111,6 +133,13 @@ class GenerateSettings:
                 f"--spec={self.spec} with --dcp={self.dcp}: speculative decoding does not run "
                 "under DCP"
             )
+
+    def settings_sources(self) -> SettingsSources:
+        """The preset, the `--config` file (read now: a bad file fails before the model
+        loads) and the scheduler flags, resolved once the model is loaded."""
+        file = read_settings_file(self.config)
+        flags = (("max_num_batched_tokens", self.max_num_batched_tokens),)
+        return SettingsSources(preset=self.preset, file=file, flags=flags)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -138,7 +167,9 @@ def generate(
     threads: ThreadsOption = None,
     block_size: BlockSizeOption = 16,
     num_blocks: NumBlocksOption = 0,
-    max_num_batched_tokens: BatchedTokensOption = 2048,
+    max_num_batched_tokens: BatchedTokensOption = None,
+    preset: PresetOption = None,
+    config: ConfigOption = None,
     as_json: JsonOption = False,
     dcp: DcpOption = 1,
     dcp_interleave: DcpInterleaveOption = 1,
@@ -161,6 +192,8 @@ def generate(
         block_size=block_size,
         num_blocks=num_blocks,
         max_num_batched_tokens=max_num_batched_tokens,
+        preset=preset,
+        config=config,
         as_json=as_json,
         dcp=dcp,
         dcp_interleave=dcp_interleave,
@@ -195,6 +228,7 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
     # Validate the sampling flags before the (slow) model load.
     sampling = settings.sampling()
     speculative = parse_spec(settings.spec)
+    sources = settings.settings_sources()
     if settings.threads is not None and settings.threads < 1:
         raise fail(f"--threads={settings.threads}: use 1 or more (or leave it out: all cores)")
     texts = read_prompts(source) if text else None
@@ -219,7 +253,7 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
             num_blocks=blocks,
             block_size=settings.block_size,
             device=settings.device,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
+            sources=sources,
             dcp=settings.dcp,
             interleave=settings.dcp_interleave,
             timeout_s=settings.dcp_timeout,
@@ -227,7 +261,7 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
         return
     _generate_local(
         path, texts=texts, ids=ids, source=source, sampling=sampling, blocks=blocks,
-        speculative=speculative, settings=settings,
+        speculative=speculative, settings=settings, sources=sources,
     )  # fmt: skip
 
 
@@ -241,10 +275,10 @@ def _generate_local(
     blocks: int,
     speculative: SpeculativeConfig,
     settings: GenerateSettings,
+    sources: SettingsSources,
 ) -> None:
     """One process: build the runtime, run every prompt to completion, print."""
     block_size, device = settings.block_size, settings.device
-    max_num_batched_tokens = settings.max_num_batched_tokens
     from hybridserve.executor.torch.runtime import set_threads
 
     set_threads(settings.threads)
@@ -254,7 +288,7 @@ def _generate_local(
         block_size=block_size,
         device=device,
         speculative=speculative,
-        max_num_batched_tokens=max_num_batched_tokens,
+        settings=sources,
     )
     tokenizer = runtime.tokenizer
     ids = _prompt_ids(tokenizer, path, texts, ids, raw=settings.raw)
@@ -279,7 +313,7 @@ def _generate_dcp(
     num_blocks: int,
     block_size: int,
     device: str,
-    max_num_batched_tokens: int,
+    sources: SettingsSources,
     dcp: int,
     interleave: int,
     timeout_s: float,
@@ -302,7 +336,7 @@ def _generate_dcp(
         num_blocks=num_blocks,
         block_size=block_size,
         device=device,
-        max_num_batched_tokens=max_num_batched_tokens,
+        settings=sources,
         load_tokenizer=True,
         show_progress=True,
     )

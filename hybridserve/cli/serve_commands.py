@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, install_hint, need_extra
+from hybridserve.cli.app import (
+    FINITE_FLOAT,
+    MODELS_EXTRA,
+    app,
+    err,
+    fail,
+    install_hint,
+    need_extra,
+    read_settings_file,
+)
 from hybridserve.cli.choices import (
     DEFAULT_DEVICE,
     DEVICE_HELP,
@@ -581,30 +590,13 @@ def build_app(
     """The FastAPI app over `backend` with the settings resolved as every command resolves
     them (`hybridserve.engine.settings`: preset, then the file, then the flags). The file is
     `settings_file` when it was read already, else `config_file`."""
+    from hybridserve.engine.settings import SettingsSources
     from hybridserve.server.app import ServerState, create_app
     from hybridserve.server.backend import serve_settings, serving_engine
 
     file = settings_file if settings_file is not None else read_settings_file(config_file)
-    chosen = serve_settings(
-        backend,
-        preset_name=preset_name,
-        file=file,
-        flags=overrides or {},
-        retention_flag=retention,
+    sources = SettingsSources(
+        preset=preset_name, file=file, flags=tuple((overrides or {}).items()), retention=retention
     )
-    parts = serving_engine(
-        backend, chosen.scheduler, retention=chosen.retention, num_blocks=num_blocks
-    )
+    parts = serving_engine(backend, serve_settings(backend, sources), num_blocks=num_blocks)
     return create_app(ServerState(backend, parts, settings))
-
-
-def read_settings_file(path: Path | None) -> SettingsFile | None:
-    """The `--config` file, its deprecated spellings reported on stderr as warnings."""
-    from hybridserve.engine.settings import load_settings_file
-
-    if path is None:
-        return None
-    file = load_settings_file(path)
-    for message in file.deprecations:
-        err.print(f"warning: {path}: {message}", soft_wrap=True, highlight=False)
-    return file

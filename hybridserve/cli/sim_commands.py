@@ -20,7 +20,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
+from hybridserve.cli.app import (
+    FINITE_FLOAT,
+    app,
+    err,
+    fail,
+    install_hint,
+    out_console,
+    read_settings_file,
+)
 from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, PRESET_HELP, SPEC_HELP
 from hybridserve.cli.progress import interrupted, runs_progress
 from hybridserve.core.errors import ConfigError, HybridServeError
@@ -71,13 +79,11 @@ def _run_sim(
 def _file_options(config_file: Path | None, *, preset: str | None = None) -> dict[str, Any]:
     """SimConfig fields of a --config settings file (scheduler fields, cache retention) and
     of --preset: the flag's preset, else the file's, else hybridserve."""
-    from hybridserve.engine.settings import load_settings_file, preset_name
+    from hybridserve.engine.settings import preset_name
 
-    if config_file is None:
+    loaded = read_settings_file(config_file)
+    if loaded is None:
         return {"preset": preset_name(preset, None)}
-    loaded = load_settings_file(config_file)
-    for message in loaded.deprecations:
-        err.print(f"warning: {config_file}: {message}", soft_wrap=True, highlight=False)
     return {
         "preset": preset_name(preset, loaded),
         "controls": loaded.scheduler,

@@ -17,7 +17,13 @@ from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConf
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.engine import Engine, EngineStep
-from hybridserve.engine.assembly import CpuMeter, EngineConfig, EngineParts, build_engine
+from hybridserve.engine.assembly import (
+    CpuMeter,
+    EngineParts,
+    ModelCache,
+    build_engine,
+    resolve_engine_config,
+)
 from hybridserve.engine.settings import Preset, preset_uses_lookahead, resolve_settings
 from hybridserve.kvcache import CacheLayout
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
@@ -454,16 +460,13 @@ def simulated_engine(
             acceptance_decay_per_doubling=config.acceptance_decay_per_doubling,
         )
 
-    layout = CacheLayout(
-        groups=model.kv_cache_groups(),
+    engine_config = resolve_engine_config(
+        chosen,
+        ModelCache(groups=model.kv_cache_groups(), speculative=speculative, dcp=config.dcp),
         num_blocks=num_blocks,
-        speculative=speculative,
-        retention=chosen.retention,
-        dcp=config.dcp,
-        max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,
     )
     return build_engine(
-        EngineConfig(layout=layout, scheduler=scheduler),
+        replace(engine_config, scheduler=scheduler),
         executor,
         scheduler_factory=meter.scheduler if meter is not None else None,
     )
