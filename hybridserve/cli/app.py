@@ -15,7 +15,12 @@ if TYPE_CHECKING:
     from hybridserve.engine.settings import SettingsFile
 
 app = typer.Typer(
-    help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.",
+    help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.\n\n"
+    "--model names what a command runs: a model profile (simulated) in simulate, bench, "
+    "sweep, fleet-sweep and suite (serve takes it as --model-profile); a checkpoint in "
+    "generate, serve and calibrate; the served model's name at --url in agents and "
+    "calibrate --url; a named cache layout in cache-replay; a tiny random-weight model in "
+    "dcp-demo.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
