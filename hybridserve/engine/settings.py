@@ -1,7 +1,7 @@
 """Where an engine's settings come from: the presets, the one settings file, and their order.
 
-Every command that builds an engine (`simulate`, `bench`, `sweep`, `serve`) resolves its
-scheduler settings and cache retention the same way: the preset, then the `--config` TOML
+Every command that builds an engine (`simulate`, `bench`, `sweep`, `serve`, `generate`) resolves
+its scheduler settings and cache retention the same way: the preset, then the `--config` TOML
 file, then the flags given on the command line (a later layer wins, field by field).
 
 The file (`--config FILE.toml`):
