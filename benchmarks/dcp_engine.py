@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.settings import SettingsSources
 from hybridserve.offline.runtime import DcpJob, DcpOutcome, run_dcp_job
 from hybridserve.parallel import DcpGroup
 from hybridserve.parallel.launch import run_ranks
@@ -61,7 +62,7 @@ def job(model: Path, args: argparse.Namespace, max_tokens: int) -> DcpJob:
         waves=(requests,),
         num_blocks=per_request * args.requests + 16,
         block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        settings=SettingsSources(flags=(("max_num_batched_tokens", args.max_num_batched_tokens),)),
     )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.settings import SettingsSources
 from hybridserve.executor.torch.checkpoints import builtin_path
 from hybridserve.executor.torch.runtime import set_threads
 from hybridserve.offline.runtime import blocks_for, build_runtime
@@ -72,8 +73,9 @@ def run_hybridserve(path: Path, prompts: list[list[int]], new_tokens: int) -> di
         num_blocks=blocks_for(
             [len(p) for p in prompts], max_tokens=new_tokens, block_size=16, num_groups=1
         ),
-        max_num_seqs=len(prompts),
-        max_num_batched_tokens=2048,
+        settings=SettingsSources(
+            flags=(("max_num_seqs", len(prompts)), ("max_num_batched_tokens", 2048))
+        ),
         load_tokenizer=False,
     )
     sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)

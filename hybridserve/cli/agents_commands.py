@@ -15,6 +15,15 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
+from hybridserve.cli.choices import SERVED_MODEL_HELP
+from hybridserve.cli.options import (
+    AgentsOption,
+    ApiKeyOption,
+    JsonOption,
+    OutOption,
+    VocabOption,
+    WarmupOption,
+)
 from hybridserve.core.errors import HybridServeError
 
 if TYPE_CHECKING:
@@ -26,10 +35,7 @@ UrlOption = Annotated[
 ]
 ServedModelOption = Annotated[
     str | None,
-    typer.Option(help="The served model's name [default: the first one /v1/models lists]."),
-]
-ApiKeyOption = Annotated[
-    str | None, typer.Option(help="Sent as `Authorization: Bearer KEY`.", envvar="OPENAI_API_KEY")
+    typer.Option(help=SERVED_MODEL_HELP),
 ]
 WORKLOAD_HELP = (
     "agents (E1), or a trace replayed open-loop in wall-clock time: mooncake:PATH, azure:PATH."
@@ -52,16 +58,12 @@ SHOWN = (
 )
 
 
-AgentsOpt = Annotated[int, typer.Option(help="Agents running jobs at once.")]
-DurationOpt = Annotated[
+RunDurationOpt = Annotated[
     float,
     typer.Option(parser=FINITE_FLOAT, help="The run's length in wall seconds, warm-up included."),
 ]
-WarmupOpt = Annotated[
-    float, typer.Option(parser=FINITE_FLOAT, help="Seconds excluded from the metrics.")
-]
-SeedOpt = Annotated[int, typer.Option(help="Seed of the agents' streams.")]
-TimeScaleOpt = Annotated[
+StreamSeedOpt = Annotated[int, typer.Option(help="Seed of the agents' streams.")]
+ToolTimeScaleOpt = Annotated[
     float,
     typer.Option(
         parser=FINITE_FLOAT, help="Wall seconds per drawn tool second (a trace: per trace second)."
@@ -80,14 +82,7 @@ ToolResultOpt = Annotated[
 ConcurrencyOpt = Annotated[
     int | None, typer.Option(help="Requests in flight at once [default: no limit].")
 ]
-VocabOpt = Annotated[
-    int, typer.Option(help="Prompt token ids are sent in [0, N): at most the vocabulary.")
-]
-WorkloadOpt = Annotated[str, typer.Option(help=WORKLOAD_HELP)]
-OutOpt = Annotated[
-    Path | None, typer.Option(help="Also write report.json and plots to this folder.")
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on the last line.")]
+AgentsWorkloadOpt = Annotated[str, typer.Option(help=WORKLOAD_HELP)]
 
 
 @app.command("agents")
@@ -95,20 +90,20 @@ def agents_cmd(
     url: UrlOption,
     model: ServedModelOption = None,
     api_key: ApiKeyOption = None,
-    agents: AgentsOpt = 20,
-    duration: DurationOpt = 600.0,
-    warmup: WarmupOpt = 60.0,
-    seed: SeedOpt = 0,
-    time_scale: TimeScaleOpt = 1.0,
+    agents: AgentsOption = 20,
+    duration: RunDurationOpt = 600.0,
+    warmup: WarmupOption = 60.0,
+    seed: StreamSeedOpt = 0,
+    time_scale: ToolTimeScaleOpt = 1.0,
     system_prompt_tokens: SystemPromptOpt = 12_000,
     max_context: MaxContextOpt = 131_072,
     output_tokens: OutputTokensOpt = None,
     tool_result_tokens: ToolResultOpt = None,
     concurrency_limit: ConcurrencyOpt = None,
-    vocab_size: VocabOpt = 256,
-    workload: WorkloadOpt = "agents",
-    out: OutOpt = None,
-    as_json: JsonOpt = False,
+    vocab_size: VocabOption = 256,
+    workload: AgentsWorkloadOpt = "agents",
+    out: OutOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Run the simulator's E1 agents (or a trace) against a running OpenAI-compatible server:
     token-id prompts on /v1/completions, streamed, and report what `bench` reports."""

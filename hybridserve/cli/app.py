@@ -5,14 +5,22 @@ from __future__ import annotations
 import importlib
 import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
+if TYPE_CHECKING:
+    from hybridserve.engine.settings import SettingsFile
+
 app = typer.Typer(
-    help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.",
+    help="hybridserve: an LLM serving engine core for hybrid models under prefill pressure.\n\n"
+    "--model names what a command runs: a model profile (simulated) in simulate, bench, "
+    "sweep, fleet-sweep and suite (serve takes it as --model-profile); a checkpoint in "
+    "generate, serve and calibrate; the served model's name at --url in agents and "
+    "calibrate --url; a named cache layout in cache-replay; a tiny random-weight model in "
+    "dcp-demo.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -107,3 +115,16 @@ def finite_float(value: Any) -> float:
 finite_float.__name__ = "float"
 # The parser of every float flag of the command line (a test checks that none is missed).
 FINITE_FLOAT = finite_float
+
+
+def read_settings_file(path: Path | None) -> SettingsFile | None:
+    """The `--config` file of any command, its deprecated spellings reported on stderr as
+    warnings."""
+    from hybridserve.engine.settings import load_settings_file
+
+    if path is None:
+        return None
+    file = load_settings_file(path)
+    for message in file.deprecations:
+        err.print(f"warning: {path}: {message}", soft_wrap=True, highlight=False)
+    return file

@@ -16,6 +16,9 @@ from hybridserve.cache_replay.runner import CacheReplay, ReplayResult
 from hybridserve.cache_replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
 from hybridserve.cli.app import app, default_trace_path, err, fail, out_console
 from hybridserve.cli.choices import CACHE_LAYOUTS, SPEC_HELP, listed
+from hybridserve.cli.options import (
+    LimitOption,
+)
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.kvcache import CacheLayout, MambaSpec, RetentionPolicy
@@ -37,18 +40,17 @@ GroupsOption = Annotated[
 ]
 AlignmentOption = Annotated[int, typer.Option(help="Alignment unit A in tokens (0 = the page P).")]
 HashBlockOption = Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")]
-SpecOption = Annotated[str, typer.Option(help=SPEC_HELP)]
-RetentionOption = Annotated[
+CacheSpecOption = Annotated[str, typer.Option(help=SPEC_HELP)]
+RetentionsOption = Annotated[
     str | None,
     typer.Option(
         help="dense|boundary|boundary+predecessor|interval:N; several comma-separated "
         "run side by side (default: boundary,boundary+predecessor)."
     ),
 ]
-DcpOption = Annotated[int, typer.Option(help="Decode-context-parallel width.")]
-NumBlocksOption = Annotated[str, typer.Option(help="KV pool size in blocks, or inf.")]
-ConcurrencyOption = Annotated[int, typer.Option(help="Requests kept resident before finishing.")]
-LimitOption = Annotated[int | None, typer.Option(help="Replay only the first N requests.")]
+CacheDcpOption = Annotated[int, typer.Option(help="Decode-context-parallel width.")]
+PoolBlocksOption = Annotated[str, typer.Option(help="KV pool size in blocks, or inf.")]
+ResidentOption = Annotated[int, typer.Option(help="Requests kept resident before finishing.")]
 ReplayJsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
@@ -59,11 +61,11 @@ def cache_replay(
     groups: GroupsOption = None,
     alignment: AlignmentOption = 0,
     hash_block_size: HashBlockOption = 0,
-    spec: SpecOption = "eagle",
-    retention: RetentionOption = None,
-    dcp: DcpOption = 1,
-    num_blocks: NumBlocksOption = "inf",
-    concurrency: ConcurrencyOption = 16,
+    spec: CacheSpecOption = "eagle",
+    retention: RetentionsOption = None,
+    dcp: CacheDcpOption = 1,
+    num_blocks: PoolBlocksOption = "inf",
+    concurrency: ResidentOption = 16,
     limit: LimitOption = None,
     as_json: ReplayJsonOption = False,
 ) -> None:

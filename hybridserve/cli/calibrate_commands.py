@@ -11,17 +11,20 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, need_extra, out_console
-from hybridserve.cli.choices import GPU_NAMES, listed
+from hybridserve.cli.choices import GPU_NAMES, SERVED_MODEL_HELP, listed
+from hybridserve.cli.options import (
+    ApiKeyOption,
+    VocabOption,
+)
 from hybridserve.core.errors import HybridServeError
 
 if TYPE_CHECKING:
     from hybridserve.sim.calibration import Calibration, ErrorSummary
 
-ModelOption = Annotated[
+CalibrateModelOption = Annotated[
     str | None,
     typer.Option(
-        help="Checkpoint folder (config.json + safetensors); with --url, the served model's "
-        "name [default: the first /v1/models lists]."
+        help=f"Checkpoint: a folder (config.json + safetensors). With --url: {SERVED_MODEL_HELP}"
     ),
 ]
 GpuNameOption = Annotated[
@@ -32,21 +35,21 @@ GpuNameOption = Annotated[
         "or the device of --peaks-from [default with --url: H200]."
     ),
 ]
-UrlOption = Annotated[
+CalibrateUrlOption = Annotated[
     str | None,
     typer.Option(
         help="Calibrate a running OpenAI-compatible server (vLLM, hybridserve serve) from the "
         "outside, over HTTP: its base URL, e.g. http://127.0.0.1:8000."
     ),
 ]
-ModelConfigOption = Annotated[
+UrlModelConfigOption = Annotated[
     Path | None,
     typer.Option(
         help="With --url: the served model's config.json (or its folder), the shape the cost "
         "model prices [default: --model, when it is a catalog profile or a local folder]."
     ),
 ]
-DtypeOption = Annotated[
+UrlDtypeOption = Annotated[
     str | None,
     typer.Option(help="With --url: the weights' dtype (bf16, fp8, fp32) [default: bf16]."),
 ]
@@ -65,10 +68,6 @@ ServerSpeedOption = Annotated[
         "(serve --executor sim --sim-speed); 1 for a real server.",
     ),
 ]
-VocabOption = Annotated[int, typer.Option(help="With --url: prompt token ids are sent in [0, N).")]
-ApiKeyOption = Annotated[
-    str | None, typer.Option(help="With --url: sent as `Authorization: Bearer KEY`.")
-]
 ContextOption = Annotated[
     int | None,
     typer.Option(
@@ -76,19 +75,21 @@ ContextOption = Annotated[
         "it) [default: 4096, --quick 8192]; the server's --max-model-len must hold it + 1100."
     ),
 ]
-DeviceOption = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
-OutOption = Annotated[
+CalibrateDeviceOption = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
+ProfileOutOption = Annotated[
     Path | None, typer.Option(help="Profile file [default: runs/calibration/NAME.json].")
 ]
 QuickOption = Annotated[bool, typer.Option(help="A small grid (about 10 s on a CPU).")]
-SeedOption = Annotated[int, typer.Option(help="Seed of the token ids and the held-out split.")]
+CalibrateSeedOption = Annotated[
+    int, typer.Option(help="Seed of the token ids and the held-out split.")
+]
 HoldoutOption = Annotated[
     float,
     typer.Option(
         parser=FINITE_FLOAT, help="Share of the step shapes held out of the fit, in [0, 1)."
     ),
 ]
-ThreadsOption = Annotated[
+CalibrateThreadsOption = Annotated[
     int | None, typer.Option(help="torch intra-op threads [default: torch's choice].")
 ]
 ClockOption = Annotated[
@@ -139,19 +140,19 @@ def _errors(summary: ErrorSummary) -> str:
 
 @app.command("calibrate")
 def calibrate_cmd(
-    model: ModelOption = None,
+    model: CalibrateModelOption = None,
     gpu_name: GpuNameOption = None,
-    device: DeviceOption = "cpu",
-    out: OutOption = None,
+    device: CalibrateDeviceOption = "cpu",
+    out: ProfileOutOption = None,
     quick: QuickOption = False,
-    seed: SeedOption = 0,
+    seed: CalibrateSeedOption = 0,
     holdout_fraction: HoldoutOption = 0.25,
-    threads: ThreadsOption = None,
+    threads: CalibrateThreadsOption = None,
     clock: ClockOption = "wall",
-    url: UrlOption = None,
+    url: CalibrateUrlOption = None,
     api_key: ApiKeyOption = None,
-    model_config: ModelConfigOption = None,
-    dtype: DtypeOption = None,
+    model_config: UrlModelConfigOption = None,
+    dtype: UrlDtypeOption = None,
     peaks_from: PeaksFromOption = None,
     server_speed: ServerSpeedOption = 1.0,
     vocab_size: VocabOption = 256,

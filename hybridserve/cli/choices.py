@@ -19,7 +19,14 @@ def listed(values: tuple[str, ...]) -> str:
     return ", ".join(values)
 
 
-MODEL_HELP = f"Model profile: {listed(SIM_MODELS)}."
+# What `--model` names, said in the same words by every command (`hybridserve --help` lists
+# which commands take which).
+MODEL_HELP = f"Model profile (simulated): {listed(SIM_MODELS)}."
+CHECKPOINT_HELP = (
+    "Checkpoint: a folder (config.json + safetensors), a .gguf file, or a built-in alias: "
+    "smollm2, gemma3-270m (fetch them with `make models`)."
+)
+SERVED_MODEL_HELP = "Served model name at --url [default: the first one /v1/models lists]."
 GPU_HELP = f"GPU: {listed(GPU_NAMES)}."
 SPEC_HELP = (
     f"Speculative method: {listed(SPEC_METHODS)} "

@@ -15,8 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
-from hybridserve.cli.progress import interrupted
-from hybridserve.cli.sim_commands import (
+from hybridserve.cli.options import (
     AgentsOption,
     DurationOption,
     JsonOption,
@@ -28,13 +27,14 @@ from hybridserve.cli.sim_commands import (
     SeedOption,
     SimDtypeOption,
     SimGpuOption,
-    SimOption,
+    SimModelOption,
     SimTpOption,
     SpecOption,
     TimeScaleOption,
     WorkersOption,
     WorkloadOption,
 )
+from hybridserve.cli.progress import interrupted
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ def fleet_sweep_cmd(
     pd_link: PdLinkOption = "nvlink",
     workers: WorkersOption = 1,
     ray: FleetRayOption = None,
-    model: SimOption = "qwen3-next-80b-a3b",
+    model: SimModelOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,

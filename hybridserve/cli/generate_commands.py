@@ -1,59 +1,71 @@
-"""`hybridserve generate`: offline batch generation through the Engine on the torch executor."""
+"""`hybridserve generate`: offline batch generation through the Engine on the torch executor.
+
+Scheduler settings resolve as in `hybridserve serve` and `simulate`: the preset, then
+`--config FILE.toml`, then the flags given on the command line (`hybridserve.engine.settings`).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, need_extra
-from hybridserve.cli.choices import DEFAULT_DEVICE, DEVICE_HELP
+from hybridserve.cli.app import (
+    FINITE_FLOAT,
+    MODELS_EXTRA,
+    app,
+    err,
+    fail,
+    need_extra,
+    read_settings_file,
+)
+from hybridserve.cli.choices import CHECKPOINT_HELP, DEFAULT_DEVICE
+from hybridserve.cli.options import (
+    ConfigOption,
+    DeviceOption,
+    PresetOption,
+    RetentionOption,
+    ThreadsOption,
+    scheduler_flags,
+)
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
+from hybridserve.engine.settings import SettingsSources
 from hybridserve.offline.runtime import blocks_for, build_runtime, generation_progress, parse_spec
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.tokenizer import TextTokenizer
 
-ModelOption = Annotated[
+CheckpointOption = Annotated[
     str,
-    typer.Option(
-        help="Checkpoint folder (config.json + safetensors), a .gguf file, or a built-in "
-        "alias: smollm2, gemma3-270m (fetch them with `make models`)."
-    ),
+    typer.Option(help=CHECKPOINT_HELP),
 ]
 PromptsOption = Annotated[Path | None, typer.Option(help="Text prompts, one per line.")]
 TokenIdsOption = Annotated[
     Path | None, typer.Option(help="JSONL prompts: one list of token ids per line.")
 ]
 MaxTokensOption = Annotated[int, typer.Option(help="New tokens per prompt at most.")]
-SpecOption = Annotated[
+NgramSpecOption = Annotated[
     str | None, typer.Option(help="Speculative decoding: ngram:K (K draft tokens).")
 ]
 TemperatureOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="0 = greedy.")]
 TopPOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="Nucleus sampling mass.")]
 TopKOption = Annotated[int, typer.Option(help="0 = off.")]
-SeedOption = Annotated[int | None, typer.Option(help="Sampling seed (per request).")]
+SamplingSeedOption = Annotated[int | None, typer.Option(help="Sampling seed (per request).")]
 RawOption = Annotated[
     bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
 ]
-DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP)]
-ThreadsOption = Annotated[
-    int | None,
-    typer.Option(help="Torch intra-op threads (default: every core this process may use)."),
-]
 BlockSizeOption = Annotated[int, typer.Option(help="Tokens per KV block.")]
-NumBlocksOption = Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")]
-BatchedTokensOption = Annotated[int, typer.Option(help="Token budget per step.")]
-JsonOption = Annotated[
+GenerateBlocksOption = Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")]
+JsonLinesOption = Annotated[
     bool, typer.Option("--json", help="One JSON object per prompt: token_ids, text.")
 ]
-DcpOption = Annotated[
+DcpRanksOption = Annotated[
     int,
     typer.Option(
         help="Decode context parallel ranks: full-attention KV sharded by token across N "
@@ -87,7 +99,11 @@ class GenerateSettings:
     threads: int | None = None
     block_size: int = 16
     num_blocks: int = 0
-    max_num_batched_tokens: int = 2048
+    # SchedulerConfig fields given as flags (None: not given, the preset's or the file's).
+    scheduler: tuple[tuple[str, Any], ...] = ()
+    preset: str | None = None
+    config: Path | None = None
+    retention: str | None = None
     as_json: bool = False
     dcp: int = 1
     dcp_interleave: int = 1
@@ -100,10 +116,6 @@ class GenerateSettings:
             )
         if self.num_blocks < 0:
             raise fail(f"--num-blocks={self.num_blocks} is invalid: use 0 (enough for all) or more")
-        if self.max_num_batched_tokens < 1:
-            raise fail(
-                f"--max-num-batched-tokens={self.max_num_batched_tokens} is invalid: use 1 or more"
-            )
         if self.dcp < 1 or self.dcp_interleave < 1:
             raise fail(f"--dcp={self.dcp}, --dcp-interleave={self.dcp_interleave}: use 1 or more")
         if self.dcp > 1 and self.spec:
@@ -111,6 +123,14 @@ class GenerateSettings:
                 f"--spec={self.spec} with --dcp={self.dcp}: speculative decoding does not run "
                 "under DCP"
             )
+
+    def settings_sources(self) -> SettingsSources:
+        """The preset, the `--config` file (read now: a bad file fails before the model
+        loads) and the scheduler flags, resolved once the model is loaded."""
+        file = read_settings_file(self.config)
+        return SettingsSources(
+            preset=self.preset, file=file, flags=self.scheduler, retention=self.retention
+        )
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -123,28 +143,33 @@ class GenerateSettings:
 
 
 @app.command("generate")
+@scheduler_flags
 def generate(
-    model: ModelOption,
+    model: CheckpointOption,
     prompts: PromptsOption = None,
     token_ids: TokenIdsOption = None,
     max_tokens: MaxTokensOption = 64,
-    spec: SpecOption = None,
+    spec: NgramSpecOption = None,
     temperature: TemperatureOption = 0.0,
     top_p: TopPOption = 1.0,
     top_k: TopKOption = 0,
-    seed: SeedOption = None,
+    seed: SamplingSeedOption = None,
     raw: RawOption = False,
     device: DeviceOption = DEFAULT_DEVICE,
     threads: ThreadsOption = None,
     block_size: BlockSizeOption = 16,
-    num_blocks: NumBlocksOption = 0,
-    max_num_batched_tokens: BatchedTokensOption = 2048,
-    as_json: JsonOption = False,
-    dcp: DcpOption = 1,
+    num_blocks: GenerateBlocksOption = 0,
+    preset: PresetOption = None,
+    config: ConfigOption = None,
+    retention: RetentionOption = None,
+    as_json: JsonLinesOption = False,
+    dcp: DcpRanksOption = 1,
     dcp_interleave: DcpInterleaveOption = 1,
     dcp_timeout: DcpTimeoutOption = 3600.0,
+    **scheduler: Any,
 ) -> None:
-    """Generate continuations for a file of prompts (greedy unless sampling flags are given)."""
+    """Generate continuations for a file of prompts (greedy unless sampling flags are given),
+    scheduled by the preset, then the --config file, then the scheduler flags."""
     need_extra("models", *MODELS_EXTRA, what="hybridserve generate")
     if (prompts is None) == (token_ids is None):
         raise fail("give exactly one of --prompts FILE or --token-ids FILE")
@@ -160,7 +185,10 @@ def generate(
         threads=threads,
         block_size=block_size,
         num_blocks=num_blocks,
-        max_num_batched_tokens=max_num_batched_tokens,
+        scheduler=tuple(scheduler.items()),
+        preset=preset,
+        config=config,
+        retention=retention,
         as_json=as_json,
         dcp=dcp,
         dcp_interleave=dcp_interleave,
@@ -195,6 +223,7 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
     # Validate the sampling flags before the (slow) model load.
     sampling = settings.sampling()
     speculative = parse_spec(settings.spec)
+    sources = settings.settings_sources()
     if settings.threads is not None and settings.threads < 1:
         raise fail(f"--threads={settings.threads}: use 1 or more (or leave it out: all cores)")
     texts = read_prompts(source) if text else None
@@ -219,7 +248,7 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
             num_blocks=blocks,
             block_size=settings.block_size,
             device=settings.device,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
+            sources=sources,
             dcp=settings.dcp,
             interleave=settings.dcp_interleave,
             timeout_s=settings.dcp_timeout,
@@ -227,7 +256,7 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
         return
     _generate_local(
         path, texts=texts, ids=ids, source=source, sampling=sampling, blocks=blocks,
-        speculative=speculative, settings=settings,
+        speculative=speculative, settings=settings, sources=sources,
     )  # fmt: skip
 
 
@@ -241,10 +270,10 @@ def _generate_local(
     blocks: int,
     speculative: SpeculativeConfig,
     settings: GenerateSettings,
+    sources: SettingsSources,
 ) -> None:
     """One process: build the runtime, run every prompt to completion, print."""
     block_size, device = settings.block_size, settings.device
-    max_num_batched_tokens = settings.max_num_batched_tokens
     from hybridserve.executor.torch.runtime import set_threads
 
     set_threads(settings.threads)
@@ -254,7 +283,7 @@ def _generate_local(
         block_size=block_size,
         device=device,
         speculative=speculative,
-        max_num_batched_tokens=max_num_batched_tokens,
+        settings=sources,
     )
     tokenizer = runtime.tokenizer
     ids = _prompt_ids(tokenizer, path, texts, ids, raw=settings.raw)
@@ -279,7 +308,7 @@ def _generate_dcp(
     num_blocks: int,
     block_size: int,
     device: str,
-    max_num_batched_tokens: int,
+    sources: SettingsSources,
     dcp: int,
     interleave: int,
     timeout_s: float,
@@ -302,7 +331,7 @@ def _generate_dcp(
         num_blocks=num_blocks,
         block_size=block_size,
         device=device,
-        max_num_batched_tokens=max_num_batched_tokens,
+        settings=sources,
         load_tokenizer=True,
         show_progress=True,
     )

@@ -20,15 +20,34 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hybridserve.cli.app import FINITE_FLOAT, MODELS_EXTRA, app, err, fail, install_hint, need_extra
+from hybridserve.cli.app import (
+    FINITE_FLOAT,
+    MODELS_EXTRA,
+    app,
+    err,
+    fail,
+    install_hint,
+    need_extra,
+    read_settings_file,
+)
 from hybridserve.cli.choices import (
+    CHECKPOINT_HELP,
     DEFAULT_DEVICE,
-    DEVICE_HELP,
     MODEL_HELP,
-    PRESET_HELP,
     SPEC_HELP,
 )
-from hybridserve.cli.sim_commands import DtypeOption, GpuOption, SeedOption, TpOption
+from hybridserve.cli.options import (
+    ConfigOption,
+    DeviceOption,
+    DtypeOption,
+    GpuOption,
+    PresetOption,
+    RetentionOption,
+    SeedOption,
+    ThreadsOption,
+    TpOption,
+    scheduler_flags,
+)
 from hybridserve.core.errors import HybridServeError
 
 if TYPE_CHECKING:
@@ -88,15 +107,13 @@ ExecutorOpt = Annotated[
         "else sim]."
     ),
 ]
-ModelProfileOpt = Annotated[str, typer.Option(help=f"Sim: the model. {MODEL_HELP}")]
+ModelProfileOpt = Annotated[str, typer.Option(help=f"Sim: {MODEL_HELP}")]
 TorchModelOpt = Annotated[
     str | None,
     typer.Option(
-        help="Torch: smollm2, gemma3-270m or a local checkpoint path; implies --executor torch "
-        f"[default: {DEFAULT_TORCH_MODEL}]."
+        help=f"Torch: {CHECKPOINT_HELP} Implies --executor torch [default: {DEFAULT_TORCH_MODEL}]."
     ),
 ]
-DeviceOpt = Annotated[str, typer.Option(help=DEVICE_HELP)]
 ServeSpecOpt = Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")]
 SimSpeedOpt = Annotated[
     float,
@@ -104,44 +121,10 @@ SimSpeedOpt = Annotated[
         parser=FINITE_FLOAT, help="Sim: wall time of a step = modelled time / this (1 = real)."
     ),
 ]
-PresetOpt = Annotated[
-    str | None,
-    typer.Option(help=PRESET_HELP),
-]
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option(help="TOML settings file: preset, [scheduler] fields, [cache] retention."),
-]
-RetentionOpt = Annotated[
-    str | None, typer.Option(help="Mamba retention: boundary, boundary+predecessor, ...")
-]
 NumBlocksOpt = Annotated[int | None, typer.Option(help="Cap the KV pool (blocks).")]
-MaxModelLenOpt = Annotated[int | None, typer.Option(help="Context limit (tokens).")]
-MaxNumSeqsOpt = Annotated[int | None, typer.Option(help="Running requests limit.")]
-BatchedTokensOpt = Annotated[int | None, typer.Option(help="Tokens per step.")]
-PolicyOpt = Annotated[str | None, typer.Option(help="Waiting-queue order: fcfs, priority.")]
-ChunkedOpt = Annotated[bool | None, typer.Option(help="Split long prefills across steps.")]
-LongPrefillOpt = Annotated[int | None, typer.Option(help="Cap a long prefill's chunk (0 = off).")]
-PrefillTokensOpt = Annotated[
-    int | None, typer.Option(help="Control: prefill tokens per mixed step (0 = off).")
-]
-PartialsOpt = Annotated[
-    int | None, typer.Option(help="Control: concurrent partial prefills (0 = off).")
-]
-DecodeStepsOpt = Annotated[
-    int | None, typer.Option(help="Control: decode-only steps between prefills (0 = off).")
-]
-MaxWaitOpt = Annotated[
-    float | None,
-    typer.Option(parser=FINITE_FLOAT, help="Control: oldest-waiter deadline in ms (0 = off)."),
-]
-TargetStepOpt = Annotated[
-    float | None,
-    typer.Option(parser=FINITE_FLOAT, help="Control: adaptive mixed-step time target (0 = off)."),
-]
 HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
 PortOpt = Annotated[int, typer.Option(help="Port to bind.")]
-ApiKeyOpt = Annotated[
+ServerApiKeyOpt = Annotated[
     str | None,
     typer.Option(
         help="Require 'Authorization: Bearer KEY' (not on /health). Other local users can "
@@ -211,10 +194,6 @@ ServedNameOpt = Annotated[
         "or the checkpoint folder's name)."
     ),
 ]
-ThreadsOpt = Annotated[
-    int | None,
-    typer.Option(help="Torch: intra-op threads (default: every core this process may use)."),
-]
 KvEventsOpt = Annotated[
     str | None, typer.Option(help="Publish KV events (vLLM's format) at tcp://HOST:PORT.")
 ]
@@ -225,21 +204,6 @@ KvReplayOpt = Annotated[
         "(the last 10,000 batches, as vLLM's replay_endpoint)."
     ),
 ]
-
-# The serve flags that are SchedulerConfig fields (None: not given).
-SCHEDULER_FLAGS = (
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "policy",
-    "enable_chunked_prefill",
-    "long_prefill_token_threshold",
-    "max_num_prefill_tokens_per_step",
-    "max_num_partial_prefills",
-    "decode_prefill_min_decode_steps",
-    "decode_prefill_max_wait_ms",
-    "target_mixed_step_ms",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,17 +224,6 @@ class ServeFlags:
     config: Path | None
     retention: str | None
     num_blocks: int | None
-    max_model_len: int | None
-    max_num_seqs: int | None
-    max_num_batched_tokens: int | None
-    policy: str | None
-    enable_chunked_prefill: bool | None
-    long_prefill_token_threshold: int | None
-    max_num_prefill_tokens_per_step: int | None
-    max_num_partial_prefills: int | None
-    decode_prefill_min_decode_steps: int | None
-    decode_prefill_max_wait_ms: float | None
-    target_mixed_step_ms: float | None
     host: str
     port: int
     api_key: str | None
@@ -289,41 +242,33 @@ class ServeFlags:
     threads: int | None
     kv_events: str | None
     kv_events_replay: str | None
+    scheduler: dict[str, Any]  # SchedulerConfig fields by name; None: not given
 
-    def scheduler_flags(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in SCHEDULER_FLAGS}
+    @property
+    def max_model_len(self) -> int | None:
+        return self.scheduler.get("max_model_len")
 
 
 @app.command("serve")
+@scheduler_flags
 def serve_cmd(
     executor: ExecutorOpt = None,
     model_profile: ModelProfileOpt = "qwen3-next-80b-a3b",
     model: TorchModelOpt = None,
-    device: DeviceOpt = DEFAULT_DEVICE,
+    device: DeviceOption = DEFAULT_DEVICE,
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
     spec: ServeSpecOpt = "auto",
     seed: SeedOption = 0,
     sim_speed: SimSpeedOpt = 1.0,
-    preset: PresetOpt = None,
-    config: ConfigOpt = None,
-    retention: RetentionOpt = None,
+    preset: PresetOption = None,
+    config: ConfigOption = None,
+    retention: RetentionOption = None,
     num_blocks: NumBlocksOpt = None,
-    max_model_len: MaxModelLenOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None,
-    max_num_batched_tokens: BatchedTokensOpt = None,
-    policy: PolicyOpt = None,
-    enable_chunked_prefill: ChunkedOpt = None,
-    long_prefill_token_threshold: LongPrefillOpt = None,
-    max_num_prefill_tokens_per_step: PrefillTokensOpt = None,
-    max_num_partial_prefills: PartialsOpt = None,
-    decode_prefill_min_decode_steps: DecodeStepsOpt = None,
-    decode_prefill_max_wait_ms: MaxWaitOpt = None,
-    target_mixed_step_ms: TargetStepOpt = None,
     host: HostOpt = "127.0.0.1",
     port: PortOpt = 8000,
-    api_key: ApiKeyOpt = None,
+    api_key: ServerApiKeyOpt = None,
     api_key_file: ApiKeyFileOpt = None,
     allow_origin: OriginOpt = None,
     max_request_bytes: RequestBytesOpt = 1 << 20,
@@ -336,11 +281,15 @@ def serve_cmd(
     dcp: ServeDcpOpt = 1,
     dcp_interleave: InterleaveOpt = 1,
     served_model_name: ServedNameOpt = None,
-    threads: ThreadsOpt = None,
+    threads: ThreadsOption = None,
     kv_events: KvEventsOpt = None,
     kv_events_replay: KvReplayOpt = None,
+    **scheduler: Any,
 ) -> None:
-    """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics."""
+    """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics.
+
+    Every SchedulerConfig field is a flag (`--max-num-seqs`, ...): over the preset and the
+    `--config` file."""
     executor, model = chosen_executor(executor, model)
     code = _serve(ServeFlags(**locals()))
     if code:
@@ -374,7 +323,7 @@ def _serve(flags: ServeFlags) -> int:
                 settings_file=file,
                 retention=flags.retention,
                 num_blocks=flags.num_blocks,
-                overrides=flags.scheduler_flags(),
+                overrides=flags.scheduler,
             )
             attach_kv_events(server_app, flags.kv_events, flags.kv_events_replay)
         except HybridServeError as exc:
@@ -581,30 +530,13 @@ def build_app(
     """The FastAPI app over `backend` with the settings resolved as every command resolves
     them (`hybridserve.engine.settings`: preset, then the file, then the flags). The file is
     `settings_file` when it was read already, else `config_file`."""
+    from hybridserve.engine.settings import SettingsSources
     from hybridserve.server.app import ServerState, create_app
     from hybridserve.server.backend import serve_settings, serving_engine
 
     file = settings_file if settings_file is not None else read_settings_file(config_file)
-    chosen = serve_settings(
-        backend,
-        preset_name=preset_name,
-        file=file,
-        flags=overrides or {},
-        retention_flag=retention,
+    sources = SettingsSources(
+        preset=preset_name, file=file, flags=tuple((overrides or {}).items()), retention=retention
     )
-    parts = serving_engine(
-        backend, chosen.scheduler, retention=chosen.retention, num_blocks=num_blocks
-    )
+    parts = serving_engine(backend, serve_settings(backend, sources), num_blocks=num_blocks)
     return create_app(ServerState(backend, parts, settings))
-
-
-def read_settings_file(path: Path | None) -> SettingsFile | None:
-    """The `--config` file, its deprecated spellings reported on stderr as warnings."""
-    from hybridserve.engine.settings import load_settings_file
-
-    if path is None:
-        return None
-    file = load_settings_file(path)
-    for message in file.deprecations:
-        err.print(f"warning: {path}: {message}", soft_wrap=True, highlight=False)
-    return file

@@ -20,8 +20,41 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
-from hybridserve.cli.choices import GPU_HELP, MODEL_HELP, PRESET_HELP, SPEC_HELP
+from hybridserve.cli.app import (
+    FINITE_FLOAT,
+    app,
+    err,
+    fail,
+    install_hint,
+    out_console,
+    read_settings_file,
+)
+from hybridserve.cli.options import (
+    AgentsOption,
+    ConfigOption,
+    DurationOption,
+    FirstSeedOption,
+    JsonOption,
+    KvDtypeOption,
+    LimitOption,
+    LoadWeightOption,
+    ModelConfigOption,
+    NameOption,
+    OutOption,
+    PdLinkOption,
+    PresetOption,
+    RouterViewOption,
+    SeedOption,
+    SimDtypeOption,
+    SimGpuOption,
+    SimModelOption,
+    SimTpOption,
+    SpecOption,
+    TimeScaleOption,
+    WarmupOption,
+    WorkersOption,
+    WorkloadOption,
+)
 from hybridserve.cli.progress import interrupted, runs_progress
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
@@ -71,13 +104,11 @@ def _run_sim(
 def _file_options(config_file: Path | None, *, preset: str | None = None) -> dict[str, Any]:
     """SimConfig fields of a --config settings file (scheduler fields, cache retention) and
     of --preset: the flag's preset, else the file's, else hybridserve."""
-    from hybridserve.engine.settings import load_settings_file, preset_name
+    from hybridserve.engine.settings import preset_name
 
-    if config_file is None:
+    loaded = read_settings_file(config_file)
+    if loaded is None:
         return {"preset": preset_name(preset, None)}
-    loaded = load_settings_file(config_file)
-    for message in loaded.deprecations:
-        err.print(f"warning: {config_file}: {message}", soft_wrap=True, highlight=False)
     return {
         "preset": preset_name(preset, loaded),
         "controls": loaded.scheduler,
@@ -278,51 +309,6 @@ def _metrics_json(summary: dict[str, float]) -> dict[str, float | None]:
     return {k: None if math.isnan(v) else round(v, 4) for k, v in summary.items()}
 
 
-SimOption = Annotated[str, typer.Option(help=MODEL_HELP)]
-GpuOption = Annotated[str, typer.Option(help=GPU_HELP)]
-DtypeOption = Annotated[str, typer.Option(help="Weight dtype: bf16, fp8, fp4.")]
-SimGpuOption = Annotated[
-    str | None,
-    typer.Option(help=f"{GPU_HELP[:-1]} [default: H200, or the calibration's]."),
-]
-SimDtypeOption = Annotated[
-    str | None,
-    typer.Option(help="Weight dtype: bf16, fp8, fp4, fp32 [default: fp8, or the calibration's]."),
-]
-TpOption = Annotated[int, typer.Option(help="Tensor-parallel width.")]
-SpecOption = Annotated[
-    str,
-    typer.Option(help=f"{SPEC_HELP} auto: mtp when the model has MTP layers, else none."),
-]
-AgentsOption = Annotated[int, typer.Option(help="Agents running jobs back to back.")]
-DurationOption = Annotated[
-    float, typer.Option(parser=FINITE_FLOAT, help="Simulated seconds (per run).")
-]
-WarmupOption = Annotated[
-    float, typer.Option(parser=FINITE_FLOAT, help="Seconds excluded from the metrics.")
-]
-SeedOption = Annotated[int, typer.Option(help="Seed: same seed, same report.")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-ConfigOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--config", help="TOML file: [scheduler] fields and [cache] retention over the preset."
-    ),
-]
-ModelConfigOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--model-config",
-        help="A Hugging Face config.json (or its folder): simulate that model instead of --model.",
-    ),
-]
-KvDtypeOption = Annotated[
-    str | None,
-    typer.Option(
-        help="KV cache / recurrent state dtype: bf16, fp16, fp8, fp32 [default: bf16, or the "
-        "calibration's]."
-    ),
-]
 CalibrationOption = Annotated[
     Path | None,
     typer.Option(
@@ -338,9 +324,6 @@ DcpOption = Annotated[
         "(lookups in block_size*N units, state groups replicated); --tp defaults to N."
     ),
 ]
-SimTpOption = Annotated[
-    int | None, typer.Option(help="Tensor-parallel width [default: the --dcp width, or 1].")
-]
 BoundOption = Annotated[
     str | None,
     typer.Option(
@@ -354,10 +337,6 @@ CpuOption = Annotated[
 ]
 
 
-SimPresetOption = Annotated[
-    str | None,
-    typer.Option(help=PRESET_HELP),
-]
 SimWarmupOption = Annotated[
     float | None,
     typer.Option(
@@ -366,27 +345,12 @@ SimWarmupOption = Annotated[
         "fixed number of requests: a trace, poisson, fixed with requests=N].",
     ),
 ]
-WorkloadOption = Annotated[
-    str,
-    typer.Option(
-        help="agents, mooncake:PATH, azure:PATH, poisson:rate=R,requests=N, "
-        "fixed:input=I,output=O,concurrency=C[,requests=N] (closed loop) or "
-        "fixed:input=I,output=O,rate=R[,requests=N] (Poisson)"
-    ),
-]
-TimeScaleOption = Annotated[
-    float, typer.Option(parser=FINITE_FLOAT, help="Multiply trace arrival times.")
-]
-LimitOption = Annotated[int | None, typer.Option(help="Keep the first N trace requests.")]
 SimMaxModelLenOption = Annotated[
     int | None,
     typer.Option(
         help="Context limit in tokens; longer trace requests are rejected and counted "
         "[default: 131073, the agents' context limit + 1]."
     ),
-]
-OutOption = Annotated[
-    Path | None, typer.Option(help="Also write report.json and plots to this folder.")
 ]
 ReplicasOption = Annotated[
     int | None,
@@ -402,29 +366,12 @@ RouterOption = Annotated[
         "overlap) or prefix-hybrid (the reconciled hit)."
     ),
 ]
-RouterViewOption = Annotated[
-    str,
-    typer.Option(
-        help="What the router sees of a replica's cache: precise (the cache itself) or "
-        "approximate (its own routing history, in an LRU)."
-    ),
-]
-LoadWeightOption = Annotated[
-    float,
-    typer.Option(
-        parser=FINITE_FLOAT,
-        help="Prefix routers: score = overlap tokens - weight x outstanding tokens.",
-    ),
-]
 PdOption = Annotated[
     str | None,
     typer.Option(
         help="Disaggregate: P:D prefill and decode replicas (P + D = --replicas, which it "
         "implies); KV and state move over --pd-link."
     ),
-]
-PdLinkOption = Annotated[
-    str, typer.Option(help="The prefill-to-decode link: nvlink (the GPU's) or ib-ndr.")
 ]
 
 
@@ -487,13 +434,13 @@ class SimulateFlags:
 
 @app.command("simulate")
 def simulate_cmd(
-    model: SimOption = "qwen3-next-80b-a3b",
+    model: SimModelOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
     dcp: DcpOption = 1,
     bound: BoundOption = None,
-    preset: SimPresetOption = None,
+    preset: PresetOption = None,
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
     warmup: SimWarmupOption = None,
@@ -685,8 +632,6 @@ SeedsOption = Annotated[
     int,
     typer.Option(help="Paired seeds (seed, seed+1, ...): every configuration sees the same jobs."),
 ]
-FirstSeedOption = Annotated[int, typer.Option(help="The first seed.")]
-WorkersOption = Annotated[int, typer.Option(help="Local worker processes.")]
 # One default for `bench` and `sweep` (and the README's E1 runs): 2 workers, a 100 ms p99 ITL SLO.
 DEFAULT_WORKERS = 2
 DEFAULT_ITL_SLO_MS = 100.0
@@ -713,10 +658,6 @@ BoundsOption = Annotated[
         help="Also run the three upper bounds (on the baseline) [default: on one engine; "
         "bounds are single-engine, so not with a fleet]."
     ),
-]
-NameOption = Annotated[
-    str | None,
-    typer.Option(help="Run name: files go under runs/NAME/ [default: a new runs/e1-DATE-TIME/]."),
 ]
 AblationsOption = Annotated[
     bool, typer.Option(help="Also run decode-first and its ablations (controls-, retention-only).")
@@ -793,7 +734,7 @@ class BenchFlags:
 
 @app.command("bench")
 def bench_cmd(
-    model: SimOption = "qwen3-next-80b-a3b",
+    model: SimModelOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
@@ -1168,7 +1109,7 @@ def sweep_cmd(
     workers: WorkersOption = DEFAULT_WORKERS,
     ray: RayOption = None,
     itl_slo_ms: SloOption = DEFAULT_ITL_SLO_MS,
-    model: SimOption = "qwen3-next-80b-a3b",
+    model: SimModelOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,

@@ -12,14 +12,15 @@ import typer
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
-from hybridserve.cli.progress import interrupted, runs_progress
-from hybridserve.cli.sim_commands import (
+from hybridserve.cli.options import (
+    FirstSeedOption,
     JsonOption,
     NameOption,
     SimGpuOption,
-    SimOption,
+    SimModelOption,
     WorkersOption,
 )
+from hybridserve.cli.progress import interrupted, runs_progress
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ FullOption = Annotated[
         "instead of the screen (shorter runs, under 10 minutes here with 2 seeds).",
     ),
 ]
-PresetsOption = Annotated[
+SuitePresetsOption = Annotated[
     str,
     typer.Option(
         help="Presets to run beside vLLM's defaults and the tuned vLLM, comma-separated "
@@ -65,17 +66,16 @@ ScaleOption = Annotated[
     ),
 ]
 SuiteSeedsOption = Annotated[int, typer.Option(help="Paired seeds per row.")]
-FirstSeedOption = Annotated[int, typer.Option("--seed", help="The first seed.")]
 
 
 @app.command("suite")
 def suite_cmd(
     rows: RowsOption = "all",
     full: FullOption = False,
-    presets: PresetsOption = "hybridserve",
+    presets: SuitePresetsOption = "hybridserve",
     seeds: SuiteSeedsOption = 2,
     seed: FirstSeedOption = 0,
-    model: SimOption = "qwen3-next-80b-a3b",
+    model: SimModelOption = "qwen3-next-80b-a3b",
     gpu: SimGpuOption = None,
     tuned: TunedSuiteOption = None,
     scale: ScaleOption = 1.0,

@@ -1,21 +1,26 @@
-"""The one place an engine is assembled: cache layout, cache, scheduler, executor, engine.
+"""The one place an engine is configured and assembled: cache layout, cache, scheduler,
+executor, engine.
 
-Every caller - the simulator, the server, the torch runtime, the recordings replay - resolves
-one frozen `EngineConfig` (the cache layout with its groups, pool, speculation, retention and
-in-flight cap, and the scheduler settings) and hands it whole to `build_engine` with an
-executor factory; it gets the parts back.
+Every front end - `simulate` and the fleet, `serve` on either executor, `generate`,
+`replay-vllm` - resolves its settings (`hybridserve.engine.settings`: preset, then file, then
+flags), describes what its model fixes about the cache (`ModelCache`: groups, speculation, DCP
+width) and the pool it sized, and `resolve_engine_config` turns those into one frozen
+`EngineConfig` (the cache layout with its groups, pool, speculation, retention and in-flight
+cap, and the scheduler settings). `build_engine` takes it whole, with an executor factory, and
+gives the parts back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.plan import StepResult
 from hybridserve.engine.engine import Engine
+from hybridserve.engine.settings import Preset
 from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout, KVCacheManager
+from hybridserve.kvcache import CacheLayout, GroupSpec, KVCacheManager
 from hybridserve.scheduler import Scheduler, SchedulerOutput
 from hybridserve.scheduler.scheduler import RequestOutput
 
@@ -44,6 +49,65 @@ class EngineConfig:
     # Bounds the token ids the executor may return (a server knows its tokenizer's); None:
     # any id.
     vocab_size: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelCache:
+    """What a model and its executor fix about the cache whatever the settings: the groups,
+    the speculation, the DCP width and, for a recorded engine, the geometry it ran with
+    (0 / None: `CacheLayout`'s own defaults)."""
+
+    groups: tuple[GroupSpec, ...]
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    dcp: int = 1
+    hash_block_size: int = 0
+    alignment_tokens: int = 0
+    eagle_groups: tuple[int, ...] | None = None
+    partial_hash_hits: bool = False
+
+
+def resolve_engine_config(
+    settings: Preset,
+    model: ModelCache,
+    *,
+    num_blocks: int,
+    vocab_size: int | None = None,
+    enable_caching: bool = True,
+    max_in_flight_tokens: int | None = None,
+) -> EngineConfig:
+    """The one engine configuration of a run: the resolved `settings` (scheduler, retention,
+    lookahead hashes) over the `model`'s cache and a pool of `num_blocks`.
+
+    * The sliding-window admission cap is one step's token budget (vLLM's synchronous
+      scheduler keeps one batch in flight), unless `max_in_flight_tokens` is given (a
+      recording of vLLM that logged its own).
+    * EAGLE/MTP drop a block instead of hashing a lookahead when the preset says so (`legacy`)
+      or the speculation was named that way (`mtp-legacy`).
+    """
+    speculative = model.speculative
+    if speculative.uses_hidden_states and not settings.lookahead_block_hashes:
+        speculative = replace(speculative, lookahead_block_hashes=False)
+    in_flight = max_in_flight_tokens
+    if in_flight is None:
+        in_flight = settings.scheduler.max_num_batched_tokens
+    layout = CacheLayout(
+        groups=model.groups,
+        num_blocks=num_blocks,
+        hash_block_size=model.hash_block_size,
+        alignment_tokens=model.alignment_tokens,
+        dcp=model.dcp,
+        speculative=speculative,
+        retention=settings.retention,
+        eagle_groups=model.eagle_groups,
+        partial_hash_hits=model.partial_hash_hits,
+        max_in_flight_tokens=in_flight,
+    )
+    return EngineConfig(
+        layout=layout,
+        scheduler=settings.scheduler,
+        enable_caching=enable_caching,
+        vocab_size=vocab_size,
+    )
 
 
 def build_engine(

@@ -1,7 +1,7 @@
 """Where an engine's settings come from: the presets, the one settings file, and their order.
 
-Every command that builds an engine (`simulate`, `bench`, `sweep`, `serve`) resolves its
-scheduler settings and cache retention the same way: the preset, then the `--config` TOML
+Every command that builds an engine (`simulate`, `bench`, `sweep`, `serve`, `generate`) resolves
+its scheduler settings and cache retention the same way: the preset, then the `--config` TOML
 file, then the flags given on the command line (a later layer wins, field by field).
 
 The file (`--config FILE.toml`):
@@ -294,3 +294,29 @@ def resolve_settings(
     text = retention_flag if retention_flag is not None else retention
     policy = RetentionPolicy.parse(text) if text is not None else chosen.retention
     return replace(chosen, scheduler=config, retention=policy)
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsSources:
+    """Where one run's settings come from, before the model is known: the `--preset` flag, the
+    `--config` file and the SchedulerConfig fields given as flags (`serve` and `generate` both
+    take these). `resolve` applies them, in that order, once the model's state quantum and
+    context limit are known."""
+
+    preset: str | None = None  # None: the file's preset, else DEFAULT_PRESET
+    file: SettingsFile | None = None
+    flags: tuple[tuple[str, Any], ...] = ()  # SchedulerConfig fields; a None value: not given
+    retention: str | None = None  # the `--retention` flag
+
+    def resolve(self, *, quantum: int, max_model_len: int) -> Preset:
+        """The settings; the scheduler's `max_model_len` is `max_model_len` unless a flag or
+        the file sets it."""
+        return resolve_settings(
+            preset_name(self.preset, self.file),
+            quantum=quantum,
+            max_model_len=max_model_len,
+            scheduler=self.file.scheduler if self.file is not None else (),
+            retention=self.file.retention if self.file is not None else None,
+            flags=dict(self.flags),
+            retention_flag=self.retention,
+        )

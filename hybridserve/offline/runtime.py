@@ -12,13 +12,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
+from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request
-from hybridserve.engine.assembly import EngineConfig, build_engine
+from hybridserve.engine.assembly import ModelCache, build_engine, resolve_engine_config
 from hybridserve.engine.engine import Engine
+from hybridserve.engine.settings import SettingsSources
 from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout
+from hybridserve.kvcache.spec import state_quantum
+
+# The context limit of offline generation unless `--max-model-len` (or the settings file)
+# sets one: prompt plus output, in tokens.
+GENERATE_MAX_MODEL_LEN = 32_768
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -55,9 +60,8 @@ class DcpJob:
     num_blocks: int
     block_size: int = 16
     device: str = "cpu"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int = 32768
+    # The preset, the settings file and the scheduler flags, resolved on every rank alike.
+    settings: SettingsSources = field(default_factory=SettingsSources)
     load_tokenizer: bool = False  # rank 0 adds the tokenizer's end-of-turn ids to the stops
     show_progress: bool = False  # rank 0 draws a progress bar on stderr
 
@@ -88,9 +92,7 @@ def run_dcp_job(dcp: DcpGroup, job: DcpJob) -> DcpOutcome | None:
             device=job.device
             if not job.device.startswith("cuda")
             else f"cuda:{local_cuda_device()}",
-            max_num_seqs=job.max_num_seqs,
-            max_num_batched_tokens=job.max_num_batched_tokens,
-            max_model_len=job.max_model_len,
+            settings=job.settings,
             load_tokenizer=job.load_tokenizer and dcp.rank == 0,
             dcp=dcp,
         )
@@ -206,29 +208,34 @@ def build_runtime(
     block_size: int = 16,
     device: str = "cpu",
     speculative: SpeculativeConfig | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    max_model_len: int = 32768,
+    settings: SettingsSources | None = None,
     load_tokenizer: bool = True,
     dcp: DcpGroup | None = None,
 ) -> TorchRuntime:
-    """Load the model (and its tokenizer) and assemble scheduler, cache and executor.
+    """Load the model (and its tokenizer) and assemble scheduler, cache and executor, with the
+    `settings` (preset, then file, then flags; the default preset when None) resolved over the
+    model's cache and configured by `resolve_engine_config`, as every engine is.
 
     With a `dcp` group of N > 1 ranks, the executor holds this rank's KV shard and, on rank 0,
     the engine drives the group through a `DcpDriver` (call `runtime.close()` when done)."""
+    from hybridserve.executor.torch.models.base import derive_cache_groups
     from hybridserve.executor.torch.runner import TorchExecutor
     from hybridserve.executor.torch.runtime import load_checkpoint, resolve_device
 
     speculative = speculative or SpeculativeConfig()
     device = resolve_device(device)
     loaded = load_checkpoint(model_path, with_tokenizer=load_tokenizer)
+    groups = derive_cache_groups(loaded.model.layer_caches(), block_size=block_size).specs
+    resolved = (settings or SettingsSources()).resolve(
+        quantum=state_quantum(groups), max_model_len=GENERATE_MAX_MODEL_LEN
+    )
     executor = TorchExecutor(
         loaded.model,
         num_blocks=num_blocks,
         block_size=block_size,
         device=device,
         speculative=speculative,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=resolved.scheduler.max_num_seqs,
         dcp=dcp,
     )
     driver = None
@@ -237,19 +244,12 @@ def build_runtime(
 
         driver = DcpDriver(executor)
     engine_executor: Executor = driver or executor
-    layout = CacheLayout(
+    model = ModelCache(
         groups=executor.groups.specs,
-        num_blocks=executor.num_blocks,
         speculative=executor.speculative,
         dcp=executor.dcp.world_size,
-        max_in_flight_tokens=max_num_batched_tokens,  # the sliding-window admission cap
     )
-    scheduler = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-    )
-    config = EngineConfig(layout=layout, scheduler=scheduler)
+    config = resolve_engine_config(resolved, model, num_blocks=executor.num_blocks)
     parts = build_engine(config, lambda layout: engine_executor)
     return TorchRuntime(parts.engine, executor, loaded.tokenizer, loaded.stop_token_ids, driver)
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.engine.assembly import EngineConfig, EngineParts, build_engine
+from hybridserve.engine.assembly import (
+    EngineConfig,
+    EngineParts,
+    ModelCache,
+    build_engine,
+    resolve_engine_config,
+)
+from hybridserve.engine.settings import Preset
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import CacheLayout, KVCacheManager
 from hybridserve.recordings.recording import (
@@ -87,29 +93,48 @@ class RecordedSampler:
 def recorded_engine(recording: Recording) -> EngineParts:
     """The baseline engine in the recording's configuration, over the recorder's fake model
     runner (its sampler when the recording speculates)."""
-    layout, scheduler = _recorded_settings(recording)
+    config = recorded_config(recording)
     by_id = {r.req_id: r for r in recording.requests}
     sampler = recording.spec_sampler
-    num_drafts = layout.speculative.num_speculative_tokens
+    num_drafts = config.layout.speculative.num_speculative_tokens
 
     def executor(layout: CacheLayout) -> FakeExecutor | RecordedSampler:
         if sampler is not None and num_drafts > 0:
             return RecordedSampler(by_id, sampler, num_drafts)
         return FakeExecutor(lambda req_id, t: by_id[req_id].output_token(t))
 
-    config = EngineConfig(
-        layout=layout,
-        scheduler=scheduler,
-        enable_caching=recording.header["engine"].get("enable_prefix_caching", True),
-    )
     return build_engine(config, executor)
 
 
-def _recorded_settings(recording: Recording) -> tuple[CacheLayout, SchedulerConfig]:
-    """The header's cache layout and scheduler settings; a value they refuse is an error of
-    the recording, named with its file and line 1."""
+def recorded_config(recording: Recording) -> EngineConfig:
+    """The recorded engine's configuration, resolved as every engine's is
+    (`resolve_engine_config`): the header's scheduler settings, retention and cache geometry,
+    and its in-flight cap when it logged one (else one step's budget, vLLM's own rule). A value
+    they refuse is an error of the recording, named with its file and line 1."""
+    header = recording.header
     try:
-        return cache_layout(recording.header), scheduler_config(recording.header)
+        layout, scheduler = cache_layout(header), scheduler_config(header)
+        settings = Preset(
+            scheduler=scheduler,
+            retention=layout.retention,
+            lookahead_block_hashes=layout.speculative.lookahead_block_hashes,
+        )
+        model = ModelCache(
+            groups=layout.groups,
+            speculative=layout.speculative,
+            dcp=layout.dcp,
+            hash_block_size=layout.hash_block_size,
+            alignment_tokens=layout.alignment_tokens,
+            eagle_groups=layout.eagle_groups,
+            partial_hash_hits=layout.partial_hash_hits,
+        )
+        return resolve_engine_config(
+            settings,
+            model,
+            num_blocks=layout.num_blocks,
+            enable_caching=header["engine"].get("enable_prefix_caching", True),
+            max_in_flight_tokens=header["engine"].get("max_in_flight_tokens"),
+        )
     except RecordingError as exc:
         raise RecordingError(f"{recording.path}:1: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:

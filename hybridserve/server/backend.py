@@ -15,16 +15,20 @@ decode-context-parallel ranks; it returns an object satisfying ServingBackend, w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Protocol
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.plan import StepResult
-from hybridserve.engine import assembly, settings
-from hybridserve.engine.assembly import EngineParts
-from hybridserve.engine.settings import Preset, SettingsFile, resolve_settings
+from hybridserve.engine.assembly import (
+    EngineParts,
+    ModelCache,
+    build_engine,
+    resolve_engine_config,
+)
+from hybridserve.engine.settings import Preset, SettingsSources
 from hybridserve.executor.api import Executor
-from hybridserve.kvcache import CacheLayout, GroupSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.kvcache.spec import state_quantum
 from hybridserve.server.tokenizer import Tokenizer
 
@@ -91,52 +95,32 @@ class ServingBackend(Protocol):
         ...
 
 
-def serve_settings(
-    backend: ServingBackend,
-    *,
-    preset_name: str | None,
-    file: SettingsFile | None,
-    flags: Mapping[str, Any],
-    retention_flag: str | None = None,
-) -> Preset:
+def serve_settings(backend: ServingBackend, sources: SettingsSources) -> Preset:
     """The scheduler settings and retention `serve` runs with: the preset (the flag's, else the
     file's), then the file, then the flags (SchedulerConfig fields; None = not given). The
     scheduler's `max_model_len` is the backend's unless `--max-model-len` says otherwise."""
-    given = dict(flags)
-    if given.get("max_model_len") is None:
-        given["max_model_len"] = backend.max_model_len
-    return resolve_settings(
-        settings.preset_name(preset_name, file),
-        quantum=state_quantum(backend.cache_groups()),
-        max_model_len=backend.max_model_len,
-        scheduler=file.scheduler if file is not None else (),
-        retention=file.retention if file is not None else None,
-        flags=given,
-        retention_flag=retention_flag,
+    if dict(sources.flags).get("max_model_len") is None:
+        flags = (*sources.flags, ("max_model_len", backend.max_model_len))
+        sources = replace(sources, flags=flags)
+    return sources.resolve(
+        quantum=state_quantum(backend.cache_groups()), max_model_len=backend.max_model_len
     )
 
 
 def serving_engine(
-    backend: ServingBackend,
-    scheduler_config: SchedulerConfig,
-    *,
-    retention: RetentionPolicy,
-    num_blocks: int | None = None,
+    backend: ServingBackend, settings: Preset, *, num_blocks: int | None = None
 ) -> EngineParts:
-    """An engine over the backend's executor (assembled by `hybridserve.engine.assembly`).
-    `num_blocks` caps the backend's pool size; a token id the executor returns outside the
-    tokenizer's vocabulary fails its request."""
-    pool = backend.num_blocks(scheduler_config)
-    layout = CacheLayout(
-        groups=backend.cache_groups(),
+    """An engine over the backend's executor, configured by `resolve_engine_config` as every
+    engine is. `num_blocks` caps the backend's pool size; a token id the executor returns
+    outside the tokenizer's vocabulary fails its request."""
+    pool = backend.num_blocks(settings.scheduler)
+    model = ModelCache(
+        groups=backend.cache_groups(), speculative=backend.speculative, dcp=backend.dcp_width
+    )
+    config = resolve_engine_config(
+        settings,
+        model,
         num_blocks=pool if num_blocks is None else min(num_blocks, pool),
-        speculative=backend.speculative,
-        retention=retention,
-        dcp=backend.dcp_width,
-        # The sliding-window admission cap every front end sets (vLLM's: the step's budget).
-        max_in_flight_tokens=scheduler_config.max_num_batched_tokens,
+        vocab_size=backend.tokenizer.vocab_size,
     )
-    config = assembly.EngineConfig(
-        layout=layout, scheduler=scheduler_config, vocab_size=backend.tokenizer.vocab_size
-    )
-    return assembly.build_engine(config, backend.make_executor)
+    return build_engine(config, backend.make_executor)

@@ -16,7 +16,13 @@ from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConf
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.engine import Engine, EngineStep
-from hybridserve.engine.assembly import CpuMeter, EngineConfig, EngineParts, build_engine
+from hybridserve.engine.assembly import (
+    CpuMeter,
+    EngineParts,
+    ModelCache,
+    build_engine,
+    resolve_engine_config,
+)
 from hybridserve.kvcache import CacheLayout
 from hybridserve.sim.arrivals import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.bounds import (
@@ -204,16 +210,13 @@ def simulated_engine(
             acceptance_decay_per_doubling=config.acceptance_decay_per_doubling,
         )
 
-    layout = CacheLayout(
-        groups=model.kv_cache_groups(),
+    engine_config = resolve_engine_config(
+        chosen,
+        ModelCache(groups=model.kv_cache_groups(), speculative=speculative, dcp=config.dcp),
         num_blocks=num_blocks,
-        speculative=speculative,
-        retention=chosen.retention,
-        dcp=config.dcp,
-        max_in_flight_tokens=chosen.scheduler.max_num_batched_tokens,
     )
     return build_engine(
-        EngineConfig(layout=layout, scheduler=scheduler),
+        replace(engine_config, scheduler=scheduler),
         executor,
         scheduler_factory=meter.scheduler if meter is not None else None,
     )

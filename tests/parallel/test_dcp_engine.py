@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.settings import SettingsSources
 from hybridserve.offline.runtime import DcpJob, DcpOutcome, run_dcp_job
 from hybridserve.parallel import DcpGroup
 from hybridserve.parallel.launch import find_free_port, run_ranks
@@ -58,7 +59,11 @@ def _job(model_path: Path) -> DcpJob:
         waves=((request("a"),), (request("b"), request("c"))),
         num_blocks=64,
         block_size=BLOCK_SIZE,
-        max_num_batched_tokens=16,
+        # b's hit on a hybrid model needs a's predecessor state kept (the presets keep
+        # vLLM's boundary only).
+        settings=SettingsSources(
+            flags=(("max_num_batched_tokens", 16),), retention="boundary+predecessor"
+        ),
     )
 
 

@@ -96,3 +96,61 @@ def test_generate_refuses_a_zero_block_size(
     args = ["generate", "--model", str(folder), "--token-ids", str(source), "--block-size", "0"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "--block-size=0 is invalid" in result.output
+
+
+def test_generate_resolves_the_preset_and_caps_in_flight_tokens_as_serve_does(
+    tiny_llama: tuple[Path, object],
+) -> None:
+    from hybridserve.engine.settings import DEFAULT_PRESET, SettingsSources, preset
+    from hybridserve.offline.runtime import GENERATE_MAX_MODEL_LEN, build_runtime
+
+    folder, _ = tiny_llama
+    for sources in (
+        SettingsSources(),
+        SettingsSources(preset="baseline"),
+        SettingsSources(preset="baseline", flags=(("max_num_batched_tokens", 64),)),
+    ):
+        runtime = build_runtime(folder, num_blocks=64, settings=sources, load_tokenizer=False)
+        scheduler = runtime.engine.scheduler.config
+        want = preset(
+            sources.preset or DEFAULT_PRESET, quantum=1, max_model_len=GENERATE_MAX_MODEL_LEN
+        )
+        want_budget = dict(sources.flags).get(
+            "max_num_batched_tokens", want.scheduler.max_num_batched_tokens
+        )
+        assert scheduler.max_num_seqs == want.scheduler.max_num_seqs
+        assert scheduler.max_num_batched_tokens == want_budget
+        layout = runtime.engine.scheduler.cache.layout
+        assert layout.max_in_flight_tokens == want_budget  # the sliding-window admission cap
+
+
+def test_generate_takes_a_preset_and_a_settings_file_with_greedy_outputs_unchanged(
+    tiny_llama: tuple[Path, object], tmp_path: Path
+) -> None:
+    folder, _ = tiny_llama
+    source = tmp_path / "p.jsonl"
+    source.write_text("[5, 6, 7, 8, 9]\n[10, 11, 12]\n")
+    config = tmp_path / "settings.toml"
+    config.write_text('preset = "baseline"\n\n[scheduler]\nmax_num_batched_tokens = 4\n')
+    base = ["generate", "--model", str(folder), "--token-ids", str(source), "--json"]
+    runs = [
+        CliRunner().invoke(app, [*base, *extra])
+        for extra in ([], ["--preset", "baseline"], ["--config", str(config)])
+    ]
+    assert all(run.exit_code == 0 for run in runs), [run.output for run in runs]
+    outputs = [[line for line in run.stdout.splitlines() if line.startswith("{")] for run in runs]
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 2
+
+
+def test_generate_refuses_a_bad_settings_file_before_loading_the_model(
+    tiny_llama: tuple[Path, object], tmp_path: Path
+) -> None:
+    folder, _ = tiny_llama
+    source = tmp_path / "p.jsonl"
+    source.write_text("[5, 6]\n")
+    config = tmp_path / "bad.toml"
+    config.write_text("[scheduler]\nmax_num_seqz = 4\n")
+    args = ["generate", "--model", str(folder), "--token-ids", str(source), "--config", str(config)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "scheduler.max_num_seqz" in result.output and "loading" not in result.output

@@ -11,14 +11,6 @@ from hybridserve.core.config import SchedulerConfig
 
 PACKAGE = Path(__file__).parents[2] / "hybridserve"
 KNOBS = {f.name for f in fields(SchedulerConfig)}
-# Offline generation still takes its own scheduler limits (it does not resolve a preset yet):
-# each entry is a known second default, to be removed when `generate` resolves presets.
-KNOWN = {
-    ("offline/runtime.py", "max_num_seqs"),
-    ("offline/runtime.py", "max_num_batched_tokens"),
-    ("offline/runtime.py", "max_model_len"),
-    ("cli/generate_commands.py", "max_num_batched_tokens"),
-}
 
 
 def _literal_defaults(tree: ast.AST) -> list[tuple[str, int]]:
@@ -54,15 +46,6 @@ def test_no_scheduler_knob_is_defaulted_outside_the_scheduler_config() -> None:
         if where == "core/config.py":
             continue
         for name, line in _literal_defaults(ast.parse(path.read_text())):
-            if name in KNOBS and (where, name) not in KNOWN:
+            if name in KNOBS:
                 seconds.append(f"{where}:{line} defaults {name}")
     assert not seconds, seconds
-
-
-def test_the_known_second_defaults_still_exist() -> None:
-    """An entry of KNOWN that no longer matches anything must be removed from the list."""
-    present = set()
-    for where, _ in KNOWN:
-        for name, _line in _literal_defaults(ast.parse((PACKAGE / where).read_text())):
-            present.add((where, name))
-    assert present >= KNOWN

@@ -13,7 +13,12 @@ from hybridserve.cli.sim_backend import SimServingBackend
 from hybridserve.cli.sim_commands import _bench_file_options, _file_options
 from hybridserve.core.config import SchedulingPolicy
 from hybridserve.core.errors import ConfigError
-from hybridserve.engine.settings import load_settings_file, preset, resolve_settings
+from hybridserve.engine.settings import (
+    SettingsSources,
+    load_settings_file,
+    preset,
+    resolve_settings,
+)
 from hybridserve.server.app import ServerSettings
 from hybridserve.server.backend import serve_settings
 from hybridserve.sim.deployment import SimConfig
@@ -63,19 +68,14 @@ def test_settings_resolve_preset_then_file_then_flags(tmp_path: Path) -> None:
     path = _write(tmp_path, SHARED)
     file = load_settings_file(path)
     backend = SimServingBackend(max_model_len=8192)
-    chosen = serve_settings(
-        backend,
-        preset_name=None,
-        file=file,
-        flags={"max_num_seqs": 8, "target_mixed_step_ms": None},
-        retention_flag="dense",
-    )
+    flags = (("max_num_seqs", 8), ("target_mixed_step_ms", None))
+    chosen = serve_settings(backend, SettingsSources(file=file, flags=flags, retention="dense"))
     assert chosen.scheduler.max_num_prefill_tokens_per_step == 1088  # the file over the preset
     assert chosen.scheduler.max_num_batched_tokens == 4096  # the file
     assert chosen.scheduler.max_num_seqs == 8  # the flag over the file
     assert chosen.scheduler.max_model_len == 8192  # the backend's context limit
     assert chosen.retention.kind.value == "dense"  # the flag over the file
-    first = serve_settings(backend, preset_name="decode-first", file=file, flags={})
+    first = serve_settings(backend, SettingsSources(preset="decode-first", file=file))
     assert first.scheduler.target_mixed_step_ms == 60.0  # --preset beats the file's preset
 
 
