@@ -41,7 +41,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = pick_rows(args.rows)
     names = [p for p in args.presets.split(",") if p]
-    configs, search = suite_configs(SimConfig(), names, args.tuned)
+    bound = any(row.bounded for row in rows)
+    configs, search = suite_configs(SimConfig(), names, args.tuned, bound=bound)
     seeds = list(range(args.seeds))
     mode = "screen" if args.screen else "full"
     started = time.monotonic()

@@ -107,7 +107,8 @@ def suite_cmd(
         chosen = pick_rows(rows)
         names = [p.strip() for p in presets.split(",") if p.strip()]
         base = SimConfig(model=model, gpu=gpu or "H200")
-        configs, search = suite_configs(base, names, tuned or TUNED)
+        bound = any(row.bounded for row in chosen)  # the bound runs only where a row has one
+        configs, search = suite_configs(base, names, tuned or TUNED, bound=bound)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     seed_list = list(range(seed, seed + seeds))

@@ -174,6 +174,7 @@ def test_the_suite_command_prints_one_json_object_last(tmp_path: Path, monkeypat
     assert set(row["configs"]) == {"vllm", "vllm-tuned", "hybridserve"}
     assert set(row["ratios"]["hybridserve"]["vllm"]["goodput"]) >= {"mean", "ci95", "per_seed"}
     assert report["suite"]["chosen_on"] == []
+    assert "free-prefill" not in report["suite"]["configs"]  # no row here has a bound to run
     folder = Path("runs") / name
     assert (folder / "report.json").exists() and (folder / "suite.png").exists()
     for f in folder.iterdir():
