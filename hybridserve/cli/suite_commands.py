@@ -24,7 +24,8 @@ from hybridserve.cli.progress import interrupted, runs_progress
 from hybridserve.core.errors import ConfigError, HybridServeError
 
 if TYPE_CHECKING:
-    from hybridserve.sim.suite import Mode
+    from hybridserve.sim.deployment import SimConfig
+    from hybridserve.sim.suite import Mode, SuiteRow
 
 BOUND = "free-prefill"  # hybridserve.sim.suite.BOUND, without importing the simulator here
 
@@ -86,29 +87,11 @@ def suite_cmd(
     """Run presets over the workload suite against vLLM 0.33's defaults and one tuned vLLM
     setting: per row, goodput under the SLO, p99 latencies and paired ratios with 95% intervals,
     and whether the row holds "never loses". Writes runs/NAME/report.json and suite.png."""
-    from hybridserve.sim.deployment import SimConfig
-    from hybridserve.sim.suite import (
-        TUNED,
-        count_runs,
-        pick_rows,
-        run_suite,
-        suite_configs,
-        suite_report,
-    )
+    from hybridserve.sim.suite import count_runs, run_suite, suite_report
 
     mode: Mode = "full" if full else "screen"
     try:
-        if seeds < 2:
-            raise ConfigError("--seeds", seeds, "paired ratios need 2 or more seeds")
-        if not scale > 0:
-            raise ConfigError("--scale", scale, "use a positive factor")
-        if workers < 1:
-            raise ConfigError("--workers", workers, "use 1 or more")
-        chosen = pick_rows(rows)
-        names = [p.strip() for p in presets.split(",") if p.strip()]
-        base = SimConfig(model=model, gpu=gpu or "H200")
-        bound = any(row.bounded for row in chosen)  # the bound runs only where a row has one
-        configs, search = suite_configs(base, names, tuned or TUNED, bound=bound)
+        chosen, configs, search = _setup(rows, presets, seeds, scale, workers, model, gpu, tuned)
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     seed_list = list(range(seed, seed + seeds))
@@ -132,6 +115,35 @@ def suite_cmd(
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         print_report(report, files)
+
+
+def _setup(
+    rows: str,
+    presets: str,
+    seeds: int,
+    scale: float,
+    workers: int,
+    model: str,
+    gpu: str | None,
+    tuned: Path | None,
+) -> tuple[list[SuiteRow], dict[str, SimConfig], dict[str, Any]]:
+    """The rows and configurations the flags ask for, and the tuned search. Raises ConfigError
+    naming the flag that is off."""
+    from hybridserve.sim.deployment import SimConfig
+    from hybridserve.sim.suite import TUNED, pick_rows, suite_configs
+
+    if seeds < 2:
+        raise ConfigError("--seeds", seeds, "paired ratios need 2 or more seeds")
+    if not scale > 0:
+        raise ConfigError("--scale", scale, "use a positive factor")
+    if workers < 1:
+        raise ConfigError("--workers", workers, "use 1 or more")
+    chosen = pick_rows(rows)
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    base = SimConfig(model=model, gpu=gpu or "H200")
+    bound = any(row.bounded for row in chosen)  # the bound runs only where a row has one
+    configs, search = suite_configs(base, names, tuned or TUNED, bound=bound)
+    return chosen, configs, search
 
 
 def print_report(report: dict[str, Any], files: list[Path]) -> None:

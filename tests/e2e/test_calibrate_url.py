@@ -33,6 +33,9 @@ def sim_server() -> Iterator[str]:
     command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
     command += ["--model-profile", "llama-3.1-8b", "--gpu", "A100-80G", "--dtype", "bf16"]
     command += ["--sim-speed", "1", "--max-model-len", "20000", "--port", str(port)]
+    # vLLM's schedule, the one the black-box grid is written for (calibrate --url's targets are
+    # vLLM servers), not the shipped preset's adaptive budget.
+    command += ["--preset", "baseline"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
