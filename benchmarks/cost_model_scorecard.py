@@ -292,7 +292,7 @@ def sim_config(row: Row, efficiency: Efficiency) -> SimConfig:
         tp=row.tp,
         dtype=row.dtype,
         kv_dtype=row.kv_dtype,
-        spec="none",
+        speculation="none",
         preset="baseline",
         workload=workload,
         duration_s=duration,

@@ -15,7 +15,7 @@ from rich.text import Text
 from hybridserve.cache_replay.runner import CacheReplay, ReplayResult
 from hybridserve.cache_replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
 from hybridserve.cli.app import app, default_trace_path, err, fail, out_console
-from hybridserve.cli.choices import CACHE_LAYOUTS, SPEC_HELP, listed
+from hybridserve.cli.choices import CACHE_LAYOUTS, SPECULATION_HELP, listed
 from hybridserve.cli.options import (
     LimitOption,
 )
@@ -40,7 +40,7 @@ GroupsOption = Annotated[
 ]
 AlignmentOption = Annotated[int, typer.Option(help="Alignment unit A in tokens (0 = the page P).")]
 HashBlockOption = Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")]
-CacheSpecOption = Annotated[str, typer.Option(help=SPEC_HELP)]
+CacheSpeculationOption = Annotated[str, typer.Option("--spec", help=SPECULATION_HELP)]
 RetentionsOption = Annotated[
     str | None,
     typer.Option(
@@ -61,7 +61,7 @@ def cache_replay(
     groups: GroupsOption = None,
     alignment: AlignmentOption = 0,
     hash_block_size: HashBlockOption = 0,
-    spec: CacheSpecOption = "eagle",
+    speculation: CacheSpeculationOption = "eagle",
     retention: RetentionsOption = None,
     dcp: CacheDcpOption = 1,
     num_blocks: PoolBlocksOption = "inf",
@@ -77,7 +77,7 @@ def cache_replay(
             groups=groups,
             alignment=alignment,
             hash_block_size=hash_block_size,
-            spec=spec,
+            speculation=speculation,
             retention=retention,
             dcp=dcp,
             num_blocks=num_blocks,
@@ -124,7 +124,7 @@ def _build_layouts(
     groups: str | None,
     alignment: int,
     hash_block_size: int,
-    spec: str,
+    speculation: str,
     retention: str | None,
     dcp: int,
     num_blocks: str,
@@ -148,7 +148,7 @@ def _build_layouts(
     has_state = any(isinstance(g, MambaSpec) for g in group_specs)
     default = "boundary,boundary+predecessor" if has_state else "boundary"
     policies = [RetentionPolicy.parse(p) for p in (retention or default).split(",")]
-    speculative = SpeculativeConfig.from_name(spec)
+    speculative = SpeculativeConfig.from_name(speculation)
     layouts = [
         CacheLayout(
             groups=group_specs,
@@ -192,7 +192,7 @@ def _print_table(
 ) -> None:
     first = results[0]
     table = Table(
-        title=f"cache-replay: {first.layout_name}, spec={first.spec}, "
+        title=f"cache-replay: {first.layout_name}, spec={first.speculation}, "
         f"num_blocks={num_blocks}, concurrency={concurrency}"
     )
     table.add_column("metric")

@@ -28,7 +28,7 @@ CHECKPOINT_HELP = (
 )
 SERVED_MODEL_HELP = "Served model name at --url [default: the first one /v1/models lists]."
 GPU_HELP = f"GPU: {listed(GPU_NAMES)}."
-SPEC_HELP = (
+SPECULATION_HELP = (
     f"Speculative method: {listed(SPEC_METHODS)} "
     "(eagle, eagle3 and mtp use vLLM 0.33's lookahead block hashes; their -legacy forms drop "
     "the last matched block of a prefix hit instead)."

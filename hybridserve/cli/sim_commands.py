@@ -49,7 +49,7 @@ from hybridserve.cli.options import (
     SimGpuOption,
     SimModelOption,
     SimTpOption,
-    SpecOption,
+    SpeculationOption,
     TimeScaleOption,
     WarmupOption,
     WorkersOption,
@@ -140,7 +140,7 @@ def _device_options(
     gpu: str | None, dtype: str | None, kv_dtype: str | None, calibration: Path | None
 ) -> dict[str, Any]:
     """SimConfig fields of --gpu, --dtype, --kv-dtype and --calibration. A calibration
-    sets the device (its GpuSpec), the Efficiency constants and, unless given, the dtypes it
+    sets the device (its Gpu), the Efficiency constants and, unless given, the dtypes it
     was measured in; a --gpu naming another device is an error."""
     if calibration is None:
         return {"gpu": gpu or "H200", "dtype": dtype or "fp8", "kv_dtype": kv_dtype or "bf16"}
@@ -156,7 +156,7 @@ def _device_options(
         )
     return {
         "gpu": profile.device,
-        "gpu_spec": profile.gpu,
+        "calibrated_gpu": profile.gpu,
         "efficiency": profile.efficiency,
         "dtype": dtype or profile.dtype,
         "kv_dtype": kv_dtype or profile.kv_dtype,
@@ -273,7 +273,9 @@ def _simulated_model(config: SimConfig | Deployment) -> tuple[str, str]:
     from hybridserve.sim.deployment import resolve_deployment, speculative_method
 
     deployment = resolve_deployment(config)
-    return deployment.profile.name, speculative_method(deployment.config.spec, deployment.profile)
+    return deployment.profile.name, speculative_method(
+        deployment.config.speculation, deployment.profile
+    )
 
 
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
@@ -389,7 +391,7 @@ class SimulateFlags:
     agents: int
     duration: float
     warmup: float | None
-    spec: str
+    speculation: str
     workload: str
     time_scale: float
     limit: int | None
@@ -419,7 +421,7 @@ class SimulateFlags:
             num_agents=self.agents,
             duration_s=self.duration,
             warmup_s=_default_warmup(self.workload) if self.warmup is None else self.warmup,
-            spec=self.spec,
+            speculation=self.speculation,
             seed=self.seed,
             workload=self.workload,
             time_scale=self.time_scale,
@@ -444,7 +446,7 @@ def simulate_cmd(
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
     warmup: SimWarmupOption = None,
-    spec: SpecOption = "auto",
+    speculation: SpeculationOption = "auto",
     workload: WorkloadOption = "agents",
     time_scale: TimeScaleOption = 1.0,
     limit: LimitOption = None,
@@ -679,7 +681,7 @@ class BenchFlags:
     gpu: str | None
     tp: int | None
     dtype: str | None
-    spec: str
+    speculation: str
     dcp: int
     baseline: str
     agents: int
@@ -738,7 +740,7 @@ def bench_cmd(
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
-    spec: SpecOption = "auto",
+    speculation: SpeculationOption = "auto",
     dcp: DcpOption = 1,
     baseline: BaselineOption = "vllm",
     agents: AgentsOption = 20,
@@ -799,7 +801,7 @@ def _bench_configs(flags: BenchFlags) -> tuple[SimConfig, dict[str, SimConfig], 
     config = _sim_config(
         model=flags.model,
         tp=flags.tp if flags.tp is not None else flags.dcp,
-        spec=flags.spec,
+        speculation=flags.speculation,
         dcp=flags.dcp,
         num_agents=flags.agents,
         duration_s=flags.duration,
@@ -1113,7 +1115,7 @@ def sweep_cmd(
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
-    spec: SpecOption = "auto",
+    speculation: SpeculationOption = "auto",
     dcp: DcpOption = 1,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
@@ -1141,7 +1143,7 @@ def sweep_cmd(
             fleet=fleet_option(fleet_flags),
             model=model,
             tp=tp if tp is not None else dcp,
-            spec=spec,
+            speculation=speculation,
             dcp=dcp,
             num_agents=agents,
             duration_s=duration,

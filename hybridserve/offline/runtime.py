@@ -185,7 +185,7 @@ def _run_wave(
             report(outcome.num_finished, sum(len(t) for t in outcome.tokens.values()))
 
 
-def parse_spec(text: str | None) -> SpeculativeConfig:
+def parse_speculation(text: str | None) -> SpeculativeConfig:
     """`ngram:K` (K draft tokens) or None for no speculation."""
     if not text:
         return SpeculativeConfig()

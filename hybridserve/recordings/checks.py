@@ -153,10 +153,10 @@ def check_header(path: Path, header: dict[str, Any]) -> None:
     if sampler:
         for name in _SPEC_SAMPLER_FIELDS:
             field(sampler, name, int, f"{where}: workload.spec_sampler", 1 if name == "mod" else 0)
-    spec = engine.get("speculative")
-    if spec:
-        field(spec, "method", str, f"{where}: engine.speculative")
-        field(spec, "num_speculative_tokens", int, f"{where}: engine.speculative", 0)
+    speculative = engine.get("speculative")
+    if speculative:
+        field(speculative, "method", str, f"{where}: engine.speculative")
+        field(speculative, "num_speculative_tokens", int, f"{where}: engine.speculative", 0)
 
 
 def _check_prompt_map(where: str, prompt_map: Any) -> None:

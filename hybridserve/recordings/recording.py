@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig, SchedulingPolicy, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import (
+    SchedulerConfig,
+    SchedulingPolicy,
+    SpeculativeConfig,
+    SpeculativeMethod,
+)
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
 from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode, SlidingWindowSpec
@@ -203,18 +208,18 @@ def _build_request(
 
 def speculative_config(header: dict[str, Any]) -> SpeculativeConfig:
     """The recorded vLLM SpeculativeConfig as ours (FORMAT.md 7.1)."""
-    spec = header["engine"].get("speculative")
-    if not spec:
+    recorded = header["engine"].get("speculative")
+    if not recorded:
         return SpeculativeConfig()
     try:
-        method = SpecMethod(spec["method"])
+        method = SpeculativeMethod(recorded["method"])
     except ValueError:
-        raise RecordingError(f"unsupported speculative method {spec['method']!r}") from None
+        raise RecordingError(f"unsupported speculative method {recorded['method']!r}") from None
     return SpeculativeConfig(
         method=method,
-        num_speculative_tokens=spec["num_speculative_tokens"],
-        lookahead_block_hashes=not spec.get("disable_lookahead_block_hashes", False),
-        multi_module_mtp=bool(spec.get("use_multi_module_mtp", False)),
+        num_speculative_tokens=recorded["num_speculative_tokens"],
+        lookahead_block_hashes=not recorded.get("disable_lookahead_block_hashes", False),
+        multi_module_mtp=bool(recorded.get("use_multi_module_mtp", False)),
     )
 
 

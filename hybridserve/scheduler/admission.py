@@ -100,7 +100,7 @@ def pad_for_drafts(
     ):
         if step.budget < 1 + lookahead:
             return 0
-        request.spec_token_ids[:] = [PLACEHOLDER_DRAFT] * lookahead
+        request.draft_token_ids[:] = [PLACEHOLDER_DRAFT] * lookahead
         return 1 + lookahead
     return num_new
 

@@ -301,7 +301,7 @@ class PrefillController:
                     allow_prefill=False, max_partials=bound, eligible_decode=True, pending=pending
                 )
             bypass = True
-        decode_tokens = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
+        decode_tokens = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
         pressure = pending and self._valve(waiting, partials, now)
         room = token_budget - decode_tokens
         budget, fallback = self._mixed_budget(room, decodes, partials)
@@ -390,7 +390,7 @@ class PrefillController:
         model = self.model
         if model.recent_error > FALLBACK_ERROR:
             return (self.cap if self.cap else self.quantum), True
-        n_decode = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
+        n_decode = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
         kv_decode = sum(r.num_computed_tokens for r in decodes)
         base = model.predict(model.features(n_decode, 0, kv_decode))
         context = sum(r.num_computed_tokens for r in partials) / len(partials) if partials else 0

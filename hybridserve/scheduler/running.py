@@ -36,7 +36,7 @@ def schedule_running(scheduler: Scheduler, step: StepState) -> None:
     while index < len(running) and step.budget > 0:
         request = running[index]
         computed = request.num_computed_tokens
-        num_new = len(request.token_ids) + len(request.spec_token_ids) - computed
+        num_new = len(request.token_ids) + len(request.draft_token_ids) - computed
         if limited and not is_decode(request):
             num_new = plan.grant(request.req_id, num_new)
         if 0 < threshold < num_new:
@@ -116,7 +116,7 @@ def preempt(scheduler: Scheduler, request: Request, step: StepState) -> None:
     request.transition(RequestStatus.PREEMPTED)
     request.num_computed_tokens = 0
     request.num_preemptions += 1
-    request.spec_token_ids.clear()
+    request.draft_token_ids.clear()
     scheduler.waiting.prepend(request)
     step.preempted.append(request.req_id)
 

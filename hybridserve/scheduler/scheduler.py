@@ -292,7 +292,7 @@ class Scheduler:
             if chunk.num_draft_tokens:
                 accepted = max(len(sampled) - 1, 0)
                 request.num_computed_tokens -= chunk.num_draft_tokens - accepted
-                request.spec_token_ids.clear()
+                request.draft_token_ids.clear()
             if not sampled:
                 continue
             sampling = request.sampling

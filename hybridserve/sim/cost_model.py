@@ -14,7 +14,7 @@ from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
-from hybridserve.sim.gpus import GpuSpec, dtype_bytes
+from hybridserve.sim.gpus import Gpu, dtype_bytes
 from hybridserve.sim.memory import GIB, vllm_kv_budget
 from hybridserve.sim.memory import bytes_per_block as bytes_per_block  # re-exported
 from hybridserve.sim.model_profiles import ModelProfile, embedding_dtype
@@ -148,7 +148,7 @@ class RooflineCostModel:
 
     def __init__(
         self,
-        gpu: GpuSpec,
+        gpu: Gpu,
         model: ModelProfile,
         *,
         tp: int = 1,
@@ -397,7 +397,7 @@ def expected_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
 
 
 def kv_pool_blocks(
-    gpu: GpuSpec,
+    gpu: Gpu,
     model: ModelProfile,
     *,
     tp: int = 1,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.cost_model import Efficiency, RooflineCostModel, StepShape
-from hybridserve.sim.gpus import GpuSpec
+from hybridserve.sim.gpus import Gpu
 from hybridserve.sim.model_profiles import ModelProfile
 
 FRACTIONS = ("gemm", "attention", "hbm", "link")
@@ -27,7 +27,7 @@ DEFAULT_PARAMS = ("gemm", "attention", "hbm", "step_overhead_s")
 class CostSetup:
     """What a cost model needs besides its constants: GPU, model, parallelism and dtypes."""
 
-    gpu: GpuSpec
+    gpu: Gpu
     model: ModelProfile
     tp: int = 1
     dtype: str = "bf16"

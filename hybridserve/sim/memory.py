@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
-from hybridserve.sim.gpus import GpuSpec
+from hybridserve.sim.gpus import Gpu
 from hybridserve.sim.model_profiles import ModelProfile
 
 GIB = float(1 << 30)
@@ -127,7 +127,7 @@ def activation_bytes(
 
 
 def vllm_kv_budget(
-    gpu: GpuSpec,
+    gpu: Gpu,
     model: ModelProfile,
     *,
     tp: int = 1,

@@ -110,7 +110,7 @@ def bursty_simulation(
     seed: int,
     on_step: Callable[[EngineStep], None] | None = None,
 ) -> OpenLoopSimulation:
-    """The simulation of a `bursty:` workload spec (`text` is what follows `bursty:`)."""
+    """The simulation of a `bursty:` workload string (`text` is what follows `bursty:`)."""
     workload = BurstyWorkload.parse(text)
     arrivals = [
         (time_s, f"b{i}", prompt_tokens(i, workload.input_tokens), workload.output_tokens)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.engine import Engine, EngineStep
@@ -76,7 +76,11 @@ def finite_workload(workload: str) -> bool:
 def draft_passes(speculative: SpeculativeConfig) -> int:
     """Draft forward passes per step the cost model charges: k for MTP and EAGLE-style heads
     (one decoder layer of the target's shape each); other methods are not charged."""
-    if speculative.method in (SpecMethod.MTP, SpecMethod.EAGLE, SpecMethod.EAGLE3):
+    if speculative.method in (
+        SpeculativeMethod.MTP,
+        SpeculativeMethod.EAGLE,
+        SpeculativeMethod.EAGLE3,
+    ):
         return speculative.num_speculative_tokens
     return 0
 

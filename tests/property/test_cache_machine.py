@@ -164,7 +164,7 @@ def draw_layout(data: st.DataObject, family: str) -> CacheLayout:
     )
     # EAGLE with vLLM 0.33's lookahead block hashes, and on the legacy one-block-drop path.
     method = data.draw(st.sampled_from(("none", "eagle", "eagle-legacy", "dflash")), label="method")
-    num_spec = 0 if method == "none" else data.draw(st.integers(1, 3), label="num_spec")
+    num_drafts = 0 if method == "none" else data.draw(st.integers(1, 3), label="num_drafts")
     # A retention interval is a multiple of the scheduler block, on layouts with a state or
     # window group (CacheLayout rejects anything else).
     interval = data.draw(st.sampled_from((page, 2 * page, 3 * page)), label="interval")
@@ -178,7 +178,7 @@ def draw_layout(data: st.DataObject, family: str) -> CacheLayout:
         num_blocks=data.draw(st.one_of(st.integers(24, 32), st.integers(24, 64)), label="blocks"),
         hash_block_size=hash_block,
         alignment_tokens=alignment,
-        speculative=SpeculativeConfig.from_name(method, num_spec),
+        speculative=SpeculativeConfig.from_name(method, num_drafts),
         retention=RetentionPolicy.parse(retention),
     )
 

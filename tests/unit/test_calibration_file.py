@@ -20,14 +20,14 @@ from hybridserve.sim.calibration_fit import (
     Grid,
     fit_measurements,
     holdout_split,
-    measured_gpu_spec,
+    measured_gpu,
 )
 from hybridserve.sim.cost_model import Efficiency, StepShape
 from hybridserve.sim.fit import CostSetup
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.hf_config import profile_from_hf_config
 
-CPU = measured_gpu_spec(
+CPU = measured_gpu(
     "cpu-test", fp32_flops=1.5e11, bf16_flops=1e12, copy_bytes_per_s=1.2e10, memory_bytes=2.4e10
 )
 # A small Llama (about 5M parameters), the size the CPU calibration test measures.

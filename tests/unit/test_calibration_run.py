@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.calibration_fit import Grid, measured_gpu_spec
+from hybridserve.sim.calibration_fit import Grid, measured_gpu
 from hybridserve.sim.calibration_run import run_calibration
 from hybridserve.sim.cost_model import Efficiency, RequestShape, StepShape
 from hybridserve.sim.fit import CostSetup
@@ -56,11 +56,7 @@ class ExactDevice:
     ) -> Measured:
         self.asked = {"model_path": model_path, "requests": requests, **asked}
         peaks = Peaks() if asked["with_peaks"] else None
-        gpu = (
-            get_gpu(self.gpu_name)
-            if self.gpu_name
-            else measured_gpu_spec("device", **vars(Peaks()))
-        )
+        gpu = get_gpu(self.gpu_name) if self.gpu_name else measured_gpu("device", **vars(Peaks()))
         setup = CostSetup(
             gpu=gpu,
             model=profile_from_hf_config(MODEL_CONFIG),

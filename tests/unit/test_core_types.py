@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError, IllegalTransition, RequestError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
 from hybridserve.core.request import (
@@ -65,7 +65,7 @@ def test_unknown_speculative_method_names_the_choices() -> None:
 
 def test_speculative_tokens_without_a_method_is_rejected() -> None:
     with pytest.raises(ConfigError, match="num_speculative_tokens=2"):
-        SpeculativeConfig(method=SpecMethod.NONE, num_speculative_tokens=2)
+        SpeculativeConfig(method=SpeculativeMethod.NONE, num_speculative_tokens=2)
 
 
 @pytest.mark.parametrize(

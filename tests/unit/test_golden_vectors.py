@@ -17,7 +17,7 @@ A = 2304
 
 
 def lp14_manager(
-    *, dcp: int = 1, retention: str = "boundary+predecessor", spec: str = "eagle-legacy"
+    *, dcp: int = 1, retention: str = "boundary+predecessor", speculation: str = "eagle-legacy"
 ) -> KVCacheManager:
     layout = CacheLayout(
         groups=(
@@ -29,7 +29,7 @@ def lp14_manager(
         hash_block_size=A,
         alignment_tokens=A,
         dcp=dcp,
-        speculative=SpeculativeConfig.from_name(spec),
+        speculative=SpeculativeConfig.from_name(speculation),
         retention=RetentionPolicy.parse(retention),
     )
     return KVCacheManager(layout)
@@ -107,11 +107,13 @@ def test_twenty_agents_three_growing_turns_reuse_golden_totals() -> None:
 
 def test_dflash_gets_the_non_speculative_hit() -> None:
     hits = {}
-    for spec in ("none", "dflash"):
-        manager = lp14_manager(spec=spec)
+    for speculation in ("none", "dflash"):
+        manager = lp14_manager(speculation=speculation)
         warm, turn_1 = warm_and_turn()
         prefill(manager, "warm", warm, chunk=A)
-        hits[spec] = manager.find_hit(manager.hasher.hash_tokens(turn_1), len(turn_1)).num_tokens
+        hits[speculation] = manager.find_hit(
+            manager.hasher.hash_tokens(turn_1), len(turn_1)
+        ).num_tokens
     assert hits["dflash"] == hits["none"] == 122_112
 
 

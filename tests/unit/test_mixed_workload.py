@@ -1,5 +1,5 @@
 """The bursty and agents+rag workloads: arrivals only inside bursts, a tenant that never
-disturbs the agents' own draws, and clean errors for bad specs."""
+disturbs the agents' own draws, and clean errors for bad workload strings."""
 
 from __future__ import annotations
 

@@ -53,7 +53,9 @@ def test_serve_and_simulate_apply_the_same_file_identically(tmp_path: Path) -> N
     served = build_app(backend, ServerSettings(), config_file=path).state.hybridserve.parts
     # simulate: the SimConfig fields `hybridserve simulate --config` takes from the file.
     options = _file_options(path)
-    config = SimConfig(workload="poisson:rate=1", spec="none", max_model_len=32_768, **options)
+    config = SimConfig(
+        workload="poisson:rate=1", speculation="none", max_model_len=32_768, **options
+    )
     simulated = simulated_engine(config)
     assert options["preset"] == "baseline"
     assert asdict(served.scheduler.config) == asdict(simulated.scheduler.config)

@@ -111,8 +111,8 @@ def test_the_mtp_layer_costs_weights_and_a_thirteenth_layer_per_block() -> None:
     assert with_mtp.layers_per_kv_group == 13 and without.layers_per_kv_group == 12
     extra = with_mtp.weight_bytes("fp8") - without.weight_bytes("fp8")
     assert extra == pytest.approx(1.65e9, rel=0.01)  # one attention + 512-expert MoE layer
-    mtp_run = pool_budget(SimConfig(spec="mtp"))
-    plain_run = pool_budget(SimConfig(spec="none"))
+    mtp_run = pool_budget(SimConfig(speculation="mtp"))
+    plain_run = pool_budget(SimConfig(speculation="none"))
     assert mtp_run.num_blocks < plain_run.num_blocks
     assert mtp_run.bytes_per_block == pytest.approx(13 / 12 * plain_run.bytes_per_block)
 

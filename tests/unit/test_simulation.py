@@ -33,19 +33,19 @@ SMALL = AgentParams(
 )
 
 
-def simulate(seed: int, *, spec: bool = False, until_s: float = 60.0):  # type: ignore[no-untyped-def]
+def simulate(seed: int, *, speculation: bool = False, until_s: float = 60.0):  # type: ignore[no-untyped-def]
     groups = (FullAttentionSpec(block_size=32), MambaSpec(block_size=32))
-    speculative = SpeculativeConfig.from_name("mtp", 2) if spec else SpeculativeConfig()
+    speculative = SpeculativeConfig.from_name("mtp", 2) if speculation else SpeculativeConfig()
     cache = KVCacheManager(CacheLayout(groups=groups, num_blocks=4096, speculative=speculative))
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=SMALL.context_limit + 1, max_num_batched_tokens=2048),
         cache,
-        num_speculative_tokens=2 if spec else 0,
+        num_speculative_tokens=2 if speculation else 0,
     )
     executor = SimulatedExecutor(
         linear_step_time,
         seed=seed,
-        num_speculative_tokens=2 if spec else 0,
+        num_speculative_tokens=2 if speculation else 0,
         acceptance_rate=0.7,
     )
     sim = AgentSimulation(Engine(scheduler, executor), AgentWorkload(SMALL, seed=seed))
@@ -79,10 +79,10 @@ def test_a_job_finishes_exactly_when_its_last_turn_does() -> None:
 
 def test_speculative_steps_deliver_several_tokens_as_one_gap() -> None:
     _, plain = simulate(5)
-    sim, spec = simulate(5, spec=True)
+    sim, speculation = simulate(5, speculation=True)
     multi = [r for r in sim.recorder.requests.values() if r.output_tokens > len(r.gaps_s) + 1]
     assert multi, "no step delivered accepted drafts"
-    assert spec["itl_p50_ms"] > 0 and plain["itl_p50_ms"] > 0
+    assert speculation["itl_p50_ms"] > 0 and plain["itl_p50_ms"] > 0
 
 
 def test_simulated_executor_accepts_drafts_with_the_given_probability() -> None:
