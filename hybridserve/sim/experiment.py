@@ -70,7 +70,7 @@ def tune_vllm(
 ) -> tuple[SimConfig, dict[str, Any]]:
     """The `vllm-tuned` baseline: `config` on the baseline preset with the best vLLM setting
     (token budget, long-prefill threshold, batch limit, retention) that `trials` random draws
-    find under the p99 ITL SLO (hybridserve.sim.sweep.vllm_sweep: the same budget as the
+    find under the p99 ITL SLO (hybridserve.sim.sweep.vllm_sweep: as many trials as the
     hybridserve sweep), searched on `config`'s own seed. Returns the config and the search."""
     from hybridserve.sim.deployment import model_profile, state_quantum
     from hybridserve.sim.sweep import best, vllm_sweep

@@ -97,7 +97,7 @@ def vllm_sweep(
 ) -> list[Trial]:
     """`trials` distinct random vLLM settings plus vLLM's defaults, each a run of the baseline
     preset (every hybridserve control off) with only vLLM's knobs changed: the `vllm-tuned`
-    search, with the same trial budget as `sweep`'s."""
+    search, with as many trials as `sweep`."""
     rng = random.Random(seed)
     settings: list[tuple[tuple[tuple[str, float], ...], str]] = [((), "boundary")]
     attempts = 0

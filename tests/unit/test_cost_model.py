@@ -23,7 +23,7 @@ from hybridserve.sim.cost_model import (
     shape_from_plan,
 )
 from hybridserve.sim.gpus import GPUS, get_gpu
-from hybridserve.sim.memory import vllm_kv_budget
+from hybridserve.sim.memory import vllm_memory_account
 from hybridserve.sim.model_profiles import MODELS, get_model, hybrid_block_size
 
 H100 = get_gpu("H100-SXM")
@@ -254,9 +254,9 @@ def test_a_block_id_costs_one_padded_page_per_layer_of_a_group() -> None:
     gemma = get_model("gemma-3-27b")
     assert bytes_per_block(gemma) == 10 * 16 * 2 * 16 * 128 * 2
     # The pool counts block ids: what vLLM's memory account leaves, over the per-id bytes.
-    budget = vllm_kv_budget(H200, qwen, dtype="fp8")
+    account = vllm_memory_account(H200, qwen, dtype="fp8")
     assert kv_pool_blocks(H200, qwen, dtype="fp8") == int(
-        budget.available_bytes // (13 * attention_page)
+        account.available_bytes // (13 * attention_page)
     )
 
 
