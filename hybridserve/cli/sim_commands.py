@@ -111,7 +111,7 @@ def _file_options(config_file: Path | None, *, preset: str | None = None) -> dic
         return {"preset": preset_name(preset, None)}
     return {
         "preset": preset_name(preset, loaded),
-        "controls": loaded.scheduler,
+        "overrides": loaded.scheduler,
         "retention": loaded.retention,
     }
 
@@ -204,7 +204,7 @@ def _sweep_interrupted(finished: list[Trial], total: int, itl_slo_ms: float) -> 
         return interrupted(f"none of the {total} trials had finished; nothing was written")
     path = Path("runs") / f"sweep-interrupted-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"controls": dict(t.controls), **_metrics_json(t.metrics)} for t in finished]
+    rows = [{"controls": dict(t.overrides), **_metrics_json(t.metrics)} for t in finished]
     payload = {"itl_slo_ms": itl_slo_ms, "interrupted": True, "trials": rows}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return interrupted(f"{len(finished)} of {total} trials had finished; written to {path}")
@@ -1205,7 +1205,7 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
     if as_json:
         rows = [
             {
-                "controls": dict(t.controls),
+                "controls": dict(t.overrides),
                 "retention": t.retention,
                 **_metrics_json(t.metrics),
                 "meets_slo": t.meets(itl_slo_ms),
@@ -1213,9 +1213,9 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
             }
             for t in results
         ]
-        chosen: dict[str, Any] = dict(winner.controls)
+        chosen: dict[str, Any] = dict(winner.overrides)
         if space == "vllm":
-            chosen = {"controls": dict(winner.controls), "retention": winner.retention}
+            chosen = {"controls": dict(winner.overrides), "retention": winner.retention}
         payload = {"space": space, "itl_slo_ms": itl_slo_ms, "best": chosen, "trials": rows}
         sys.stdout.write(json.dumps(payload) + "\n")
         return
@@ -1226,7 +1226,7 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
     for column in columns:
         table.add_column(column, justify="left" if column == "controls" else "right")
     for trial in sorted(results, key=lambda t: -t.metrics["job_goodput_per_hour"]):
-        label = ", ".join(f"{k}={v:g}" for k, v in trial.controls if v) or "all off"
+        label = ", ".join(f"{k}={v:g}" for k, v in trial.overrides if v) or "all off"
         if trial.retention:
             label += f", retention={trial.retention}"
         m, f = trial.metrics, fleet_json(trial.fleet or {})
@@ -1249,4 +1249,4 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
             highlight=False,
         )
     console.print(table)
-    console.print(f"best under the SLO: {dict(winner.controls) or 'all off'}")
+    console.print(f"best under the SLO: {dict(winner.overrides) or 'all off'}")

@@ -110,7 +110,7 @@ class SimConfig:
     time_scale: float = 1.0
     limit: int | None = None
     # Scheduler overrides on top of the preset (a sweep trial, a --config file): field -> value.
-    controls: tuple[tuple[str, Any], ...] = ()
+    overrides: tuple[tuple[str, Any], ...] = ()
     retention: str | None = None  # overrides the preset's retention policy
     include_scheduler_cpu: bool = False  # add measured schedule()+update() time to each step
     model_config: str | None = None  # a Hugging Face config.json (or its folder); beats `model`
@@ -291,7 +291,7 @@ def scheduler_preset(config: SimConfig, model: ModelProfile) -> Preset:
         config.preset,
         quantum=state_quantum(model),
         max_model_len=config.context_limit,
-        scheduler=config.controls,
+        scheduler=config.overrides,
         retention=config.retention,
     )
 

@@ -46,7 +46,7 @@ VLLM_RETENTION_QUANTA = (0, 4, 16)  # 0 = `boundary`, else `interval:N*q`
 
 @dataclass(frozen=True, slots=True)
 class Trial:
-    controls: tuple[tuple[str, float], ...]
+    overrides: tuple[tuple[str, float], ...]
     metrics: dict[str, float]
     retention: str | None = None  # a retention override (the vLLM search), None = the preset's
     fleet: dict[str, Any] | None = None  # the fleet report, when the trial ran on a fleet
@@ -76,7 +76,7 @@ def draw_controls(rng: random.Random, quantum: int) -> tuple[tuple[str, float], 
 
 def _run_trial(config: SimConfig) -> Trial:
     run = run_simulation(config)
-    return Trial(config.controls, run.summary, config.retention, run.fleet)
+    return Trial(config.overrides, run.summary, config.retention, run.fleet)
 
 
 def draw_vllm_setting(
@@ -110,7 +110,7 @@ def vllm_sweep(
         replace(
             base,
             preset="baseline",
-            controls=tuple((k, int(v)) for k, v in c),
+            overrides=tuple((k, int(v)) for k, v in c),
             retention=r,
         )
         for c, r in settings
@@ -142,7 +142,7 @@ def sweep(
         if candidate not in settings:
             settings.append(candidate)
     # Predecessor retention with controls off, plus each trial's controls.
-    configs = [replace(base, preset="retention-only", controls=c) for c in settings]
+    configs = [replace(base, preset="retention-only", overrides=c) for c in settings]
     return run_map(_run_trial, configs, workers=workers, ray_address=ray_address, on_done=on_trial)
 
 

@@ -206,7 +206,7 @@ def test_each_bound_switch_changes_the_run_as_it_says() -> None:
 def test_step_cost_bounds_lift_the_token_budget_but_keep_the_pool() -> None:
     from hybridserve.sim.run import simulated_engine
 
-    tuned = short(preset="baseline", controls=(("max_num_batched_tokens", 2048),))
+    tuned = short(preset="baseline", overrides=(("max_num_batched_tokens", 2048),))
     real = simulated_engine(tuned).scheduler
     for bound in ("free-prefill", "ideal-hits"):
         lifted = simulated_engine(replace(tuned, bound=bound)).scheduler
@@ -319,18 +319,18 @@ def test_bench_baselines_map_to_presets_or_refuse_clearly() -> None:
 def test_the_vllm_search_draws_only_vllms_knobs() -> None:
     rng = random.Random(0)
     for _ in range(200):
-        controls, retention = draw_vllm_setting(rng, 544)
-        knobs = dict(controls)
+        overrides, retention = draw_vllm_setting(rng, 544)
+        knobs = dict(overrides)
         assert set(knobs) == set(VLLM_GRID)
         threshold = knobs["long_prefill_token_threshold"]
         assert threshold == 0 or threshold < knobs["max_num_batched_tokens"]
         assert retention in ("boundary", "interval:2176", "interval:8704")
     trials = vllm_sweep(short(duration_s=40.0), trials=2, quantum=544, seed=1)
-    assert len(trials) == 3 and trials[0].controls == () and trials[0].retention == "boundary"
-    assert all(set(dict(t.controls)) <= set(VLLM_GRID) for t in trials)
+    assert len(trials) == 3 and trials[0].overrides == () and trials[0].retention == "boundary"
+    assert all(set(dict(t.overrides)) <= set(VLLM_GRID) for t in trials)
     chosen, search = tune_vllm(short(duration_s=40.0), trials=2, itl_slo_ms=1e9, seed=1)
     assert chosen.preset == "baseline" and search["trials"] == 3
-    assert set(dict(chosen.controls)) <= set(VLLM_GRID)
+    assert set(dict(chosen.overrides)) <= set(VLLM_GRID)
     with pytest.raises(ConfigError, match="vLLM's knobs"):
         tuned_config(short(), {"max_num_partial_prefills": 2}, "boundary")
 

@@ -229,10 +229,10 @@ def test_sweep_draws_valid_settings_and_picks_the_best_under_the_slo(tmp_path) -
     def trial(goodput: float, itl: float) -> Trial:
         return Trial((("x", goodput),), {"job_goodput_per_hour": goodput, "itl_p99_ms": itl})
 
-    assert best([trial(10, 50), trial(30, 200), trial(20, 90)], itl_slo_ms=100).controls == (
+    assert best([trial(10, 50), trial(30, 200), trial(20, 90)], itl_slo_ms=100).overrides == (
         ("x", 20),
     )
-    assert best([trial(30, 200), trial(10, 150)], itl_slo_ms=100).controls == (("x", 10),)
+    assert best([trial(30, 200), trial(10, 150)], itl_slo_ms=100).overrides == (("x", 10),)
     result = CliRunner().invoke(
         app,
         ["sweep", "--trials", "2", "--agents", "2", "--duration", "30", "--warmup", "5", "--json"]
@@ -256,7 +256,7 @@ def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # t
         "decode_prefill_max_wait_ms = 500\n[cache]\nretention = 'dense'\n"
     )
     loaded = load_settings_file(path)
-    config = SimConfig(preset="baseline", controls=loaded.scheduler, retention=loaded.retention)
+    config = SimConfig(preset="baseline", overrides=loaded.scheduler, retention=loaded.retention)
     scheduler = simulated_engine(config).scheduler
     assert scheduler.config.max_num_prefill_tokens_per_step == 1088
     assert scheduler.config.decode_prefill_max_wait_ms == 500.0
@@ -300,6 +300,6 @@ def test_sweep_runs_trials_as_ray_tasks() -> None:
     finally:
         ray.shutdown()
     local = sweep(base, trials=1, quantum=544, seed=3)
-    assert [t.controls for t in remote] == [t.controls for t in local]
+    assert [t.overrides for t in remote] == [t.overrides for t in local]
     # repr: a statistic with no sample is nan, and nan != nan
     assert [repr(t.metrics) for t in remote] == [repr(t.metrics) for t in local]
