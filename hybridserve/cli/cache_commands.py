@@ -21,7 +21,7 @@ from hybridserve.cli.options import (
 )
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
-from hybridserve.kvcache import CacheLayout, MambaSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, MambaSpec, Retention
 from hybridserve.layouts import get_layout, parse_groups
 
 TraceOption = Annotated[
@@ -143,11 +143,11 @@ def _build_layouts(
         pool = int(blocks)
     else:
         raise fail(f"--num-blocks={num_blocks!r}; use an integer >= 2 or inf")
-    # Retention chooses which Mamba states are kept: without a Mamba group every policy replays
-    # the same, so the default compares two only where there is one.
+    # Retention chooses which Mamba states are kept: without a Mamba group every retention
+    # replays the same, so the default compares two only where there is one.
     has_state = any(isinstance(g, MambaSpec) for g in group_specs)
     default = "boundary,boundary+predecessor" if has_state else "boundary"
-    policies = [RetentionPolicy.parse(p) for p in (retention or default).split(",")]
+    retentions = [Retention.parse(p) for p in (retention or default).split(",")]
     speculative = SpeculativeConfig.from_name(speculation)
     layouts = [
         CacheLayout(
@@ -157,9 +157,9 @@ def _build_layouts(
             alignment_tokens=alignment,
             dcp=dcp,
             speculative=speculative,
-            retention=policy,
+            retention=kept,
         )
-        for policy in policies
+        for kept in retentions
     ]
     return layouts, name
 

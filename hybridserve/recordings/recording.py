@@ -20,7 +20,7 @@ from hybridserve.core.config import (
     SpeculativeMethod,
 )
 from hybridserve.core.request import Request, SamplingParams
-from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, Retention
 from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode, SlidingWindowSpec
 from hybridserve.recordings.checks import (
     RecordingError,
@@ -273,11 +273,11 @@ def cache_layout(header: dict[str, Any]) -> CacheLayout:
             raise RecordingError(f"unsupported cache group kind {group['kind']!r}")
     interval = cache.get("prefix_cache_retention_interval")
     if interval is None:
-        retention = RetentionPolicy.parse("dense")
+        retention = Retention.parse("dense")
     elif interval == 0:
-        retention = RetentionPolicy.parse("boundary")
+        retention = Retention.parse("boundary")
     else:
-        retention = RetentionPolicy.parse(f"interval:{interval}")
+        retention = Retention.parse(f"interval:{interval}")
     flagged = tuple(g for g, group in enumerate(cache["groups"]) if group.get("is_eagle_group"))
     return CacheLayout(
         groups=tuple(groups),

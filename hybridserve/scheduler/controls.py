@@ -1,6 +1,6 @@
 """Prefill/decode controls (SPEC.md 5.2) and the adaptive time budget (5.3). All off by default.
 
-The policy is three pieces, each with one job; the scheduler asks them at fixed points of its
+The controls are three pieces, each with one job; the scheduler asks them at fixed points of its
 loop, so a new control is a change here, never a branch in the loop:
 
 * `PrefillController` decides, before the running loop, the prefill shape of a step: whether
@@ -211,7 +211,7 @@ class ControlStats:
 
 
 class PrefillController:
-    """The prefill/decode policy of one scheduler.
+    """The prefill/decode controls of one scheduler.
 
     Its state changes in three calls only, once per step each: `plan` (the rotation pointer,
     the grants and fallbacks it records), `observe` (the decode-burst count and the counters,

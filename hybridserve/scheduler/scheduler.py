@@ -7,7 +7,7 @@ it step by step against recordings of the real scheduler.
 This module owns the requests and the order of a step; its halves are their own modules:
 `running` (running requests, preemption), `admission` (waiting requests), `chunks` (the step
 plan's chunks) and `sampled` (update()'s stop and draft rules). The prefill/decode controls are
-one policy, `controls`, which the loop asks at fixed points.
+one object, `controls`, which the loop asks at fixed points.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class SimConfig:
     limit: int | None = None
     # Scheduler overrides on top of the preset (a sweep trial, a --config file): field -> value.
     overrides: tuple[tuple[str, Any], ...] = ()
-    retention: str | None = None  # overrides the preset's retention policy
+    retention: str | None = None  # overrides the preset's retention
     include_scheduler_cpu: bool = False  # add measured schedule()+update() time to each step
     model_config: str | None = None  # a Hugging Face config.json (or its folder); beats `model`
     kv_dtype: str = "bf16"  # KV cache and recurrent state dtype

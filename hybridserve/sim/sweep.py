@@ -82,7 +82,7 @@ def _run_trial(config: SimConfig) -> Trial:
 def draw_vllm_setting(
     rng: random.Random, quantum: int
 ) -> tuple[tuple[tuple[str, float], ...], str]:
-    """One vLLM setting: scheduler limits and a retention policy. The long-prefill threshold
+    """One vLLM setting: scheduler limits and a retention. The long-prefill threshold
     stays below the token budget (vLLM caps a long prefill's chunk at it)."""
     pick = {name: rng.choice(values) for name, values in VLLM_GRID.items()}
     if pick["long_prefill_token_threshold"] >= pick["max_num_batched_tokens"]:

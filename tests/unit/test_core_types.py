@@ -18,7 +18,7 @@ from hybridserve.core.request import (
     RequestStatus,
     SamplingParams,
 )
-from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, Retention
 from hybridserve.kvcache.spec import ChunkedLocalSpec, SlidingWindowSpec
 
 
@@ -147,10 +147,10 @@ def test_group_spec_rejects_bad_sizes() -> None:
         ChunkedLocalSpec(block_size=16, chunk=24)
 
 
-def test_retention_policy_parse_errors_name_the_choices() -> None:
-    assert RetentionPolicy.parse("interval:4096").interval_tokens == 4096
+def test_retention_parse_errors_name_the_choices() -> None:
+    assert Retention.parse("interval:4096").interval_tokens == 4096
     with pytest.raises(ConfigError, match="boundary"):
-        RetentionPolicy.parse("sometimes")
+        Retention.parse("sometimes")
 
 
 @pytest.mark.parametrize(

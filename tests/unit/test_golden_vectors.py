@@ -9,7 +9,7 @@ from hybridserve.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
 )
 from tests.conftest import prefill
 
@@ -30,7 +30,7 @@ def lp14_manager(
         alignment_tokens=A,
         dcp=dcp,
         speculative=SpeculativeConfig.from_name(speculation),
-        retention=RetentionPolicy.parse(retention),
+        retention=Retention.parse(retention),
     )
     return KVCacheManager(layout)
 
@@ -124,7 +124,7 @@ def test_backoff_uses_alignment_unit_when_mamba_block_is_smaller() -> None:
         hash_block_size=32,
         alignment_tokens=64,
         speculative=SpeculativeConfig.from_name("eagle-legacy"),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)
     producer = [t for t in range(7) for _ in range(32)] + [7] * 31
@@ -139,7 +139,7 @@ def test_mamba_retention_with_lookahead_slots_reuses_predecessor() -> None:
         groups=(FullAttentionSpec(block_size=32), MambaSpec(block_size=32)),
         num_blocks=256,
         speculative=SpeculativeConfig.from_name("eagle-legacy", 3),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)
     producer = [0] * 32 + [1] * 32 + [2] * 32 + [3] * 31

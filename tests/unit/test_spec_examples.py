@@ -11,7 +11,7 @@ from hybridserve.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
     SlidingWindowSpec,
 )
 from hybridserve.kvcache.block_pool import BlockPool
@@ -27,7 +27,7 @@ def manager_for(
         groups=tuple(groups),
         num_blocks=num_blocks,
         speculative=SpeculativeConfig.from_name(speculation),
-        retention=RetentionPolicy.parse(retention),
+        retention=Retention.parse(retention),
         **kw,
     )
     return KVCacheManager(layout)

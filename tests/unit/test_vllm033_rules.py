@@ -20,7 +20,7 @@ from hybridserve.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
     SlidingWindowSpec,
 )
 from hybridserve.kvcache.hashing import derived_hashes
@@ -59,7 +59,7 @@ def build(
         speculative=SpeculativeConfig.from_name(
             speculation, drafts if speculation != "none" else 0
         ),
-        retention=RetentionPolicy.parse(retention),
+        retention=Retention.parse(retention),
         max_in_flight_tokens=max_in_flight_tokens,
     )
     cache = KVCacheManager(layout, enable_caching=caching)
@@ -212,12 +212,12 @@ def test_a_retention_interval_off_the_scheduler_block_is_rejected() -> None:
     # Rule 12.
     groups = (FullAttentionSpec(block_size=32), MambaSpec(block_size=32))
     with pytest.raises(ConfigError, match="multiple of the scheduler block 32"):
-        CacheLayout(groups=groups, num_blocks=64, retention=RetentionPolicy.parse("interval:48"))
+        CacheLayout(groups=groups, num_blocks=64, retention=Retention.parse("interval:48"))
     with pytest.raises(ConfigError, match="sliding-window or state group"):
         CacheLayout(
             groups=(FullAttentionSpec(block_size=16),),
             num_blocks=64,
-            retention=RetentionPolicy.parse("interval:64"),
+            retention=Retention.parse("interval:64"),
         )
 
 
@@ -335,7 +335,7 @@ def test_fine_grained_hits_stop_at_the_tail_and_serve_it() -> None:
         hash_block_size=16,
         alignment_tokens=16,
         partial_hash_hits=True,
-        retention=RetentionPolicy.parse("boundary"),
+        retention=Retention.parse("boundary"),
     )
     cache = KVCacheManager(layout)
     scheduler = Scheduler(SchedulerConfig(max_model_len=65_536), cache)
