@@ -18,14 +18,6 @@ class RequestStatus(StrEnum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-)
 
 # The only legal moves. Statuses are never compared by order.
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {

@@ -556,9 +556,6 @@ class KVCacheManager:
         """The session's next turn arrived: its pin holds until that turn is admitted."""
         return self.pins.claim(session_id)
 
-    def pin_deadline(self, session_id: str) -> float | None:
-        return self.pins.deadline(session_id)
-
     def next_pin_deadline(self) -> float | None:
         """The soonest TTL of any pin (claimed pins have none); None when no pin expires."""
         return self.pins.next_deadline()

@@ -76,16 +76,6 @@ class FitResult:
     objective: float  # mean |log(predicted / measured)| at the fitted constants
     evaluations: int
 
-    @property
-    def median_abs_error(self) -> float:
-        return _median([abs(e) for e in self.relative_errors])
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
 
 def _encode(
     efficiency: Efficiency, params: Sequence[str], upper: Mapping[str, float]

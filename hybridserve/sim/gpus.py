@@ -51,10 +51,6 @@ class Gpu:
             raise ConfigError("dtype", dtype, f"{self.name} has no {dtype} tensor cores; use bf16")
         return peak
 
-    def ridge_flops_per_byte(self, dtype: str = "bf16") -> float:
-        """Roofline ridge point: FLOPs per HBM byte at which compute time equals memory time."""
-        return self.peak_flops(dtype) / self.hbm_bytes_per_s
-
 
 _T = 1e12
 _G = 1e9

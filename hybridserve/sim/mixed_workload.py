@@ -81,11 +81,6 @@ class BurstyWorkload:
             raise ConfigError("workload", f"bursty:{text}", f"give {missing}: {_BURSTY_USAGE}")
         return cls(**options)  # type: ignore[arg-type]
 
-    @property
-    def mean_rate_per_s(self) -> float:
-        """Arrivals per second averaged over bursts and gaps."""
-        return self.rate_per_s * self.on_s / (self.on_s + self.off_s)
-
     def arrival_times(self, *, seed: int, until_s: float) -> Iterator[float]:
         """Arrival times up to `until_s` (or `num_requests` of them): a Poisson process on the
         burst clock (time with the gaps cut out), laid back onto the wall clock."""

@@ -216,7 +216,7 @@ def test_pinning_never_pins_past_the_ttl() -> None:
     driver = Driver(sched)
     sched.add_request(turn("s.t1", tuple(range(64)), session="s"))
     driver.run()
-    deadline = sched.cache.pin_deadline(session_key(None, "s"))
+    deadline = sched.cache.pins.deadline(session_key(None, "s"))
     assert deadline is not None and sched.cache.num_pinned_blocks == 4
     assert deadline <= driver.now + 0.25
     while driver.now < deadline:

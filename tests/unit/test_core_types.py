@@ -204,7 +204,10 @@ def test_request_moves_only_along_the_transition_table() -> None:
     request.transition(RequestStatus.PREEMPTED)
     request.transition(RequestStatus.RUNNING)
     request.transition(RequestStatus.FINISHED_LENGTH)
-    assert request.status.is_finished and request.finish_reason is FinishReason.LENGTH
+    assert (
+        request.status is RequestStatus.FINISHED_LENGTH
+        and request.finish_reason is FinishReason.LENGTH
+    )
     with pytest.raises(IllegalTransition):
         request.transition(RequestStatus.RUNNING)
 

@@ -59,7 +59,8 @@ def test_decode_is_memory_bound_and_prefill_compute_bound_with_crossover_at_ridg
     cm = RooflineCostModel(H100, get_model("llama-3.1-8b"))
     eff = Efficiency()
     # Linear layers: compute 2*T*P / (peak*gemm) meets memory 2*P / (bw*hbm) at this many tokens.
-    crossover = H100.ridge_flops_per_byte("bf16") * 2.0 * eff.gemm / eff.hbm / 2
+    ridge = H100.peak_flops("bf16") / H100.hbm_bytes_per_s  # FLOPs per byte where they meet
+    crossover = ridge * 2.0 * eff.gemm / eff.hbm / 2
     assert 150 < crossover < 180  # ~166 tokens on an H100 at bf16 (fitted gemm and hbm)
 
     def linear(tokens: int) -> float:  # a chunk that samples nothing: no LM head
