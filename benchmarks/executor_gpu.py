@@ -80,8 +80,8 @@ def main() -> None:
 
     from hybridserve.executor.torch.calibrate import StepTimer, executor_for, measure_steps
     from hybridserve.executor.torch.checkpoints import resolve_model
+    from hybridserve.executor.torch.executor import compile_dense_layers
     from hybridserve.executor.torch.loader import load_model
-    from hybridserve.executor.torch.runner import compile_dense_layers
     from hybridserve.executor.torch.runtime import set_threads
     from hybridserve.sim.cost_model import RooflineCostModel, StepShape
     from hybridserve.sim.hf_config import profile_from_hf_config

@@ -27,8 +27,8 @@ from hybridserve.core.plan import TokenLogprob
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.engine import Engine
 from hybridserve.executor.torch import TorchExecutor, load_model
+from hybridserve.executor.torch import executor as executor_module
 from hybridserve.executor.torch import forward as forward_module
-from hybridserve.executor.torch import runner as runner_module
 from hybridserve.executor.torch.models.base import CausalLM
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.scheduler import Scheduler
@@ -244,8 +244,8 @@ def drop_earlier_kv() -> Iterator[None]:
             calls.append(dataclasses.replace(call, mask=mask[:, None], causal=False))
         return dataclasses.replace(meta, calls=tuple(calls), prefix_calls=())
 
-    runner_module.build_attention_meta = broken  # type: ignore[assignment]
+    executor_module.build_attention_meta = broken  # type: ignore[assignment]
     try:
         yield
     finally:
-        runner_module.build_attention_meta = original  # type: ignore[assignment]
+        executor_module.build_attention_meta = original  # type: ignore[assignment]

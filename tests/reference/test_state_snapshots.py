@@ -168,7 +168,7 @@ def test_comparisons_catch_a_dropped_state_carry(
 def test_comparisons_catch_uncommitted_draft_states(
     toy_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hybridserve.executor.torch.runner import TorchExecutor
+    from hybridserve.executor.torch.executor import TorchExecutor
 
     monkeypatch.setattr(TorchExecutor, "_commit_states", lambda *args: None)
     with pytest.raises(AssertionError):
