@@ -134,8 +134,8 @@ def _build_layouts(
     if groups:
         group_specs, name = parse_groups(groups), groups
     else:
-        profile = get_layout(model or "qwen3-next-80b-a3b")
-        group_specs, name = profile.groups, profile.name
+        named = get_layout(model or "qwen3-next-80b-a3b")
+        group_specs, name = named.groups, named.name
     blocks = num_blocks.strip().lower()
     if blocks == "inf":
         pool = 1024  # grows on demand

@@ -146,20 +146,20 @@ def _device_options(
         return {"gpu": gpu or "H200", "dtype": dtype or "fp8", "kv_dtype": kv_dtype or "bf16"}
     from hybridserve.sim.calibration import Calibration
 
-    profile = Calibration.load(calibration)
-    if gpu is not None and gpu != profile.device:
+    measured = Calibration.load(calibration)
+    if gpu is not None and gpu != measured.device:
         raise ConfigError(
             "--gpu",
             gpu,
-            f"--calibration {calibration} was measured on {profile.device}; drop --gpu "
+            f"--calibration {calibration} was measured on {measured.device}; drop --gpu "
             "(the calibration sets the device)",
         )
     return {
-        "gpu": profile.device,
-        "calibrated_gpu": profile.gpu,
-        "efficiency": profile.efficiency,
-        "dtype": dtype or profile.dtype,
-        "kv_dtype": kv_dtype or profile.kv_dtype,
+        "gpu": measured.device,
+        "calibrated_gpu": measured.gpu,
+        "efficiency": measured.efficiency,
+        "dtype": dtype or measured.dtype,
+        "kv_dtype": kv_dtype or measured.kv_dtype,
     }
 
 

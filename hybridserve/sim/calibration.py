@@ -59,7 +59,7 @@ class SampleRow:
     label: str
     requests: tuple[tuple[int, int, int], ...]
     measured_s: float
-    predicted_s: float  # by the profile's constants
+    predicted_s: float  # by the calibration's constants
     held_out: bool  # not used by the fit
 
     def __post_init__(self) -> None:
@@ -163,13 +163,13 @@ class Calibration:
         return {key: data[key] for key in order}
 
     def save(self, path: Path) -> None:
-        """Write the profile as JSON (parent folders created)."""
+        """Write the calibration as JSON (parent folders created)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
-        """Read a profile written by `save`. Raises ConfigError naming the file or the field."""
+        """Read a calibration written by `save`. Raises ConfigError naming the file or the field."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -222,10 +222,10 @@ class Calibration:
 
 
 _EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
-# name is the profile's device; the optional peaks may be null.
+# name is the calibration's device; the optional peaks may be null.
 _GPU_FIELDS = tuple(f.name for f in fields(Gpu) if f.name != "name")
 _OPTIONAL = ("fp8_flops", "fp4_flops", "fp32_flops", "reported_bytes")
-# Fields newer than some profiles: a profile without them keeps the defaults.
+# Fields newer than some calibration files: a file without them keeps the defaults.
 _ADDED_LATER = ("reported_bytes", "moe_hbm", "recurrent_layer_s")
 
 

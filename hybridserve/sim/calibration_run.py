@@ -1,5 +1,5 @@
 """The calibration workflow of `hybridserve calibrate`: check the request, have the device time
-the grid's step shapes, fit the cost model's constants, and return the profile.
+the grid's step shapes, fit the cost model's constants, and return the calibration.
 
 The timing runs torch (`hybridserve.executor.torch.calibrate.measure_device`, handed in as
 `measure`); this module sees only its result and never imports torch.
@@ -133,7 +133,7 @@ def run_calibration(
     num_threads: int | None = None,
     progress: Progress | None = None,
 ) -> Calibration:
-    """Time `grid` on `device` with `measure`, fit, and return the profile. A catalog GPU
+    """Time `grid` on `device` with `measure`, fit, and return the calibration. A catalog GPU
     keeps its datasheet peaks; any other name gets the measured ones. `num_threads` sets
     torch's intra-op threads (None: leave them). Raises ConfigError."""
     path = model_path.expanduser()
@@ -165,7 +165,7 @@ def run_calibration(
         with_peaks=not in_catalog,
         progress=progress,
     )
-    return _fit_profile(
+    return _fit_calibration(
         list(zip(shapes, measured.seconds, strict=True)),
         measured,
         model=profile_model,
@@ -179,7 +179,7 @@ def run_calibration(
     )
 
 
-def _fit_profile(
+def _fit_calibration(
     timings: list[tuple[StepShape, float]],
     measured: Measurement,
     *,
@@ -193,7 +193,7 @@ def _fit_profile(
     holdout_fraction: float,
 ) -> Calibration:
     """Fit the cost model to `timings` (seconds per step shape, from `measured`) and return
-    the profile."""
+    the calibration."""
     gpu = _device_gpu(gpu_name, in_catalog=in_catalog, peaks=measured.peaks)
     setup = CostSetup(gpu=gpu, model=model, dtype=dtype, kv_dtype=dtype)
     fit = fit_measurements(timings, setup=setup, holdout_fraction=holdout_fraction, seed=seed)
