@@ -76,7 +76,7 @@ ContextOption = Annotated[
     ),
 ]
 CalibrateDeviceOption = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
-ProfileOutOption = Annotated[
+CalibrationOutOption = Annotated[
     Path | None, typer.Option(help="Calibration file [default: runs/calibration/NAME.json].")
 ]
 QuickOption = Annotated[bool, typer.Option(help="A small grid (about 10 s on a CPU).")]
@@ -148,7 +148,7 @@ def calibrate_cmd(
     model: CalibrateModelOption = None,
     gpu_name: GpuNameOption = None,
     device: CalibrateDeviceOption = "cpu",
-    out: ProfileOutOption = None,
+    out: CalibrationOutOption = None,
     quick: QuickOption = False,
     seed: CalibrateSeedOption = 0,
     holdout_fraction: HoldoutOption = 0.25,

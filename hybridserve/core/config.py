@@ -125,7 +125,7 @@ class SpeculativeConfig:
             method = SpeculativeMethod(text)
         except ValueError:
             raise ConfigError(
-                "speculative.method", name, f"use one of {list(SPEC_NAMES)}"
+                "speculative.method", name, f"use one of {list(SPECULATION_NAMES)}"
             ) from None
         if method not in _HIDDEN_STATE_DRAFTERS:
             if not lookahead_block_hashes and name.lower().endswith("-legacy"):
@@ -142,7 +142,7 @@ class SpeculativeConfig:
         )
 
 
-SPEC_NAMES = (
+SPECULATION_NAMES = (
     *(m.value for m in SpeculativeMethod),
     *(f"{m.value}-legacy" for m in SpeculativeMethod if m in _HIDDEN_STATE_DRAFTERS),
 )

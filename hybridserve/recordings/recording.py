@@ -81,7 +81,7 @@ class Recording:
         return str(self.header.get("scenario", self.path.stem))
 
     @property
-    def spec_sampler(self) -> dict[str, int] | None:
+    def draft_sampler(self) -> dict[str, int] | None:
         """The fake rejection sampler of a speculative recording, None without speculation."""
         sampler = self.header["workload"].get("spec_sampler")
         return dict(sampler) if sampler else None
