@@ -69,8 +69,8 @@ def main() -> None:
         reference = "vllm-tuned"
     configs = {reference: base}
     for label in args.only:
-        controls = {**dict(base.controls), **CONTROLS[label]}
-        configs[label] = replace(base, controls=tuple(sorted(controls.items())))
+        overrides = {**dict(base.overrides), **CONTROLS[label]}
+        configs[label] = replace(base, overrides=tuple(sorted(overrides.items())))
     seeds = list(range(args.seeds))
     results, _ = run_configs(configs, seeds, workers=args.workers)
     out: dict[str, Any] = {"preset": args.preset, "agents": args.agents, "seeds": seeds}

@@ -19,7 +19,7 @@ from hybridserve.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
     SlidingWindowSpec,
 )
 
@@ -36,7 +36,7 @@ def build(enable_metrics: bool) -> tuple[KVCacheManager, list[bytes], int]:
         ),
         num_blocks=40_000,
         speculative=SpeculativeConfig.from_name("eagle"),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout, enable_metrics=enable_metrics)
     warm = list(range(PROMPT_TOKENS))

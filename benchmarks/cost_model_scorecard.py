@@ -283,21 +283,21 @@ def sim_config(row: Row, efficiency: Efficiency) -> SimConfig:
         batch = offline_batch(row)
         workload = f"fixed:input={row.isl},output={row.osl},concurrency={batch},requests={batch}"
         duration = 3_600.0
-    controls: tuple[tuple[str, Any], ...] = (("max_num_seqs", row.max_num_seqs),)
+    overrides: tuple[tuple[str, Any], ...] = (("max_num_seqs", row.max_num_seqs),)
     if row.max_model_len is not None:
-        controls += (("max_model_len", row.max_model_len),)
+        overrides += (("max_model_len", row.max_model_len),)
     return SimConfig(
         model_config=str(CONFIGS / row.model),
         gpu=row.gpu,
         tp=row.tp,
         dtype=row.dtype,
         kv_dtype=row.kv_dtype,
-        spec="none",
+        speculation="none",
         preset="baseline",
         workload=workload,
         duration_s=duration,
         warmup_s=0.0,
-        controls=controls,
+        overrides=overrides,
         efficiency=efficiency,
     )
 

@@ -77,7 +77,7 @@ def main() -> None:
         parser.error("--seeds: a paired interval needs at least 2 seeds")
     if args.tuned is not None and args.baseline != "vllm-tuned":
         parser.error("--tuned: only with --baseline vllm-tuned")
-    controls = tuple(sorted(json.loads(args.controls).items()))
+    overrides = tuple(sorted(json.loads(args.controls).items()))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     tp = args.tp if args.tp is not None else args.dcp
     base_preset = baseline_preset(args.baseline)
@@ -89,7 +89,7 @@ def main() -> None:
         "warmup_s": args.warmup,
         "tp": tp,
         "dcp": args.dcp,
-        "controls": dict(controls),
+        "controls": dict(overrides),
         "by_agents": {},
     }
     for agents in args.agents:
@@ -106,8 +106,8 @@ def main() -> None:
         configs = {}
         for label, name in presets.items():
             config = with_preset(base, name)
-            if controls and name in ("hybridserve", "decode-first", "controls-only"):
-                config = replace(config, controls=controls)
+            if overrides and name in ("hybridserve", "decode-first", "controls-only"):
+                config = replace(config, overrides=overrides)
             configs[label] = config
         if args.baseline == "vllm-tuned":
             configs["baseline"], search = _tuned(configs["baseline"], args)

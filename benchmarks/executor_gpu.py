@@ -36,25 +36,25 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _gpu_spec(device: str, dtype: str) -> tuple[Any, str]:
+def _device_gpu(device: str, dtype: str) -> tuple[Any, str]:
     from hybridserve.executor.torch.calibrate import measure_peaks
-    from hybridserve.sim.calibration_fit import measured_gpu_spec
+    from hybridserve.sim.calibration_fit import measured_gpu
     from hybridserve.sim.gpus import GPUS
 
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
-        for key, spec in GPUS.items():
+        for key, gpu in GPUS.items():
             if key.split("-")[0] in name:
-                return spec, f"datasheet {key}"
+                return gpu, f"datasheet {key}"
     peaks = measure_peaks(device)
-    spec = measured_gpu_spec(
+    gpu = measured_gpu(
         device,
         fp32_flops=peaks.fp32_flops,
         bf16_flops=peaks.bf16_flops,
         copy_bytes_per_s=peaks.copy_bytes_per_s,
         memory_bytes=peaks.memory_bytes,
     )
-    return spec, "measured peaks"
+    return gpu, "measured peaks"
 
 
 def main() -> None:
@@ -80,8 +80,8 @@ def main() -> None:
 
     from hybridserve.executor.torch.calibrate import StepTimer, executor_for, measure_steps
     from hybridserve.executor.torch.checkpoints import resolve_model
+    from hybridserve.executor.torch.executor import compile_dense_layers
     from hybridserve.executor.torch.loader import load_model
-    from hybridserve.executor.torch.runner import compile_dense_layers
     from hybridserve.executor.torch.runtime import set_threads
     from hybridserve.sim.cost_model import RooflineCostModel, StepShape
     from hybridserve.sim.hf_config import profile_from_hf_config
@@ -103,7 +103,7 @@ def main() -> None:
     if args.compile:
         compile_dense_layers(model)
     profile = profile_from_hf_config(model.config, name=str(args.model))
-    gpu, peaks = _gpu_spec(args.device, dtype)
+    gpu, peaks = _device_gpu(args.device, dtype)
     cost = RooflineCostModel(gpu, profile, dtype=dtype, kv_dtype=dtype)
     batches, context = args.batches, args.context
     shapes = [[(1, context)] * b for b in batches] + [[(n, 0)] for n in args.prefills]

@@ -22,7 +22,7 @@ from hybridserve.kvcache.hashing import BlockHash
 class ReplayResult:
     layout_name: str
     retention: str
-    spec: str
+    speculation: str
     requests: int = 0
     rejected: int = 0
     queried_tokens: int = 0
@@ -47,7 +47,7 @@ class ReplayResult:
         return {
             "layout": self.layout_name,
             "retention": self.retention,
-            "spec": self.spec,
+            "spec": self.speculation,
             "requests": self.requests,
             "rejected_requests": self.rejected,
             "queried_tokens": self.queried_tokens,
@@ -191,7 +191,7 @@ class CacheReplay:
         return ReplayResult(
             layout_name=name,
             retention=layout.retention.name,
-            spec=layout.speculative.method.value,
+            speculation=layout.speculative.method.value,
             requests=metrics.requests,
             rejected=self.rejected,
             queried_tokens=sum(r.input_length for r in records),

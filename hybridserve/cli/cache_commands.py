@@ -15,13 +15,13 @@ from rich.text import Text
 from hybridserve.cache_replay.runner import CacheReplay, ReplayResult
 from hybridserve.cache_replay.trace import TraceRecord, load_mooncake, synthetic_agent_trace
 from hybridserve.cli.app import app, default_trace_path, err, fail, out_console
-from hybridserve.cli.choices import CACHE_LAYOUTS, SPEC_HELP, listed
+from hybridserve.cli.choices import CACHE_LAYOUTS, SPECULATION_HELP, listed
 from hybridserve.cli.options import (
     LimitOption,
 )
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import HybridServeError
-from hybridserve.kvcache import CacheLayout, MambaSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, MambaSpec, Retention
 from hybridserve.layouts import get_layout, parse_groups
 
 TraceOption = Annotated[
@@ -40,7 +40,7 @@ GroupsOption = Annotated[
 ]
 AlignmentOption = Annotated[int, typer.Option(help="Alignment unit A in tokens (0 = the page P).")]
 HashBlockOption = Annotated[int, typer.Option(help="Hash unit H (0 = smallest unit).")]
-CacheSpecOption = Annotated[str, typer.Option(help=SPEC_HELP)]
+CacheSpeculationOption = Annotated[str, typer.Option("--spec", help=SPECULATION_HELP)]
 RetentionsOption = Annotated[
     str | None,
     typer.Option(
@@ -61,7 +61,7 @@ def cache_replay(
     groups: GroupsOption = None,
     alignment: AlignmentOption = 0,
     hash_block_size: HashBlockOption = 0,
-    spec: CacheSpecOption = "eagle",
+    speculation: CacheSpeculationOption = "eagle",
     retention: RetentionsOption = None,
     dcp: CacheDcpOption = 1,
     num_blocks: PoolBlocksOption = "inf",
@@ -77,7 +77,7 @@ def cache_replay(
             groups=groups,
             alignment=alignment,
             hash_block_size=hash_block_size,
-            spec=spec,
+            speculation=speculation,
             retention=retention,
             dcp=dcp,
             num_blocks=num_blocks,
@@ -124,7 +124,7 @@ def _build_layouts(
     groups: str | None,
     alignment: int,
     hash_block_size: int,
-    spec: str,
+    speculation: str,
     retention: str | None,
     dcp: int,
     num_blocks: str,
@@ -134,8 +134,8 @@ def _build_layouts(
     if groups:
         group_specs, name = parse_groups(groups), groups
     else:
-        profile = get_layout(model or "qwen3-next-80b-a3b")
-        group_specs, name = profile.groups, profile.name
+        named = get_layout(model or "qwen3-next-80b-a3b")
+        group_specs, name = named.groups, named.name
     blocks = num_blocks.strip().lower()
     if blocks == "inf":
         pool = 1024  # grows on demand
@@ -143,12 +143,12 @@ def _build_layouts(
         pool = int(blocks)
     else:
         raise fail(f"--num-blocks={num_blocks!r}; use an integer >= 2 or inf")
-    # Retention chooses which Mamba states are kept: without a Mamba group every policy replays
-    # the same, so the default compares two only where there is one.
+    # Retention chooses which Mamba states are kept: without a Mamba group every retention
+    # replays the same, so the default compares two only where there is one.
     has_state = any(isinstance(g, MambaSpec) for g in group_specs)
     default = "boundary,boundary+predecessor" if has_state else "boundary"
-    policies = [RetentionPolicy.parse(p) for p in (retention or default).split(",")]
-    speculative = SpeculativeConfig.from_name(spec)
+    retentions = [Retention.parse(p) for p in (retention or default).split(",")]
+    speculative = SpeculativeConfig.from_name(speculation)
     layouts = [
         CacheLayout(
             groups=group_specs,
@@ -157,9 +157,9 @@ def _build_layouts(
             alignment_tokens=alignment,
             dcp=dcp,
             speculative=speculative,
-            retention=policy,
+            retention=kept,
         )
-        for policy in policies
+        for kept in retentions
     ]
     return layouts, name
 
@@ -192,7 +192,7 @@ def _print_table(
 ) -> None:
     first = results[0]
     table = Table(
-        title=f"cache-replay: {first.layout_name}, spec={first.spec}, "
+        title=f"cache-replay: {first.layout_name}, spec={first.speculation}, "
         f"num_blocks={num_blocks}, concurrency={concurrency}"
     )
     table.add_column("metric")

@@ -76,8 +76,8 @@ ContextOption = Annotated[
     ),
 ]
 CalibrateDeviceOption = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
-ProfileOutOption = Annotated[
-    Path | None, typer.Option(help="Profile file [default: runs/calibration/NAME.json].")
+CalibrationOutOption = Annotated[
+    Path | None, typer.Option(help="Calibration file [default: runs/calibration/NAME.json].")
 ]
 QuickOption = Annotated[bool, typer.Option(help="A small grid (about 10 s on a CPU).")]
 CalibrateSeedOption = Annotated[
@@ -101,29 +101,34 @@ ClockOption = Annotated[
 ]
 
 
-def _summary_tables(profile: Calibration) -> tuple[Table, Table]:
-    eff, gpu = profile.efficiency, profile.gpu
+def _summary_tables(calibration: Calibration) -> tuple[Table, Table]:
+    eff, gpu = calibration.efficiency, calibration.gpu
     fp32 = "-" if gpu.fp32_flops is None else f"{gpu.fp32_flops / 1e12:.3f} TFLOP/s"
-    summary = Table(title=f"calibration: {profile.model} ({profile.dtype}) on {profile.device}")
+    summary = Table(
+        title=f"calibration: {calibration.model} ({calibration.dtype}) on {calibration.device}"
+    )
     summary.add_column("item")
     summary.add_column("value", justify="right")
     rows = [
-        (f"peaks ({profile.peaks})", f"bf16 {gpu.bf16_flops / 1e12:.3f} TFLOP/s, fp32 {fp32}"),
+        (f"peaks ({calibration.peaks})", f"bf16 {gpu.bf16_flops / 1e12:.3f} TFLOP/s, fp32 {fp32}"),
         ("memory bandwidth", f"{gpu.hbm_bytes_per_s / 1e9:.1f} GB/s"),
-        ("clock, threads", f"{profile.clock}, {profile.num_threads}"),
+        ("clock, threads", f"{calibration.clock}, {calibration.num_threads}"),
         ("gemm", f"{eff.gemm:.3f}"),
         ("attention", f"{eff.attention:.3f}"),
         ("hbm", f"{eff.hbm:.3f}"),
         ("step_overhead", f"{eff.step_overhead_s * 1e3:.3f} ms"),
-        ("in-sample |error|", _errors(profile.in_sample)),
-        ("held-out |error|", "-" if profile.held_out is None else _errors(profile.held_out)),
+        ("in-sample |error|", _errors(calibration.in_sample)),
+        (
+            "held-out |error|",
+            "-" if calibration.held_out is None else _errors(calibration.held_out),
+        ),
     ]
     for row in rows:
         summary.add_row(*row)
     samples = Table(title="measured steps")
     for column in ("step", "measured ms", "predicted ms", "error", "held out"):
         samples.add_column(column, justify="left" if column == "step" else "right")
-    for s in profile.samples:
+    for s in calibration.samples:
         samples.add_row(
             s.label,
             f"{s.measured_s * 1e3:.2f}",
@@ -143,7 +148,7 @@ def calibrate_cmd(
     model: CalibrateModelOption = None,
     gpu_name: GpuNameOption = None,
     device: CalibrateDeviceOption = "cpu",
-    out: ProfileOutOption = None,
+    out: CalibrationOutOption = None,
     quick: QuickOption = False,
     seed: CalibrateSeedOption = 0,
     holdout_fraction: HoldoutOption = 0.25,
@@ -231,7 +236,7 @@ def _calibrate_device(
                 label = "measuring peaks" if what == "peaks" else "measuring steps"
                 bar.update(task, description=label, completed=done, total=total)
 
-            profile = run_calibration(
+            calibration = run_calibration(
                 model,
                 gpu_name=gpu_name,
                 device=device,
@@ -246,12 +251,12 @@ def _calibrate_device(
     except HybridServeError as exc:
         raise fail(str(exc)) from None
     path = out if out is not None else Path("runs") / "calibration" / f"{gpu_name}.json"
-    profile.save(path)
-    print_summary(profile, path)
+    calibration.save(path)
+    print_summary(calibration, path)
 
 
-def print_summary(profile: Calibration, path: Path) -> None:
+def print_summary(calibration: Calibration, path: Path) -> None:
     console = out_console()
-    for table in _summary_tables(profile):
+    for table in _summary_tables(calibration):
         console.print(table)
     console.print(f"calibration: {path}")

@@ -3,7 +3,7 @@ same models, GPUs and speculative methods, taken from the catalogs themselves.""
 
 from __future__ import annotations
 
-from hybridserve.core.config import SPEC_NAMES
+from hybridserve.core.config import SPECULATION_NAMES
 from hybridserve.engine.settings import DEFAULT_PRESET, PRESETS
 from hybridserve.layouts import LAYOUTS
 from hybridserve.sim.gpus import GPUS
@@ -11,7 +11,7 @@ from hybridserve.sim.model_profiles import MODELS
 
 SIM_MODELS = tuple(sorted(MODELS))
 GPU_NAMES = tuple(GPUS)
-SPEC_METHODS = SPEC_NAMES
+SPECULATION_METHODS = SPECULATION_NAMES
 CACHE_LAYOUTS = tuple(sorted(LAYOUTS))
 
 
@@ -28,8 +28,8 @@ CHECKPOINT_HELP = (
 )
 SERVED_MODEL_HELP = "Served model name at --url [default: the first one /v1/models lists]."
 GPU_HELP = f"GPU: {listed(GPU_NAMES)}."
-SPEC_HELP = (
-    f"Speculative method: {listed(SPEC_METHODS)} "
+SPECULATION_HELP = (
+    f"Speculative method: {listed(SPECULATION_METHODS)} "
     "(eagle, eagle3 and mtp use vLLM 0.33's lookahead block hashes; their -legacy forms drop "
     "the last matched block of a prefix hit instead)."
 )

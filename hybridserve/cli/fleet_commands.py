@@ -29,7 +29,7 @@ from hybridserve.cli.options import (
     SimGpuOption,
     SimModelOption,
     SimTpOption,
-    SpecOption,
+    SpeculationOption,
     TimeScaleOption,
     WorkersOption,
     WorkloadOption,
@@ -114,7 +114,7 @@ class FleetSweepFlags:
     gpu: str | None
     tp: int | None
     dtype: str | None
-    spec: str
+    speculation: str
     kv_dtype: str | None
     workload: str
     limit: int | None
@@ -143,7 +143,7 @@ def fleet_sweep_cmd(
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
-    spec: SpecOption = "auto",
+    speculation: SpeculationOption = "auto",
     kv_dtype: KvDtypeOption = None,
     workload: WorkloadOption = "agents",
     limit: LimitOption = None,
@@ -210,7 +210,7 @@ def _fleet_grid(flags: FleetSweepFlags) -> tuple[SimConfig, list[FleetPoint], Fl
         tp=flags.tp or 1,
         dtype=flags.dtype or "fp8",
         kv_dtype=flags.kv_dtype or "bf16",
-        spec=flags.spec,
+        speculation=flags.speculation,
         workload=flags.workload,
         limit=flags.limit,
         time_scale=flags.time_scale,
@@ -269,7 +269,7 @@ def _setup(flags: FleetSweepFlags, base: SimConfig, options: FleetOptions) -> di
     profile = model_profile(base)
     return {
         "model": profile.name,
-        "spec": speculative_method(base.spec, profile),
+        "spec": speculative_method(base.speculation, profile),
         "gpu": base.gpu,
         "tp": base.tp,
         "dtype": base.dtype,

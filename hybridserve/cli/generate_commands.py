@@ -36,7 +36,12 @@ from hybridserve.core.errors import HybridServeError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
 from hybridserve.engine.settings import SettingsSources
-from hybridserve.offline.runtime import blocks_for, build_runtime, generation_progress, parse_spec
+from hybridserve.offline.runtime import (
+    blocks_for,
+    build_runtime,
+    generation_progress,
+    parse_speculation,
+)
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.tokenizer import TextTokenizer
@@ -50,8 +55,8 @@ TokenIdsOption = Annotated[
     Path | None, typer.Option(help="JSONL prompts: one list of token ids per line.")
 ]
 MaxTokensOption = Annotated[int, typer.Option(help="New tokens per prompt at most.")]
-NgramSpecOption = Annotated[
-    str | None, typer.Option(help="Speculative decoding: ngram:K (K draft tokens).")
+NgramSpeculationOption = Annotated[
+    str | None, typer.Option("--spec", help="Speculative decoding: ngram:K (K draft tokens).")
 ]
 TemperatureOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="0 = greedy.")]
 TopPOption = Annotated[float, typer.Option(parser=FINITE_FLOAT, help="Nucleus sampling mass.")]
@@ -89,7 +94,7 @@ class GenerateSettings:
     """The flags of one `generate` run, checked by `check()` before the model loads."""
 
     max_tokens: int = 64
-    spec: str | None = None
+    speculation: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -118,10 +123,10 @@ class GenerateSettings:
             raise fail(f"--num-blocks={self.num_blocks} is invalid: use 0 (enough for all) or more")
         if self.dcp < 1 or self.dcp_interleave < 1:
             raise fail(f"--dcp={self.dcp}, --dcp-interleave={self.dcp_interleave}: use 1 or more")
-        if self.dcp > 1 and self.spec:
+        if self.dcp > 1 and self.speculation:
             raise fail(
-                f"--spec={self.spec} with --dcp={self.dcp}: speculative decoding does not run "
-                "under DCP"
+                f"--spec={self.speculation} with --dcp={self.dcp}: speculative decoding does not "
+                "run under DCP"
             )
 
     def settings_sources(self) -> SettingsSources:
@@ -149,7 +154,7 @@ def generate(
     prompts: PromptsOption = None,
     token_ids: TokenIdsOption = None,
     max_tokens: MaxTokensOption = 64,
-    spec: NgramSpecOption = None,
+    speculation: NgramSpeculationOption = None,
     temperature: TemperatureOption = 0.0,
     top_p: TopPOption = 1.0,
     top_k: TopKOption = 0,
@@ -175,7 +180,7 @@ def generate(
         raise fail("give exactly one of --prompts FILE or --token-ids FILE")
     settings = GenerateSettings(
         max_tokens=max_tokens,
-        spec=spec,
+        speculation=speculation,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
@@ -222,7 +227,7 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
         err.print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()), highlight=False)
     # Validate the sampling flags before the (slow) model load.
     sampling = settings.sampling()
-    speculative = parse_spec(settings.spec)
+    speculative = parse_speculation(settings.speculation)
     sources = settings.settings_sources()
     if settings.threads is not None and settings.threads < 1:
         raise fail(f"--threads={settings.threads}: use 1 or more (or leave it out: all cores)")

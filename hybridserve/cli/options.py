@@ -27,7 +27,7 @@ from hybridserve.cli.choices import (
     GPU_HELP,
     MODEL_HELP,
     PRESET_HELP,
-    SPEC_HELP,
+    SPECULATION_HELP,
 )
 from hybridserve.core.config import SchedulerConfig
 
@@ -106,9 +106,11 @@ TpOption = Annotated[int, typer.Option(help="Tensor-parallel width.")]
 SimTpOption = Annotated[
     int | None, typer.Option(help="Tensor-parallel width [default: the --dcp width, or 1].")
 ]
-SpecOption = Annotated[
+SpeculationOption = Annotated[
     str,
-    typer.Option(help=f"{SPEC_HELP} auto: mtp when the model has MTP layers, else none."),
+    typer.Option(
+        "--spec", help=f"{SPECULATION_HELP} auto: mtp when the model has MTP layers, else none."
+    ),
 ]
 WorkloadOption = Annotated[
     str,

@@ -34,7 +34,7 @@ from hybridserve.cli.choices import (
     CHECKPOINT_HELP,
     DEFAULT_DEVICE,
     MODEL_HELP,
-    SPEC_HELP,
+    SPECULATION_HELP,
 )
 from hybridserve.cli.options import (
     ConfigOption,
@@ -114,7 +114,7 @@ TorchModelOpt = Annotated[
         help=f"Torch: {CHECKPOINT_HELP} Implies --executor torch [default: {DEFAULT_TORCH_MODEL}]."
     ),
 ]
-ServeSpecOpt = Annotated[str, typer.Option(help=f"Sim: {SPEC_HELP}")]
+ServeSpeculationOpt = Annotated[str, typer.Option("--spec", help=f"Sim: {SPECULATION_HELP}")]
 SimSpeedOpt = Annotated[
     float,
     typer.Option(
@@ -217,7 +217,7 @@ class ServeFlags:
     gpu: str
     tp: int
     dtype: str
-    spec: str
+    speculation: str
     seed: int
     sim_speed: float
     preset: str | None
@@ -259,7 +259,7 @@ def serve_cmd(
     gpu: GpuOption = "H200",
     tp: TpOption = 1,
     dtype: DtypeOption = "fp8",
-    spec: ServeSpecOpt = "auto",
+    speculation: ServeSpeculationOpt = "auto",
     seed: SeedOption = 0,
     sim_speed: SimSpeedOpt = 1.0,
     preset: PresetOption = None,
@@ -435,7 +435,7 @@ def _backend_loader(flags: ServeFlags, file: SettingsFile | None) -> Callable[[]
         gpu=flags.gpu,
         tp=flags.tp,
         dtype=flags.dtype,
-        spec=flags.spec,
+        speculation=flags.speculation,
         seed=flags.seed,
         sim_speed=flags.sim_speed,
         max_model_len=flags.max_model_len or DEFAULT_MAX_MODEL_LEN,

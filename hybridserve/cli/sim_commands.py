@@ -49,7 +49,7 @@ from hybridserve.cli.options import (
     SimGpuOption,
     SimModelOption,
     SimTpOption,
-    SpecOption,
+    SpeculationOption,
     TimeScaleOption,
     WarmupOption,
     WorkersOption,
@@ -111,7 +111,7 @@ def _file_options(config_file: Path | None, *, preset: str | None = None) -> dic
         return {"preset": preset_name(preset, None)}
     return {
         "preset": preset_name(preset, loaded),
-        "controls": loaded.scheduler,
+        "overrides": loaded.scheduler,
         "retention": loaded.retention,
     }
 
@@ -140,26 +140,26 @@ def _device_options(
     gpu: str | None, dtype: str | None, kv_dtype: str | None, calibration: Path | None
 ) -> dict[str, Any]:
     """SimConfig fields of --gpu, --dtype, --kv-dtype and --calibration. A calibration
-    sets the device (its GpuSpec), the Efficiency constants and, unless given, the dtypes it
+    sets the device (its Gpu), the Efficiency constants and, unless given, the dtypes it
     was measured in; a --gpu naming another device is an error."""
     if calibration is None:
         return {"gpu": gpu or "H200", "dtype": dtype or "fp8", "kv_dtype": kv_dtype or "bf16"}
     from hybridserve.sim.calibration import Calibration
 
-    profile = Calibration.load(calibration)
-    if gpu is not None and gpu != profile.device:
+    measured = Calibration.load(calibration)
+    if gpu is not None and gpu != measured.device:
         raise ConfigError(
             "--gpu",
             gpu,
-            f"--calibration {calibration} was measured on {profile.device}; drop --gpu "
+            f"--calibration {calibration} was measured on {measured.device}; drop --gpu "
             "(the calibration sets the device)",
         )
     return {
-        "gpu": profile.device,
-        "gpu_spec": profile.gpu,
-        "efficiency": profile.efficiency,
-        "dtype": dtype or profile.dtype,
-        "kv_dtype": kv_dtype or profile.kv_dtype,
+        "gpu": measured.device,
+        "calibrated_gpu": measured.gpu,
+        "efficiency": measured.efficiency,
+        "dtype": dtype or measured.dtype,
+        "kv_dtype": kv_dtype or measured.kv_dtype,
     }
 
 
@@ -204,7 +204,7 @@ def _sweep_interrupted(finished: list[Trial], total: int, itl_slo_ms: float) -> 
         return interrupted(f"none of the {total} trials had finished; nothing was written")
     path = Path("runs") / f"sweep-interrupted-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"controls": dict(t.controls), **_metrics_json(t.metrics)} for t in finished]
+    rows = [{"controls": dict(t.overrides), **_metrics_json(t.metrics)} for t in finished]
     payload = {"itl_slo_ms": itl_slo_ms, "interrupted": True, "trials": rows}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return interrupted(f"{len(finished)} of {total} trials had finished; written to {path}")
@@ -273,7 +273,9 @@ def _simulated_model(config: SimConfig | Deployment) -> tuple[str, str]:
     from hybridserve.sim.deployment import resolve_deployment, speculative_method
 
     deployment = resolve_deployment(config)
-    return deployment.profile.name, speculative_method(deployment.config.spec, deployment.profile)
+    return deployment.profile.name, speculative_method(
+        deployment.config.speculation, deployment.profile
+    )
 
 
 def _write_report(folder: Path, report: dict[str, object], runs: dict[str, SimRun]) -> list[Path]:
@@ -389,7 +391,7 @@ class SimulateFlags:
     agents: int
     duration: float
     warmup: float | None
-    spec: str
+    speculation: str
     workload: str
     time_scale: float
     limit: int | None
@@ -419,7 +421,7 @@ class SimulateFlags:
             num_agents=self.agents,
             duration_s=self.duration,
             warmup_s=_default_warmup(self.workload) if self.warmup is None else self.warmup,
-            spec=self.spec,
+            speculation=self.speculation,
             seed=self.seed,
             workload=self.workload,
             time_scale=self.time_scale,
@@ -444,7 +446,7 @@ def simulate_cmd(
     agents: AgentsOption = 20,
     duration: DurationOption = 1800.0,
     warmup: SimWarmupOption = None,
-    spec: SpecOption = "auto",
+    speculation: SpeculationOption = "auto",
     workload: WorkloadOption = "agents",
     time_scale: TimeScaleOption = 1.0,
     limit: LimitOption = None,
@@ -679,7 +681,7 @@ class BenchFlags:
     gpu: str | None
     tp: int | None
     dtype: str | None
-    spec: str
+    speculation: str
     dcp: int
     baseline: str
     agents: int
@@ -738,7 +740,7 @@ def bench_cmd(
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
-    spec: SpecOption = "auto",
+    speculation: SpeculationOption = "auto",
     dcp: DcpOption = 1,
     baseline: BaselineOption = "vllm",
     agents: AgentsOption = 20,
@@ -799,7 +801,7 @@ def _bench_configs(flags: BenchFlags) -> tuple[SimConfig, dict[str, SimConfig], 
     config = _sim_config(
         model=flags.model,
         tp=flags.tp if flags.tp is not None else flags.dcp,
-        spec=flags.spec,
+        speculation=flags.speculation,
         dcp=flags.dcp,
         num_agents=flags.agents,
         duration_s=flags.duration,
@@ -1113,7 +1115,7 @@ def sweep_cmd(
     gpu: SimGpuOption = None,
     tp: SimTpOption = None,
     dtype: SimDtypeOption = None,
-    spec: SpecOption = "auto",
+    speculation: SpeculationOption = "auto",
     dcp: DcpOption = 1,
     model_config: ModelConfigOption = None,
     kv_dtype: KvDtypeOption = None,
@@ -1141,7 +1143,7 @@ def sweep_cmd(
             fleet=fleet_option(fleet_flags),
             model=model,
             tp=tp if tp is not None else dcp,
-            spec=spec,
+            speculation=speculation,
             dcp=dcp,
             num_agents=agents,
             duration_s=duration,
@@ -1203,7 +1205,7 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
     if as_json:
         rows = [
             {
-                "controls": dict(t.controls),
+                "controls": dict(t.overrides),
                 "retention": t.retention,
                 **_metrics_json(t.metrics),
                 "meets_slo": t.meets(itl_slo_ms),
@@ -1211,9 +1213,9 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
             }
             for t in results
         ]
-        chosen: dict[str, Any] = dict(winner.controls)
+        chosen: dict[str, Any] = dict(winner.overrides)
         if space == "vllm":
-            chosen = {"controls": dict(winner.controls), "retention": winner.retention}
+            chosen = {"controls": dict(winner.overrides), "retention": winner.retention}
         payload = {"space": space, "itl_slo_ms": itl_slo_ms, "best": chosen, "trials": rows}
         sys.stdout.write(json.dumps(payload) + "\n")
         return
@@ -1224,7 +1226,7 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
     for column in columns:
         table.add_column(column, justify="left" if column == "controls" else "right")
     for trial in sorted(results, key=lambda t: -t.metrics["job_goodput_per_hour"]):
-        label = ", ".join(f"{k}={v:g}" for k, v in trial.controls if v) or "all off"
+        label = ", ".join(f"{k}={v:g}" for k, v in trial.overrides if v) or "all off"
         if trial.retention:
             label += f", retention={trial.retention}"
         m, f = trial.metrics, fleet_json(trial.fleet or {})
@@ -1247,4 +1249,4 @@ def _report_sweep(results: list[Trial], space: str, itl_slo_ms: float, *, as_jso
             highlight=False,
         )
     console.print(table)
-    console.print(f"best under the SLO: {dict(winner.controls) or 'all off'}")
+    console.print(f"best under the SLO: {dict(winner.overrides) or 'all off'}")

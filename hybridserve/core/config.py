@@ -9,7 +9,7 @@ from enum import StrEnum
 from hybridserve.core.errors import ConfigError, RequestError
 
 
-class SpecMethod(StrEnum):
+class SpeculativeMethod(StrEnum):
     """Speculative decoding methods. Only their capabilities matter to the cache."""
 
     NONE = "none"
@@ -28,7 +28,9 @@ class SpecMethod(StrEnum):
 # that the drafter's inputs matched) and drops nothing; older vLLM (and `lookahead_block_hashes=
 # False` here) dropped the last matched block instead (SPEC.md 3.2). DFlash/DSpark/n-gram/draft
 # models leave target KV exact and need neither (SPEC.md 3.6).
-_HIDDEN_STATE_DRAFTERS = frozenset({SpecMethod.EAGLE, SpecMethod.EAGLE3, SpecMethod.MTP})
+_HIDDEN_STATE_DRAFTERS = frozenset(
+    {SpeculativeMethod.EAGLE, SpeculativeMethod.EAGLE3, SpeculativeMethod.MTP}
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,17 +44,17 @@ class SpeculativeConfig:
       `num_speculative_tokens` tokens ahead (the hash lookahead), one otherwise.
     """
 
-    method: SpecMethod = SpecMethod.NONE
+    method: SpeculativeMethod = SpeculativeMethod.NONE
     num_speculative_tokens: int = 0
     lookahead_block_hashes: bool = True
     multi_module_mtp: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, SpecMethod):
+        if not isinstance(self.method, SpeculativeMethod):
             raise ConfigError(
                 "speculative.method",
                 self.method,
-                f"use one of {[m.value for m in SpecMethod]}",
+                f"use one of {[m.value for m in SpeculativeMethod]}",
             )
         if (
             isinstance(self.num_speculative_tokens, bool)
@@ -64,7 +66,7 @@ class SpeculativeConfig:
                 self.num_speculative_tokens,
                 "use 0 or a positive number of draft tokens",
             )
-        if self.method is SpecMethod.NONE and self.num_speculative_tokens != 0:
+        if self.method is SpeculativeMethod.NONE and self.num_speculative_tokens != 0:
             raise ConfigError(
                 "speculative.num_speculative_tokens",
                 self.num_speculative_tokens,
@@ -73,7 +75,7 @@ class SpeculativeConfig:
         for name in ("lookahead_block_hashes", "multi_module_mtp"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"speculative.{name}", getattr(self, name), "use true or false")
-        if self.multi_module_mtp and self.method is not SpecMethod.MTP:
+        if self.multi_module_mtp and self.method is not SpeculativeMethod.MTP:
             raise ConfigError(
                 "speculative.multi_module_mtp", True, "only the mtp method has MTP modules"
             )
@@ -120,10 +122,10 @@ class SpeculativeConfig:
         if text.endswith("-legacy"):
             text, lookahead_block_hashes = text[: -len("-legacy")], False
         try:
-            method = SpecMethod(text)
+            method = SpeculativeMethod(text)
         except ValueError:
             raise ConfigError(
-                "speculative.method", name, f"use one of {list(SPEC_NAMES)}"
+                "speculative.method", name, f"use one of {list(SPECULATION_NAMES)}"
             ) from None
         if method not in _HIDDEN_STATE_DRAFTERS:
             if not lookahead_block_hashes and name.lower().endswith("-legacy"):
@@ -132,7 +134,7 @@ class SpeculativeConfig:
                 )
             lookahead_block_hashes = True
         if num_speculative_tokens is None:
-            num_speculative_tokens = 0 if method is SpecMethod.NONE else 1
+            num_speculative_tokens = 0 if method is SpeculativeMethod.NONE else 1
         return cls(
             method=method,
             num_speculative_tokens=num_speculative_tokens,
@@ -140,9 +142,9 @@ class SpeculativeConfig:
         )
 
 
-SPEC_NAMES = (
-    *(m.value for m in SpecMethod),
-    *(f"{m.value}-legacy" for m in SpecMethod if m in _HIDDEN_STATE_DRAFTERS),
+SPECULATION_NAMES = (
+    *(m.value for m in SpeculativeMethod),
+    *(f"{m.value}-legacy" for m in SpeculativeMethod if m in _HIDDEN_STATE_DRAFTERS),
 )
 
 

@@ -18,14 +18,6 @@ class RequestStatus(StrEnum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-)
 
 # The only legal moves. Statuses are never compared by order.
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
@@ -180,7 +172,7 @@ class Request:
     # prefill chunks stop there so that the state gets materialised (0 = none).
     prefix_junction: int = 0
     # Draft tokens proposed for the next step (speculative decoding); not yet verified.
-    spec_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
     # Leading prompt tokens whose KV (and state) arrived from another engine (a prefill/decode
     # handoff, vLLM's KV connector): admission marks them computed at once, without scheduling
     # them. Consumed at the first admission; a preempted request recomputes them. 0 = none.
@@ -242,8 +234,8 @@ class Request:
         return max(self.num_prompt_tokens, len(self.token_ids) - 1)
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.token_ids) + len(self.spec_token_ids)
+    def num_tokens_with_drafts(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids)
 
     @property
     def all_token_ids(self) -> Sequence[int]:

@@ -60,7 +60,7 @@ from typing import Any
 
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.kvcache import RetentionPolicy
+from hybridserve.kvcache import Retention
 
 PRESETS = (
     "baseline",
@@ -88,7 +88,7 @@ DEFAULT_PRESET = "hybridserve"
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Preset:
     scheduler: SchedulerConfig
-    retention: RetentionPolicy
+    retention: Retention
     # False: EAGLE/MTP use the legacy one-block drop instead of lookahead block hashes.
     lookahead_block_hashes: bool = True
 
@@ -138,11 +138,11 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
             target_mixed_step_ms=60.0,
         )
     if predecessor:
-        retention = RetentionPolicy.parse("boundary+predecessor")
+        retention = Retention.parse("boundary+predecessor")
     elif name == "legacy":
-        retention = RetentionPolicy.parse("boundary-only")
+        retention = Retention.parse("boundary-only")
     else:
-        retention = RetentionPolicy.parse("boundary")
+        retention = Retention.parse("boundary")
     return Preset(
         scheduler=scheduler, retention=retention, lookahead_block_hashes=preset_uses_lookahead(name)
     )
@@ -231,7 +231,7 @@ def _check_retention(key: str, retention: object) -> None:
         return
     if not isinstance(retention, str):
         raise ConfigError(key, retention, "write it as a string, e.g. 'boundary+predecessor'")
-    RetentionPolicy.parse(retention)  # validates, with its own clear error
+    Retention.parse(retention)  # validates, with its own clear error
 
 
 def _checked(key: str, value: Any) -> Any:
@@ -292,8 +292,8 @@ def resolve_settings(
     merged.update(given)
     config = replace(chosen.scheduler, **merged) if merged else chosen.scheduler
     text = retention_flag if retention_flag is not None else retention
-    policy = RetentionPolicy.parse(text) if text is not None else chosen.retention
-    return replace(chosen, scheduler=config, retention=policy)
+    kept = Retention.parse(text) if text is not None else chosen.retention
+    return replace(chosen, scheduler=config, retention=kept)
 
 
 @dataclass(frozen=True, slots=True)

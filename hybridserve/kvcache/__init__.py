@@ -2,7 +2,7 @@
 
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.manager import Allocation, CacheHit, KVCacheManager
-from hybridserve.kvcache.retention import RetentionPolicy
+from hybridserve.kvcache.retention import Retention
 from hybridserve.kvcache.spec import (
     ChunkedLocalSpec,
     DraftSpec,
@@ -24,6 +24,6 @@ __all__ = [
     "GroupSpec",
     "KVCacheManager",
     "MambaSpec",
-    "RetentionPolicy",
+    "Retention",
     "SlidingWindowSpec",
 ]

@@ -5,11 +5,6 @@ from __future__ import annotations
 from hybridserve.core.errors import ConfigError
 
 
-def dcp_rank_of_token(token: int, *, world_size: int, interleave: int) -> int:
-    """Token t lives on rank floor(t / I) mod N."""
-    return token // interleave % world_size
-
-
 def dcp_local_seq_lens(num_tokens: int, *, world_size: int, interleave: int) -> list[int]:
     """Tokens of a length-L sequence held by each rank (SPEC.md 4.1).
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from hybridserve.core.config import SpeculativeConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.kvcache.retention import RetentionPolicy
+from hybridserve.kvcache.retention import Retention
 from hybridserve.kvcache.spec import ChunkedLocalSpec, GroupKind, GroupSpec
 
 HASH_ALGOS = ("sha256", "xxh3_128")
@@ -38,7 +38,7 @@ class CacheLayout:
     alignment_tokens: int = 0  # 0 = P
     dcp: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    retention: Retention = field(default_factory=Retention)
     hash_algo: str = "sha256"
     eagle_groups: tuple[int, ...] | None = None
     partial_hash_hits: bool = False

@@ -356,16 +356,19 @@ class KVCacheManager:
 
     def _keep_mask(self, boundaries: Sequence[int]) -> KeepMask:
         layout = self.layout
-        policy = layout.retention
+        retention = layout.retention
         state: set[int] = set()
         window: set[int] = set()
         for index, boundary in enumerate(boundaries):
-            if index > 0 and policy.kind in (RetentionKind.BOUNDARY, RetentionKind.BOUNDARY_ONLY):
+            if index > 0 and retention.kind in (
+                RetentionKind.BOUNDARY,
+                RetentionKind.BOUNDARY_ONLY,
+            ):
                 # vLLM keeps a shared-prefix junction as found (it is already past the drop).
                 state.add(boundary)
                 window.add(boundary)
                 continue
-            landing = policy.landing_positions(
+            landing = retention.landing_positions(
                 boundary,
                 alignment=layout.alignment_tokens,
                 drops_target_tail=layout.speculative.drops_target_tail,
@@ -382,9 +385,9 @@ class KVCacheManager:
             window |= projected
             state |= projected
             frontier = projected
-        interval = policy.interval_tokens if policy.kind is RetentionKind.INTERVAL else 0
+        interval = retention.interval_tokens if retention.kind is RetentionKind.INTERVAL else 0
         return KeepMask(
-            dense=policy.is_dense,
+            dense=retention.is_dense,
             interval=interval,
             state_positions=tuple(sorted(state)),
             window_positions=tuple(sorted(window)),
@@ -552,9 +555,6 @@ class KVCacheManager:
     def claim_pin(self, session_id: str) -> bool:
         """The session's next turn arrived: its pin holds until that turn is admitted."""
         return self.pins.claim(session_id)
-
-    def pin_deadline(self, session_id: str) -> float | None:
-        return self.pins.deadline(session_id)
 
     def next_pin_deadline(self) -> float | None:
         """The soonest TTL of any pin (claimed pins have none); None when no pin expires."""

@@ -23,8 +23,9 @@ class RetentionKind(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class RetentionPolicy:
-    """A retention policy. `interval` keeps one checkpoint per N tokens plus the landing set."""
+class Retention:
+    """Which Mamba states a request keeps. `interval` keeps one checkpoint per N tokens plus the
+    landing set."""
 
     kind: RetentionKind = RetentionKind.BOUNDARY_PREDECESSOR
     interval_tokens: int = 0
@@ -40,7 +41,7 @@ class RetentionPolicy:
             )
 
     @classmethod
-    def parse(cls, text: str) -> RetentionPolicy:
+    def parse(cls, text: str) -> Retention:
         """Parse `dense`, `boundary`, `boundary-only`, `boundary+predecessor` or `interval:N`."""
         value = text.strip().lower()
         match = re.fullmatch(r"interval:(\d+)", value)
@@ -84,7 +85,7 @@ class RetentionPolicy:
         floor(n/U)*U tokens (U = A, or a DCP-sharded unit) and then drops one A under a
         tail-dropping method: those are the `window` positions that attention-window groups
         (SWA, draft) keep. State groups keep them plus floor(B/A)*A itself (the boundary and
-        its predecessor). The `boundary` policy is vLLM 0.33's `replay_boundaries`: floor(B/A)*A,
+        its predecessor). The `boundary` retention is vLLM 0.33's `replay_boundaries`: floor(B/A)*A,
         or under the legacy EAGLE drop the dropped landings of B and B + 1. `boundary-only` is
         the pre-0.33 rule: floor(B/A)*A alone, whatever the drop.
         """

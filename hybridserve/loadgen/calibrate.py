@@ -41,7 +41,7 @@ from hybridserve.sim.calibration import Calibration
 from hybridserve.sim.calibration_fit import Grid, fit_measurements
 from hybridserve.sim.cost_model import StepShape
 from hybridserve.sim.fit import CostSetup
-from hybridserve.sim.gpus import GPUS, GpuSpec, get_gpu
+from hybridserve.sim.gpus import GPUS, Gpu, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.model_profiles import MODELS, ModelProfile
 
@@ -76,7 +76,7 @@ class RemoteTarget:
     url: str
     model: str | None  # the served name; None: the first /v1/models lists
     api_key: str | None
-    gpu: GpuSpec
+    gpu: Gpu
     peaks: str  # "datasheet" (a catalog GPU) or "measured" (peaks from another calibration)
     profile: ModelProfile
     dtype: str
@@ -256,7 +256,7 @@ def model_profile_for(model_config: Path | None, model: str | None) -> ModelProf
     )
 
 
-def device_for(gpu_name: str, peaks_from: Path | None) -> tuple[GpuSpec, str]:
+def device_for(gpu_name: str, peaks_from: Path | None) -> tuple[Gpu, str]:
     """(the device's peaks, their source): a catalog GPU's datasheet, or the measured peaks
     of another calibration of the same device (`hybridserve calibrate --model ... --gpu-name
     NAME` run on it). Raises ConfigError naming --gpu-name or --peaks-from."""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
     from hybridserve.executor.torch.dcp import DcpDriver
-    from hybridserve.executor.torch.runner import TorchExecutor
+    from hybridserve.executor.torch.executor import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
     from hybridserve.parallel.group import DcpGroup
 
@@ -185,7 +185,7 @@ def _run_wave(
             report(outcome.num_finished, sum(len(t) for t in outcome.tokens.values()))
 
 
-def parse_spec(text: str | None) -> SpeculativeConfig:
+def parse_speculation(text: str | None) -> SpeculativeConfig:
     """`ngram:K` (K draft tokens) or None for no speculation."""
     if not text:
         return SpeculativeConfig()
@@ -218,8 +218,8 @@ def build_runtime(
 
     With a `dcp` group of N > 1 ranks, the executor holds this rank's KV shard and, on rank 0,
     the engine drives the group through a `DcpDriver` (call `runtime.close()` when done)."""
+    from hybridserve.executor.torch.executor import TorchExecutor
     from hybridserve.executor.torch.models.base import derive_cache_groups
-    from hybridserve.executor.torch.runner import TorchExecutor
     from hybridserve.executor.torch.runtime import load_checkpoint, resolve_device
 
     speculative = speculative or SpeculativeConfig()

@@ -66,7 +66,7 @@ REQUEST_FIELDS: dict[str, tuple[type, int | None]] = {
     "sampler": (dict, None),
 }
 _SAMPLER_FIELDS = ("base", "offset", "mod")
-_SPEC_SAMPLER_FIELDS = ("i_mul", "s_mul", "off", "mod")
+_DRAFT_SAMPLER_FIELDS = ("i_mul", "s_mul", "off", "mod")
 
 
 def read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -151,12 +151,12 @@ def check_header(path: Path, header: dict[str, Any]) -> None:
     _check_prompt_map(where, workload.get("prompt_map"))
     sampler = workload.get("spec_sampler")
     if sampler:
-        for name in _SPEC_SAMPLER_FIELDS:
+        for name in _DRAFT_SAMPLER_FIELDS:
             field(sampler, name, int, f"{where}: workload.spec_sampler", 1 if name == "mod" else 0)
-    spec = engine.get("speculative")
-    if spec:
-        field(spec, "method", str, f"{where}: engine.speculative")
-        field(spec, "num_speculative_tokens", int, f"{where}: engine.speculative", 0)
+    speculative = engine.get("speculative")
+    if speculative:
+        field(speculative, "method", str, f"{where}: engine.speculative")
+        field(speculative, "num_speculative_tokens", int, f"{where}: engine.speculative", 0)
 
 
 def _check_prompt_map(where: str, prompt_map: Any) -> None:

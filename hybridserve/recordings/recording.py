@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig, SchedulingPolicy, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import (
+    SchedulerConfig,
+    SchedulingPolicy,
+    SpeculativeConfig,
+    SpeculativeMethod,
+)
 from hybridserve.core.request import Request, SamplingParams
-from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, Retention
 from hybridserve.kvcache.spec import GroupSpec, MambaCacheMode, SlidingWindowSpec
 from hybridserve.recordings.checks import (
     RecordingError,
@@ -76,7 +81,7 @@ class Recording:
         return str(self.header.get("scenario", self.path.stem))
 
     @property
-    def spec_sampler(self) -> dict[str, int] | None:
+    def draft_sampler(self) -> dict[str, int] | None:
         """The fake rejection sampler of a speculative recording, None without speculation."""
         sampler = self.header["workload"].get("spec_sampler")
         return dict(sampler) if sampler else None
@@ -203,18 +208,18 @@ def _build_request(
 
 def speculative_config(header: dict[str, Any]) -> SpeculativeConfig:
     """The recorded vLLM SpeculativeConfig as ours (FORMAT.md 7.1)."""
-    spec = header["engine"].get("speculative")
-    if not spec:
+    recorded = header["engine"].get("speculative")
+    if not recorded:
         return SpeculativeConfig()
     try:
-        method = SpecMethod(spec["method"])
+        method = SpeculativeMethod(recorded["method"])
     except ValueError:
-        raise RecordingError(f"unsupported speculative method {spec['method']!r}") from None
+        raise RecordingError(f"unsupported speculative method {recorded['method']!r}") from None
     return SpeculativeConfig(
         method=method,
-        num_speculative_tokens=spec["num_speculative_tokens"],
-        lookahead_block_hashes=not spec.get("disable_lookahead_block_hashes", False),
-        multi_module_mtp=bool(spec.get("use_multi_module_mtp", False)),
+        num_speculative_tokens=recorded["num_speculative_tokens"],
+        lookahead_block_hashes=not recorded.get("disable_lookahead_block_hashes", False),
+        multi_module_mtp=bool(recorded.get("use_multi_module_mtp", False)),
     )
 
 
@@ -268,11 +273,11 @@ def cache_layout(header: dict[str, Any]) -> CacheLayout:
             raise RecordingError(f"unsupported cache group kind {group['kind']!r}")
     interval = cache.get("prefix_cache_retention_interval")
     if interval is None:
-        retention = RetentionPolicy.parse("dense")
+        retention = Retention.parse("dense")
     elif interval == 0:
-        retention = RetentionPolicy.parse("boundary")
+        retention = Retention.parse("boundary")
     else:
-        retention = RetentionPolicy.parse(f"interval:{interval}")
+        retention = Retention.parse(f"interval:{interval}")
     flagged = tuple(g for g, group in enumerate(cache["groups"]) if group.get("is_eagle_group"))
     return CacheLayout(
         groups=tuple(groups),

@@ -95,7 +95,7 @@ def recorded_engine(recording: Recording) -> EngineParts:
     runner (its sampler when the recording speculates)."""
     config = recorded_config(recording)
     by_id = {r.req_id: r for r in recording.requests}
-    sampler = recording.spec_sampler
+    sampler = recording.draft_sampler
     num_drafts = config.layout.speculative.num_speculative_tokens
 
     def executor(layout: CacheLayout) -> FakeExecutor | RecordedSampler:

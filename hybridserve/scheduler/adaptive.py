@@ -60,7 +60,7 @@ class AdaptiveBudget:
         self.ceiling = config.max_num_batched_tokens
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
         self.tokens_f = float(self.ceiling)
-        self.valve_open = False  # set by the controller from the plan of each mixed step
+        self.valve_open = False  # set by the controller from the decision of each mixed step
 
     def tokens(self) -> int:
         """The budget now: whole quanta, at least one, at most max_num_batched_tokens."""

@@ -21,7 +21,7 @@ PLACEHOLDER_DRAFT = -1  # a padding draft row: never a real token, never accepte
 
 def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
     """Admit waiters in queue order while budget and sequence slots last: each takes its
-    uncached tokens within the long-prefill threshold, the budget, the plan's waiter tokens and
+    uncached tokens within the long-prefill threshold, the budget, the decision's waiter tokens and
     the state grid, if the controls and (with KV-aware admission) the pool let it start."""
     config, waiting, prefill = scheduler.config, scheduler.waiting, step.prefill
     while waiting and step.budget > 0:
@@ -100,7 +100,7 @@ def pad_for_drafts(
     ):
         if step.budget < 1 + lookahead:
             return 0
-        request.spec_token_ids[:] = [PLACEHOLDER_DRAFT] * lookahead
+        request.draft_token_ids[:] = [PLACEHOLDER_DRAFT] * lookahead
         return 1 + lookahead
     return num_new
 

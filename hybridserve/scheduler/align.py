@@ -40,7 +40,7 @@ class AlignSplitter:
         threshold = config.long_prefill_token_threshold
         budget = config.max_num_batched_tokens
         self.max_prefill_chunk = min(budget, threshold) if threshold > 0 else budget
-        # vLLM's split never reads the retention policy (dense and interval retention included);
+        # vLLM's split never reads the retention (dense and interval retention included);
         # only our predecessor retention adds the stops that materialise its extra states.
         self.vllm_stops_only = cache.layout.retention.kind is not RetentionKind.BOUNDARY_PREDECESSOR
         # Fine-grained hits (vLLM's mamba_partial_cache_hit): the prompt's last hash boundary

@@ -39,9 +39,9 @@ def cut_chunks(step: StepState, requests: dict[str, Request], cache: KVCacheMana
             tokens = (token_ids[start],) if num_new == 1 else tuple(token_ids[start:end])
         else:
             num_draft = end - num_tokens
-            tokens = (*token_ids[start:], *request.spec_token_ids[:num_draft])
-        if request.spec_token_ids:
-            request.spec_token_ids.clear()
+            tokens = (*token_ids[start:], *request.draft_token_ids[:num_draft])
+        if request.draft_token_ids:
+            request.draft_token_ids.clear()
         if start < request.prefill_end:
             num_prefill += num_new
         else:

@@ -1,6 +1,6 @@
 """Prefill/decode controls (SPEC.md 5.2) and the adaptive time budget (5.3). All off by default.
 
-The policy is three pieces, each with one job; the scheduler asks them at fixed points of its
+The controls are three pieces, each with one job; the scheduler asks them at fixed points of its
 loop, so a new control is a change here, never a branch in the loop:
 
 * `PrefillController` decides, before the running loop, the prefill shape of a step: whether
@@ -8,9 +8,9 @@ loop, so a new control is a change here, never a branch in the loop:
   tokens a mixed step may carry (token cap Cp, or a time target T through the step-time model),
   how those quanta rotate over running partial prefills, what the head waiter may take, and the
   bound Mp on partial prefills. It owns the state that carries over between steps.
-* `PrefillPlan` is that decision, frozen. With every control at 0 it is `UNLIMITED` and the
+* `PrefillDecision` is that decision, frozen. With every control at 0 it is `UNLIMITED` and the
   schedule is vLLM's.
-* `PrefillAllowance` is one step's use of its plan by the admissions and by the reclaim of the
+* `PrefillAllowance` is one step's use of its decision by the admissions and by the reclaim of the
   quanta the head waiter could not use.
 """
 
@@ -45,15 +45,15 @@ def count_partials(running: Sequence[Request]) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillPlan:
+class PrefillDecision:
     """The prefill shape of one step, decided before the running loop and never changed after.
 
     The limits: `allow_prefill` (False: a decode-only burst step), `grants` (running partial
     prefill -> the most tokens it may take; None: no cap), `waiter_tokens` (what admissions may
     take together; None: the token budget) and `max_partials` (Mp, the partial prefills an
     admission may leave behind; 0: no bound). The rest records why, for `observe` and the
-    step's output, and what committing the plan advances the controller by: `rotation` (the
-    rotation pointer for the next plan; None: unchanged) and `adaptive_fallback`.
+    step's output, and what committing the decision advances the controller by: `rotation` (the
+    rotation pointer for the next decision; None: unchanged) and `adaptive_fallback`.
     """
 
     allow_prefill: bool = True
@@ -66,7 +66,7 @@ class PrefillPlan:
     mixed_budget: int = 0  # Bp, the governed prefill tokens of a mixed step
     rotation: int | None = None
     adaptive_fallback: bool = False  # the time grant fell back: its prediction error is high
-    queue_pressure: bool = False  # the adaptive budget's queue valve was open for this plan
+    queue_pressure: bool = False  # the adaptive budget's queue valve was open for this decision
     # The adaptive budget governs this mixed step, and `learn` moves it by the step's time
     # (grants stay None when it reaches the step's whole room: vLLM's own loop, unfloored).
     adaptive_step: bool = False
@@ -91,9 +91,10 @@ class PrefillPlan:
         return min(num_new, grants.get(req_id, 0))
 
 
-UNLIMITED = PrefillPlan()  # every control off; a plan is tested with `plan.unlimited`, never `is`
+# Every control off; a decision is tested with `decision.unlimited`, never `is`.
+UNLIMITED = PrefillDecision()
 # A mixed step the adaptive budget governs but leaves to vLLM's loop (it covers the room).
-UNLIMITED_MIXED = PrefillPlan(eligible_decode=True, adaptive_step=True)
+UNLIMITED_MIXED = PrefillDecision(eligible_decode=True, adaptive_step=True)
 
 
 # What the reclaim asks of the scheduler: (request, tokens already in the step, the total it may
@@ -102,14 +103,14 @@ TakeMore = Callable[[Request, int, int], int | None]
 
 
 class PrefillAllowance:
-    """One step's use of its plan: the tokens the head waiter may still take and the partial
-    prefills this step's admissions started. Created per schedule() call; the plan is frozen."""
+    """One step's use of its decision: the tokens the head waiter may still take and the partial
+    prefills this step's admissions started. Created per schedule() call; the decision is frozen."""
 
-    __slots__ = ("new_partials", "plan", "waiter_tokens")
+    __slots__ = ("decision", "new_partials", "waiter_tokens")
 
-    def __init__(self, plan: PrefillPlan) -> None:
-        self.plan = plan
-        self.waiter_tokens = plan.waiter_tokens
+    def __init__(self, decision: PrefillDecision) -> None:
+        self.decision = decision
+        self.waiter_tokens = decision.waiter_tokens
         self.new_partials = 0
 
     def admission_tokens(self, num_new: int) -> int:
@@ -120,7 +121,7 @@ class PrefillAllowance:
     def admits(self, *, completes: bool, running: Sequence[Request], step: StepState) -> bool:
         """Mp: a waiter may join only if the partial prefills left after the step stay <= Mp;
         a waiter that completes its prefill within its grant is always admissible."""
-        bound = self.plan.max_partials
+        bound = self.decision.max_partials
         if not bound or completes:
             return True
         return self._partials_after(running, step) + 1 <= bound
@@ -147,7 +148,7 @@ class PrefillAllowance:
     def reclaim(self, running: Sequence[Request], step: StepState, take_more: TakeMore) -> None:
         """Give the quanta the head waiter could not use back to the running partial prefills,
         in running order, while tokens and budget last; `take_more` aligns and allocates."""
-        if self.plan.grants is None or not self.waiter_tokens:
+        if self.decision.grants is None or not self.waiter_tokens:
             return
         left = self.waiter_tokens
         for request in running:
@@ -174,7 +175,7 @@ class ControlStats:
     decode_only_steps_while_pending: int = 0
     deadline_bypasses: int = 0
     adaptive_fallbacks: int = 0
-    queue_pressure_steps: int = 0  # mixed steps planned with the adaptive queue valve open
+    queue_pressure_steps: int = 0  # mixed steps decided with the adaptive queue valve open
     active_partial_prefills: int = 0  # gauge, after the last step
     last_grants: dict[str, int] = field(default_factory=dict)
 
@@ -211,12 +212,12 @@ class ControlStats:
 
 
 class PrefillController:
-    """The prefill/decode policy of one scheduler.
+    """The prefill/decode controls of one scheduler.
 
-    Its state changes in three calls only, once per step each: `plan` (the rotation pointer,
-    the grants and fallbacks it records), `observe` (the decode-burst count and the counters,
-    after the step is scheduled) and `learn` (the step-time model, after the step ran). `decide`
-    is the pure part of `plan`.
+    Its state changes in three calls only, once per step each: `decide_and_commit` (the
+    rotation pointer, the grants and fallbacks it records), `observe` (the decode-burst count
+    and the counters, after the step is scheduled) and `learn` (the step-time model, after the
+    step ran). `decide` is its pure part.
     """
 
     def __init__(
@@ -249,11 +250,11 @@ class PrefillController:
         self.since = 0  # decode-only steps since the last prefill release, saturating at D
         self.rot = 0
         self.stats = ControlStats()
-        self._last_plan = UNLIMITED  # the plan of the step `learn` hears about next
+        self._last_decision = UNLIMITED  # the decision of the step `learn` hears about next
 
-    # ----- plan -------------------------------------------------------------------------------
+    # ----- decide -----------------------------------------------------------------------------
 
-    def plan(
+    def decide_and_commit(
         self,
         *,
         now: float,
@@ -261,20 +262,20 @@ class PrefillController:
         waiting: Sequence[Request],
         token_budget: int,
         seq_slot_free: bool,
-    ) -> PrefillPlan:
-        """Decide the step's plan and commit it (this advances the rotation pointer, records the
+    ) -> PrefillDecision:
+        """Decide the step and commit the decision (this advances the rotation pointer, records the
         grants and counts a fallback): call it once per step, before the running loop."""
         if not self.enabled:
             return UNLIMITED
-        plan = self.decide(
+        decision = self.decide(
             now=now,
             running=running,
             waiting=waiting,
             token_budget=token_budget,
             seq_slot_free=seq_slot_free,
         )
-        self.commit(plan)
-        return plan
+        self.commit(decision)
+        return decision
 
     def decide(
         self,
@@ -284,8 +285,8 @@ class PrefillController:
         waiting: Sequence[Request],
         token_budget: int,
         seq_slot_free: bool,
-    ) -> PrefillPlan:
-        """The step's plan from the controller's current state. Pure: it changes nothing."""
+    ) -> PrefillDecision:
+        """The step's decision from the controller's current state. Pure: it changes nothing."""
         if not self.enabled:
             return UNLIMITED
         decodes = [r for r in running if is_decode(r)]
@@ -293,15 +294,15 @@ class PrefillController:
         pending = bool(partials) or bool(waiting)
         bound = self.max_partials
         if not decodes:  # nothing to protect: the full budget
-            return PrefillPlan(max_partials=bound, pending=pending)
+            return PrefillDecision(max_partials=bound, pending=pending)
         bypass = False
         if self.min_decode_steps and pending and self.since < self.min_decode_steps:
             if not (self.max_wait_s > 0 and _oldest_age(waiting, now) >= self.max_wait_s):
-                return PrefillPlan(
+                return PrefillDecision(
                     allow_prefill=False, max_partials=bound, eligible_decode=True, pending=pending
                 )
             bypass = True
-        decode_tokens = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
+        decode_tokens = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
         pressure = pending and self._valve(waiting, partials, now)
         room = token_budget - decode_tokens
         budget, fallback = self._mixed_budget(room, decodes, partials)
@@ -313,7 +314,7 @@ class PrefillController:
                 mixed_budget=max(room, 0), queue_pressure=pressure,
             )  # fmt: skip
         if budget is None:  # only Mp / D / W are on: no token cap
-            return PrefillPlan(
+            return PrefillDecision(
                 max_partials=bound, bypass=bypass, eligible_decode=True, pending=pending
             )
         if self.cap or self.target_s:
@@ -321,7 +322,7 @@ class PrefillController:
         else:  # the adaptive budget alone: vLLM's order, the oldest prefill first
             grants, waiter_tokens = self._in_order(budget, partials)
             rotation = None
-        return PrefillPlan(
+        return PrefillDecision(
             grants=MappingProxyType(grants),
             waiter_tokens=waiter_tokens,
             max_partials=bound,
@@ -348,19 +349,19 @@ class PrefillController:
             and self.adaptive.covers(room)
         )
 
-    def commit(self, plan: PrefillPlan) -> None:
-        """Advance the controller by a plan `decide` returned, for the step that runs it."""
-        if plan.rotation is not None:
-            self.rot = plan.rotation
-        if plan.adaptive_fallback:
+    def commit(self, decision: PrefillDecision) -> None:
+        """Advance the controller by a decision `decide` returned, for the step that runs it."""
+        if decision.rotation is not None:
+            self.rot = decision.rotation
+        if decision.adaptive_fallback:
             self.stats.adaptive_fallbacks += 1
-        if plan.grants is not None:
-            self.stats.last_grants = dict(plan.grants)
-        if plan.queue_pressure:
+        if decision.grants is not None:
+            self.stats.last_grants = dict(decision.grants)
+        if decision.queue_pressure:
             self.stats.queue_pressure_steps += 1
-        if self.adaptive is not None and plan.adaptive_step:
-            self.adaptive.valve_open = plan.queue_pressure
-        self._last_plan = plan
+        if self.adaptive is not None and decision.adaptive_step:
+            self.adaptive.valve_open = decision.queue_pressure
+        self._last_decision = decision
 
     def _mixed_budget(
         self, room: int, decodes: Sequence[Request], partials: Sequence[Request]
@@ -390,7 +391,7 @@ class PrefillController:
         model = self.model
         if model.recent_error > FALLBACK_ERROR:
             return (self.cap if self.cap else self.quantum), True
-        n_decode = sum(r.num_tokens_with_spec - r.num_computed_tokens for r in decodes)
+        n_decode = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
         kv_decode = sum(r.num_computed_tokens for r in decodes)
         base = model.predict(model.features(n_decode, 0, kv_decode))
         context = sum(r.num_computed_tokens for r in partials) / len(partials) if partials else 0
@@ -454,23 +455,25 @@ class PrefillController:
 
     # ----- observe ------------------------------------------------------------------------------
 
-    def observe(self, plan: PrefillPlan, *, prefill_tokens: int, partials_after: int) -> None:
-        """Advance the decode-burst count and the counters by a scheduled step: it ran `plan`,
-        carried `prefill_tokens` and left `partials_after` partial prefills."""
+    def observe(
+        self, decision: PrefillDecision, *, prefill_tokens: int, partials_after: int
+    ) -> None:
+        """Advance the decode-burst count and the counters by a scheduled step: it ran
+        `decision`, carried `prefill_tokens` and left `partials_after` partial prefills."""
         if not self.enabled:
             return
         stats = self.stats
         stats.active_partial_prefills = partials_after
-        if not plan.eligible_decode:
+        if not decision.eligible_decode:
             self.since = 0
         elif prefill_tokens:
             self.since = 0
             stats.governed_prefill_tokens += prefill_tokens
-            if plan.bypass:
+            if decision.bypass:
                 stats.deadline_bypasses += 1
         else:
             self.since = min(self.since + 1, self.min_decode_steps)
-            if plan.pending:
+            if decision.pending:
                 stats.decode_only_steps_while_pending += 1
 
     def learn(self, *, decode: int, prefill: int, kv_tokens_read: int, duration_s: float) -> None:
@@ -478,13 +481,13 @@ class PrefillController:
         to the adaptive budget (a step that carried decodes under a token budget)."""
         if self.target_s and duration_s > 0:
             self.model.update(self.model.features(decode, prefill, kv_tokens_read), duration_s)
-        plan, self._last_plan = self._last_plan, UNLIMITED
-        if self.adaptive is not None and decode and plan.adaptive_step:
+        decision, self._last_decision = self._last_decision, UNLIMITED
+        if self.adaptive is not None and decode and decision.adaptive_step:
             self.adaptive.update(
                 duration_s=duration_s,
                 prefill_tokens=prefill,
-                budget=plan.mixed_budget,
-                pressure=plan.queue_pressure,
+                budget=decision.mixed_budget,
+                pressure=decision.queue_pressure,
             )
 
 

@@ -28,9 +28,5 @@ class SchedulerOutput:
     deadline_bypass: bool = False  # the oldest-waiter deadline opened this step
 
     @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.num_scheduled_tokens)
-
-    @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens

@@ -24,8 +24,8 @@ def schedule_running(scheduler: Scheduler, step: StepState) -> None:
     grid); a request that does not fit preempts the lowest-ranked running one, possibly itself."""
     # The hot loop of every step: locals instead of attribute lookups.
     running = scheduler.running
-    plan = step.plan
-    limited = not plan.unlimited
+    decision = step.decision
+    limited = not decision.unlimited
     threshold = step.threshold
     max_position = scheduler.config.max_model_len - 1
     align = scheduler.align_block
@@ -36,9 +36,9 @@ def schedule_running(scheduler: Scheduler, step: StepState) -> None:
     while index < len(running) and step.budget > 0:
         request = running[index]
         computed = request.num_computed_tokens
-        num_new = len(request.token_ids) + len(request.spec_token_ids) - computed
+        num_new = len(request.token_ids) + len(request.draft_token_ids) - computed
         if limited and not is_decode(request):
-            num_new = plan.grant(request.req_id, num_new)
+            num_new = decision.grant(request.req_id, num_new)
         if 0 < threshold < num_new:
             num_new = threshold
         num_new = min(num_new, step.budget, max_position - computed)
@@ -116,7 +116,7 @@ def preempt(scheduler: Scheduler, request: Request, step: StepState) -> None:
     request.transition(RequestStatus.PREEMPTED)
     request.num_computed_tokens = 0
     request.num_preemptions += 1
-    request.spec_token_ids.clear()
+    request.draft_token_ids.clear()
     scheduler.waiting.prepend(request)
     step.preempted.append(request.req_id)
 

@@ -24,4 +24,4 @@ def keep_drafts(
             continue
         request = requests.get(chunk.req_id)
         if request is not None and request.status is RequestStatus.RUNNING:
-            request.spec_token_ids[:] = proposed[:limit]
+            request.draft_token_ids[:] = proposed[:limit]

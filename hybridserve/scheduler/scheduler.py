@@ -7,7 +7,7 @@ it step by step against recordings of the real scheduler.
 This module owns the requests and the order of a step; its halves are their own modules:
 `running` (running requests, preemption), `admission` (waiting requests), `chunks` (the step
 plan's chunks) and `sampled` (update()'s stop and draft rules). The prefill/decode controls are
-one policy, `controls`, which the loop asks at fixed points.
+one object, `controls`, which the loop asks at fixed points.
 """
 
 from __future__ import annotations
@@ -207,16 +207,16 @@ class Scheduler:
             self.program_queue.now = now
         if self.deadline_queue is not None:
             self.deadline_queue.advance(now)
-        plan = self.controls.plan(
+        decision = self.controls.decide_and_commit(
             now=now,
             running=self.running,
             waiting=list(self.waiting) if self.controls.enabled else (),
             token_budget=self.token_budget,
             seq_slot_free=len(self.running) < self.config.max_num_seqs,
         )
-        step = StepState(self.token_budget, self._threshold(), plan)
+        step = StepState(self.token_budget, self._threshold(), decision)
         schedule_running(self, step)
-        if not step.preempted and plan.allow_prefill:
+        if not step.preempted and decision.allow_prefill:
             schedule_waiting(self, step)
         step.prefill.reclaim(self.running, step, partial(take_more, self, step))
         if self.program_queue is not None:
@@ -236,7 +236,9 @@ class Scheduler:
         num_prefill = tally.num_prefill_tokens
         if self.controls.enabled:
             self.controls.observe(
-                step.plan, prefill_tokens=num_prefill, partials_after=count_partials(self.running)
+                step.decision,
+                prefill_tokens=num_prefill,
+                partials_after=count_partials(self.running),
             )
         finished = tuple(self._finished_pending)
         self._finished_pending = []
@@ -262,9 +264,9 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_usage=self.cache.usage(),
-            mixed_budget=step.plan.mixed_budget,
-            decode_only=not step.plan.allow_prefill,
-            deadline_bypass=step.plan.bypass,
+            mixed_budget=step.decision.mixed_budget,
+            decode_only=not step.decision.allow_prefill,
+            deadline_bypass=step.decision.bypass,
         )
 
     # ----- update -------------------------------------------------------------------------
@@ -292,7 +294,7 @@ class Scheduler:
             if chunk.num_draft_tokens:
                 accepted = max(len(sampled) - 1, 0)
                 request.num_computed_tokens -= chunk.num_draft_tokens - accepted
-                request.spec_token_ids.clear()
+                request.draft_token_ids.clear()
             if not sampled:
                 continue
             sampling = request.sampling

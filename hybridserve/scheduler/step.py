@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridserve.kvcache import Allocation
-from hybridserve.scheduler.controls import PrefillAllowance, PrefillPlan
+from hybridserve.scheduler.controls import PrefillAllowance, PrefillDecision
 
 
 class StepState:
@@ -13,9 +13,9 @@ class StepState:
         "admitted",
         "allocations",
         "budget",
+        "decision",
         "new_reqs",
         "num_running_scheduled",
-        "plan",
         "preempted",
         "prefill",
         "resumed",
@@ -24,11 +24,11 @@ class StepState:
         "threshold",
     )
 
-    def __init__(self, budget: int, threshold: int, plan: PrefillPlan) -> None:
+    def __init__(self, budget: int, threshold: int, decision: PrefillDecision) -> None:
         self.budget = budget
         self.threshold = threshold
-        self.plan = plan
-        self.prefill = PrefillAllowance(plan)  # the admissions' and the reclaim's use of it
+        self.decision = decision
+        self.prefill = PrefillAllowance(decision)  # the admissions' and the reclaim's use of it
         self.scheduled: dict[str, int] = {}
         self.allocations: dict[str, Allocation] = {}
         self.admitted: set[str] = set()

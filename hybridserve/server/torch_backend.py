@@ -21,7 +21,7 @@ from hybridserve.server.tokenizer import OffsetDecoder
 
 if TYPE_CHECKING:
     from hybridserve.executor.torch.dcp import DcpDriver, LocalDcpRanks
-    from hybridserve.executor.torch.runner import TorchExecutor
+    from hybridserve.executor.torch.executor import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8_192
@@ -105,7 +105,7 @@ class TorchServingBackend:
             )
 
     def _single_executor(self, model: Any, device: str) -> TorchExecutor:
-        from hybridserve.executor.torch.runner import TorchExecutor
+        from hybridserve.executor.torch.executor import TorchExecutor
 
         return TorchExecutor(model, num_blocks=self._num_blocks, device=device)
 
@@ -129,7 +129,7 @@ class TorchServingBackend:
     def _rank_zero_executor(self, loaded: Any, device: str, group: Any) -> TorchExecutor:
         """Rank 0's executor; every rank then confirms it started, or all of them stop."""
         from hybridserve.executor.torch.dcp import confirm_ready
-        from hybridserve.executor.torch.runner import TorchExecutor
+        from hybridserve.executor.torch.executor import TorchExecutor
 
         assert self._ranks is not None
         executor, failure = None, None

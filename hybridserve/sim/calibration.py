@@ -3,10 +3,10 @@
 `hybridserve calibrate` measures the torch executor over a grid of step shapes, fits the
 `Efficiency` constants on part of them (hybridserve.sim.calibration_fit; the rest is held out
 to report an honest error) and writes a `Calibration` as JSON; `hybridserve simulate
---calibration FILE` loads it and uses its `GpuSpec` and `Efficiency`.
+--calibration FILE` loads it and uses its `Gpu` and `Efficiency`.
 
 A device in the GPU catalog keeps its datasheet peaks (`peaks="datasheet"`). Any other device (a
-CPU) gets a GpuSpec of peaks measured by microbenchmarks (`peaks="measured"`: matmul FLOP/s,
+CPU) gets a Gpu of peaks measured by microbenchmarks (`peaks="measured"`: matmul FLOP/s,
 copy bytes/s), so the fitted efficiencies stay fractions of a measured peak.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.cost_model import Efficiency, RequestShape, StepShape
-from hybridserve.sim.gpus import GpuSpec
+from hybridserve.sim.gpus import Gpu
 
 SCHEMA_VERSION = 1
 PEAK_SOURCES = ("datasheet", "measured")
@@ -59,7 +59,7 @@ class SampleRow:
     label: str
     requests: tuple[tuple[int, int, int], ...]
     measured_s: float
-    predicted_s: float  # by the profile's constants
+    predicted_s: float  # by the calibration's constants
     held_out: bool  # not used by the fit
 
     def __post_init__(self) -> None:
@@ -113,7 +113,7 @@ class Calibration:
     """What `hybridserve calibrate` measured and fitted on one device; saved as JSON."""
 
     device: str  # the --gpu-name: a catalog GPU, or any name for a measured device
-    gpu: GpuSpec  # its peaks: the datasheet (catalog) or the microbenchmarks (measured)
+    gpu: Gpu  # its peaks: the datasheet (catalog) or the microbenchmarks (measured)
     peaks: str  # "datasheet" or "measured"
     efficiency: Efficiency  # fitted: gemm, attention, hbm, step_overhead_s
     model: str  # the checkpoint measured (its folder name)
@@ -163,13 +163,13 @@ class Calibration:
         return {key: data[key] for key in order}
 
     def save(self, path: Path) -> None:
-        """Write the profile as JSON (parent folders created)."""
+        """Write the calibration as JSON (parent folders created)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
-        """Read a profile written by `save`. Raises ConfigError naming the file or the field."""
+        """Read a calibration written by `save`. Raises ConfigError naming the file or the field."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -201,7 +201,7 @@ class Calibration:
             raise ConfigError(f"calibration.{exc.field}", exc.value, exc.fix) from None
         return cls(
             device=read.text("device"),
-            gpu=GpuSpec(name=read.text("device"), **read.numbers("gpu", _GPU_FIELDS)),
+            gpu=Gpu(name=read.text("device"), **read.numbers("gpu", _GPU_FIELDS)),
             peaks=read.text("peaks"),
             efficiency=efficiency,
             model=read.text("model"),
@@ -222,10 +222,10 @@ class Calibration:
 
 
 _EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
-# name is the profile's device; the optional peaks may be null.
-_GPU_FIELDS = tuple(f.name for f in fields(GpuSpec) if f.name != "name")
+# name is the calibration's device; the optional peaks may be null.
+_GPU_FIELDS = tuple(f.name for f in fields(Gpu) if f.name != "name")
 _OPTIONAL = ("fp8_flops", "fp4_flops", "fp32_flops", "reported_bytes")
-# Fields newer than some profiles: a profile without them keeps the defaults.
+# Fields newer than some calibration files: a file without them keeps the defaults.
 _ADDED_LATER = ("reported_bytes", "moe_hbm", "recurrent_layer_s")
 
 

@@ -3,7 +3,7 @@
 `Grid.shapes()` lists the step shapes `hybridserve calibrate` times on a device;
 `fit_measurements` fits the `Efficiency` constants on some of the measured shapes
 (`fit_efficiency`, from several starting points) and reports the error on the others.
-`measured_gpu_spec` is the GpuSpec of a device outside the catalog, from measured peaks.
+`measured_gpu` is the Gpu of a device outside the catalog, from measured peaks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.sim.calibration import ErrorSummary, SampleRow, describe
 from hybridserve.sim.cost_model import Efficiency, StepShape
 from hybridserve.sim.fit import DEFAULT_PARAMS, CostSetup, Sample, fit_efficiency
-from hybridserve.sim.gpus import GpuSpec
+from hybridserve.sim.gpus import Gpu
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,12 +163,12 @@ def fit_measurements(
     )
 
 
-def measured_gpu_spec(
+def measured_gpu(
     name: str, *, fp32_flops: float, bf16_flops: float, copy_bytes_per_s: float, memory_bytes: float
-) -> GpuSpec:
+) -> Gpu:
     """The 'datasheet' of a device outside the catalog: its measured matmul FLOP/s, copy
     bytes/s (read + written) and memory. No interconnect was measured: link 0 (tp 1 only)."""
-    return GpuSpec(
+    return Gpu(
         name=name,
         bf16_flops=bf16_flops,
         fp8_flops=None,

@@ -1,5 +1,5 @@
 """The calibration workflow of `hybridserve calibrate`: check the request, have the device time
-the grid's step shapes, fit the cost model's constants, and return the profile.
+the grid's step shapes, fit the cost model's constants, and return the calibration.
 
 The timing runs torch (`hybridserve.executor.torch.calibrate.measure_device`, handed in as
 `measure`); this module sees only its result and never imports torch.
@@ -16,12 +16,12 @@ from hybridserve.sim.calibration import CLOCKS, Calibration
 from hybridserve.sim.calibration_fit import (
     Grid,
     fit_measurements,
-    measured_gpu_spec,
+    measured_gpu,
     request_tokens,
 )
 from hybridserve.sim.cost_model import StepShape
 from hybridserve.sim.fit import CostSetup
-from hybridserve.sim.gpus import GPUS, GpuSpec, get_gpu
+from hybridserve.sim.gpus import GPUS, Gpu, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.model_profiles import ModelProfile
 
@@ -133,7 +133,7 @@ def run_calibration(
     num_threads: int | None = None,
     progress: Progress | None = None,
 ) -> Calibration:
-    """Time `grid` on `device` with `measure`, fit, and return the profile. A catalog GPU
+    """Time `grid` on `device` with `measure`, fit, and return the calibration. A catalog GPU
     keeps its datasheet peaks; any other name gets the measured ones. `num_threads` sets
     torch's intra-op threads (None: leave them). Raises ConfigError."""
     path = model_path.expanduser()
@@ -165,7 +165,7 @@ def run_calibration(
         with_peaks=not in_catalog,
         progress=progress,
     )
-    return _fit_profile(
+    return _fit_calibration(
         list(zip(shapes, measured.seconds, strict=True)),
         measured,
         model=profile_model,
@@ -179,7 +179,7 @@ def run_calibration(
     )
 
 
-def _fit_profile(
+def _fit_calibration(
     timings: list[tuple[StepShape, float]],
     measured: Measurement,
     *,
@@ -193,8 +193,8 @@ def _fit_profile(
     holdout_fraction: float,
 ) -> Calibration:
     """Fit the cost model to `timings` (seconds per step shape, from `measured`) and return
-    the profile."""
-    gpu = _gpu_spec(gpu_name, in_catalog=in_catalog, peaks=measured.peaks)
+    the calibration."""
+    gpu = _device_gpu(gpu_name, in_catalog=in_catalog, peaks=measured.peaks)
     setup = CostSetup(gpu=gpu, model=model, dtype=dtype, kv_dtype=dtype)
     fit = fit_measurements(timings, setup=setup, holdout_fraction=holdout_fraction, seed=seed)
     return Calibration(
@@ -217,13 +217,13 @@ def _fit_profile(
     )
 
 
-def _gpu_spec(gpu_name: str, *, in_catalog: bool, peaks: MeasuredPeaks | None) -> GpuSpec:
+def _device_gpu(gpu_name: str, *, in_catalog: bool, peaks: MeasuredPeaks | None) -> Gpu:
     """A catalog GPU's datasheet, else the measured device's peaks."""
     if in_catalog:
         return get_gpu(gpu_name)
     if peaks is None:
         raise RuntimeError(f"{gpu_name} is not in the catalog and its peaks were not measured")
-    return measured_gpu_spec(
+    return measured_gpu(
         gpu_name,
         fp32_flops=peaks.fp32_flops,
         bf16_flops=peaks.bf16_flops,

@@ -14,8 +14,8 @@ from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
-from hybridserve.sim.gpus import GpuSpec, dtype_bytes
-from hybridserve.sim.memory import GIB, vllm_kv_budget
+from hybridserve.sim.gpus import Gpu, dtype_bytes
+from hybridserve.sim.memory import GIB, vllm_memory_account
 from hybridserve.sim.memory import bytes_per_block as bytes_per_block  # re-exported
 from hybridserve.sim.model_profiles import ModelProfile, embedding_dtype
 
@@ -148,7 +148,7 @@ class RooflineCostModel:
 
     def __init__(
         self,
-        gpu: GpuSpec,
+        gpu: Gpu,
         model: ModelProfile,
         *,
         tp: int = 1,
@@ -397,7 +397,7 @@ def expected_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
 
 
 def kv_pool_blocks(
-    gpu: GpuSpec,
+    gpu: Gpu,
     model: ModelProfile,
     *,
     tp: int = 1,
@@ -412,7 +412,7 @@ def kv_pool_blocks(
 
     Raises ConfigError when the weights and the profile run leave no room for a single block.
     """
-    budget = vllm_kv_budget(
+    account = vllm_memory_account(
         gpu,
         model,
         tp=tp,
@@ -423,13 +423,13 @@ def kv_pool_blocks(
         max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=gpu_memory_utilization,
     )
-    if budget.num_blocks < 1:
+    if account.num_blocks < 1:
         raise ConfigError(
             "tp",
             tp,
-            f"{model.name} needs {budget.weight_bytes / GIB:.1f} GiB of weights per GPU and "
-            f"{budget.activation_bytes / GIB:.1f} GiB for the profile run, more than the "
-            f"{budget.requested_bytes / GIB:.1f} GiB budget of {gpu.name}; raise tp or use a "
-            "smaller dtype",
+            f"{model.name} needs {account.weight_bytes / GIB:.1f} GiB of weights per GPU and "
+            f"{account.activation_bytes / GIB:.1f} GiB for the profile run, more than the "
+            f"{account.requested_bytes / GIB:.1f} GiB the engine may use on {gpu.name}; raise tp "
+            "or use a smaller dtype",
         )
-    return budget.num_blocks
+    return account.num_blocks

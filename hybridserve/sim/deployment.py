@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SpecMethod, SpeculativeConfig
+from hybridserve.core.config import SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.settings import Preset, preset_uses_lookahead, resolve_settings
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.sim.bounds import check_bound
 from hybridserve.sim.cost_model import Efficiency
-from hybridserve.sim.gpus import GpuSpec, get_gpu
+from hybridserve.sim.gpus import Gpu, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.model_profiles import ModelProfile, get_model
 from hybridserve.sim.pd import parse_pd
@@ -97,7 +97,9 @@ class SimConfig:
     tp: int = 1
     dtype: str = "fp8"
     preset: str = "hybridserve"
-    spec: str = "auto"  # auto: mtp for a model with MTP layers, else none (speculative_method)
+    speculation: str = (
+        "auto"  # auto: mtp for a model with MTP layers, else none (speculative_method)
+    )
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
     acceptance_rate: float = 0.7
     duration_s: float = 1_800.0
@@ -108,14 +110,14 @@ class SimConfig:
     time_scale: float = 1.0
     limit: int | None = None
     # Scheduler overrides on top of the preset (a sweep trial, a --config file): field -> value.
-    controls: tuple[tuple[str, Any], ...] = ()
-    retention: str | None = None  # overrides the preset's retention policy
+    overrides: tuple[tuple[str, Any], ...] = ()
+    retention: str | None = None  # overrides the preset's retention
     include_scheduler_cpu: bool = False  # add measured schedule()+update() time to each step
     model_config: str | None = None  # a Hugging Face config.json (or its folder); beats `model`
     kv_dtype: str = "bf16"  # KV cache and recurrent state dtype
     efficiency: Efficiency = field(default_factory=Efficiency)  # cost-model constants
     # A device outside the catalog (a calibration's measured peaks); beats `gpu`.
-    gpu_spec: GpuSpec | None = None
+    calibrated_gpu: Gpu | None = None
     # The context limit; None: the agents' context limit + 1. Longer trace prompts are rejected.
     max_model_len: int | None = None
     # Decode context parallel: full-attention KV sharded over `dcp` of the `tp` ranks (vLLM's
@@ -179,10 +181,10 @@ def _check_max_model_len(max_model_len: int, workload: str, agents: AgentParams)
         )
 
 
-def gpu_of(config: SimConfig) -> GpuSpec:
-    """The run's device: `gpu_spec` when given, else the catalog entry `gpu`. Raises
+def gpu_of(config: SimConfig) -> Gpu:
+    """The run's device: `calibrated_gpu` when given, else the catalog entry `gpu`. Raises
     ConfigError for tp > 1 on a device whose interconnect was not measured (link 0)."""
-    gpu = config.gpu_spec if config.gpu_spec is not None else get_gpu(config.gpu)
+    gpu = config.calibrated_gpu if config.calibrated_gpu is not None else get_gpu(config.gpu)
     if config.tp > 1 and gpu.link_bytes_per_s <= 0:
         raise ConfigError(
             "tp", config.tp, f"{gpu.name} has no measured interconnect; simulate it with tp=1"
@@ -196,7 +198,7 @@ def state_quantum(model: str | ModelProfile) -> int:
     return quantum_of_groups(profile.cache_groups())
 
 
-AUTO_SPEC = "auto"
+AUTO_SPECULATION = "auto"
 # KV cache and recurrent-state dtypes the cost model and pool sizing express (fp32: a CPU
 # calibration). FP4 KV caches are not modelled: their scales and kernels are not.
 KV_DTYPES = ("bf16", "fp16", "fp8", "fp32")
@@ -243,20 +245,20 @@ def check_tensor_parallel(model: ModelProfile, tp: int) -> None:
         )
 
 
-def speculative_method(spec: str, model: ModelProfile) -> str:
+def speculative_method(speculation: str, model: ModelProfile) -> str:
     """The method a run simulates. `auto` is the model's own: `mtp` when it has MTP layers,
     else `none`. MTP asked of a model without MTP layers is refused: it would simulate
     speculation the model cannot do."""
-    if spec == AUTO_SPEC:
+    if speculation == AUTO_SPECULATION:
         return "mtp" if model.num_mtp_layers > 0 else "none"
-    if spec in ("mtp", "mtp-legacy") and model.num_mtp_layers == 0:
+    if speculation in ("mtp", "mtp-legacy") and model.num_mtp_layers == 0:
         raise ConfigError(
             "spec",
-            spec,
+            speculation,
             f"{model.name} has no MTP layers; use --spec auto (here: none), none, or a "
             "draft-head method such as eagle",
         )
-    return spec
+    return speculation
 
 
 def model_profile(config: SimConfig) -> ModelProfile:
@@ -269,7 +271,7 @@ def model_profile(config: SimConfig) -> ModelProfile:
 def speculative_of(config: SimConfig) -> SpeculativeConfig:
     """The run's speculation: the model's own method under `auto`; the `legacy` preset takes
     the one-block drop instead of lookahead block hashes."""
-    method = speculative_method(config.spec, model_profile(config))
+    method = speculative_method(config.speculation, model_profile(config))
     return SpeculativeConfig.from_name(
         method,
         config.num_speculative_tokens if method != "none" else 0,
@@ -279,7 +281,7 @@ def speculative_of(config: SimConfig) -> SpeculativeConfig:
 
 def loaded_model(config: SimConfig) -> ModelProfile:
     """The model as served: its MTP layers (weights, KV) only when it speculates with MTP."""
-    return model_profile(config).loaded(mtp=speculative_of(config).method is SpecMethod.MTP)
+    return model_profile(config).loaded(mtp=speculative_of(config).method is SpeculativeMethod.MTP)
 
 
 def scheduler_preset(config: SimConfig, model: ModelProfile) -> Preset:
@@ -289,7 +291,7 @@ def scheduler_preset(config: SimConfig, model: ModelProfile) -> Preset:
         config.preset,
         quantum=state_quantum(model),
         max_model_len=config.context_limit,
-        scheduler=config.controls,
+        scheduler=config.overrides,
         retention=config.retention,
     )
 
@@ -304,7 +306,7 @@ class Deployment:
     config: SimConfig
     profile: ModelProfile  # as named, or parsed from --model-config
     model: ModelProfile  # as served: MTP layers only when it speculates with MTP
-    gpu: GpuSpec
+    gpu: Gpu
     speculative: SpeculativeConfig
     settings: Preset  # the preset, then the file's and the run's overrides
 
@@ -314,13 +316,13 @@ def resolve_deployment(config: SimConfig | Deployment) -> Deployment:
     if isinstance(config, Deployment):
         return config
     profile = model_profile(config)
-    method = speculative_method(config.spec, profile)
+    method = speculative_method(config.speculation, profile)
     speculative = SpeculativeConfig.from_name(
         method,
         config.num_speculative_tokens if method != "none" else 0,
         lookahead_block_hashes=preset_uses_lookahead(config.preset),
     )
-    model = profile.loaded(mtp=speculative.method is SpecMethod.MTP)
+    model = profile.loaded(mtp=speculative.method is SpeculativeMethod.MTP)
     check_tensor_parallel(model, config.tp)
     check_kv_dtype(config.kv_dtype)
     return Deployment(

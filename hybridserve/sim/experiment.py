@@ -70,7 +70,7 @@ def tune_vllm(
 ) -> tuple[SimConfig, dict[str, Any]]:
     """The `vllm-tuned` baseline: `config` on the baseline preset with the best vLLM setting
     (token budget, long-prefill threshold, batch limit, retention) that `trials` random draws
-    find under the p99 ITL SLO (hybridserve.sim.sweep.vllm_sweep: the same budget as the
+    find under the p99 ITL SLO (hybridserve.sim.sweep.vllm_sweep: as many trials as the
     hybridserve sweep), searched on `config`'s own seed. Returns the config and the search."""
     from hybridserve.sim.deployment import model_profile, state_quantum
     from hybridserve.sim.sweep import best, vllm_sweep
@@ -78,11 +78,11 @@ def tune_vllm(
     quantum = state_quantum(model_profile(config))
     results = vllm_sweep(config, trials=trials, quantum=quantum, workers=workers, seed=seed)
     winner = best(results, itl_slo_ms=itl_slo_ms)
-    chosen = tuned_config(config, dict(winner.controls), winner.retention or "boundary")
+    chosen = tuned_config(config, dict(winner.overrides), winner.retention or "boundary")
     search = {
         "itl_slo_ms": itl_slo_ms,
         "trials": len(results),
-        "best": {"controls": dict(winner.controls), "retention": winner.retention},
+        "best": {"controls": dict(winner.overrides), "retention": winner.retention},
         "best_metrics": {k: winner.metrics[k] for k in ("job_goodput_per_hour", "itl_p99_ms")},
     }
     return chosen, search
@@ -110,11 +110,11 @@ def read_tuned(
     need = 'it needs {"best": {"controls": {KNOB: integer, ...}, "retention": "..."}}'
     if not isinstance(found, dict) or not isinstance(found.get("best"), dict):
         raise ConfigError(field, str(path), need)
-    best = found["best"]
-    controls, retention = best.get("controls", {}), best.get("retention") or "boundary"
-    if not isinstance(controls, dict) or not isinstance(retention, str):
+    best = found["best"]  # stored files name the scheduler overrides `controls`
+    overrides, retention = best.get("controls", {}), best.get("retention") or "boundary"
+    if not isinstance(overrides, dict) or not isinstance(retention, str):
         raise ConfigError(field, str(path), need)
-    for knob, value in controls.items():
+    for knob, value in overrides.items():
         integer = isinstance(value, int) and not isinstance(value, bool)
         if not (integer or (isinstance(value, float) and value.is_integer())):
             raise ConfigError(f"{field} controls.{knob}", value, "use an integer")
@@ -122,24 +122,24 @@ def read_tuned(
     if isinstance(found.get("trials"), list):
         search["trials"] = len(found["trials"])
     try:
-        tuned = tuned_config(config, controls, retention)
+        tuned = tuned_config(config, overrides, retention)
     except ConfigError as exc:
         raise ConfigError(f"{field} ({path})", exc.value, exc.fix) from None
     return tuned, {**search, "from": str(path)}
 
 
-def tuned_config(config: SimConfig, controls: Mapping[str, Any], retention: str) -> SimConfig:
+def tuned_config(config: SimConfig, overrides: Mapping[str, Any], retention: str) -> SimConfig:
     """`config` as the vllm-tuned baseline: the baseline preset, vLLM knobs only. Raises
     ConfigError for a knob that is not one of vLLM's."""
     from hybridserve.sim.sweep import VLLM_GRID
 
-    unknown = sorted(set(controls) - set(VLLM_GRID))
+    unknown = sorted(set(overrides) - set(VLLM_GRID))
     if unknown:
         raise ConfigError("tuned.controls", unknown, f"vLLM's knobs are {sorted(VLLM_GRID)}")
     return replace(
         config,
         preset="baseline",
-        controls=tuple(sorted((k, int(v)) for k, v in controls.items())),
+        overrides=tuple(sorted((k, int(v)) for k, v in overrides.items())),
         retention=retention,
     )
 

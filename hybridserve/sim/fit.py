@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.cost_model import Efficiency, RooflineCostModel, StepShape
-from hybridserve.sim.gpus import GpuSpec
+from hybridserve.sim.gpus import Gpu
 from hybridserve.sim.model_profiles import ModelProfile
 
 FRACTIONS = ("gemm", "attention", "hbm", "link")
@@ -27,7 +27,7 @@ DEFAULT_PARAMS = ("gemm", "attention", "hbm", "step_overhead_s")
 class CostSetup:
     """What a cost model needs besides its constants: GPU, model, parallelism and dtypes."""
 
-    gpu: GpuSpec
+    gpu: Gpu
     model: ModelProfile
     tp: int = 1
     dtype: str = "bf16"
@@ -75,16 +75,6 @@ class FitResult:
     relative_errors: tuple[float, ...]  # predicted / measured - 1, per sample
     objective: float  # mean |log(predicted / measured)| at the fitted constants
     evaluations: int
-
-    @property
-    def median_abs_error(self) -> float:
-        return _median([abs(e) for e in self.relative_errors])
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _encode(

@@ -109,7 +109,7 @@ def fixed_simulation(
     seed: int,
     on_step: Callable[[EngineStep], None] | None = None,
 ) -> Simulation:
-    """The simulation of a `fixed:` workload spec (`text` is what follows `fixed:`)."""
+    """The simulation of a `fixed:` workload string (`text` is what follows `fixed:`)."""
     workload = FixedWorkload.parse(text)
     if workload.concurrency is not None:
         return ClosedLoopSimulation(engine, workload, on_step=on_step)

@@ -152,7 +152,7 @@ class FleetSimulation:
         )
         views = _replica_views(caches, self.mirrors)
         # Arrivals go to the prefill replicas (all of them when colocated); handoffs to the
-        # decode replicas, by the same policy.
+        # decode replicas, by the same router.
         w = fleet.load_weight
         self.router = Router(fleet.router, views[:num_prefill], load_weight=w)
         self.decode_router = Router(fleet.router, views[num_prefill:] or views, load_weight=w)

@@ -12,7 +12,7 @@ DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GpuSpec:
+class Gpu:
     """One accelerator, datasheet values (no efficiency applied)."""
 
     name: str
@@ -51,10 +51,6 @@ class GpuSpec:
             raise ConfigError("dtype", dtype, f"{self.name} has no {dtype} tensor cores; use bf16")
         return peak
 
-    def ridge_flops_per_byte(self, dtype: str = "bf16") -> float:
-        """Roofline ridge point: FLOPs per HBM byte at which compute time equals memory time."""
-        return self.peak_flops(dtype) / self.hbm_bytes_per_s
-
 
 _T = 1e12
 _G = 1e9
@@ -82,10 +78,10 @@ _GIB = float(1 << 30)
 # - H100-SXM: 79.18 GiB, vLLM's total in llm-d-benchmark's
 #   config_explorer/empirical-vllm-memory-results.md ("H100 GPUs (79.18 GiB total memory)").
 # - A100-80G, B200, MI300X: no report found; the datasheet capacity stands in.
-GPUS: dict[str, GpuSpec] = {
+GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
-        GpuSpec(
+        Gpu(
             name="A100-80G",
             bf16_flops=312 * _T,
             fp8_flops=None,
@@ -94,7 +90,7 @@ GPUS: dict[str, GpuSpec] = {
             hbm_bytes_per_s=2.039 * _T,
             link_bytes_per_s=300 * _G,
         ),
-        GpuSpec(
+        Gpu(
             name="H100-SXM",
             bf16_flops=989.4 * _T,
             fp8_flops=1978.9 * _T,
@@ -104,7 +100,7 @@ GPUS: dict[str, GpuSpec] = {
             link_bytes_per_s=450 * _G,
             reported_bytes=79.18 * _GIB,
         ),
-        GpuSpec(
+        Gpu(
             name="H200",
             bf16_flops=989.4 * _T,
             fp8_flops=1978.9 * _T,
@@ -114,7 +110,7 @@ GPUS: dict[str, GpuSpec] = {
             link_bytes_per_s=450 * _G,
             reported_bytes=139.81 * _GIB,
         ),
-        GpuSpec(
+        Gpu(
             name="B200",
             bf16_flops=2250 * _T,
             fp8_flops=4500 * _T,
@@ -123,7 +119,7 @@ GPUS: dict[str, GpuSpec] = {
             hbm_bytes_per_s=7.7 * _T,
             link_bytes_per_s=900 * _G,
         ),
-        GpuSpec(
+        Gpu(
             name="MI300X",
             bf16_flops=1307.4 * _T,
             fp8_flops=2614.9 * _T,
@@ -136,7 +132,7 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
-def get_gpu(name: str) -> GpuSpec:
+def get_gpu(name: str) -> Gpu:
     """The catalog entry for `name`. Raises ConfigError naming the known GPUs."""
     try:
         return GPUS[name]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
-from hybridserve.sim.gpus import GpuSpec
+from hybridserve.sim.gpus import Gpu
 from hybridserve.sim.model_profiles import ModelProfile
 
 GIB = float(1 << 30)
@@ -49,7 +49,7 @@ _BF16 = 2.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class KvBudget:
+class MemoryAccount:
     """One GPU's memory account, as vLLM's memory-profiling log line itemises it."""
 
     total_bytes: float
@@ -126,8 +126,8 @@ def activation_bytes(
     return total
 
 
-def vllm_kv_budget(
-    gpu: GpuSpec,
+def vllm_memory_account(
+    gpu: Gpu,
     model: ModelProfile,
     *,
     tp: int = 1,
@@ -137,14 +137,14 @@ def vllm_kv_budget(
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     gpu_memory_utilization: float = 0.9,
-) -> KvBudget:
+) -> MemoryAccount:
     """The memory account of one GPU of a `tp`-wide replica. Raises ConfigError for a
     utilization outside (0, 1]."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ConfigError(
             "gpu_memory_utilization", gpu_memory_utilization, "use a fraction in (0, 1]"
         )
-    return KvBudget(
+    return MemoryAccount(
         total_bytes=gpu.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=serving_weight_bytes(model, dtype=dtype, tp=tp),
@@ -197,7 +197,7 @@ def max_concurrency(
 
 def vllm_log_lines(
     *,
-    budget: KvBudget | None,
+    account: MemoryAccount | None,
     num_blocks: int,
     groups: tuple[GroupSpec, ...],
     max_model_len: int,
@@ -207,8 +207,8 @@ def vllm_log_lines(
     """The lines vLLM logs about the pool, with this pool's figures, so they can be held against a
     real start-up log."""
     lines = []
-    if budget is not None:
-        lines.append(f"Available KV cache memory: {budget.available_bytes / GIB:.2f} GiB")
+    if account is not None:
+        lines.append(f"Available KV cache memory: {account.available_bytes / GIB:.2f} GiB")
     tokens = kv_cache_tokens(num_blocks, groups, dcp=dcp)
     concurrency = max_concurrency(
         num_blocks, groups, max_model_len, max_num_batched_tokens=max_num_batched_tokens, dcp=dcp

@@ -81,11 +81,6 @@ class BurstyWorkload:
             raise ConfigError("workload", f"bursty:{text}", f"give {missing}: {_BURSTY_USAGE}")
         return cls(**options)  # type: ignore[arg-type]
 
-    @property
-    def mean_rate_per_s(self) -> float:
-        """Arrivals per second averaged over bursts and gaps."""
-        return self.rate_per_s * self.on_s / (self.on_s + self.off_s)
-
     def arrival_times(self, *, seed: int, until_s: float) -> Iterator[float]:
         """Arrival times up to `until_s` (or `num_requests` of them): a Poisson process on the
         burst clock (time with the gaps cut out), laid back onto the wall clock."""
@@ -110,7 +105,7 @@ def bursty_simulation(
     seed: int,
     on_step: Callable[[EngineStep], None] | None = None,
 ) -> OpenLoopSimulation:
-    """The simulation of a `bursty:` workload spec (`text` is what follows `bursty:`)."""
+    """The simulation of a `bursty:` workload string (`text` is what follows `bursty:`)."""
     workload = BurstyWorkload.parse(text)
     arrivals = [
         (time_s, f"b{i}", prompt_tokens(i, workload.input_tokens), workload.output_tokens)

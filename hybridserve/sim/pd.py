@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache.spec import MambaSpec, SlidingWindowSpec
-from hybridserve.sim.gpus import GpuSpec
+from hybridserve.sim.gpus import Gpu
 from hybridserve.sim.model_profiles import ModelProfile
 
 _G = 1e9
@@ -48,7 +48,7 @@ class Link:
         return self.latency_s + num_bytes / self.bytes_per_s
 
 
-def link_of(name: str, gpu: GpuSpec) -> Link:
+def link_of(name: str, gpu: Gpu) -> Link:
     """The link `name` between two GPUs of this kind."""
     if name == "nvlink":
         if gpu.link_bytes_per_s <= 0:

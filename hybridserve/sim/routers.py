@@ -1,7 +1,7 @@
 """Fleet routers: which replica serves an arriving request.
 
 A router scores the replicas through a `ReplicaView` and picks the best, ties to the lowest
-index (so a seed fixes every choice). The policies:
+index (so a seed fixes every choice). The routers:
 
 * `round-robin`: replicas in turn.
 * `least-loaded`: the fewest outstanding tokens (prompt tokens not yet answered plus output
@@ -150,17 +150,17 @@ class Router:
     kept by the fleet loop."""
 
     def __init__(
-        self, policy: str, views: Sequence[ReplicaView], *, load_weight: float = 1.0
+        self, name: str, views: Sequence[ReplicaView], *, load_weight: float = 1.0
     ) -> None:
-        if policy not in ROUTERS:
-            raise ConfigError("router (--router)", policy, f"use one of {', '.join(ROUTERS)}")
+        if name not in ROUTERS:
+            raise ConfigError("router (--router)", name, f"use one of {', '.join(ROUTERS)}")
         if not load_weight >= 0:
             raise ConfigError(
                 "load_weight (--router-load-weight)", load_weight, "use 0 or a positive weight"
             )
         if not views:
             raise ConfigError("replicas (--replicas)", 0, "use 1 or more replicas")
-        self.policy = policy
+        self.name = name
         self.views = list(views)
         self.load_weight = load_weight
         self.outstanding = [0] * len(views)
@@ -173,11 +173,11 @@ class Router:
     def choose(self, request: RouteRequest) -> int:
         """The replica for `request` (the router's record is not updated: see `routed`)."""
         n = len(self.views)
-        if self.policy == "round-robin":
+        if self.name == "round-robin":
             return self._next % n
-        if self.policy == "least-loaded":
+        if self.name == "least-loaded":
             return self._least_loaded()
-        if self.policy == "session":
+        if self.name == "session":
             if request.session is not None and request.session in self._sessions:
                 return self._sessions[request.session]
             return self._least_loaded()
@@ -187,10 +187,7 @@ class Router:
     def score(self, replica: int, request: RouteRequest) -> float:
         """A prefix router's score of one replica: overlap minus the weighted load."""
         view = self.views[replica]
-        if self.policy == "prefix-fa":
-            overlap = view.fa_overlap(request)
-        else:
-            overlap = view.hybrid_hit(request)
+        overlap = view.fa_overlap(request) if self.name == "prefix-fa" else view.hybrid_hit(request)
         return overlap - self.load_weight * self.outstanding[replica]
 
     def routed(self, request: RouteRequest, replica: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan
 from hybridserve.engine import Engine, EngineStep
@@ -42,11 +42,11 @@ from hybridserve.sim.fleet import FleetSimulation
 from hybridserve.sim.fleet_report import FleetRun, fleet_run
 from hybridserve.sim.loop import AgentSimulation, OpenLoopSimulation, Simulation
 from hybridserve.sim.memory import (
-    KvBudget,
+    MemoryAccount,
     kv_cache_tokens,
     max_concurrency,
-    vllm_kv_budget,
     vllm_log_lines,
+    vllm_memory_account,
 )
 from hybridserve.sim.mixed_workload import AgentsWithRagSimulation, RagTenant, bursty_simulation
 from hybridserve.sim.summary import (
@@ -76,16 +76,20 @@ def finite_workload(workload: str) -> bool:
 def draft_passes(speculative: SpeculativeConfig) -> int:
     """Draft forward passes per step the cost model charges: k for MTP and EAGLE-style heads
     (one decoder layer of the target's shape each); other methods are not charged."""
-    if speculative.method in (SpecMethod.MTP, SpecMethod.EAGLE, SpecMethod.EAGLE3):
+    if speculative.method in (
+        SpeculativeMethod.MTP,
+        SpeculativeMethod.EAGLE,
+        SpeculativeMethod.EAGLE3,
+    ):
         return speculative.num_speculative_tokens
     return 0
 
 
-def pool_budget(config: SimConfig | Deployment) -> KvBudget:
+def pool_memory_account(config: SimConfig | Deployment) -> MemoryAccount:
     """One rank's memory account as vLLM's profile run would make it (hybridserve.sim.memory)."""
     deployment = resolve_deployment(config)
     run, scheduler = deployment.config, deployment.settings.scheduler
-    return vllm_kv_budget(
+    return vllm_memory_account(
         deployment.gpu,
         deployment.model,
         tp=run.tp,
@@ -103,11 +107,11 @@ def pool_report(config: SimConfig | Deployment) -> dict[str, Any]:
     "Maximum concurrency for L tokens per request: Xx"), L = the scheduler's max_model_len."""
     deployment = resolve_deployment(config)
     scheduler, dcp = deployment.settings.scheduler, deployment.config.dcp
-    budget = pool_budget(deployment)
+    account = pool_memory_account(deployment)
     groups = deployment.model.kv_cache_groups()
-    num_blocks = budget.num_blocks
+    num_blocks = account.num_blocks
     return {
-        **{k: round(v, 4) for k, v in budget.as_dict().items()},
+        **{k: round(v, 4) for k, v in account.as_dict().items()},
         "kv_cache_tokens": kv_cache_tokens(num_blocks, groups, dcp=dcp),
         "max_concurrency": round(
             max_concurrency(
@@ -120,7 +124,7 @@ def pool_report(config: SimConfig | Deployment) -> dict[str, Any]:
             4,
         ),
         "vllm_log": vllm_log_lines(
-            budget=budget,
+            account=account,
             num_blocks=num_blocks,
             groups=groups,
             max_model_len=scheduler.max_model_len,

@@ -46,7 +46,7 @@ VLLM_RETENTION_QUANTA = (0, 4, 16)  # 0 = `boundary`, else `interval:N*q`
 
 @dataclass(frozen=True, slots=True)
 class Trial:
-    controls: tuple[tuple[str, float], ...]
+    overrides: tuple[tuple[str, float], ...]
     metrics: dict[str, float]
     retention: str | None = None  # a retention override (the vLLM search), None = the preset's
     fleet: dict[str, Any] | None = None  # the fleet report, when the trial ran on a fleet
@@ -76,13 +76,13 @@ def draw_controls(rng: random.Random, quantum: int) -> tuple[tuple[str, float], 
 
 def _run_trial(config: SimConfig) -> Trial:
     run = run_simulation(config)
-    return Trial(config.controls, run.summary, config.retention, run.fleet)
+    return Trial(config.overrides, run.summary, config.retention, run.fleet)
 
 
 def draw_vllm_setting(
     rng: random.Random, quantum: int
 ) -> tuple[tuple[tuple[str, float], ...], str]:
-    """One vLLM setting: scheduler limits and a retention policy. The long-prefill threshold
+    """One vLLM setting: scheduler limits and a retention. The long-prefill threshold
     stays below the token budget (vLLM caps a long prefill's chunk at it)."""
     pick = {name: rng.choice(values) for name, values in VLLM_GRID.items()}
     if pick["long_prefill_token_threshold"] >= pick["max_num_batched_tokens"]:
@@ -97,7 +97,7 @@ def vllm_sweep(
 ) -> list[Trial]:
     """`trials` distinct random vLLM settings plus vLLM's defaults, each a run of the baseline
     preset (every hybridserve control off) with only vLLM's knobs changed: the `vllm-tuned`
-    search, with the same trial budget as `sweep`'s."""
+    search, with as many trials as `sweep`."""
     rng = random.Random(seed)
     settings: list[tuple[tuple[tuple[str, float], ...], str]] = [((), "boundary")]
     attempts = 0
@@ -110,7 +110,7 @@ def vllm_sweep(
         replace(
             base,
             preset="baseline",
-            controls=tuple((k, int(v)) for k, v in c),
+            overrides=tuple((k, int(v)) for k, v in c),
             retention=r,
         )
         for c, r in settings
@@ -142,7 +142,7 @@ def sweep(
         if candidate not in settings:
             settings.append(candidate)
     # Predecessor retention with controls off, plus each trial's controls.
-    configs = [replace(base, preset="retention-only", controls=c) for c in settings]
+    configs = [replace(base, preset="retention-only", overrides=c) for c in settings]
     return run_map(_run_trial, configs, workers=workers, ray_address=ray_address, on_done=on_trial)
 
 

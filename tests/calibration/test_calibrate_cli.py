@@ -1,4 +1,4 @@
-"""`hybridserve calibrate --quick` writes a profile that `hybridserve simulate` then uses."""
+"""`hybridserve calibrate --quick` writes a calibration that `hybridserve simulate` then uses."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def test_quick_calibration_writes_a_profile_and_prints_the_fit(
 ) -> None:
     path, output = quick_profile
     assert path.is_file(), output
-    profile = Calibration.load(path)
-    assert profile.device == "cpu-ci" and profile.peaks == "measured"
-    assert len(profile.samples) == 12 and profile.held_out is not None
+    calibration = Calibration.load(path)
+    assert calibration.device == "cpu-ci" and calibration.peaks == "measured"
+    assert len(calibration.samples) == 12 and calibration.held_out is not None
     assert "held-out |error|" in output and "step_overhead" in output
 
 
@@ -49,19 +49,22 @@ def test_simulate_prices_steps_with_the_calibration(
     quick_profile: tuple[Path, str], calib_checkpoint: Path
 ) -> None:
     path, _ = quick_profile
-    profile = Calibration.load(path)
+    calibration = Calibration.load(path)
     sim = [*SIM, "--model-config", str(calib_checkpoint)]
     result = CliRunner().invoke(app, [*sim, "--calibration", str(path)])
     assert result.exit_code == 0, result.output
     tpot_ms = json.loads(result.stdout)["tpot_mean_ms"]
     # Two decodes at 128-144 tokens of context, on the measured device with the fitted constants.
     setup = CostSetup(
-        gpu=profile.gpu, model=load_model_profile(calib_checkpoint), dtype="fp32", kv_dtype="fp32"
+        gpu=calibration.gpu,
+        model=load_model_profile(calib_checkpoint),
+        dtype="fp32",
+        kv_dtype="fp32",
     )
     decode = StepShape.decode(batch=2, context_tokens=136)
-    expected_ms = setup.cost_model(profile.efficiency).step_cost(decode).total_s * 1e3
+    expected_ms = setup.cost_model(calibration.efficiency).step_cost(decode).total_s * 1e3
     assert tpot_ms == pytest.approx(expected_ms, rel=0.02)
-    # Without the profile the run would price the step on the default H200.
+    # Without the calibration the run would price the step on the default H200.
     h200 = replace(setup, gpu=get_gpu("H200"), dtype="fp8", kv_dtype="bf16")
     h200_ms = h200.cost_model(Efficiency()).step_cost(decode).total_s * 1e3
     assert h200_ms != pytest.approx(expected_ms, rel=0.2)

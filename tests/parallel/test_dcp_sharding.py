@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.kvcache.dcp import dcp_local_seq_lens, dcp_rank_of_token
+from hybridserve.kvcache.dcp import dcp_local_seq_lens
 from hybridserve.parallel import DcpGroup, local_seq_lens
 from hybridserve.parallel.demo_models import TINY_MODELS, TinyDecoder
 from hybridserve.parallel.demo_runner import PagedGenerator
@@ -44,7 +44,8 @@ def test_each_rank_holds_its_tokens_in_order_at_consecutive_local_positions(worl
     owners = owner_ranks(positions, world_size=world_size, interleave=interleave)
     local = local_positions(positions, world_size=world_size, interleave=interleave)
     assert owners.tolist() == [
-        dcp_rank_of_token(t, world_size=world_size, interleave=interleave) for t in range(64)
+        t // interleave % world_size
+        for t in range(64)  # SPEC.md 4.1: floor(t / I) mod N
     ]
     for rank in range(world_size):
         mine = local[owners == rank]

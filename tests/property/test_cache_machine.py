@@ -6,7 +6,7 @@ finishes, preempts and re-admits them, and throws oversized requests at a small 
 come from a four-token alphabet and extend earlier prompts, so prefixes are shared; some carry a
 `cache_salt`. Every machine run draws one layout of a family (full attention; + sliding window;
 + Mamba; + Mamba + draft KV), block sizes of 4 or 8 tokens, an alignment unit A that the layout
-accepts, a speculative method (none, EAGLE, DFlash), a retention policy and a 24-64 block pool.
+accepts, a speculative method (none, EAGLE, DFlash), a retention and a 24-64 block pool.
 
 Align-mode Mamba layouts are chunked as the scheduler chunks them (a prefill chunk that does
 not finish the known tokens ends on the state block grid), mostly also at the checkpoints the
@@ -60,7 +60,7 @@ from hybridserve.kvcache import (
     GroupSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
     SlidingWindowSpec,
 )
 from hybridserve.kvcache.coordinator import reconcile
@@ -164,7 +164,7 @@ def draw_layout(data: st.DataObject, family: str) -> CacheLayout:
     )
     # EAGLE with vLLM 0.33's lookahead block hashes, and on the legacy one-block-drop path.
     method = data.draw(st.sampled_from(("none", "eagle", "eagle-legacy", "dflash")), label="method")
-    num_spec = 0 if method == "none" else data.draw(st.integers(1, 3), label="num_spec")
+    num_drafts = 0 if method == "none" else data.draw(st.integers(1, 3), label="num_drafts")
     # A retention interval is a multiple of the scheduler block, on layouts with a state or
     # window group (CacheLayout rejects anything else).
     interval = data.draw(st.sampled_from((page, 2 * page, 3 * page)), label="interval")
@@ -178,8 +178,8 @@ def draw_layout(data: st.DataObject, family: str) -> CacheLayout:
         num_blocks=data.draw(st.one_of(st.integers(24, 32), st.integers(24, 64)), label="blocks"),
         hash_block_size=hash_block,
         alignment_tokens=alignment,
-        speculative=SpeculativeConfig.from_name(method, num_spec),
-        retention=RetentionPolicy.parse(retention),
+        speculative=SpeculativeConfig.from_name(method, num_drafts),
+        retention=Retention.parse(retention),
     )
 
 
@@ -873,7 +873,7 @@ class CacheMachine(RuleBasedStateMachine):
             )
         ):
             # `boundary` keeps no predecessor: under EAGLE the lookup lands one A below what it
-            # keeps and hits 0 (SPEC.md 3.4); that is the policy, not a defect.
+            # keeps and hits 0 (SPEC.md 3.4); that is the rule, not a defect.
             return
         event("resend: checked")
         self._new_step()  # states registered so far are final now
@@ -1058,7 +1058,7 @@ def test_resend_of_a_prefilled_prompt_hits_when_alignment_is_finer_than_a_group_
         hash_block_size=4,
         alignment_tokens=4,
         speculative=SpeculativeConfig.from_name(method),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     assert num_tokens - 1 >= 2 * layout.alignment_tokens
     resend, sibling = _prefill_then_resend(layout, num_tokens)
@@ -1073,7 +1073,7 @@ def test_resend_of_a_prefilled_prompt_hits_when_alignment_is_the_page(case: str)
         groups=groups,
         num_blocks=64,
         speculative=SpeculativeConfig.from_name(method),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     resend, sibling = _prefill_then_resend(layout, num_tokens)
     assert resend > 0 and sibling > 0, (resend, sibling)
@@ -1090,7 +1090,7 @@ def test_align_mode_registers_no_state_at_a_block_end_no_chunk_ended_on() -> Non
         groups=(FullAttentionSpec(block_size=8), MambaSpec(block_size=8)),
         num_blocks=64,
         speculative=SpeculativeConfig.from_name("eagle-legacy", 1),
-        retention=RetentionPolicy.parse("boundary"),
+        retention=Retention.parse("boundary"),
     )
     manager = KVCacheManager(layout)
     tokens = list(range(26))
@@ -1137,7 +1137,7 @@ def _eagle_resend_with_lookahead(lookahead: int) -> None:
         groups=(FullAttentionSpec(block_size=8), MambaSpec(block_size=8)),
         num_blocks=64,
         speculative=SpeculativeConfig.from_name("eagle-legacy", 1),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)
     prompt = list(range(40))
@@ -1180,7 +1180,7 @@ def test_copy_on_write_target_is_never_another_groups_hit_block() -> None:
         num_blocks=15,
         hash_block_size=4,
         alignment_tokens=4,
-        retention=RetentionPolicy.parse("boundary"),
+        retention=Retention.parse("boundary"),
     )
     manager = KVCacheManager(layout)
 
@@ -1262,7 +1262,7 @@ def test_boundary_retention_keeps_a_position_full_attention_reaches(second: str)
         num_blocks=64,
         hash_block_size=4,
         alignment_tokens=4,
-        retention=RetentionPolicy.parse("boundary"),
+        retention=Retention.parse("boundary"),
     )
     resend, sibling = _prefill_then_resend(layout, 31)
     assert resend == sibling == 24, (resend, sibling)

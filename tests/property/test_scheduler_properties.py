@@ -48,7 +48,7 @@ SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=N
 
 
 @dataclass(frozen=True)
-class RequestSpec:
+class DrawnRequest:
     index: int
     length: int  # prompt tokens
     doc: int | None  # the shared document the prompt starts with, if any
@@ -120,15 +120,15 @@ class Setup:
 
 
 @st.composite
-def request_specs(draw: st.DrawFn, *, policy: SchedulingPolicy) -> list[RequestSpec]:
+def drawn_requests(draw: st.DrawFn, *, policy: SchedulingPolicy) -> list[DrawnRequest]:
     count = draw(st.integers(1, 10))
-    specs = []
+    drawn = []
     for i in range(count):
         length = draw(st.integers(1, MAX_PROMPT))
         doc = draw(st.sampled_from((None, 0, 1)))
         shared = 0 if doc is None else draw(st.integers(0, length))
-        specs.append(
-            RequestSpec(
+        drawn.append(
+            DrawnRequest(
                 index=i,
                 length=length,
                 doc=doc,
@@ -138,7 +138,7 @@ def request_specs(draw: st.DrawFn, *, policy: SchedulingPolicy) -> list[RequestS
                 priority=draw(st.integers(0, 2)) if policy is SchedulingPolicy.PRIORITY else 0,
             )
         )
-    return specs
+    return drawn
 
 
 @st.composite
@@ -164,12 +164,12 @@ def scenarios(
     controlled: bool = True,
     policies: tuple[SchedulingPolicy, ...] = tuple(SchedulingPolicy),
     large_pool: bool | None = None,
-) -> tuple[Setup, list[RequestSpec]]:
+) -> tuple[Setup, list[DrawnRequest]]:
     policy = draw(st.sampled_from(policies))
-    specs = draw(request_specs(policy=policy))
+    drawn = draw(drawn_requests(policy=policy))
     block_size = draw(st.sampled_from((16, 32)))
     mamba = draw(st.booleans())
-    longest = max(s.length + s.max_tokens for s in specs)
+    longest = max(s.length + s.max_tokens for s in drawn)
     need = math.ceil(longest / block_size) + 4  # one request alone must fit
     large = draw(st.booleans()) if large_pool is None else large_pool
     num_blocks = 4096 if large else need + draw(st.integers(0, need // 2))
@@ -186,7 +186,7 @@ def scenarios(
     )
     if controlled:
         setup = replace(setup, **draw(controls(setup.quantum)))
-    return setup, specs
+    return setup, drawn
 
 
 # ----- driving --------------------------------------------------------------------------------
@@ -196,8 +196,8 @@ def scenarios(
 class StepRecord:
     now: float
     out: SchedulerOutput
-    eligible: bool  # some running request was a decode when the step was planned
-    pending: bool  # running partial prefills or waiters when the step was planned
+    eligible: bool  # some running request was a decode when the step was drawn
+    pending: bool  # running partial prefills or waiters when the step was drawn
     waiting: list[tuple[str, float]]  # (req_id, arrival_time) in queue order, before the step
     prefill_end: dict[str, int]  # max(prompt, num_tokens - 1) before the step
     partials_after: int  # running requests still short of their prompt end after the step
@@ -225,10 +225,10 @@ class Run:
     unfinished: set[str] = field(default_factory=set)
 
 
-def drive(scheduler: Scheduler, specs: list[RequestSpec], *, check_cache: bool = False) -> Run:
+def drive(scheduler: Scheduler, drawn: list[DrawnRequest], *, check_cache: bool = False) -> Run:
     """Run the trace to completion (or MAX_STEPS); requests arrive at their step's `now`."""
     engine = Engine(scheduler, fake_executor())
-    arrivals = sorted(specs, key=lambda s: s.arrival_step)
+    arrivals = sorted(drawn, key=lambda s: s.arrival_step)
     run = Run()
     live: dict[str, Request] = {}
     for index in range(MAX_STEPS):
@@ -236,11 +236,11 @@ def drive(scheduler: Scheduler, specs: list[RequestSpec], *, check_cache: bool =
         batch = []
         while arrivals and arrivals[0].arrival_step <= index:
             batch.append(arrivals.pop(0))
-        for order, spec in enumerate(batch):
+        for order, drawn_request in enumerate(batch):
             # Distinct arrival times within a step (a real clock never ties): the priority
             # policy breaks (priority, arrival) ties by running order, as vLLM does, and two
             # tied requests that do not fit together then preempt each other forever.
-            request = spec.build(now - 1e-6 * (len(batch) - order))
+            request = drawn_request.build(now - 1e-6 * (len(batch) - order))
             engine.add_request(request)
             live[request.req_id] = request
         if not arrivals and not engine.has_requests():
@@ -274,7 +274,7 @@ def drive(scheduler: Scheduler, specs: list[RequestSpec], *, check_cache: bool =
                 grants=dict(scheduler.controls.stats.last_grants),
             )
         )
-    run.unfinished = {s.req_id for s in specs} - run.finished
+    run.unfinished = {s.req_id for s in drawn} - run.finished
     preemptions = sum(len(r.out.preempted) for r in run.records)
     event("preemptions: " + ("none" if not preemptions else "some"))
     bypassed = any(r.out.deadline_bypass for r in run.records)
@@ -300,7 +300,7 @@ class NoControls:
         self.quantum = quantum
         self.stats = ControlStats()
 
-    def plan(self, **_: object) -> object:
+    def decide_and_commit(self, **_: object) -> object:
         return UNLIMITED
 
     def admits(self, **_: object) -> bool:
@@ -329,17 +329,17 @@ def decisions(out: SchedulerOutput) -> tuple[object, ...]:
 @SETTINGS
 @given(scenarios(controlled=False))
 def test_controls_at_zero_schedule_exactly_like_no_controller(
-    scenario: tuple[Setup, list[RequestSpec]],
+    scenario: tuple[Setup, list[DrawnRequest]],
 ) -> None:
     """Every control at 0: the same decisions, step by step, as a scheduler whose controller is
-    replaced by a stand-in that plans nothing (SPEC.md 5.2 disabled equivalence, 8 item 13)."""
-    setup, specs = scenario
+    replaced by a stand-in that decides nothing (SPEC.md 5.2 disabled equivalence, 8 item 13)."""
+    setup, drawn = scenario
     controlled = setup.scheduler()
     assert not controlled.controls.enabled
     baseline = setup.scheduler()
     baseline.controls = NoControls(baseline.controls.quantum)  # type: ignore[assignment]
-    with_zero = drive(controlled, specs)
-    without = drive(baseline, specs)
+    with_zero = drive(controlled, drawn)
+    without = drive(baseline, drawn)
     assert_all_finished(without)
     assert [decisions(r.out) for r in with_zero.records] == [
         decisions(r.out) for r in without.records
@@ -353,14 +353,14 @@ def test_controls_at_zero_schedule_exactly_like_no_controller(
 @SETTINGS
 @given(scenarios())
 def test_budget_holds_queues_are_exclusive_and_every_request_finishes(
-    scenario: tuple[Setup, list[RequestSpec]],
+    scenario: tuple[Setup, list[DrawnRequest]],
 ) -> None:
     """Every step stays within max_num_batched_tokens, schedules a request at most once, no
     request is both running and waiting, and every request finishes within MAX_STEPS."""
-    setup, specs = scenario
-    run = drive(setup.scheduler(), specs)
+    setup, drawn = scenario
+    run = drive(setup.scheduler(), drawn)
     for record in run.records:
-        assert record.out.total_num_scheduled_tokens <= setup.budget
+        assert sum(n for _, n in record.out.num_scheduled_tokens) <= setup.budget
         ids = [req_id for req_id, _ in record.out.num_scheduled_tokens]
         assert len(ids) == len(set(ids))
         assert len(record.running_after) == len(set(record.running_after))
@@ -375,15 +375,15 @@ def test_budget_holds_queues_are_exclusive_and_every_request_finishes(
 @SETTINGS
 @given(scenarios())
 def test_mixed_steps_carry_at_most_cp_prefill_in_whole_quanta(
-    scenario: tuple[Setup, list[RequestSpec]],
+    scenario: tuple[Setup, list[DrawnRequest]],
 ) -> None:
     """In a mixed step (eligible decode plus prefill) prefill stays within Cp and within the
     governed budget Bp; Bp and the rotation grants are multiples of q, and every prefill chunk
     ends on the q grid unless it reaches the prompt end. Steps without eligible decode carry no
     governed budget (the event counts those whose prefill went above Cp)."""
-    setup, specs = scenario
+    setup, drawn = scenario
     q = setup.quantum
-    run = drive(setup.scheduler(), specs)
+    run = drive(setup.scheduler(), drawn)
     for record in run.records:
         out = record.out
         assert out.mixed_budget % q == 0
@@ -432,13 +432,13 @@ def test_prefill_may_exceed_cp_when_no_decode_is_eligible() -> None:
 @SETTINGS
 @given(scenarios())
 def test_partial_prefills_left_after_a_step_never_exceed_mp(
-    scenario: tuple[Setup, list[RequestSpec]],
+    scenario: tuple[Setup, list[DrawnRequest]],
 ) -> None:
     """Running requests still short of their prompt end after a step number at most Mp (a waiter
     that completes its prompt within its grant is a decode by then). Mp = 0 is drawn as 1."""
-    setup, specs = scenario
+    setup, drawn = scenario
     setup = replace(setup, max_partials=setup.max_partials or 1)
-    run = drive(setup.scheduler(), specs)
+    run = drive(setup.scheduler(), drawn)
     for record in run.records:
         assert record.partials_after <= setup.max_partials, record.out
     assert_all_finished(run)
@@ -448,20 +448,20 @@ def test_partial_prefills_left_after_a_step_never_exceed_mp(
 
 
 @st.composite
-def burst_scenarios(draw: st.DrawFn) -> tuple[Setup, list[RequestSpec]]:
-    setup, specs = draw(scenarios())
+def burst_scenarios(draw: st.DrawFn) -> tuple[Setup, list[DrawnRequest]]:
+    setup, drawn = draw(scenarios())
     q = setup.quantum
     cap = setup.cap or q * draw(st.integers(1, 2048 // q))
     min_decode_steps = setup.min_decode_steps or draw(st.integers(1, 4))
     max_wait_ms = draw(st.one_of(st.just(0.0), st.floats(50.0, 150.0), st.floats(50.0, 500.0)))
     changes = {"cap": cap, "min_decode_steps": min_decode_steps, "max_wait_ms": max_wait_ms}
-    return replace(setup, **changes), specs
+    return replace(setup, **changes), drawn
 
 
 @SETTINGS
 @given(burst_scenarios())
 def test_d_decode_only_steps_separate_mixed_steps_unless_the_deadline_bypasses(
-    scenario: tuple[Setup, list[RequestSpec]],
+    scenario: tuple[Setup, list[DrawnRequest]],
 ) -> None:
     """Replays SPEC.md 5.2 steps 3 and 8 beside the scheduler: `since` counts decode steps since
     the last prefill release (saturating at D; reset by a step without eligible decode). A step
@@ -469,9 +469,9 @@ def test_d_decode_only_steps_separate_mixed_steps_unless_the_deadline_bypasses(
     than W; a bypass exactly when the same holds but the oldest waiter is >= W old. Every
     release with eligible decode follows at least D decode steps unless it is a bypass, and the
     bypass counter moves only when the bypass step really carried prefill."""
-    setup, specs = scenario
+    setup, drawn = scenario
     d, w_s = setup.min_decode_steps, setup.max_wait_ms / 1000.0
-    run = drive(setup.scheduler(), specs)
+    run = drive(setup.scheduler(), drawn)
     since = 0  # decode steps since the last prefill release, saturating at D (SPEC.md 5.2)
     bypasses = 0
     for record in run.records:
@@ -506,10 +506,10 @@ def test_d_decode_only_steps_separate_mixed_steps_unless_the_deadline_bypasses(
 
 
 @st.composite
-def fair_scenarios(draw: st.DrawFn) -> tuple[Setup, list[RequestSpec]]:
+def fair_scenarios(draw: st.DrawFn) -> tuple[Setup, list[DrawnRequest]]:
     """FCFS, a large pool, no partial bound and no time target: nothing but the controller can
     hold a waiter back."""
-    setup, specs = draw(scenarios(policies=(SchedulingPolicy.FCFS,), large_pool=True))
+    setup, drawn = draw(scenarios(policies=(SchedulingPolicy.FCFS,), large_pool=True))
     q = setup.quantum
     changes = {
         "cap": setup.cap or q * draw(st.integers(1, 2048 // q)),
@@ -519,20 +519,20 @@ def fair_scenarios(draw: st.DrawFn) -> tuple[Setup, list[RequestSpec]]:
         "target_ms": 0.0,
         "max_num_seqs": 256,
     }
-    return replace(setup, **changes), specs
+    return replace(setup, **changes), drawn
 
 
 @SETTINGS
 @given(fair_scenarios())
 def test_a_waiter_gets_prefill_within_w_plus_one_step_while_decode_runs(
-    scenario: tuple[Setup, list[RequestSpec]],
+    scenario: tuple[Setup, list[DrawnRequest]],
 ) -> None:
     """Once the head waiter is W old, a decode-eligible step admits it: it loses at most one
     step (its prefix state may be the one another request materialises in that very step, which
     a lookup may not serve until the next step). Waiters behind it follow one step apart."""
-    setup, specs = scenario
+    setup, drawn = scenario
     w_s = setup.max_wait_ms / 1000.0
-    run = drive(setup.scheduler(), specs)
+    run = drive(setup.scheduler(), drawn)
     missed: dict[str, int] = {}  # consecutive decode-eligible steps at the head past W, unserved
     worst = 0
     for record in run.records:
@@ -585,9 +585,9 @@ def test_the_deadline_admits_a_waiter_under_a_tight_time_target() -> None:
 @SETTINGS
 @given(scenarios())
 def test_cache_invariants_hold_after_every_step(
-    scenario: tuple[Setup, list[RequestSpec]],
+    scenario: tuple[Setup, list[DrawnRequest]],
 ) -> None:
     """`check_invariants()` of the KV cache after every step of controlled, preempting runs."""
-    setup, specs = scenario
-    run = drive(setup.scheduler(), specs, check_cache=True)
+    setup, drawn = scenario
+    run = drive(setup.scheduler(), drawn, check_cache=True)
     assert_all_finished(run)

@@ -27,8 +27,8 @@ from hybridserve.core.plan import TokenLogprob
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.engine import Engine
 from hybridserve.executor.torch import TorchExecutor, load_model
+from hybridserve.executor.torch import executor as executor_module
 from hybridserve.executor.torch import forward as forward_module
-from hybridserve.executor.torch import runner as runner_module
 from hybridserve.executor.torch.models.base import CausalLM
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.scheduler import Scheduler
@@ -83,8 +83,8 @@ def hybrid_generate(
     num_blocks: int = 256,
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 8,
-    spec_tokens: int = 0,
-    spec_method: str = "ngram",
+    drafts: int = 0,
+    draft_method: str = "ngram",
     sequential: bool = False,
     sampling: SamplingParams | None = None,
     layout_options: dict[str, Any] | None = None,
@@ -94,9 +94,7 @@ def hybrid_generate(
     runs them one after another (so later prompts can hit the cache of earlier ones)."""
     model = load_model(model_path) if isinstance(model_path, Path | str) else model_path
     speculative = (
-        SpeculativeConfig.from_name(spec_method, spec_tokens)
-        if spec_tokens
-        else SpeculativeConfig()
+        SpeculativeConfig.from_name(draft_method, drafts) if drafts else SpeculativeConfig()
     )
     executor = TorchExecutor(
         model,
@@ -115,7 +113,7 @@ def hybrid_generate(
     scheduler = Scheduler(
         config,
         KVCacheManager(executor.cache_layout(**(layout_options or {}))),
-        num_speculative_tokens=spec_tokens,
+        num_speculative_tokens=drafts,
     )
     engine = Engine(scheduler, executor)
     run = HybridRun(tokens={}, logits=executor.recorded_logits)
@@ -218,15 +216,15 @@ class GreedyChecks:
         motif = random_prompt(6, seed=20)
         prompts = [motif * 4 + random_prompt(3, seed=21), random_prompt(9, seed=22) * 2]
         plain = hybrid_generate(folder, prompts, max_tokens=self.ngram_answer)
-        spec = hybrid_generate(folder, prompts, max_tokens=self.ngram_answer, spec_tokens=3)
+        drafted = hybrid_generate(folder, prompts, max_tokens=self.ngram_answer, drafts=3)
         if self.ngram_accepts:
             # Both rejected drafts (state rolled back) and accepted ones (committed) occur.
-            assert spec.num_accepted_drafts > 0
-            assert spec.num_drafted_steps * 3 > spec.num_accepted_drafts
+            assert drafted.num_accepted_drafts > 0
+            assert drafted.num_drafted_steps * 3 > drafted.num_accepted_drafts
         else:
-            assert spec.num_drafted_steps > 0
-        assert spec.tokens == plain.tokens
-        assert_greedy_matches(hf_model, prompts, spec)
+            assert drafted.num_drafted_steps > 0
+        assert drafted.tokens == plain.tokens
+        assert_greedy_matches(hf_model, prompts, drafted)
 
 
 @contextlib.contextmanager
@@ -246,8 +244,8 @@ def drop_earlier_kv() -> Iterator[None]:
             calls.append(dataclasses.replace(call, mask=mask[:, None], causal=False))
         return dataclasses.replace(meta, calls=tuple(calls), prefix_calls=())
 
-    runner_module.build_attention_meta = broken  # type: ignore[assignment]
+    executor_module.build_attention_meta = broken  # type: ignore[assignment]
     try:
         yield
     finally:
-        runner_module.build_attention_meta = original  # type: ignore[assignment]
+        executor_module.build_attention_meta = original  # type: ignore[assignment]

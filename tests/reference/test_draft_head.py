@@ -39,25 +39,25 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 def _mtp(folder: Path, prompts: list[list[int]], **options: Any) -> Any:
-    return hybrid_generate(folder, prompts, spec_tokens=2, spec_method="mtp", **options)
+    return hybrid_generate(folder, prompts, drafts=2, draft_method="mtp", **options)
 
 
 def test_mtp_head_greedy_output_equals_plain_greedy(llama_folder: Path) -> None:
     prompts = [_prompt(n, seed=n) for n in (5, 14, 27)]
     plain = hybrid_generate(llama_folder, prompts, max_tokens=12, max_num_batched_tokens=9)
-    spec = _mtp(llama_folder, prompts, max_tokens=12, max_num_batched_tokens=9)
-    assert spec.num_drafted_steps > 0
-    assert spec.tokens == plain.tokens
+    drafted = _mtp(llama_folder, prompts, max_tokens=12, max_num_batched_tokens=9)
+    assert drafted.num_drafted_steps > 0
+    assert drafted.tokens == plain.tokens
 
 
 def test_mtp_prefix_hit_recomputes_the_dropped_tail(llama_folder: Path) -> None:
     first = _prompt(24, seed=1)
     prompts = [first, first + _prompt(7, seed=2)]
     plain = hybrid_generate(llama_folder, prompts, max_tokens=8, sequential=True)
-    spec = _mtp(llama_folder, prompts, max_tokens=8, sequential=True)
+    drafted = _mtp(llama_folder, prompts, max_tokens=8, sequential=True)
     # The target hit loses its last alignment unit (4 tokens) so the head sees its hidden state.
-    assert 0 < spec.hit_tokens["r1"] <= plain.hit_tokens["r1"] - 4
-    assert spec.tokens == plain.tokens
+    assert 0 < drafted.hit_tokens["r1"] <= plain.hit_tokens["r1"] - 4
+    assert drafted.tokens == plain.tokens
 
 
 def test_resuming_a_drafting_request_without_head_state_is_refused(llama_folder: Path) -> None:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import load_model
+from hybridserve.executor.torch.executor import compile_dense_layers
 from hybridserve.executor.torch.forward import GatherBuffers
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.packed import (
@@ -22,7 +23,6 @@ from hybridserve.executor.torch.layers.packed import (
     pack_linears,
     packing_available,
 )
-from hybridserve.executor.torch.runner import compile_dense_layers
 from hybridserve.executor.torch.runtime import set_threads
 from tests.reference.helpers import hybrid_generate, make_checkpoint
 
@@ -102,7 +102,7 @@ def test_packed_linears_match_plain_linears_at_every_row_count() -> None:
 
 
 def test_executor_packs_cpu_float32_linears_unless_told_not_to(folder: Path) -> None:
-    from hybridserve.executor.torch.runner import TorchExecutor
+    from hybridserve.executor.torch.executor import TorchExecutor
 
     model = load_model(folder)
     if not packing_available(torch.device("cpu"), torch.float32):

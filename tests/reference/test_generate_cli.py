@@ -38,11 +38,11 @@ def test_generate_token_ids_json_matches_transformers(
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 10, 11, 12, 10]]
     source = tmp_path / "prompts.jsonl"
     source.write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
-    for spec in ([], ["--spec", "ngram:3"]):
+    for drafting in ([], ["--spec", "ngram:3"]):
         result = CliRunner().invoke(
             app,
             ["generate", "--model", str(folder), "--token-ids", str(source), "--max-tokens",
-             "6", "--json", "--device", "cpu", *spec],
+             "6", "--json", "--device", "cpu", *drafting],
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

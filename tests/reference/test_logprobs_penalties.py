@@ -84,7 +84,7 @@ def test_greedy_with_penalties_matches_a_transformers_loop(checkpoint: tuple[Pat
         want.append(tokens[len(prompt) :])
     plain = hybrid_generate(path, PROMPTS, max_tokens=10)
     assert [plain.tokens[f"r{i}"] for i in range(2)] != want  # the penalties change the output
-    for options in ({}, {"max_num_batched_tokens": 3}, {"spec_tokens": 3}):
+    for options in ({}, {"max_num_batched_tokens": 3}, {"drafts": 3}):
         run = hybrid_generate(path, PROMPTS, sampling=params, **options)  # type: ignore[arg-type]
         assert [run.tokens[f"r{i}"] for i in range(2)] == want, options
 
@@ -98,7 +98,7 @@ def test_neutral_penalties_change_nothing(checkpoint: tuple[Path, Any]) -> None:
     )
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 3}, {"spec_tokens": 3}])
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 3}, {"drafts": 3}])
 def test_logprobs_of_generated_and_prompt_tokens_match_transformers(
     checkpoint: tuple[Path, Any], options: dict[str, int]
 ) -> None:

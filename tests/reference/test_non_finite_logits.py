@@ -130,8 +130,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _engine(folder: Path, spec_tokens: int) -> tuple[Engine, Scheduler]:
-    speculative = SpeculativeConfig.from_name("ngram", spec_tokens) if spec_tokens else None
+def _engine(folder: Path, drafts: int) -> tuple[Engine, Scheduler]:
+    speculative = SpeculativeConfig.from_name("ngram", drafts) if drafts else None
     executor = TorchExecutor(
         load_model(folder),
         num_blocks=64,
@@ -141,7 +141,7 @@ def _engine(folder: Path, spec_tokens: int) -> tuple[Engine, Scheduler]:
     )
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
     cache = KVCacheManager(executor.cache_layout())
-    scheduler = Scheduler(config, cache, num_speculative_tokens=spec_tokens)
+    scheduler = Scheduler(config, cache, num_speculative_tokens=drafts)
     return Engine(scheduler, executor, vocab_size=VOCAB), scheduler
 
 
@@ -173,20 +173,20 @@ def _overflowing(temperature: float) -> SamplingParams:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "spec_tokens"),
+    ("temperature", "drafts"),
     [(1.0, 0), (0.0, 0), (1.0, 2)],
     ids=["sampled", "greedy", "sampled-ngram-drafts"],
 )
 def test_an_overflowing_request_fails_alone_and_its_batch_completes_as_without_it(
-    folder: Path, temperature: float, spec_tokens: int
+    folder: Path, temperature: float, drafts: int
 ) -> None:
-    engine, _ = _engine(folder, spec_tokens)
+    engine, _ = _engine(folder, drafts)
     for req_id, (prompt, params) in NEIGHBOURS.items():
         engine.add_request(Request(req_id=req_id, prompt_token_ids=prompt, sampling=params))
     expected: dict[str, list[int]] = {}
     assert _drain(engine, expected) == []
 
-    engine, scheduler = _engine(folder, spec_tokens)
+    engine, scheduler = _engine(folder, drafts)
     hostile = Request(
         req_id="hostile", prompt_token_ids=(5, 6, 5, 6), sampling=_overflowing(temperature)
     )

@@ -54,8 +54,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(folder: Path) -> None:
 
 def test_seeded_sampling_with_ngram_drafts_is_reproducible(folder: Path) -> None:
     prompt = [[4, 5, 6, 7] * 3]
-    first = _sampled(folder, prompt, seed=11, spec_tokens=3)
-    assert _sampled(folder, prompt, seed=11, spec_tokens=3) == first
+    first = _sampled(folder, prompt, seed=11, drafts=3)
+    assert _sampled(folder, prompt, seed=11, drafts=3) == first
 
 
 def test_top_k_and_top_p_keep_only_the_allowed_tokens() -> None:

@@ -147,9 +147,9 @@ def test_preempted_request_recomputes_its_state(toy_checkpoint: Path) -> None:
 def test_draft_states_commit_only_the_accepted_prefix(toy_checkpoint: Path) -> None:
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
     plain = hybrid_generate(toy_checkpoint, prompts, max_tokens=16)
-    spec = hybrid_generate(toy_checkpoint, prompts, max_tokens=16, spec_tokens=3)
-    assert spec.num_drafted_steps > 0
-    assert spec.tokens == plain.tokens
+    drafted = hybrid_generate(toy_checkpoint, prompts, max_tokens=16, drafts=3)
+    assert drafted.num_drafted_steps > 0
+    assert drafted.tokens == plain.tokens
 
 
 def test_comparisons_catch_a_dropped_state_carry(
@@ -168,7 +168,7 @@ def test_comparisons_catch_a_dropped_state_carry(
 def test_comparisons_catch_uncommitted_draft_states(
     toy_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hybridserve.executor.torch.runner import TorchExecutor
+    from hybridserve.executor.torch.executor import TorchExecutor
 
     monkeypatch.setattr(TorchExecutor, "_commit_states", lambda *args: None)
     with pytest.raises(AssertionError):
@@ -189,12 +189,12 @@ def _session_turns(
     extra: Sequence[int],
     *,
     max_tokens: int,
-    spec_tokens: int = 0,
+    drafts: int = 0,
     **config: Any,
 ) -> _Turns:
     """Two turns of one session on one engine: the second prompt is the first turn's prompt,
-    its answer and `extra`; `spec_tokens` n-gram drafts a step."""
-    speculative = SpeculativeConfig.from_name("ngram", spec_tokens) if spec_tokens else None
+    its answer and `extra`; `drafts` n-gram drafts a step."""
+    speculative = SpeculativeConfig.from_name("ngram", drafts) if drafts else None
     executor = TorchExecutor(
         load_model(folder),
         num_blocks=64,
@@ -206,7 +206,7 @@ def _session_turns(
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=64, max_model_len=4096, **config),
         KVCacheManager(executor.cache_layout()),
-        num_speculative_tokens=spec_tokens,
+        num_speculative_tokens=drafts,
     )
     engine = Engine(scheduler, executor)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -263,7 +263,7 @@ def test_an_exact_tail_under_speculation_resumes_from_the_verified_state(
         first,
         extra,
         max_tokens=9,
-        spec_tokens=3,
+        drafts=3,
         kv_pin_fraction=0.5,
         kv_pin_exact_tail=True,
     )

@@ -216,7 +216,7 @@ def test_pinning_never_pins_past_the_ttl() -> None:
     driver = Driver(sched)
     sched.add_request(turn("s.t1", tuple(range(64)), session="s"))
     driver.run()
-    deadline = sched.cache.pin_deadline(session_key(None, "s"))
+    deadline = sched.cache.pins.deadline(session_key(None, "s"))
     assert deadline is not None and sched.cache.num_pinned_blocks == 4
     assert deadline <= driver.now + 0.25
     while driver.now < deadline:
@@ -484,7 +484,7 @@ def test_a_simulated_run_reports_pin_counters_only_when_pinning() -> None:
         duration_s=60.0, warmup_s=0.0, agents=AgentParams(num_agents=2), preset="baseline"
     )
     off = run_simulation(base).summary
-    on = run_simulation(replace(base, controls=(("kv_pin_fraction", 0.2),))).summary
+    on = run_simulation(replace(base, overrides=(("kv_pin_fraction", 0.2),))).summary
     assert not any(key.startswith("kv_pins_") for key in off)
     assert on["kv_pins_pinned"] > 0
     assert on["kv_pins_released_on_return"] > 0

@@ -7,12 +7,12 @@ from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager, 
 from tests.conftest import prefill
 
 
-def small_manager(num_blocks: int = 8, spec: str = "none") -> KVCacheManager:
+def small_manager(num_blocks: int = 8, speculation: str = "none") -> KVCacheManager:
     return KVCacheManager(
         CacheLayout(
             groups=(FullAttentionSpec(block_size=4), MambaSpec(block_size=4)),
             num_blocks=num_blocks,
-            speculative=SpeculativeConfig.from_name(spec),
+            speculative=SpeculativeConfig.from_name(speculation),
         )
     )
 
@@ -77,7 +77,7 @@ def test_resumed_requests_are_recorded_apart_from_the_hit_rate() -> None:
 
 
 def test_cacheable_tokens_separates_short_prompts_from_a_broken_cache() -> None:
-    manager = small_manager(spec="eagle-legacy")
+    manager = small_manager(speculation="eagle-legacy")
     assert manager.cacheable_tokens(4) == 0  # shorter than one unit plus the drop
     assert manager.cacheable_tokens(13) == 8  # floor(12/4)*4 - 4
 

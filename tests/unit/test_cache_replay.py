@@ -139,7 +139,7 @@ def test_finite_pool_evicts_and_rejects_requests_that_cannot_fit(tmp_path: Path)
     assert out["rejected_requests"] == 1 and out["requests"] == 6
 
 
-def test_default_run_prints_both_retention_policies_side_by_side() -> None:
+def test_default_run_prints_both_retentions_side_by_side() -> None:
     result = runner.invoke(app, ["cache-replay", "--limit", "300"])
     assert result.exit_code == 0, result.output
     assert "retention=boundary" in result.output and "predec" in result.output

@@ -20,14 +20,14 @@ from hybridserve.sim.calibration_fit import (
     Grid,
     fit_measurements,
     holdout_split,
-    measured_gpu_spec,
+    measured_gpu,
 )
 from hybridserve.sim.cost_model import Efficiency, StepShape
 from hybridserve.sim.fit import CostSetup
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.hf_config import profile_from_hf_config
 
-CPU = measured_gpu_spec(
+CPU = measured_gpu(
     "cpu-test", fp32_flops=1.5e11, bf16_flops=1e12, copy_bytes_per_s=1.2e10, memory_bytes=2.4e10
 )
 # A small Llama (about 5M parameters), the size the CPU calibration test measures.
@@ -59,7 +59,7 @@ def _fitted() -> Calibration:
     )  # fmt: skip
 
 
-def _profile(**changes: Any) -> Calibration:
+def _calibration(**changes: Any) -> Calibration:
     return replace(_fitted(), **changes)
 
 
@@ -88,21 +88,21 @@ def test_describe_names_prefills_and_decodes() -> None:
     assert describe(StepShape.decode(batch=16, context_tokens=2048)) == "decode 16 x 2048"
 
 
-def test_profile_round_trips_through_json(tmp_path: Path) -> None:
-    profile = _profile()
+def test_calibration_round_trips_through_json(tmp_path: Path) -> None:
+    calibration = _calibration()
     path = tmp_path / "sub" / "cpu.json"
-    profile.save(path)
+    calibration.save(path)
     loaded = Calibration.load(path)
-    assert loaded == profile
+    assert loaded == calibration
     for row in loaded.samples:  # the rows rebuild the measured shapes
         predicted = SETUP.cost_model(loaded.efficiency).step_cost(row.shape()).total_s
         assert predicted == pytest.approx(row.predicted_s, rel=1e-12)
 
 
 def _write(tmp_path: Path, mutate: Any) -> Path:
-    data = _profile().to_json()
+    data = _calibration().to_json()
     mutate(data)
-    path = tmp_path / "profile.json"
+    path = tmp_path / "calibration.json"
     path.write_text(json.dumps(data))
     return path
 
@@ -121,7 +121,7 @@ def _write(tmp_path: Path, mutate: Any) -> Path:
         (lambda d: d["samples"][1].update(requests=[[1, 2]]), r"samples\[1\]\.requests"),
     ],
 )  # fmt: skip
-def test_bad_profiles_name_the_field(tmp_path: Path, mutate: Any, field: str) -> None:
+def test_bad_calibrations_name_the_field(tmp_path: Path, mutate: Any, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         Calibration.load(_write(tmp_path, mutate))
 
@@ -152,34 +152,34 @@ def _tpot_ms(model_config: Path, *extra: str) -> float:
     return float(json.loads(result.stdout)["tpot_mean_ms"])
 
 
-def test_simulate_uses_the_profiles_device_and_constants(
+def test_simulate_uses_the_calibrations_device_and_constants(
     tmp_path: Path, model_config: Path
 ) -> None:
     path = tmp_path / "cpu.json"
-    profile = _profile()
-    profile.save(path)
+    calibration = _calibration()
+    calibration.save(path)
     calibrated = _tpot_ms(model_config, "--calibration", str(path))
-    # Four decodes at 256-288 tokens of context per step, priced by the profile's constants on
+    # Four decodes at 256-288 tokens of context per step, priced by the calibration's constants on
     # its measured device in fp32; the default (H200, fp8, the built-in constants) differs.
     decode = StepShape.decode(batch=4, context_tokens=272)
-    expected = SETUP.cost_model(profile.efficiency).step_cost(decode).total_s * 1e3
+    expected = SETUP.cost_model(calibration.efficiency).step_cost(decode).total_s * 1e3
     assert calibrated == pytest.approx(expected, rel=0.02)
     h200 = CostSetup(gpu=get_gpu("H200"), model=SETUP.model, dtype="fp8", kv_dtype="bf16")
     assert abs(h200.cost_model(Efficiency()).step_cost(decode).total_s * 1e3 - expected) > (
         0.2 * expected
-    )  # what the run would show without the profile
-    slower = _profile(efficiency=replace(TRUE, step_overhead_s=TRUE.step_overhead_s + 0.05))
+    )  # what the run would show without the calibration
+    slower = _calibration(efficiency=replace(TRUE, step_overhead_s=TRUE.step_overhead_s + 0.05))
     slower.save(path)
     # 50 ms more per step, paid by every decode step: the TPOT moves by exactly that.
     moved = _tpot_ms(model_config, "--calibration", str(path)) - calibrated
     assert moved == pytest.approx(50.0, abs=0.5)
 
 
-def test_simulate_rejects_a_conflicting_gpu_and_a_missing_profile(
+def test_simulate_rejects_a_conflicting_gpu_and_a_missing_calibration(
     tmp_path: Path, model_config: Path
 ) -> None:
     path = tmp_path / "cpu.json"
-    _profile().save(path)
+    _calibration().save(path)
     sim = [*SIM, "--model-config", str(model_config)]
     result = CliRunner().invoke(app, [*sim, "--calibration", str(path), "--gpu", "H200"])
     assert result.exit_code == 2 and "drop --gpu" in result.output

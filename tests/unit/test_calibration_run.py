@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.sim.calibration_fit import Grid, measured_gpu_spec
+from hybridserve.sim.calibration_fit import Grid, measured_gpu
 from hybridserve.sim.calibration_run import run_calibration
 from hybridserve.sim.cost_model import Efficiency, RequestShape, StepShape
 from hybridserve.sim.fit import CostSetup
@@ -56,11 +56,7 @@ class ExactDevice:
     ) -> Measured:
         self.asked = {"model_path": model_path, "requests": requests, **asked}
         peaks = Peaks() if asked["with_peaks"] else None
-        gpu = (
-            get_gpu(self.gpu_name)
-            if self.gpu_name
-            else measured_gpu_spec("device", **vars(Peaks()))
-        )
+        gpu = get_gpu(self.gpu_name) if self.gpu_name else measured_gpu("device", **vars(Peaks()))
         setup = CostSetup(
             gpu=gpu,
             model=profile_from_hf_config(MODEL_CONFIG),
@@ -80,24 +76,24 @@ def checkpoint(tmp_path: Path) -> Path:
 
 def test_an_unlisted_device_is_priced_on_its_measured_peaks(checkpoint: Path) -> None:
     device = ExactDevice(None)
-    profile = run_calibration(
+    calibration = run_calibration(
         checkpoint, gpu_name="box", device="cpu", grid=Grid(), measure=device, clock="cpu"
     )
     assert device.asked["with_peaks"] and device.asked["dtype"] == "fp32"
     assert device.asked["vocab_size"] == 4096 and device.asked["clock"] == "cpu"
-    assert profile.peaks == "measured" and profile.gpu.fp32_flops == Peaks().fp32_flops
-    assert profile.held_out is not None and profile.held_out.median < 0.01
-    assert (profile.torch_version, profile.num_threads) == ("test", 3)
+    assert calibration.peaks == "measured" and calibration.gpu.fp32_flops == Peaks().fp32_flops
+    assert calibration.held_out is not None and calibration.held_out.median < 0.01
+    assert (calibration.torch_version, calibration.num_threads) == ("test", 3)
 
 
 def test_a_catalog_gpu_keeps_its_datasheet_and_is_not_asked_for_peaks(checkpoint: Path) -> None:
     device = ExactDevice("H100-SXM")
-    profile = run_calibration(
+    calibration = run_calibration(
         checkpoint, gpu_name="H100-SXM", device="cuda", grid=Grid(), measure=device
     )
     assert not device.asked["with_peaks"] and device.asked["dtype"] == "bf16"
-    assert profile.peaks == "datasheet" and profile.gpu == get_gpu("H100-SXM")
-    assert profile.held_out is not None and profile.held_out.median < 0.01
+    assert calibration.peaks == "datasheet" and calibration.gpu == get_gpu("H100-SXM")
+    assert calibration.held_out is not None and calibration.held_out.median < 0.01
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from hybridserve.cli import app
-from hybridserve.core.config import SpecMethod
+from hybridserve.core.config import SpeculativeMethod
 from hybridserve.layouts import LAYOUTS
 from hybridserve.sim.gpus import GPUS
 from hybridserve.sim.model_profiles import MODELS
@@ -45,7 +45,7 @@ def test_every_option_help_is_shown_as_written_brackets_included(name: str) -> N
 
 def test_help_lists_the_catalogs_the_same_in_every_command() -> None:
     simulate = _help("simulate")
-    for name in (*MODELS, *GPUS, *(m.value for m in SpecMethod)):
+    for name in (*MODELS, *GPUS, *(m.value for m in SpeculativeMethod)):
         assert name in simulate, name
     assert "[scheduler] fields and [cache] retention" in simulate
     assert "[default: H200, or the calibration's]" in simulate
@@ -57,7 +57,7 @@ def test_help_lists_the_catalogs_the_same_in_every_command() -> None:
     assert all(gpu in calibrate for gpu in GPUS)
     for command in ("serve", "cache-replay", "bench", "sweep"):
         shown = _help(command)
-        for method in SpecMethod:
+        for method in SpeculativeMethod:
             assert method.value in shown, (command, method)
     replay = _help("cache-replay")
     assert all(layout in replay for layout in LAYOUTS)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hybridserve.core.config import SchedulerConfig, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError, IllegalTransition, RequestError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
 from hybridserve.core.request import (
@@ -18,7 +18,7 @@ from hybridserve.core.request import (
     RequestStatus,
     SamplingParams,
 )
-from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, MambaSpec, Retention
 from hybridserve.kvcache.spec import ChunkedLocalSpec, SlidingWindowSpec
 
 
@@ -65,7 +65,7 @@ def test_unknown_speculative_method_names_the_choices() -> None:
 
 def test_speculative_tokens_without_a_method_is_rejected() -> None:
     with pytest.raises(ConfigError, match="num_speculative_tokens=2"):
-        SpeculativeConfig(method=SpecMethod.NONE, num_speculative_tokens=2)
+        SpeculativeConfig(method=SpeculativeMethod.NONE, num_speculative_tokens=2)
 
 
 @pytest.mark.parametrize(
@@ -147,10 +147,10 @@ def test_group_spec_rejects_bad_sizes() -> None:
         ChunkedLocalSpec(block_size=16, chunk=24)
 
 
-def test_retention_policy_parse_errors_name_the_choices() -> None:
-    assert RetentionPolicy.parse("interval:4096").interval_tokens == 4096
+def test_retention_parse_errors_name_the_choices() -> None:
+    assert Retention.parse("interval:4096").interval_tokens == 4096
     with pytest.raises(ConfigError, match="boundary"):
-        RetentionPolicy.parse("sometimes")
+        Retention.parse("sometimes")
 
 
 @pytest.mark.parametrize(
@@ -204,7 +204,10 @@ def test_request_moves_only_along_the_transition_table() -> None:
     request.transition(RequestStatus.PREEMPTED)
     request.transition(RequestStatus.RUNNING)
     request.transition(RequestStatus.FINISHED_LENGTH)
-    assert request.status.is_finished and request.finish_reason is FinishReason.LENGTH
+    assert (
+        request.status is RequestStatus.FINISHED_LENGTH
+        and request.finish_reason is FinishReason.LENGTH
+    )
     with pytest.raises(IllegalTransition):
         request.transition(RequestStatus.RUNNING)
 

@@ -23,7 +23,7 @@ from hybridserve.sim.cost_model import (
     shape_from_plan,
 )
 from hybridserve.sim.gpus import GPUS, get_gpu
-from hybridserve.sim.memory import vllm_kv_budget
+from hybridserve.sim.memory import vllm_memory_account
 from hybridserve.sim.model_profiles import MODELS, get_model, hybrid_block_size
 
 H100 = get_gpu("H100-SXM")
@@ -59,7 +59,8 @@ def test_decode_is_memory_bound_and_prefill_compute_bound_with_crossover_at_ridg
     cm = RooflineCostModel(H100, get_model("llama-3.1-8b"))
     eff = Efficiency()
     # Linear layers: compute 2*T*P / (peak*gemm) meets memory 2*P / (bw*hbm) at this many tokens.
-    crossover = H100.ridge_flops_per_byte("bf16") * 2.0 * eff.gemm / eff.hbm / 2
+    ridge = H100.peak_flops("bf16") / H100.hbm_bytes_per_s  # FLOPs per byte where they meet
+    crossover = ridge * 2.0 * eff.gemm / eff.hbm / 2
     assert 150 < crossover < 180  # ~166 tokens on an H100 at bf16 (fitted gemm and hbm)
 
     def linear(tokens: int) -> float:  # a chunk that samples nothing: no LM head
@@ -254,9 +255,9 @@ def test_a_block_id_costs_one_padded_page_per_layer_of_a_group() -> None:
     gemma = get_model("gemma-3-27b")
     assert bytes_per_block(gemma) == 10 * 16 * 2 * 16 * 128 * 2
     # The pool counts block ids: what vLLM's memory account leaves, over the per-id bytes.
-    budget = vllm_kv_budget(H200, qwen, dtype="fp8")
+    account = vllm_memory_account(H200, qwen, dtype="fp8")
     assert kv_pool_blocks(H200, qwen, dtype="fp8") == int(
-        budget.available_bytes // (13 * attention_page)
+        account.available_bytes // (13 * attention_page)
     )
 
 

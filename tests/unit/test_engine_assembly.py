@@ -11,7 +11,7 @@ from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine.assembly import CpuMeter, EngineConfig, build_engine
 from hybridserve.executor.fake import FakeExecutor
-from hybridserve.kvcache import CacheLayout, FullAttentionSpec, RetentionPolicy
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, Retention
 from hybridserve.kvcache.spec import MambaSpec
 from tests.conftest import make_request
 
@@ -37,7 +37,7 @@ def test_build_engine_wires_the_given_values_into_one_layout() -> None:
     layout = CacheLayout(
         groups=GROUPS,
         num_blocks=512,
-        retention=RetentionPolicy.parse("dense"),
+        retention=Retention.parse("dense"),
         speculative=SpeculativeConfig.from_name("ngram", 2),
         max_in_flight_tokens=1024,
     )

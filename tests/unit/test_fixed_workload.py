@@ -22,7 +22,7 @@ def _config(workload: str, **options: object) -> SimConfig:
         "model_config": str(CONFIGS / "llama-3.1-8b"),
         "gpu": "H100-SXM",
         "dtype": "fp8",
-        "spec": "none",
+        "speculation": "none",
         "preset": "baseline",
         "duration_s": 600.0,
         "warmup_s": 0.0,

@@ -36,7 +36,7 @@ BLOCK = 32
 
 
 class _Load:
-    """A view with no cache: only load-based policies are asked of it."""
+    """A view with no cache: only load-based routers ask it."""
 
     def fa_overlap(self, request: RouteRequest) -> int:
         return 0

@@ -9,7 +9,7 @@ from hybridserve.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
 )
 from tests.conftest import prefill
 
@@ -17,7 +17,7 @@ A = 2304
 
 
 def lp14_manager(
-    *, dcp: int = 1, retention: str = "boundary+predecessor", spec: str = "eagle-legacy"
+    *, dcp: int = 1, retention: str = "boundary+predecessor", speculation: str = "eagle-legacy"
 ) -> KVCacheManager:
     layout = CacheLayout(
         groups=(
@@ -29,8 +29,8 @@ def lp14_manager(
         hash_block_size=A,
         alignment_tokens=A,
         dcp=dcp,
-        speculative=SpeculativeConfig.from_name(spec),
-        retention=RetentionPolicy.parse(retention),
+        speculative=SpeculativeConfig.from_name(speculation),
+        retention=Retention.parse(retention),
     )
     return KVCacheManager(layout)
 
@@ -107,11 +107,13 @@ def test_twenty_agents_three_growing_turns_reuse_golden_totals() -> None:
 
 def test_dflash_gets_the_non_speculative_hit() -> None:
     hits = {}
-    for spec in ("none", "dflash"):
-        manager = lp14_manager(spec=spec)
+    for speculation in ("none", "dflash"):
+        manager = lp14_manager(speculation=speculation)
         warm, turn_1 = warm_and_turn()
         prefill(manager, "warm", warm, chunk=A)
-        hits[spec] = manager.find_hit(manager.hasher.hash_tokens(turn_1), len(turn_1)).num_tokens
+        hits[speculation] = manager.find_hit(
+            manager.hasher.hash_tokens(turn_1), len(turn_1)
+        ).num_tokens
     assert hits["dflash"] == hits["none"] == 122_112
 
 
@@ -122,7 +124,7 @@ def test_backoff_uses_alignment_unit_when_mamba_block_is_smaller() -> None:
         hash_block_size=32,
         alignment_tokens=64,
         speculative=SpeculativeConfig.from_name("eagle-legacy"),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)
     producer = [t for t in range(7) for _ in range(32)] + [7] * 31
@@ -137,7 +139,7 @@ def test_mamba_retention_with_lookahead_slots_reuses_predecessor() -> None:
         groups=(FullAttentionSpec(block_size=32), MambaSpec(block_size=32)),
         num_blocks=256,
         speculative=SpeculativeConfig.from_name("eagle-legacy", 3),
-        retention=RetentionPolicy.parse("boundary+predecessor"),
+        retention=Retention.parse("boundary+predecessor"),
     )
     manager = KVCacheManager(layout)
     producer = [0] * 32 + [1] * 32 + [2] * 32 + [3] * 31

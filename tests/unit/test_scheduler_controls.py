@@ -40,16 +40,16 @@ def test_rotation_gives_each_partial_an_equal_share_over_three_steps() -> None:
     totals = dict.fromkeys("ABC", 0)
     seen = []
     for _ in range(3):
-        plan = ctl.plan(
+        decision = ctl.decide_and_commit(
             now=0.0,
             running=[decode, *partials],
             waiting=[],
             token_budget=8192,
             seq_slot_free=True,
         )
-        assert plan.grants is not None
-        seen.append(plan.grants)
-        for name, grant in plan.grants.items():
+        assert decision.grants is not None
+        seen.append(decision.grants)
+        for name, grant in decision.grants.items():
             totals[name] += grant
     assert seen == [
         {"A": 768, "B": 768, "C": 512},
@@ -63,12 +63,12 @@ def test_rotation_remainder_moves_on_like_the_reference_test() -> None:
     ctl = controller(1, max_num_prefill_tokens_per_step=8)
     decode = running_request("d", 10, 10)
     partials = [running_request(name, 500, 0) for name in "abc"]
-    first = ctl.plan(
+    first = ctl.decide_and_commit(
         now=0, running=[decode, *partials], waiting=[], token_budget=99, seq_slot_free=False
     )
     assert first.grants == {"a": 3, "b": 3, "c": 2}
     ctl.cap = 2
-    second = ctl.plan(
+    second = ctl.decide_and_commit(
         now=0, running=[decode, *partials], waiting=[], token_budget=99, seq_slot_free=False
     )
     assert second.grants == {"c": 1, "a": 1, "b": 0}
@@ -76,28 +76,28 @@ def test_rotation_remainder_moves_on_like_the_reference_test() -> None:
 
 def test_no_eligible_decode_keeps_the_full_budget() -> None:
     ctl = controller(1, max_num_prefill_tokens_per_step=64)
-    plan = ctl.plan(
+    decision = ctl.decide_and_commit(
         now=0,
         running=[running_request("p", 5000, 0)],
         waiting=[],
         token_budget=8192,
         seq_slot_free=True,
     )
-    assert plan.grants is None and plan.allow_prefill and plan.waiter_tokens is None
+    assert decision.grants is None and decision.allow_prefill and decision.waiter_tokens is None
 
 
 def test_head_waiter_gets_one_reserved_quantum_when_slots_are_free() -> None:
     ctl = controller(256, max_num_prefill_tokens_per_step=1024)
     decode = running_request("d", 10, 10)
     waiter = make_request("w", 4000)
-    plan = ctl.plan(
+    decision = ctl.decide_and_commit(
         now=0,
         running=[decode, running_request("p", 9000, 0)],
         waiting=[waiter],
         token_budget=8192,
         seq_slot_free=True,
     )
-    assert plan.grants == {"p": 768} and plan.waiter_tokens == 256
+    assert decision.grants == {"p": 768} and decision.waiter_tokens == 256
 
 
 def test_decode_burst_holds_prefill_for_d_steps_then_releases() -> None:
@@ -106,15 +106,15 @@ def test_decode_burst_holds_prefill_for_d_steps_then_releases() -> None:
     waiter = make_request("w", 4000, arrival=0.0)
     allowed = []
     for step in range(8):
-        plan = ctl.plan(
+        decision = ctl.decide_and_commit(
             now=step * 0.04,
             running=[decode],
             waiting=[waiter],
             token_budget=8192,
             seq_slot_free=True,
         )
-        allowed.append(plan.allow_prefill)
-        ctl.observe(plan, prefill_tokens=256 if plan.allow_prefill else 0, partials_after=1)
+        allowed.append(decision.allow_prefill)
+        ctl.observe(decision, prefill_tokens=256 if decision.allow_prefill else 0, partials_after=1)
     assert allowed == [False, False, False, True, False, False, False, True]
     assert ctl.stats.decode_only_steps_while_pending == 6
 
@@ -127,17 +127,17 @@ def test_oldest_waiter_deadline_bypasses_the_burst() -> None:
         decode_prefill_max_wait_ms=500,
     )
     decode = running_request("d", 10, 10)
-    plans = []
+    decisions = []
     for step, now in enumerate((0.0, 0.04, 0.5, 0.54)):
         waiter = make_request(f"w{step}", 4000, arrival=0.0 if step < 3 else 0.5)
-        plan = ctl.plan(
+        decision = ctl.decide_and_commit(
             now=now, running=[decode], waiting=[waiter], token_budget=8192, seq_slot_free=True
         )
-        plans.append((plan.allow_prefill, plan.bypass))
-        ctl.observe(plan, prefill_tokens=256 if plan.allow_prefill else 0, partials_after=0)
-    assert plans[:2] == [(False, False), (False, False)]
-    assert plans[2] == (True, True) and ctl.stats.deadline_bypasses == 1
-    assert plans[3] == (False, False)  # the next waiter is young: the burst resumes
+        decisions.append((decision.allow_prefill, decision.bypass))
+        ctl.observe(decision, prefill_tokens=256 if decision.allow_prefill else 0, partials_after=0)
+    assert decisions[:2] == [(False, False), (False, False)]
+    assert decisions[2] == (True, True) and ctl.stats.deadline_bypasses == 1
+    assert decisions[3] == (False, False)  # the next waiter is young: the burst resumes
 
 
 @pytest.mark.parametrize(
@@ -206,15 +206,15 @@ def test_adaptive_grant_grows_with_slack_and_is_one_quantum_without_it() -> None
     grants = []
     for num_decodes in (200, 100, 50, 10):
         decodes = [running_request(f"d{i}", 10, 10) for i in range(num_decodes)]
-        plan = ctl.plan(
+        decision = ctl.decide_and_commit(
             now=0,
             running=[*decodes, partial],
             waiting=[],
             token_budget=100_000,
             seq_slot_free=False,
         )
-        assert plan.grants is not None
-        grants.append(plan.grants["p"])
+        assert decision.grants is not None
+        grants.append(decision.grants["p"])
     assert grants == sorted(grants) and grants[-1] > grants[0]
     # predicted: 10 ms + 0.1 ms/decode + 0.02 ms/prefill token -> (40-10-1)/0.02 = 1450 -> 1440
     assert grants[-1] == 1440
@@ -222,14 +222,14 @@ def test_adaptive_grant_grows_with_slack_and_is_one_quantum_without_it() -> None
     ctl_slow = PrefillController(
         SchedulerConfig(target_mixed_step_ms=40.0), quantum=16, step_model=slow
     )
-    plan = ctl_slow.plan(
+    decision = ctl_slow.decide_and_commit(
         now=0,
         running=[running_request("d", 10, 10), partial],
         waiting=[],
         token_budget=100_000,
         seq_slot_free=False,
     )
-    assert plan.grants == {"p": 16}  # no slack: one quantum, so prefill never starves
+    assert decision.grants == {"p": 16}  # no slack: one quantum, so prefill never starves
 
 
 def test_exact_model_keeps_mixed_steps_within_target_plus_one_quantum() -> None:
@@ -271,14 +271,14 @@ def test_adaptive_grant_falls_back_to_the_cap_when_predictions_are_poor() -> Non
         quantum=1,
         step_model=model,
     )
-    plan = ctl.plan(
+    decision = ctl.decide_and_commit(
         now=0,
         running=[running_request("d", 10, 10), running_request("p", 9000, 0)],
         waiting=[],
         token_budget=8192,
         seq_slot_free=False,
     )
-    assert plan.grants == {"p": 256} and ctl.stats.adaptive_fallbacks == 1
+    assert decision.grants == {"p": 256} and ctl.stats.adaptive_fallbacks == 1
 
 
 def test_every_request_finishes_under_every_control_setting() -> None:

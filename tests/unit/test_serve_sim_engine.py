@@ -21,7 +21,7 @@ TP = {"deepseek-v3": 8}
 def _engines(model: str, preset: str) -> tuple[object, object]:
     tp = TP.get(model, 1)
     simulated = simulated_engine(SimConfig(model=model, tp=tp, preset=preset)).layout
-    backend = SimServingBackend(model_profile=model, tp=tp, spec="auto", preset=preset)
+    backend = SimServingBackend(model_profile=model, tp=tp, speculation="auto", preset=preset)
     served = build_app(backend, ServerSettings(), preset_name=preset).state.hybridserve.parts
     return simulated, served.layout
 

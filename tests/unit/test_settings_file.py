@@ -53,7 +53,9 @@ def test_serve_and_simulate_apply_the_same_file_identically(tmp_path: Path) -> N
     served = build_app(backend, ServerSettings(), config_file=path).state.hybridserve.parts
     # simulate: the SimConfig fields `hybridserve simulate --config` takes from the file.
     options = _file_options(path)
-    config = SimConfig(workload="poisson:rate=1", spec="none", max_model_len=32_768, **options)
+    config = SimConfig(
+        workload="poisson:rate=1", speculation="none", max_model_len=32_768, **options
+    )
     simulated = simulated_engine(config)
     assert options["preset"] == "baseline"
     assert asdict(served.scheduler.config) == asdict(simulated.scheduler.config)
@@ -194,7 +196,7 @@ def test_bench_refuses_a_file_that_picks_a_preset(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="bench compares the presets itself"):
         _bench_file_options(path)
     plain = _write(tmp_path, "[scheduler]\nmax_num_seqs = 8\n")
-    assert _bench_file_options(plain) == {"controls": (("max_num_seqs", 8),), "retention": None}
+    assert _bench_file_options(plain) == {"overrides": (("max_num_seqs", 8),), "retention": None}
 
 
 def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_the_agent_controls() -> None:
@@ -216,4 +218,4 @@ def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_the_agent_cont
     assert run["by_agents"]["80"]["hybridserve"]["job_goodput_per_hour"] > 0
     ours = preset("hybridserve", quantum=544, max_model_len=4096).scheduler
     agent = {"kv_pin_fraction": ours.kv_pin_fraction, "kv_pin_exact_tail": ours.kv_pin_exact_tail}
-    assert dict(options["controls"]) == {**dict(tuned.controls), **agent}
+    assert dict(options["overrides"]) == {**dict(tuned.overrides), **agent}

@@ -66,7 +66,7 @@ def test_speculation_defaults_to_what_the_model_has(model: str, method: str, dra
 
 def test_mtp_on_a_model_without_mtp_layers_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"llama-3\.1-8b has no MTP layers"):
-        simulated_engine(SimConfig(model="llama-3.1-8b", spec="mtp"))
+        simulated_engine(SimConfig(model="llama-3.1-8b", speculation="mtp"))
 
 
 def test_bench_names_the_model_and_method_it_simulated(tmp_path: Path) -> None:

@@ -23,15 +23,15 @@ from hybridserve.sim.experiment import baseline_preset, paired_report, tune_vllm
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.memory import (
     GIB,
-    KvBudget,
+    MemoryAccount,
     bytes_per_block,
     kv_cache_tokens,
     max_concurrency,
-    vllm_kv_budget,
     vllm_log_lines,
+    vllm_memory_account,
 )
 from hybridserve.sim.model_profiles import get_model
-from hybridserve.sim.run import pool_budget, run_simulation, simulated_engine
+from hybridserve.sim.run import pool_memory_account, run_simulation, simulated_engine
 from hybridserve.sim.sweep import VLLM_GRID, draw_vllm_setting, vllm_sweep
 from hybridserve.sim.workload import AgentParams, AgentWorkload, LogNormal
 
@@ -68,7 +68,7 @@ def test_log_lines_reproduce_the_qwen3_next_bf16_tp2_h200_start_up_log() -> None
     assert model.layers_per_kv_group == 12
     assert model.page_bytes_per_layer(groups[1], tp=2) == 548_864
     assert bytes_per_block(model, tp=2) == 12 * 544 * 2 * 1 * 256 * 2 == 6_684_672
-    budget = KvBudget(
+    account = MemoryAccount(
         total_bytes=139.81 * GIB,
         gpu_memory_utilization=0.9,
         weight_bytes=139.81 * GIB * 0.9 - 44.59 * GIB,
@@ -76,11 +76,11 @@ def test_log_lines_reproduce_the_qwen3_next_bf16_tp2_h200_start_up_log() -> None
         non_torch_bytes=0.0,
         bytes_per_block=bytes_per_block(model, tp=2),
     )
-    assert budget.num_blocks == 7_162
+    assert account.num_blocks == 7_162
     # 7,162 // 4 groups x 544 tokens; 262,144 tokens need 482 attention blocks + 3 state blocks.
     assert kv_cache_tokens(7_162, groups) == 973_760
     assert max_concurrency(7_162, groups, 262_144) == pytest.approx(14.77, abs=0.005)
-    lines = vllm_log_lines(budget=budget, num_blocks=7_162, groups=groups, max_model_len=262_144)
+    lines = vllm_log_lines(account=account, num_blocks=7_162, groups=groups, max_model_len=262_144)
     assert lines == [
         "Available KV cache memory: 44.59 GiB",
         "GPU KV cache size: 973,760 tokens",
@@ -91,18 +91,20 @@ def test_log_lines_reproduce_the_qwen3_next_bf16_tp2_h200_start_up_log() -> None
 def test_the_profile_run_rule_predicts_that_pool_within_two_percent() -> None:
     # From first principles (CUDA's 139.81 GiB, weights, the fitted profile-run peak at vLLM's
     # H200 defaults of 1,024 sequences and 8,192 batched tokens, 0.55 GiB non-torch under TP).
-    budget = vllm_kv_budget(H200, QWEN.loaded(mtp=False), tp=2, dtype="bf16", max_num_seqs=1024)
-    assert budget.total_bytes == pytest.approx(139.81 * GIB)
-    assert budget.num_blocks == pytest.approx(7_162, rel=0.02)
-    assert budget.available_bytes / GIB == pytest.approx(44.59, rel=0.02)
+    account = vllm_memory_account(
+        H200, QWEN.loaded(mtp=False), tp=2, dtype="bf16", max_num_seqs=1024
+    )
+    assert account.total_bytes == pytest.approx(139.81 * GIB)
+    assert account.num_blocks == pytest.approx(7_162, rel=0.02)
+    assert account.available_bytes / GIB == pytest.approx(44.59, rel=0.02)
 
 
 def test_the_sampler_term_matches_vllms_logged_peak_activations() -> None:
     # llm-d's H100 logs at 1,024 sequences; a vLLM log of Llama-3.1-8B at 256 sequences: 1.24 GiB.
     llama = get_model("llama-3.1-8b")
-    peak = vllm_kv_budget(get_gpu("H100-SXM"), llama, max_num_seqs=1024).activation_bytes
+    peak = vllm_memory_account(get_gpu("H100-SXM"), llama, max_num_seqs=1024).activation_bytes
     assert peak / GIB == pytest.approx(4.76, abs=0.05)
-    peak = vllm_kv_budget(get_gpu("H100-SXM"), llama, max_num_seqs=256).activation_bytes
+    peak = vllm_memory_account(get_gpu("H100-SXM"), llama, max_num_seqs=256).activation_bytes
     assert peak / GIB == pytest.approx(1.24, abs=0.05)
 
 
@@ -111,8 +113,8 @@ def test_the_mtp_layer_costs_weights_and_a_thirteenth_layer_per_block() -> None:
     assert with_mtp.layers_per_kv_group == 13 and without.layers_per_kv_group == 12
     extra = with_mtp.weight_bytes("fp8") - without.weight_bytes("fp8")
     assert extra == pytest.approx(1.65e9, rel=0.01)  # one attention + 512-expert MoE layer
-    mtp_run = pool_budget(SimConfig(spec="mtp"))
-    plain_run = pool_budget(SimConfig(spec="none"))
+    mtp_run = pool_memory_account(SimConfig(speculation="mtp"))
+    plain_run = pool_memory_account(SimConfig(speculation="none"))
     assert mtp_run.num_blocks < plain_run.num_blocks
     assert mtp_run.bytes_per_block == pytest.approx(13 / 12 * plain_run.bytes_per_block)
 
@@ -204,7 +206,7 @@ def test_each_bound_switch_changes_the_run_as_it_says() -> None:
 def test_step_cost_bounds_lift_the_token_budget_but_keep_the_pool() -> None:
     from hybridserve.sim.run import simulated_engine
 
-    tuned = short(preset="baseline", controls=(("max_num_batched_tokens", 2048),))
+    tuned = short(preset="baseline", overrides=(("max_num_batched_tokens", 2048),))
     real = simulated_engine(tuned).scheduler
     for bound in ("free-prefill", "ideal-hits"):
         lifted = simulated_engine(replace(tuned, bound=bound)).scheduler
@@ -317,18 +319,18 @@ def test_bench_baselines_map_to_presets_or_refuse_clearly() -> None:
 def test_the_vllm_search_draws_only_vllms_knobs() -> None:
     rng = random.Random(0)
     for _ in range(200):
-        controls, retention = draw_vllm_setting(rng, 544)
-        knobs = dict(controls)
+        overrides, retention = draw_vllm_setting(rng, 544)
+        knobs = dict(overrides)
         assert set(knobs) == set(VLLM_GRID)
         threshold = knobs["long_prefill_token_threshold"]
         assert threshold == 0 or threshold < knobs["max_num_batched_tokens"]
         assert retention in ("boundary", "interval:2176", "interval:8704")
     trials = vllm_sweep(short(duration_s=40.0), trials=2, quantum=544, seed=1)
-    assert len(trials) == 3 and trials[0].controls == () and trials[0].retention == "boundary"
-    assert all(set(dict(t.controls)) <= set(VLLM_GRID) for t in trials)
+    assert len(trials) == 3 and trials[0].overrides == () and trials[0].retention == "boundary"
+    assert all(set(dict(t.overrides)) <= set(VLLM_GRID) for t in trials)
     chosen, search = tune_vllm(short(duration_s=40.0), trials=2, itl_slo_ms=1e9, seed=1)
     assert chosen.preset == "baseline" and search["trials"] == 3
-    assert set(dict(chosen.controls)) <= set(VLLM_GRID)
+    assert set(dict(chosen.overrides)) <= set(VLLM_GRID)
     with pytest.raises(ConfigError, match="vLLM's knobs"):
         tuned_config(short(), {"max_num_partial_prefills": 2}, "boundary")
 

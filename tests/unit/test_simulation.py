@@ -33,19 +33,19 @@ SMALL = AgentParams(
 )
 
 
-def simulate(seed: int, *, spec: bool = False, until_s: float = 60.0):  # type: ignore[no-untyped-def]
+def simulate(seed: int, *, speculation: bool = False, until_s: float = 60.0):  # type: ignore[no-untyped-def]
     groups = (FullAttentionSpec(block_size=32), MambaSpec(block_size=32))
-    speculative = SpeculativeConfig.from_name("mtp", 2) if spec else SpeculativeConfig()
+    speculative = SpeculativeConfig.from_name("mtp", 2) if speculation else SpeculativeConfig()
     cache = KVCacheManager(CacheLayout(groups=groups, num_blocks=4096, speculative=speculative))
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=SMALL.context_limit + 1, max_num_batched_tokens=2048),
         cache,
-        num_speculative_tokens=2 if spec else 0,
+        num_speculative_tokens=2 if speculation else 0,
     )
     executor = SimulatedExecutor(
         linear_step_time,
         seed=seed,
-        num_speculative_tokens=2 if spec else 0,
+        num_speculative_tokens=2 if speculation else 0,
         acceptance_rate=0.7,
     )
     sim = AgentSimulation(Engine(scheduler, executor), AgentWorkload(SMALL, seed=seed))
@@ -79,10 +79,10 @@ def test_a_job_finishes_exactly_when_its_last_turn_does() -> None:
 
 def test_speculative_steps_deliver_several_tokens_as_one_gap() -> None:
     _, plain = simulate(5)
-    sim, spec = simulate(5, spec=True)
+    sim, speculation = simulate(5, speculation=True)
     multi = [r for r in sim.recorder.requests.values() if r.output_tokens > len(r.gaps_s) + 1]
     assert multi, "no step delivered accepted drafts"
-    assert spec["itl_p50_ms"] > 0 and plain["itl_p50_ms"] > 0
+    assert speculation["itl_p50_ms"] > 0 and plain["itl_p50_ms"] > 0
 
 
 def test_simulated_executor_accepts_drafts_with_the_given_probability() -> None:
@@ -229,10 +229,10 @@ def test_sweep_draws_valid_settings_and_picks_the_best_under_the_slo(tmp_path) -
     def trial(goodput: float, itl: float) -> Trial:
         return Trial((("x", goodput),), {"job_goodput_per_hour": goodput, "itl_p99_ms": itl})
 
-    assert best([trial(10, 50), trial(30, 200), trial(20, 90)], itl_slo_ms=100).controls == (
+    assert best([trial(10, 50), trial(30, 200), trial(20, 90)], itl_slo_ms=100).overrides == (
         ("x", 20),
     )
-    assert best([trial(30, 200), trial(10, 150)], itl_slo_ms=100).controls == (("x", 10),)
+    assert best([trial(30, 200), trial(10, 150)], itl_slo_ms=100).overrides == (("x", 10),)
     result = CliRunner().invoke(
         app,
         ["sweep", "--trials", "2", "--agents", "2", "--duration", "30", "--warmup", "5", "--json"]
@@ -256,7 +256,7 @@ def test_config_file_sets_scheduler_fields_and_retention(tmp_path) -> None:  # t
         "decode_prefill_max_wait_ms = 500\n[cache]\nretention = 'dense'\n"
     )
     loaded = load_settings_file(path)
-    config = SimConfig(preset="baseline", controls=loaded.scheduler, retention=loaded.retention)
+    config = SimConfig(preset="baseline", overrides=loaded.scheduler, retention=loaded.retention)
     scheduler = simulated_engine(config).scheduler
     assert scheduler.config.max_num_prefill_tokens_per_step == 1088
     assert scheduler.config.decode_prefill_max_wait_ms == 500.0
@@ -300,6 +300,6 @@ def test_sweep_runs_trials_as_ray_tasks() -> None:
     finally:
         ray.shutdown()
     local = sweep(base, trials=1, quantum=544, seed=3)
-    assert [t.controls for t in remote] == [t.controls for t in local]
+    assert [t.overrides for t in remote] == [t.overrides for t in local]
     # repr: a statistic with no sample is nan, and nan != nan
     assert [repr(t.metrics) for t in remote] == [repr(t.metrics) for t in local]

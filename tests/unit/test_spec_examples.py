@@ -11,7 +11,7 @@ from hybridserve.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
     SlidingWindowSpec,
 )
 from hybridserve.kvcache.block_pool import BlockPool
@@ -20,12 +20,14 @@ from hybridserve.kvcache.hashing import BlockHasher, cache_key, derived_hashes
 from tests.conftest import prefill
 
 
-def manager_for(*groups, spec="none", num_blocks=64, retention="dense", **kw) -> KVCacheManager:
+def manager_for(
+    *groups, speculation="none", num_blocks=64, retention="dense", **kw
+) -> KVCacheManager:
     layout = CacheLayout(
         groups=tuple(groups),
         num_blocks=num_blocks,
-        speculative=SpeculativeConfig.from_name(spec),
-        retention=RetentionPolicy.parse(retention),
+        speculative=SpeculativeConfig.from_name(speculation),
+        retention=Retention.parse(retention),
         **kw,
     )
     return KVCacheManager(layout)
@@ -153,7 +155,7 @@ def test_null_block_is_never_freed_or_handed_out() -> None:
 
 
 def test_registration_stops_at_num_tokens_so_draft_slots_are_never_hashed() -> None:
-    manager = manager_for(FullAttentionSpec(block_size=4), spec="ngram", num_blocks=16)
+    manager = manager_for(FullAttentionSpec(block_size=4), speculation="ngram", num_blocks=16)
     tokens = list(range(6))
     hashes = manager.hasher.hash_tokens(tokens)
     hit = manager.find_hit(hashes, 6)
@@ -251,8 +253,8 @@ def test_identical_resend_is_capped_one_token_short(prompt: int, expected: int) 
 
 
 def test_full_attention_hit_stops_at_first_miss_and_eagle_drops_a_unit() -> None:
-    for spec, expected in (("none", 64), ("eagle-legacy", 48)):
-        manager = manager_for(FullAttentionSpec(block_size=16), spec=spec)
+    for speculation, expected in (("none", 64), ("eagle-legacy", 48)):
+        manager = manager_for(FullAttentionSpec(block_size=16), speculation=speculation)
         tokens = list(range(100))
         cache_blocks(manager, tokens, {0, 1, 2, 3, 5}, gid=0)
         assert manager.find_hit(manager.hasher.hash_tokens(tokens), 100).num_tokens == expected
@@ -269,7 +271,7 @@ def test_sliding_window_takes_rightmost_run_and_nulls_the_rest() -> None:
 
 
 def test_sliding_window_under_eagle_needs_one_more_block_and_falls_to_zero() -> None:
-    manager = manager_for(SlidingWindowSpec(block_size=16, window=32), spec="eagle-legacy")
+    manager = manager_for(SlidingWindowSpec(block_size=16, window=32), speculation="eagle-legacy")
     tokens = list(range(100))
     cache_blocks(manager, tokens, {0, 3, 4}, gid=0)
     assert manager.find_hit(manager.hasher.hash_tokens(tokens), 100).num_tokens == 0
@@ -315,12 +317,12 @@ def test_align_mode_materialises_states_only_where_chunks_end() -> None:
 # ----- 3.1 / 3.3 reconciliation -------------------------------------------------------------------
 
 
-def three_group_manager(spec: str) -> tuple[KVCacheManager, list[int]]:
+def three_group_manager(speculation: str) -> tuple[KVCacheManager, list[int]]:
     manager = manager_for(
         FullAttentionSpec(block_size=16),
         SlidingWindowSpec(block_size=16, window=32),
         MambaSpec(block_size=16),
-        spec=spec,
+        speculation=speculation,
         num_blocks=128,
     )
     return manager, list(range(200))

@@ -20,7 +20,7 @@ from hybridserve.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     MambaSpec,
-    RetentionPolicy,
+    Retention,
     SlidingWindowSpec,
 )
 from hybridserve.kvcache.hashing import derived_hashes
@@ -44,7 +44,7 @@ class DraftingExecutor(FakeExecutor):
 def build(
     groups: Sequence[GroupSpec],
     *,
-    spec: str = "none",
+    speculation: str = "none",
     drafts: int = 0,
     retention: str = "boundary",
     budget: int = 8192,
@@ -56,8 +56,10 @@ def build(
     layout = CacheLayout(
         groups=tuple(groups),
         num_blocks=num_blocks,
-        speculative=SpeculativeConfig.from_name(spec, drafts if spec != "none" else 0),
-        retention=RetentionPolicy.parse(retention),
+        speculative=SpeculativeConfig.from_name(
+            speculation, drafts if speculation != "none" else 0
+        ),
+        retention=Retention.parse(retention),
         max_in_flight_tokens=max_in_flight_tokens,
     )
     cache = KVCacheManager(layout, enable_caching=caching)
@@ -97,19 +99,19 @@ PROMPT = list(range(1_000, 5_000))
 
 def test_lookahead_block_hashes_hit_the_resend_without_a_drop() -> None:
     # Rule 1: FA block 16, EAGLE, prime 48 tokens then resend: vLLM 0.33 hits 32.
-    engine, _ = build([FullAttentionSpec(block_size=16)], spec="eagle", drafts=1)
+    engine, _ = build([FullAttentionSpec(block_size=16)], speculation="eagle", drafts=1)
     run(engine, "prime", PROMPT[:48])
     assert run(engine, "resend", PROMPT[:48])[0] == 32
 
 
 def test_legacy_drop_loses_the_last_block_of_the_resend() -> None:
-    engine, _ = build([FullAttentionSpec(block_size=16)], spec="eagle-legacy", drafts=1)
+    engine, _ = build([FullAttentionSpec(block_size=16)], speculation="eagle-legacy", drafts=1)
     run(engine, "prime", PROMPT[:48])
     assert run(engine, "resend", PROMPT[:48])[0] == 16
 
 
 def test_a_block_hash_covers_its_lookahead_token() -> None:
-    engine, cache = build([FullAttentionSpec(block_size=16)], spec="mtp", drafts=2)
+    engine, cache = build([FullAttentionSpec(block_size=16)], speculation="mtp", drafts=2)
     assert cache.hasher.lookahead == 1
     assert len(cache.hasher.hash_tokens(PROMPT[:48])) == 2  # block 2 waits for token 48
     run(engine, "prime", PROMPT[:48])
@@ -120,7 +122,7 @@ def test_a_block_hash_covers_its_lookahead_token() -> None:
 def test_eagle_margin_reaches_past_the_cap_in_a_hybrid_coordinator() -> None:
     # Rule 2: FA16 + SWA(16, window 32), block-aligned 64-token resend: vLLM 48.
     groups = [FullAttentionSpec(block_size=16), SlidingWindowSpec(block_size=16, window=32)]
-    engine, _ = build(groups, spec="eagle-legacy", drafts=1)
+    engine, _ = build(groups, speculation="eagle-legacy", drafts=1)
     run(engine, "prime", PROMPT[:64])
     assert run(engine, "resend", PROMPT[:64])[0] == 48
 
@@ -128,7 +130,7 @@ def test_eagle_margin_reaches_past_the_cap_in_a_hybrid_coordinator() -> None:
 def test_legacy_retention_keeps_where_the_dropped_lookup_lands() -> None:
     # Rules 2 and 3: FA32 + Mamba32, retention 0, a 128-token prompt: the resend hits 96.
     groups = [FullAttentionSpec(block_size=32), MambaSpec(block_size=32)]
-    engine, _ = build(groups, spec="eagle-legacy", drafts=1)
+    engine, _ = build(groups, speculation="eagle-legacy", drafts=1)
     run(engine, "prime", PROMPT[:128])
     assert run(engine, "resend", PROMPT[:128])[0] == 96
 
@@ -137,7 +139,7 @@ def test_the_shared_prefix_junction_is_the_match_after_the_drop() -> None:
     # Rule 4: FA16 + Mamba16, 48 primed, a 50-token sibling sharing 40: vLLM's
     # shared_prefix_boundary is 16 (the 32-token match less the dropped block), not 32.
     groups = [FullAttentionSpec(block_size=16), MambaSpec(block_size=16)]
-    engine, cache = build(groups, spec="eagle-legacy", drafts=1)
+    engine, cache = build(groups, speculation="eagle-legacy", drafts=1)
     run(engine, "prime", PROMPT[:48])
     sibling = PROMPT[:40] + list(range(9_000, 9_010))
     hit = cache.find_hit(cache.hasher.hash_tokens(sibling), len(sibling))
@@ -182,7 +184,7 @@ def test_prefill_checkpoint_stays_on_under_the_legacy_drop() -> None:
         FullAttentionSpec(block_size=1600),
         MambaSpec(block_size=1600, prefill_checkpoint=True),
     ]
-    engine, _ = build(groups, spec="eagle-legacy", drafts=1, num_blocks=200)
+    engine, _ = build(groups, speculation="eagle-legacy", drafts=1, num_blocks=200)
     assert run(engine, "p", PROMPT[:3602])[1][0] == 3602
 
 
@@ -190,7 +192,7 @@ def test_drafts_of_a_request_still_prefilling_are_discarded() -> None:
     # Rule 10: 80-token prompt, budget 50, 3 drafts reported after the first chunk: then 30.
     engine, _ = build(
         [FullAttentionSpec(block_size=16)],
-        spec="ngram",
+        speculation="ngram",
         drafts=3,
         budget=50,
         executor=DraftingExecutor(3),
@@ -210,12 +212,12 @@ def test_a_retention_interval_off_the_scheduler_block_is_rejected() -> None:
     # Rule 12.
     groups = (FullAttentionSpec(block_size=32), MambaSpec(block_size=32))
     with pytest.raises(ConfigError, match="multiple of the scheduler block 32"):
-        CacheLayout(groups=groups, num_blocks=64, retention=RetentionPolicy.parse("interval:48"))
+        CacheLayout(groups=groups, num_blocks=64, retention=Retention.parse("interval:48"))
     with pytest.raises(ConfigError, match="sliding-window or state group"):
         CacheLayout(
             groups=(FullAttentionSpec(block_size=16),),
             num_blocks=64,
-            retention=RetentionPolicy.parse("interval:64"),
+            retention=Retention.parse("interval:64"),
         )
 
 
@@ -268,7 +270,9 @@ def test_full_attention_hits_follow_the_lookahead_and_legacy_closed_forms(
     first = PROMPT[:first_len]
     second = first[:shared] + list(range(90_000, 90_000 + second_len - shared))
     engine, _ = build(
-        [FullAttentionSpec(block_size=block)], spec="eagle-legacy" if legacy else "eagle", drafts=1
+        [FullAttentionSpec(block_size=block)],
+        speculation="eagle-legacy" if legacy else "eagle",
+        drafts=1,
     )
     run(engine, "first", first)
     hit = run(engine, "second", second)[0]
@@ -297,7 +301,7 @@ def test_hybrid_resends_hit_the_recorded_closed_form(
         FullAttentionSpec(block_size=block),
         MambaSpec(block_size=block, prefill_checkpoint=checkpoint),
     ]
-    engine, _ = build(groups, spec="eagle-legacy" if legacy else "eagle", drafts=1)
+    engine, _ = build(groups, speculation="eagle-legacy" if legacy else "eagle", drafts=1)
     prompt = PROMPT[:prompt_len]
     run(engine, "first", prompt)
     hit = run(engine, "resend", prompt)[0]
@@ -331,7 +335,7 @@ def test_fine_grained_hits_stop_at_the_tail_and_serve_it() -> None:
         hash_block_size=16,
         alignment_tokens=16,
         partial_hash_hits=True,
-        retention=RetentionPolicy.parse("boundary"),
+        retention=Retention.parse("boundary"),
     )
     cache = KVCacheManager(layout)
     scheduler = Scheduler(SchedulerConfig(max_model_len=65_536), cache)
@@ -364,7 +368,11 @@ def test_dense_eagle_window_resend_hits_at_the_segment_grid() -> None:
     # full-attention match of 128 less its dropped block; the window before 96 and the block
     # after it, SWA positions 11 and 12, are cached).
     engine, cache = build(
-        [EAGLE_FA32, EAGLE_SWA8], spec="eagle-legacy", drafts=1, num_blocks=100, retention="dense"
+        [EAGLE_FA32, EAGLE_SWA8],
+        speculation="eagle-legacy",
+        drafts=1,
+        num_blocks=100,
+        retention="dense",
     )
     run(engine, "prime", repeated_tokens(128))
     assert cached_window_positions(cache, repeated_tokens(128), 1) == [3, 4, 7, 8, 11, 12, 15]
@@ -376,7 +384,11 @@ def test_dense_eagle_window_keeps_the_block_after_each_segment_end() -> None:
     # block after it, the drop's proof); a 41-token follow-up hits 0 (the full-attention match
     # of 32 loses its only block).
     engine, cache = build(
-        [EAGLE_FA32, EAGLE_SWA8], spec="eagle-legacy", drafts=1, num_blocks=100, retention="dense"
+        [EAGLE_FA32, EAGLE_SWA8],
+        speculation="eagle-legacy",
+        drafts=1,
+        num_blocks=100,
+        retention="dense",
     )
     run(engine, "prime", repeated_tokens(40))
     assert cached_window_positions(cache, repeated_tokens(40), 1) == [3, 4]
@@ -388,7 +400,9 @@ def test_dense_eagle_windows_of_two_groups_serve_the_dropped_landing() -> None:
     # SWA positions 3 and 4 in both groups (its reachable mask with the EAGLE shift keeps
     # {3, 4, 7, 8} of blocks 0..8).
     groups = [EAGLE_FA32, EAGLE_SWA8, EAGLE_SWA8]
-    engine, cache = build(groups, spec="eagle-legacy", drafts=1, num_blocks=100, retention="dense")
+    engine, cache = build(
+        groups, speculation="eagle-legacy", drafts=1, num_blocks=100, retention="dense"
+    )
     run(engine, "prime", repeated_tokens(72))
     for group in (1, 2):
         assert cached_window_positions(cache, repeated_tokens(72), group) == [3, 4, 7, 8]
@@ -399,7 +413,9 @@ def test_boundary_eagle_window_keeps_one_block_past_the_landing() -> None:
     # Retention 0, a 127-token prompt: the dropped landing is 64, and vLLM 0.33 caches SWA
     # positions 7 and 8 (the window before 64 and one block after it, not a whole alignment
     # unit); the resend hits 64.
-    engine, cache = build([EAGLE_FA32, EAGLE_SWA8], spec="eagle-legacy", drafts=1, num_blocks=100)
+    engine, cache = build(
+        [EAGLE_FA32, EAGLE_SWA8], speculation="eagle-legacy", drafts=1, num_blocks=100
+    )
     run(engine, "prime", repeated_tokens(127))
     assert cached_window_positions(cache, repeated_tokens(127), 1) == [7, 8]
     assert run(engine, "resend", repeated_tokens(127))[0] == 64

@@ -5,7 +5,7 @@ GGUF file; `TorchExecutor(model, num_blocks=...)` implements the Executor protoc
 interface is documented in `hybridserve.executor.torch.models.base`.
 """
 
+from hybridserve.executor.torch.executor import TorchExecutor
 from hybridserve.executor.torch.loader import load_model
-from hybridserve.executor.torch.runner import TorchExecutor
 
 __all__ = ["TorchExecutor", "load_model"]

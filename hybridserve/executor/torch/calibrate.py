@@ -36,8 +36,8 @@ import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
+from hybridserve.executor.torch.executor import TorchExecutor
 from hybridserve.executor.torch.loader import load_model
-from hybridserve.executor.torch.runner import TorchExecutor
 from hybridserve.kvcache.spec import MambaSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

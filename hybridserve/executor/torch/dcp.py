@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
-from hybridserve.executor.torch.runner import TorchExecutor
+from hybridserve.executor.torch.executor import TorchExecutor
 from hybridserve.parallel.group import DcpGroup
 from hybridserve.parallel.launch import (
     find_free_port,

@@ -276,7 +276,7 @@ class GroupManager:
 
 
 class KeepMask:
-    """Which positions a retention policy keeps for one request (see retention.py)."""
+    """Which positions a retention keeps for one request (see retention.py)."""
 
     __slots__ = ("dense", "interval", "state_positions", "window_positions")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.core.config import DEFAULT_MAX_NUM_SEQS, SpecMethod, SpeculativeConfig
+from hybridserve.core.config import DEFAULT_MAX_NUM_SEQS, SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult, TokenLogprob
 from hybridserve.core.request import SamplingParams, keep_sampled
@@ -91,7 +91,12 @@ class TorchExecutor:
         self.model = model.to(self.device).eval()
         self.speculative = speculative or SpeculativeConfig()
         method = self.speculative.method
-        if method not in (SpecMethod.NONE, SpecMethod.NGRAM, SpecMethod.MTP, SpecMethod.EAGLE):
+        if method not in (
+            SpeculativeMethod.NONE,
+            SpeculativeMethod.NGRAM,
+            SpeculativeMethod.MTP,
+            SpeculativeMethod.EAGLE,
+        ):
             raise ConfigError(
                 "speculative.method",
                 method.value,
@@ -103,7 +108,7 @@ class TorchExecutor:
                 self.dcp.interleave,
                 f"use a divisor of block_size={block_size}: a block holds whole interleave runs",
             )
-        if self.dcp.world_size > 1 and method in (SpecMethod.MTP, SpecMethod.EAGLE):
+        if self.dcp.world_size > 1 and method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE):
             raise ConfigError(
                 "speculative.method",
                 method.value,
@@ -115,7 +120,7 @@ class TorchExecutor:
         self.share_prefixes = share_prefixes
         layers = model.layer_caches()
         self.head = None
-        if method in (SpecMethod.MTP, SpecMethod.EAGLE):
+        if method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE):
             self.head = DraftHead(model, len(layers), seed=seed).to(self.device).eval()
             layers = [*layers, self.head.cache_spec()]
         self.groups = derive_cache_groups(layers, block_size=block_size, mamba_mode=mamba_mode)
@@ -566,7 +571,7 @@ class TorchExecutor:
         return [int(t) for t in self._slot_tokens[slots].tolist()]
 
     def _propose(self, chunk: ScheduledChunk, emitted: tuple[int, ...]) -> tuple[int, ...]:
-        if self.speculative.method is not SpecMethod.NGRAM or self.num_lookahead == 0:
+        if self.speculative.method is not SpeculativeMethod.NGRAM or self.num_lookahead == 0:
             return ()
         known = self._requests[chunk.req_id].known
         proposal = ngram_propose([*known, emitted[-1]], num_tokens=self.num_lookahead)

@@ -1,4 +1,4 @@
-"""The controls' contract: a frozen plan, a pure decision, state advanced only on commit and
+"""The controls' contract: a frozen decision, a pure decision, state advanced only on commit and
 observe, one prefill-end rule, one priority rule and typed finish reasons."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hybridserve.scheduler.controls import (
     UNLIMITED,
     PrefillAllowance,
     PrefillController,
-    PrefillPlan,
+    PrefillDecision,
     count_partials,
     is_decode,
 )
@@ -48,30 +48,30 @@ def rotating_controller() -> tuple[PrefillController, dict[str, object]]:
     return ctl, args
 
 
-def test_the_plan_is_frozen_and_its_grants_cannot_be_changed() -> None:
+def test_the_decision_is_frozen_and_its_grants_cannot_be_changed() -> None:
     ctl, args = rotating_controller()
-    plan = ctl.decide(**args)  # type: ignore[arg-type]
+    decision = ctl.decide(**args)  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.allow_prefill = False  # type: ignore[misc]
-    assert plan.grants is not None
+        decision.allow_prefill = False  # type: ignore[misc]
+    assert decision.grants is not None
     with pytest.raises(TypeError):
-        plan.grants["a"] = 99  # type: ignore[index]
+        decision.grants["a"] = 99  # type: ignore[index]
 
 
 def test_no_limit_is_a_value_not_an_identity() -> None:
-    assert UNLIMITED.unlimited and PrefillPlan().unlimited
+    assert UNLIMITED.unlimited and PrefillDecision().unlimited
     assert dataclasses.replace(UNLIMITED, pending=True).unlimited  # a record, not a limit
-    assert not PrefillPlan(allow_prefill=False).unlimited
-    assert not PrefillPlan(grants={"a": 1}).unlimited
-    assert not PrefillPlan(waiter_tokens=16).unlimited
-    assert not PrefillPlan(max_partials=2).unlimited
+    assert not PrefillDecision(allow_prefill=False).unlimited
+    assert not PrefillDecision(grants={"a": 1}).unlimited
+    assert not PrefillDecision(waiter_tokens=16).unlimited
+    assert not PrefillDecision(max_partials=2).unlimited
 
 
 def test_grant_caps_a_partial_by_its_grant_and_stops_it_in_a_burst() -> None:
     assert UNLIMITED.grant("a", 700) == 700
-    assert PrefillPlan(grants={"a": 256}).grant("a", 700) == 256
-    assert PrefillPlan(grants={"a": 256}).grant("b", 700) == 0
-    assert PrefillPlan(allow_prefill=False).grant("a", 700) == 0
+    assert PrefillDecision(grants={"a": 256}).grant("a", 700) == 256
+    assert PrefillDecision(grants={"a": 256}).grant("b", 700) == 0
+    assert PrefillDecision(allow_prefill=False).grant("a", 700) == 0
 
 
 def test_decide_is_pure_and_commit_advances_the_rotation() -> None:
@@ -85,11 +85,11 @@ def test_decide_is_pure_and_commit_advances_the_rotation() -> None:
     assert after.grants == {"c": 3, "a": 3, "b": 2}
 
 
-def test_plan_commits_what_it_decides() -> None:
+def test_decide_and_commit_commits_what_it_decides() -> None:
     ctl, args = rotating_controller()
     twin, _ = rotating_controller()
     expected = twin.decide(**args)  # type: ignore[arg-type]
-    assert ctl.plan(**args) == expected  # type: ignore[arg-type]
+    assert ctl.decide_and_commit(**args) == expected  # type: ignore[arg-type]
     assert ctl.rot == expected.rotation
 
 
@@ -98,28 +98,30 @@ def test_an_adaptive_fallback_is_counted_on_commit_only() -> None:
     for i in range(8):  # 1 ms, then 100 ms for the same shape: the model's error is large
         model.update(model.features(1, 0, 0), 0.1 if i % 2 else 0.001)
     ctl = PrefillController(SchedulerConfig(target_mixed_step_ms=20.0), quantum=1, step_model=model)
-    plan = ctl.decide(
+    decision = ctl.decide(
         now=0,
         running=[running_request("d", 10, 10), running_request("p", 900, 0)],
         waiting=[],
         token_budget=8192,
         seq_slot_free=False,
     )
-    assert plan.adaptive_fallback and ctl.stats.adaptive_fallbacks == 0
-    ctl.commit(plan)
+    assert decision.adaptive_fallback and ctl.stats.adaptive_fallbacks == 0
+    ctl.commit(decision)
     assert ctl.stats.adaptive_fallbacks == 1
 
 
-def test_every_enabled_plan_carries_the_partial_prefill_bound() -> None:
+def test_every_enabled_decision_carries_the_partial_prefill_bound() -> None:
     ctl = PrefillController(SchedulerConfig(max_num_partial_prefills=2), quantum=1)
     for running in ([], [running_request("p", 50, 0)], [running_request("d", 10, 10)]):
-        plan = ctl.decide(now=0, running=running, waiting=[], token_budget=64, seq_slot_free=True)
-        assert plan.max_partials == 2 and plan.grants is None
+        decision = ctl.decide(
+            now=0, running=running, waiting=[], token_budget=64, seq_slot_free=True
+        )
+        assert decision.max_partials == 2 and decision.grants is None
 
 
 def test_allowance_bounds_partials_and_spends_the_waiter_tokens() -> None:
-    plan = PrefillPlan(grants={}, waiter_tokens=32, max_partials=1)
-    step = StepState(budget=64, threshold=0, plan=plan)
+    decision = PrefillDecision(grants={}, waiter_tokens=32, max_partials=1)
+    step = StepState(budget=64, threshold=0, decision=decision)
     allowance = step.prefill
     assert isinstance(allowance, PrefillAllowance)
     assert allowance.admission_tokens(100) == 32
@@ -134,8 +136,8 @@ def test_allowance_bounds_partials_and_spends_the_waiter_tokens() -> None:
 
 
 def test_reclaim_gives_unused_waiter_tokens_to_partials_in_running_order() -> None:
-    plan = PrefillPlan(grants={"a": 0, "b": 0}, waiter_tokens=20)
-    step = StepState(budget=64, threshold=0, plan=plan)
+    decision = PrefillDecision(grants={"a": 0, "b": 0}, waiter_tokens=20)
+    step = StepState(budget=64, threshold=0, decision=decision)
     running = [running_request("d", 10, 10), running_request("a", 12, 0)]
     running.append(running_request("b", 50, 0))
     taken: list[tuple[str, int, int]] = []
@@ -157,10 +159,10 @@ def test_reclaim_does_nothing_without_grants_or_when_blocks_run_out() -> None:
         calls.append(request.req_id)
         return None
 
-    free = StepState(budget=64, threshold=0, plan=PrefillPlan(waiter_tokens=20))
+    free = StepState(budget=64, threshold=0, decision=PrefillDecision(waiter_tokens=20))
     free.prefill.reclaim(running, free, no_room)
     assert calls == []
-    step = StepState(budget=64, threshold=0, plan=PrefillPlan(grants={}, waiter_tokens=20))
+    step = StepState(budget=64, threshold=0, decision=PrefillDecision(grants={}, waiter_tokens=20))
     step.prefill.reclaim(running, step, no_room)
     assert calls == ["a"] and step.prefill.waiter_tokens == 20
 
