@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterator
+from itertools import chain
 
 from hybridserve.core.config import ProgramPriority
 from hybridserve.core.request import Request
@@ -104,7 +105,7 @@ class DeadlineQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """In admission order."""
-        return iter([*self._front, *self._fresh, *self._late])
+        return chain(self._front, self._fresh, self._late)
 
 
 class PriorityQueue:
