@@ -175,6 +175,8 @@ SCHEDULER_FLAG_HELP: dict[str, str] = {
     "which the budget grows to its ceiling (0 = never).",
     "adaptive_budget_pressure_itl_ms": "Adaptive prefill budget: the step-time limit in ms "
     "while that queue valve is open (0 = none).",
+    "adaptive_budget_calm_itl_ms": "Adaptive prefill budget: the step time in ms aimed for "
+    "while no prefill waits, rising to the aim as the oldest wait nears the valve (0 = off).",
     "waiting_deadline_ms": "First-token deadline: a request that has waited this many ms goes "
     "behind every waiting request that has not (0 = off; fcfs only).",
     "kv_pin_fraction": "Tool-call pinning: the fraction of the pool finished turns' prefixes "

@@ -299,7 +299,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     for label, summary in report["summary"].items():
         parts = []
-        for role, what in (("choose", "rows it is chosen on"), ("report", "rows it never saw")):
+        for role, what in (("choose", "rows it is chosen on"), ("report", "rows only reported")):
             s = summary[role]
             loses = f" (loses {', '.join(s['loses'])})" if s["loses"] else ""
             tests = ", ".join(

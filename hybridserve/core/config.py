@@ -192,10 +192,14 @@ class SchedulerConfig:
     # carrying decodes aim for, and the oldest waiter's wait past which the budget grows
     # whatever the step time (0: never). Its ceiling is max_num_batched_tokens. While that
     # valve is open, steps may run up to adaptive_budget_pressure_itl_ms (0: no step-time
-    # limit, the budget grows to its ceiling).
+    # limit, the budget grows to its ceiling). With adaptive_budget_calm_itl_ms (0 = off) steps
+    # aim for that shorter time while nothing in prefill has waited, and for
+    # adaptive_budget_itl_ms once the oldest prefill has waited adaptive_budget_queue_ms, in a
+    # straight line between.
     adaptive_budget_itl_ms: float = 0.0
     adaptive_budget_queue_ms: float = 0.0
     adaptive_budget_pressure_itl_ms: float = 0.0
+    adaptive_budget_calm_itl_ms: float = 0.0
     # The first-token deadline of the waiting queue (scheduler/queue.py DeadlineQueue), 0 = off:
     # a request that has waited this long goes behind every request that has not (FCFS only).
     waiting_deadline_ms: float = 0.0
@@ -267,6 +271,7 @@ class SchedulerConfig:
             "adaptive_budget_itl_ms",
             "adaptive_budget_queue_ms",
             "adaptive_budget_pressure_itl_ms",
+            "adaptive_budget_calm_itl_ms",
             "waiting_deadline_ms",
         ):
             _require_non_negative(f"scheduler.{name}", getattr(self, name))
@@ -288,6 +293,17 @@ class SchedulerConfig:
                 pressure_ms,
                 "it is the queue valve's step-time limit: set adaptive_budget_queue_ms > 0 and "
                 f"use at least adaptive_budget_itl_ms={self.adaptive_budget_itl_ms}",
+            )
+        calm_ms = self.adaptive_budget_calm_itl_ms
+        if calm_ms > 0 and (
+            not self.adaptive_budget_queue_ms or calm_ms > self.adaptive_budget_itl_ms
+        ):
+            raise ConfigError(
+                "scheduler.adaptive_budget_calm_itl_ms",
+                calm_ms,
+                "it is the step time aimed at before the queue waits: set "
+                "adaptive_budget_queue_ms > 0 and use at most "
+                f"adaptive_budget_itl_ms={self.adaptive_budget_itl_ms}",
             )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(

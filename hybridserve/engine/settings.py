@@ -32,9 +32,10 @@ The presets:
   floor((L-1)/A)*A (`boundary-only`), so a dropped lookup finds no state.
 * `hybridserve` (the default): vLLM 0.33 (`baseline`, its 8,192-token budget as the ceiling)
   with the adaptive prefill budget (the prefill of a step that carries decodes follows measured
-  step times towards 75 ms; once the oldest prefill has waited 2 s it grows towards steps of
-  88 ms), the first-token deadline (a request that has waited 12 s goes behind those that can
-  still meet the 15 s TTFT SLO), `max_num_seqs` 512, tool-call TTL pinning of at most half the
+  step times towards 60 ms while nothing in prefill waits, rising to 75 ms as the oldest wait
+  reaches 1 s; once it has waited 2 s it grows towards steps of 88 ms), the first-token
+  deadline (a request that has waited 12 s goes behind those that can still meet the 15 s TTFT
+  SLO), `max_num_seqs` 512, tool-call TTL pinning of at most half the
   pool (`kv_pin_fraction` 0.5) and exact tails (`kv_pin_exact_tail`: a session's next turn
   resumes where its last one ended, not at the last retained block boundary). Chosen on the
   workload suite's `choose` rows and checked on the rest (docs/suite.md). A request without a
@@ -74,10 +75,13 @@ PRESETS = (
 # The shipped preset's adaptive prefill budget (hybridserve/scheduler/adaptive.py), chosen on
 # the workload suite's `choose` rows (docs/suite.md): steps that carry decodes aim at 75 ms;
 # once the oldest prefill has waited 2 s the budget grows back towards vLLM's 8,192 tokens, but
-# never past steps of 88 ms (the 100 ms p99 ITL SLO less a margin for the p99).
+# never past steps of 88 ms (the 100 ms p99 ITL SLO less a margin for the p99). While nothing
+# in prefill has waited, steps aim at 60 ms instead (about what the tuned vLLM's 2,048-token
+# steps take), rising to 75 ms as the oldest wait reaches 1 s: a short queue costs no gap.
 ADAPTIVE_ITL_MS = 75.0
 ADAPTIVE_QUEUE_MS = 2_000.0
 ADAPTIVE_PRESSURE_ITL_MS = 88.0
+ADAPTIVE_CALM_ITL_MS = 60.0
 # The waiting queue's first-token deadline (scheduler/queue.py DeadlineQueue): the 15 s TTFT SLO
 # (DESIGN.md section 6) less a fifth for the prefill still to come once a request is admitted. A
 # request that has waited that long goes behind those that can still meet the SLO.
@@ -117,6 +121,7 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
             adaptive_budget_itl_ms=ADAPTIVE_ITL_MS,
             adaptive_budget_queue_ms=ADAPTIVE_QUEUE_MS,
             adaptive_budget_pressure_itl_ms=ADAPTIVE_PRESSURE_ITL_MS,
+            adaptive_budget_calm_itl_ms=ADAPTIVE_CALM_ITL_MS,
             waiting_deadline_ms=WAITING_DEADLINE_MS,
             kv_pin_fraction=0.5,
             kv_pin_exact_tail=True,

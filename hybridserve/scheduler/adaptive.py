@@ -19,6 +19,12 @@ after each one, by the ratio of the target T to the measured duration d:
   instead moves P towards steps of Tp by the two rules above: the budget still grows for the
   queue, but never past the step time the ITL SLO allows.
 
+With a calm target Tc (`adaptive_budget_calm_itl_ms` > 0), T is where the aim ends, not where
+it starts: steps aim for Tc while the oldest request in prefill has not waited, and for
+Tc + (T - Tc) * min(2a / W, 1) when it has waited a (T from W/2 on, before the valve opens).
+A short queue costs no gap past Tc; a queue that waits buys the longer steps it needs before
+the valve opens.
+
 The valve has hysteresis: it opens when the oldest waiter has waited W and closes only when the
 oldest has waited less than W/4. Without it, a load past saturation holds the queue at W: the
 budget grows, the wait dips under W, the budget learns down and the queue grows back, at a
@@ -36,12 +42,14 @@ MAX_STEP_UP = 1.25  # the most one step may grow the budget by
 MAX_STEP_DOWN = 0.5  # the most one step may shrink it by
 MIN_BUDGET_TOKENS = 256  # the floor, rounded down to whole quanta (at least one quantum)
 VALVE_CLOSE_FRACTION = 0.25  # an open valve closes when the oldest wait falls under W/4
+CALM_RISE_FRACTION = 0.5  # a calm aim reaches T when the oldest wait reaches W/2
 
 
 class AdaptiveBudget:
     """The prefill budget of mixed steps, fed by measured step durations."""
 
     __slots__ = (
+        "calm_target_s",
         "ceiling",
         "floor",
         "pressure_target_s",
@@ -56,6 +64,7 @@ class AdaptiveBudget:
         self.target_s = config.adaptive_budget_itl_ms / 1000.0
         self.queue_limit_s = config.adaptive_budget_queue_ms / 1000.0
         self.pressure_target_s = config.adaptive_budget_pressure_itl_ms / 1000.0
+        self.calm_target_s = config.adaptive_budget_calm_itl_ms / 1000.0
         self.quantum = quantum
         self.ceiling = config.max_num_batched_tokens
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
@@ -79,17 +88,33 @@ class AdaptiveBudget:
         limit = self.queue_limit_s * (VALVE_CLOSE_FRACTION if self.valve_open else 1.0)
         return oldest_wait_s >= limit
 
+    def target(self, oldest_wait_s: float) -> float:
+        """The step time aimed for when the oldest request in prefill has waited that long: T,
+        or with a calm target Tc, the line from Tc (no wait) to T (a wait of W/2)."""
+        if self.calm_target_s <= 0:
+            return self.target_s
+        rise = min(oldest_wait_s / (self.queue_limit_s * CALM_RISE_FRACTION), 1.0)
+        return self.calm_target_s + (self.target_s - self.calm_target_s) * rise
+
     def update(
-        self, *, duration_s: float, prefill_tokens: int, budget: int, pressure: bool
+        self,
+        *,
+        duration_s: float,
+        prefill_tokens: int,
+        budget: int,
+        pressure: bool,
+        oldest_wait_s: float = 0.0,
     ) -> None:
         """Move the budget by one step that carried decodes: it ran `duration_s`, took
-        `prefill_tokens` of its `budget` and was planned `pressure`d (the queue valve open)."""
+        `prefill_tokens` of its `budget` and was planned `pressure`d (the queue valve open)
+        when the oldest request in prefill had waited `oldest_wait_s`."""
         if duration_s <= 0:
             return
         limited = pressure and self.pressure_target_s > 0
         if limited:  # the open valve under its step-time limit: the rules below, towards Tp
             pressure = False
-        ratio = (self.pressure_target_s if limited else self.target_s) / duration_s
+        aim = self.pressure_target_s if limited else self.target(oldest_wait_s)
+        ratio = aim / duration_s
         binds = prefill_tokens + self.quantum > budget
         if ratio < 1.0 and not pressure:
             tokens = budget * max(ratio, MAX_STEP_DOWN)

@@ -67,6 +67,7 @@ class PrefillDecision:
     rotation: int | None = None
     adaptive_fallback: bool = False  # the time grant fell back: its prediction error is high
     queue_pressure: bool = False  # the adaptive budget's queue valve was open for this decision
+    oldest_wait_s: float = 0.0  # how long the oldest request in prefill had waited (adaptive)
     # The adaptive budget governs this mixed step, and `learn` moves it by the step's time
     # (grants stay None when it reaches the step's whole room: vLLM's own loop, unfloored).
     adaptive_step: bool = False
@@ -303,7 +304,8 @@ class PrefillController:
                 )
             bypass = True
         decode_tokens = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
-        pressure = pending and self._valve(waiting, partials, now)
+        oldest = max(_oldest_age(waiting, now), _oldest_age(partials, now))
+        pressure = pending and self.adaptive is not None and self.adaptive.under_pressure(oldest)
         room = token_budget - decode_tokens
         budget, fallback = self._mixed_budget(room, decodes, partials)
         if self._adaptive_alone_covers(room):
@@ -311,7 +313,7 @@ class PrefillController:
             # budget floored to quanta would take up to a quantum less than vLLM every step).
             return replace(
                 UNLIMITED_MIXED, max_partials=bound, bypass=bypass, pending=pending,
-                mixed_budget=max(room, 0), queue_pressure=pressure,
+                mixed_budget=max(room, 0), queue_pressure=pressure, oldest_wait_s=oldest,
             )  # fmt: skip
         if budget is None:  # only Mp / D / W are on: no token cap
             return PrefillDecision(
@@ -333,13 +335,9 @@ class PrefillController:
             rotation=rotation,
             adaptive_fallback=fallback,
             queue_pressure=pressure,
+            oldest_wait_s=oldest,
             adaptive_step=self.adaptive is not None,
         )
-
-    def _valve(self, waiting: Sequence[Request], partials: Sequence[Request], now: float) -> bool:
-        """The adaptive budget's queue valve, judged by the oldest request still in prefill."""
-        oldest = max(_oldest_age(waiting, now), _oldest_age(partials, now))
-        return self.adaptive is not None and self.adaptive.under_pressure(oldest)
 
     def _adaptive_alone_covers(self, room: int) -> bool:
         """Only the adaptive budget caps prefill, and it reaches the step's whole room."""
@@ -488,6 +486,7 @@ class PrefillController:
                 prefill_tokens=prefill,
                 budget=decision.mixed_budget,
                 pressure=decision.queue_pressure,
+                oldest_wait_s=decision.oldest_wait_s,
             )
 
 

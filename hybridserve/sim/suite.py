@@ -147,7 +147,8 @@ def suite_rows() -> tuple[SuiteRow, ...]:
     """The suite's rows, in the order they are reported. The `choose` rows are those the shipped
     preset was chosen on: agents at 20 and 40, the Mooncake trace at 1x, 8k prompts at 8/s, and
     the three rows its first-token deadline was tried on (Mooncake at 2x, 8k prompts past
-    saturation at 12/s, bursty); every other row it never saw (docs/suite.md)."""
+    saturation at 12/s, bursty); every other row is only reported. Its calm target was also
+    screened on the ITL of report rows: docs/suite.md says which."""
     agents = [
         SuiteRow(
             name=f"agents-{n}",

@@ -233,3 +233,67 @@ def test_in_the_scheduler_a_budget_at_its_ceiling_is_vllms_step_unfloored() -> N
     shapes = _run(config, per_token_s=100e-6)
     mixed = [p for p, d in shapes if p and d]
     assert mixed[0] > 4000 and all(p <= 400 + 16 for p in mixed[6:])
+
+
+def _calm(**extra: object) -> AdaptiveBudget:
+    config = {
+        "adaptive_budget_itl_ms": 80.0,
+        "adaptive_budget_queue_ms": 2000.0,
+        "adaptive_budget_calm_itl_ms": 60.0,
+        "max_num_batched_tokens": 8192,
+    }
+    return budget(64, **{**config, **extra})
+
+
+def test_a_calm_target_rises_in_a_line_from_tc_with_no_wait_to_t_at_half_the_queue_limit() -> None:
+    adaptive = _calm()
+    assert adaptive.target(0.0) == pytest.approx(0.060)
+    assert adaptive.target(0.5) == pytest.approx(0.070)  # a quarter of W: half way
+    assert adaptive.target(1.0) == pytest.approx(0.080)
+    assert adaptive.target(5.0) == pytest.approx(0.080)  # never past T
+    assert budget(1, adaptive_budget_itl_ms=80.0).target(0.0) == pytest.approx(0.080)  # off
+
+
+@pytest.mark.parametrize(("wait_s", "tokens"), [(0.0, 1200), (0.5, 1600), (3.0, 2000)])
+def test_with_a_calm_target_the_budget_converges_to_the_aim_of_the_oldest_wait(
+    wait_s: float, tokens: int
+) -> None:
+    # 30 ms + 25 us per token: 60 ms allows 1,200 tokens, 70 ms 1,600, 80 ms 2,000.
+    adaptive = _calm()
+    for _ in range(60):
+        budget_now = adaptive.tokens()
+        adaptive.update(
+            duration_s=0.030 + 25e-6 * budget_now,
+            prefill_tokens=budget_now,
+            budget=budget_now,
+            pressure=False,
+            oldest_wait_s=wait_s,
+        )
+    assert tokens - 64 <= adaptive.tokens() <= tokens + 64
+
+
+def test_a_calm_target_needs_the_valve_and_at_most_the_target() -> None:
+    with pytest.raises(ConfigError, match="adaptive_budget_calm_itl_ms"):
+        SchedulerConfig(adaptive_budget_itl_ms=80.0, adaptive_budget_calm_itl_ms=60.0)
+    with pytest.raises(ConfigError, match="at most adaptive_budget_itl_ms=80"):
+        SchedulerConfig(
+            adaptive_budget_itl_ms=80.0,
+            adaptive_budget_queue_ms=2000.0,
+            adaptive_budget_calm_itl_ms=90.0,
+        )
+
+
+def test_in_the_scheduler_a_calm_target_keeps_mixed_steps_shorter_until_prefill_waits() -> None:
+    # 20 ms + 20 us per token: T = 60 ms allows 2,000 tokens, Tc = 40 ms 1,000. The long prompt
+    # has waited under W/2 = 1 s for its first steps, so they learn towards Tc, and rise as its
+    # wait grows.
+    base = {"adaptive_budget_itl_ms": 60.0, "max_num_batched_tokens": 4096}
+    valve = {**base, "adaptive_budget_queue_ms": 2000.0}
+    calm = _run({**valve, "adaptive_budget_calm_itl_ms": 40.0}, per_token_s=20e-6)
+    plain = _run(valve, per_token_s=20e-6)
+    calm_mixed = [p for p, d in calm if p and d]
+    plain_mixed = [p for p, d in plain if p and d]
+    assert all(p >= 2000 - 16 for p in plain_mixed[3:6])  # T from the start
+    assert all(p <= 1500 for p in calm_mixed[3:6])  # near Tc's 1,000 while the wait is short
+    assert calm_mixed[-2] > calm_mixed[4]  # and rising with the wait
+    assert all(p <= 2000 + 16 for p in calm_mixed[6:])

@@ -234,7 +234,7 @@ def test_the_suite_command_prints_its_table_and_what_each_preset_holds(
     assert result.exit_code == 0, result.output
     assert "azure-code-1x" in result.output
     assert "hybridserve never loses on" in result.output
-    assert "rows it never saw [goodput 1/1" in result.output
+    assert "rows only reported [goodput 1/1" in result.output
 
 
 def test_the_suite_command_refuses_one_seed_and_an_unknown_row() -> None:
