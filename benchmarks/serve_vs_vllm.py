@@ -8,12 +8,13 @@ TPOT p50, the server's CPU seconds (its whole process tree, from /proc) and outp
 server CPU-second, plus hybridserve / vLLM ratios and whether the greedy texts are identical.
 
 vLLM runs when `--vllm-python` names an interpreter that can import it (a separate virtual
-environment: it is no dependency of this project) and `--vllm-model` a checkpoint folder of the
-same weights; otherwise its entry says why it was skipped.
+environment: it is no dependency of this project); it loads `--vllm-model`, a checkpoint folder,
+by default the built-in `--model` written as one with hybridserve's float32 weights
+(benchmarks/hf_checkpoint.py). Otherwise its entry says why it was skipped.
 
     .venv/bin/python benchmarks/serve_vs_vllm.py [--concurrency 8,32] [--requests-per-user 2]
         [--prompt-tokens 256] [--max-tokens 64] [--shared-prefix 0] [--threads N]
-        [--vllm-python /tmp/vllm-venv/bin/python --vllm-model /tmp/smollm2-hf]
+        [--vllm-python /tmp/vllm-venv/bin/python [--vllm-model DIR]]
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +34,11 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_checkpoint import hf_checkpoint
+from server_process import free_port, vllm_version, wait_ready
+
 
 @dataclass
 class Stats:
@@ -43,13 +48,6 @@ class Stats:
     output_tokens: int = 0
     completed: int = 0
     texts: dict[int, str] = field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _tree_cpu_s(pid: int) -> float:
@@ -137,20 +135,6 @@ async def _drive(
         return stats, time.perf_counter() - start
 
 
-def _wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
-
-
 def _model_name(base_url: str) -> str:
     return str(httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"])
 
@@ -161,7 +145,7 @@ def _serve(
     base_url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     try:
-        _wait_ready(base_url, process, args.start_timeout)
+        wait_ready(base_url, process, args.start_timeout)
         model = _model_name(base_url)
         # Warm-up: first-call costs of the model, the tokenizer and the HTTP stack.
         asyncio.run(_drive(base_url, model, workloads[min(workloads)][:2], 2, 4))
@@ -197,16 +181,11 @@ def _serve(
 
 
 def _vllm_skip_reason(args: argparse.Namespace) -> str | None:
-    if not args.vllm_python:
-        return "no --vllm-python given (vLLM lives in a virtual environment of its own)"
-    probe = subprocess.run(
-        [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if probe.returncode != 0:
-        return f"{args.vllm_python} cannot import vllm: {probe.stderr.strip()[-300:]}"
+    _, why_not = vllm_version(args.vllm_python)
+    if why_not is not None:
+        return why_not
+    if args.vllm_model is None and args.model in ("smollm2", "gemma3-270m"):
+        args.vllm_model = str(hf_checkpoint(args.model))
     if not args.vllm_model or not Path(args.vllm_model, "config.json").is_file():
         return "--vllm-model must be a checkpoint folder (config.json + safetensors)"
     return None
@@ -337,7 +316,7 @@ def main() -> None:
             print(f"round {index + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
             command = ours_cmd if side == "hybridserve" else _vllm_cmd(args)
             try:
-                runs[side] = _serve(command(port := _free_port()), port, args, workloads)
+                runs[side] = _serve(command(port := free_port()), port, args, workloads)
             except RuntimeError as exc:
                 runs[side] = {"skipped": f"{side} did not serve: {exc}"}
         rounds.append(runs)

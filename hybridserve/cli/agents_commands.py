@@ -249,6 +249,7 @@ def _report(run: LoadRun, *, workload: str, out: Path | None, as_json: bool) -> 
 
 
 def _write_report(out: Path, run: LoadRun, metrics: dict[str, Any], *, workload: str) -> None:
+    from hybridserve.loadgen.run import request_rows
     from hybridserve.metrics.plots import plots_available, write_plots
 
     out.mkdir(parents=True, exist_ok=True)
@@ -265,6 +266,8 @@ def _write_report(out: Path, run: LoadRun, metrics: dict[str, Any], *, workload:
     }
     label = "server"
     (out / "report.json").write_text(json.dumps({label: metrics, "setup": setup}, indent=2) + "\n")
+    rows = request_rows(run)
+    (out / "requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     if plots_available():
         write_plots(out, {label: run})
     else:

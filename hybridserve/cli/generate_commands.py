@@ -24,6 +24,7 @@ from hybridserve.cli.app import (
 )
 from hybridserve.cli.choices import CHECKPOINT_HELP, DEFAULT_DEVICE
 from hybridserve.cli.options import (
+    BlockSizeOption,
     ConfigOption,
     DeviceOption,
     PresetOption,
@@ -65,7 +66,6 @@ SamplingSeedOption = Annotated[int | None, typer.Option(help="Sampling seed (per
 RawOption = Annotated[
     bool, typer.Option("--raw", help="Do not apply the model's chat template to text.")
 ]
-BlockSizeOption = Annotated[int, typer.Option(help="Tokens per KV block.")]
 GenerateBlocksOption = Annotated[int, typer.Option(help="KV blocks (0 = enough for all).")]
 JsonLinesOption = Annotated[
     bool, typer.Option("--json", help="One JSON object per prompt: token_ids, text.")

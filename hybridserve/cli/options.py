@@ -58,6 +58,13 @@ OutOption = Annotated[
     Path | None, typer.Option(help="Also write report.json and plots to this folder.")
 ]
 DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP)]
+BlockSizeOption = Annotated[
+    int,
+    typer.Option(
+        help="Torch: tokens per KV block, the unit of the pool and of prefix hits (vLLM's CPU "
+        "attention takes multiples of 32)."
+    ),
+]
 ThreadsOption = Annotated[
     int | None,
     typer.Option(help="Torch: intra-op threads [default: every core this process may use]."),

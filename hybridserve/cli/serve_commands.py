@@ -37,6 +37,7 @@ from hybridserve.cli.choices import (
     SPECULATION_HELP,
 )
 from hybridserve.cli.options import (
+    BlockSizeOption,
     ConfigOption,
     DeviceOption,
     DtypeOption,
@@ -68,6 +69,7 @@ def _torch_loader(
     dcp: int = 1,
     dcp_interleave: int = 1,
     threads: int | None = None,
+    block_size: int = 16,
 ) -> Callable[[], ServingBackend]:
     """Check that `model` and the torch executor are there; return what loads the model."""
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
@@ -94,6 +96,7 @@ def _torch_loader(
             max_model_len=max_model_len,
             dcp=dcp,
             dcp_interleave=dcp_interleave,
+            block_size=block_size,
         )
         return backend
 
@@ -240,6 +243,7 @@ class ServeFlags:
     dcp_interleave: int
     served_model_name: list[str] | None
     threads: int | None
+    block_size: int
     kv_events: str | None
     kv_events_replay: str | None
     scheduler: dict[str, Any]  # SchedulerConfig fields by name; None: not given
@@ -282,6 +286,7 @@ def serve_cmd(
     dcp_interleave: InterleaveOpt = 1,
     served_model_name: ServedNameOpt = None,
     threads: ThreadsOption = None,
+    block_size: BlockSizeOption = 16,
     kv_events: KvEventsOpt = None,
     kv_events_replay: KvReplayOpt = None,
     **scheduler: Any,
@@ -391,6 +396,13 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         raise fail(
             f"--threads={flags.threads}: sets the torch executor's threads; use --executor torch"
         )
+    if flags.block_size != 16 and flags.executor != "torch":
+        raise fail(
+            f"--block-size={flags.block_size}: sets the torch executor's KV block; the "
+            "simulator takes its model profile's; use --executor torch"
+        )
+    if flags.block_size < 1:
+        raise fail(f"--block-size={flags.block_size}: use 1 or more tokens (16, 32, ...)")
     if flags.max_failed_steps < 1:
         raise fail(f"--max-failed-steps={flags.max_failed_steps}: use 1 or more")
     if not flags.shutdown_timeout >= 0:  # NaN too
@@ -424,6 +436,7 @@ def _backend_loader(flags: ServeFlags, file: SettingsFile | None) -> Callable[[]
             dcp=flags.dcp,
             dcp_interleave=flags.dcp_interleave,
             threads=flags.threads,
+            block_size=flags.block_size,
         )
     from hybridserve.cli.sim_backend import DEFAULT_MAX_MODEL_LEN, SimServingBackend
     from hybridserve.engine.settings import preset_name

@@ -337,6 +337,35 @@ def summarise(recorder: MetricsRecorder, stats: LoadStats, config: LoadConfig) -
     return out
 
 
+def request_rows(run: LoadRun) -> list[dict[str, Any]]:
+    """One row per request sent, in sending order: its id, session, prompt and answer lengths,
+    the cached prompt tokens the server reported (None for a request that did not finish) and
+    its times (seconds since the run began). Two servers on one seed get the same ids for the
+    same prompts, so their rows compare turn by turn."""
+    rows: list[dict[str, Any]] = []
+    for sent in run.sent:
+        record = run.recorder.requests.get(sent.req_id)
+        finished = record is not None and record.finish_s is not None
+        rows.append(
+            {
+                "id": sent.req_id,
+                "session": sent.session_id,
+                "prompt_tokens": len(sent.prompt),
+                "max_tokens": sent.max_tokens,
+                "cached_tokens": record.hit_tokens if finished and record else None,
+                "output_tokens": record.output_tokens if finished and record else None,
+                "arrival_s": _rounded(record.arrival_s if record else None),
+                "first_token_s": _rounded(record.first_token_s if record else None),
+                "finish_s": _rounded(record.finish_s if record else None),
+            }
+        )
+    return rows
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
+
+
 def failures_by_status(stats: LoadStats) -> dict[str, int]:
     return dict(sorted(stats.failures.items()))
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from hybridserve.executor.torch.tokenizer import TextTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8_192
+DEFAULT_BLOCK_SIZE = 16
 logger = logging.getLogger(__name__)
 
 
@@ -75,16 +76,20 @@ class TorchServingBackend:
         max_model_len: int | None = None,
         dcp: int = 1,
         dcp_interleave: int = 1,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         """`name` is the model id clients use (default: the file or folder's name). `dcp` > 1
         starts ranks 1..N-1 as local processes (each loads the model) and makes this process
-        rank 0: its engine drives the group; call `close()` after serving."""
+        rank 0: its engine drives the group; call `close()` after serving. `block_size` is the
+        tokens per KV block of every cache group (the pool's and the prefix hits' unit)."""
         from hybridserve.executor.torch.runtime import load_checkpoint, resolve_device
 
         path = Path(path)
         device = resolve_device(device)
         if dcp < 1 or dcp_interleave < 1:
             raise ConfigError("--dcp", (dcp, dcp_interleave), "use 1 or more (and interleave)")
+        if block_size < 1:
+            raise ConfigError("--block-size", block_size, "use 1 or more tokens (16, 32, ...)")
         loaded = load_checkpoint(path)
         if loaded.tokenizer is None:
             raise ConfigError("--model", str(path), "serving text needs a tokenizer.json beside it")
@@ -93,8 +98,9 @@ class TorchServingBackend:
         self._tokenizer = TorchTokenizer(loaded.tokenizer, loaded.stop_token_ids)
         self._max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
         # Room for four requests at the longest context (--num-blocks caps it); the cache
-        # layout (groups, block size) comes from the model itself.
-        self._num_blocks = max(256, 4 * -(-self._max_model_len // 16))
+        # groups come from the model itself, their block size from --block-size.
+        self._block_size = block_size
+        self._num_blocks = max(256, 4 * -(-self._max_model_len // block_size))
         self._ranks: LocalDcpRanks | None = None
         self._driver: DcpDriver | None = None
         if dcp == 1:
@@ -107,7 +113,9 @@ class TorchServingBackend:
     def _single_executor(self, model: Any, device: str) -> TorchExecutor:
         from hybridserve.executor.torch.executor import TorchExecutor
 
-        return TorchExecutor(model, num_blocks=self._num_blocks, device=device)
+        return TorchExecutor(
+            model, num_blocks=self._num_blocks, block_size=self._block_size, device=device
+        )
 
     def _dcp_executor(
         self, model: Any, path: str, device: str, dcp: int, interleave: int
@@ -119,7 +127,11 @@ class TorchServingBackend:
         group = self._ranks.start(
             path,
             dcp,
-            executor_options={"num_blocks": self._num_blocks, "device": device},
+            executor_options={
+                "num_blocks": self._num_blocks,
+                "block_size": self._block_size,
+                "device": device,
+            },
             interleave=interleave,
         )
         executor = self._rank_zero_executor(model, device, group)
@@ -134,7 +146,13 @@ class TorchServingBackend:
         assert self._ranks is not None
         executor, failure = None, None
         try:
-            executor = TorchExecutor(loaded, num_blocks=self._num_blocks, device=device, dcp=group)
+            executor = TorchExecutor(
+                loaded,
+                num_blocks=self._num_blocks,
+                block_size=self._block_size,
+                device=device,
+                dcp=group,
+            )
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
         try:
@@ -219,6 +237,7 @@ def serving_backend(
     max_model_len: int | None = None,
     dcp: int = 1,
     dcp_interleave: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> TorchServingBackend:
     return TorchServingBackend(
         path,
@@ -227,4 +246,5 @@ def serving_backend(
         max_model_len=max_model_len,
         dcp=dcp,
         dcp_interleave=dcp_interleave,
+        block_size=block_size,
     )

@@ -326,3 +326,34 @@ def test_a_mooncake_trace_is_replayed_at_its_arrival_times(servers: list, tmp_pa
     assert run.stats.requests_completed == 6 and not run.stats.failures
     # The trace's shared first block (hash id 1) is a prefix every later request hits.
     assert all(r.hit_tokens > 0 for r in list(run.recorder.requests.values())[1:])
+
+
+def test_agents_out_writes_one_row_per_request_with_its_cached_tokens(
+    servers: list, tmp_path: Path
+) -> None:
+    servers.append(recorded_server())
+    server, received = servers[0]
+    args = [
+        "agents", "--url", server.base_url, "--agents", "3", "--duration", "2.5",
+        "--warmup", "0.5", "--seed", "1", "--time-scale", "0.01",
+        "--system-prompt-tokens", "200", "--max-context", "2500", "--output-tokens", "10",
+        "--tool-result-tokens", "30", "--out", str(tmp_path), "--json",
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    payload = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(rows) == payload["requests_sent"] >= len(received.bodies)  # cut ones may not
+    sent = [(r["session"], r["prompt_tokens"], r["max_tokens"]) for r in rows]
+    assert {(b["user"], len(b["prompt"]), b["max_tokens"]) for b in received.bodies} <= set(sent)
+    served = {
+        f"{body['user']}#{len(body['prompt'])}": received.cached[f"{body['user']}#{index}"]
+        for index, body in enumerate(received.bodies)
+        if f"{body['user']}#{index}" in received.cached
+    }
+    finished = [r for r in rows if r["finish_s"] is not None]
+    assert finished and all(
+        r["cached_tokens"] == served[f"{r['session']}#{r['prompt_tokens']}"] for r in finished
+    )
+    assert any(r["cached_tokens"] for r in finished)
+    assert all(r["cached_tokens"] is None for r in rows if r["finish_s"] is None)

@@ -514,3 +514,31 @@ def test_the_smollm2_gguf_chat_template_renders_as_in_transformers() -> None:
     ):
         want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert ours.render_chat(messages) == want
+
+
+def test_a_32_token_block_serves_greedy_text_and_caches_in_32_token_units(
+    tmp_path: Path,
+) -> None:
+    from hybridserve.core.config import SchedulerConfig
+    from hybridserve.server.torch_backend import TorchServingBackend
+
+    torch.set_num_threads(1)
+    reference, tok = _write_checkpoint(tmp_path)
+    backend = TorchServingBackend(str(tmp_path), device="cpu", max_model_len=256, block_size=32)
+    assert {spec.block_size for spec in backend.cache_groups()} == {32}
+    assert backend.num_blocks(SchedulerConfig()) == 256  # max(256, 4 x 256 / 32)
+    server = serve_in_thread(build_app(backend, ServerSettings(), preset_name="baseline"))
+    try:
+        client = OpenAI(base_url=server.api_url, api_key="unused")
+        prompt = " ".join(WORDS[i % len(WORDS)] for i in range(40))  # 41 tokens with <s>
+        model = client.models.list().data[0].id
+        first = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        again = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        expected = _reference_text(reference, tok, tok.encode(prompt).ids, 6)
+        assert first.choices[0].text.strip() == again.choices[0].text.strip() == expected.strip()
+        details = again.usage.prompt_tokens_details if again.usage else None
+        assert details is not None and details.cached_tokens == 32
+        server.wait_idle()
+        server.state.parts.cache.check_invariants()
+    finally:
+        server.stop()

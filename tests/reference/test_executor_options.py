@@ -144,3 +144,12 @@ def test_gathers_reuse_one_buffer_and_equal_index_select() -> None:
     assert other.data_ptr() != pointer  # each role has its own buffer
     grown = buffers.gather("keys", cache, torch.arange(40))
     torch.testing.assert_close(grown, cache[:40])
+
+
+def test_serve_refuses_a_block_size_for_the_simulated_executor_or_below_one() -> None:
+    result = CliRunner().invoke(app, ["serve", "--executor", "sim", "--block-size", "32"])
+    assert result.exit_code != 0
+    assert "--block-size=32" in result.output
+    result = CliRunner().invoke(app, ["serve", "--executor", "torch", "--block-size", "0"])
+    assert result.exit_code != 0
+    assert "--block-size=0" in result.output

@@ -1,0 +1,210 @@
+"""The pure parts of benchmarks/e1_real.py: the server order per seed, the KV pool's mapping to
+vLLM's blocks, the log and metrics parsing, and the paired ratios over seeds (no server runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("httpx", reason="the benchmark's client needs the server extra")
+pytest.importorskip("scipy", reason="the t intervals need the sim extra")
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+SMOLLM2 = {  # SmolLM2-135M's config.json, the fields the pool depends on
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_size": 576,
+    "head_dim": 64,
+}
+GEMMA3_270M = {
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "hidden_size": 640,
+    "head_dim": 256,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+}
+
+
+@pytest.fixture(scope="module")
+def e1() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("e1_real", BENCHMARKS / "e1_real.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_seed_rotates_the_server_order(e1: ModuleType) -> None:
+    servers = ["baseline", "hybridserve", "vllm"]
+    orders = [e1.rotated(servers, seed) for seed in range(4)]
+    assert orders[0] == servers
+    assert orders[1] == ["hybridserve", "vllm", "baseline"]
+    assert orders[2] == ["vllm", "baseline", "hybridserve"]
+    assert orders[3] == servers
+    assert [order[0] for order in orders[:3]] == servers  # every server goes first once
+    assert e1.rotated([], 3) == []
+
+
+def test_one_gib_holds_the_blocks_vllm_logs_for_smollm2(e1: ModuleType) -> None:
+    # vLLM 0.32 (CPU) with VLLM_CPU_KVCACHE_SPACE=1 logs "CPU KV cache size: 23,296 tokens".
+    assert e1.kv_bytes_per_block(SMOLLM2, 32) == 30 * 32 * 2 * 3 * 64 * 4 == 1_474_560
+    pool = e1.pool_mapping(SMOLLM2, 16_384, 32)
+    assert pool["num_blocks"] == 512 and pool["tokens"] == 16_384
+    assert pool["usable_tokens"] == 511 * 32  # both engines hold one null block
+    assert pool["vllm_cpu_kvcache_space_gib"] == 1
+    assert pool["vllm_blocks_in_that_space"] * 32 == 23_296
+
+
+def test_a_pool_past_one_gib_asks_vllm_for_enough_whole_gib(e1: ModuleType) -> None:
+    pool = e1.pool_mapping(SMOLLM2, 40_000, 32)
+    assert pool["num_blocks"] == 1_250  # 40,000 / 32
+    assert pool["vllm_cpu_kvcache_space_gib"] == 2  # 1,250 x 1,474,560 bytes > 1 GiB
+    assert pool["vllm_blocks_in_that_space"] >= pool["num_blocks"]
+    with pytest.raises(SystemExit, match="--pool-tokens"):
+        e1.pool_mapping(SMOLLM2, 40, 32)
+
+
+def test_gemma3_pool_blocks_hold_one_layer_of_each_kind_group(e1: ModuleType) -> None:
+    # 15 sliding and 3 full layers: vLLM makes groups of 3 layers, a block is 3 layers' pages.
+    assert e1.vllm_layers_per_block(GEMMA3_270M) == 3
+    assert e1.kv_bytes_per_block(GEMMA3_270M, 32) == 3 * 32 * 2 * 1 * 256 * 4
+    assert e1.vllm_layers_per_block({**GEMMA3_270M, "layer_types": ["a"] * 12 + ["b"] * 13}) == 13
+
+
+def test_vllm_log_and_metrics_are_parsed(e1: ModuleType) -> None:
+    log = (
+        "INFO [kv_cache_utils.py:2620] Overriding num_gpu_blocks=728 with "
+        "num_gpu_blocks_override=512\n"
+        "INFO [kv_cache_utils.py:2327] CPU KV cache size: 16,352 tokens, Maximum concurrency\n"
+    )
+    assert e1.parse_vllm_pool(log) == {
+        "blocks_from_memory": 728,
+        "num_blocks": 512,
+        "logged_tokens": 16_352,
+    }
+    assert e1.parse_vllm_pool("nothing") == dict.fromkeys(
+        ("blocks_from_memory", "num_blocks", "logged_tokens")
+    )
+    page = (
+        "# HELP vllm:num_preemptions_total x\n"
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 7.0\n'
+        'hybridserve:num_preemptions_total{model_name="m"} 2.0\n'
+        'hybridserve:num_preemptions_created{model_name="m"} 1.7e9\n'
+    )
+    assert e1.preemptions(page) == 9.0
+    assert e1.preemptions("# nothing\n") is None
+
+
+def _run(server: str, seed: int, **metrics: float) -> dict[str, Any]:
+    return {"server": server, "agents": 4, "seed": seed, "metrics": metrics}
+
+
+def test_paired_ratios_are_geometric_means_of_per_seed_ratios(e1: ModuleType) -> None:
+    runs = [
+        _run("hybridserve", 0, job_goodput_per_hour=200.0),
+        _run("hybridserve", 1, job_goodput_per_hour=300.0),
+        _run("vllm", 0, job_goodput_per_hour=100.0),
+        _run("vllm", 1, job_goodput_per_hour=100.0),
+        {"server": "baseline", "agents": 4, "seed": 0, "failed": {"reason": "exited"}},
+        _run("baseline", 1, job_goodput_per_hour=150.0),
+    ]
+    ratios = e1.load_ratios(runs, 4, [0, 1], ["baseline", "hybridserve", "vllm"])
+    jobs = ratios["hybridserve/vllm"]["job_goodput_per_hour"]
+    assert jobs["per_seed"] == [2.0, 3.0]
+    assert jobs["mean"] == pytest.approx(math.sqrt(6), abs=1e-4)
+    low, high = jobs["ci95"]
+    half = 12.706 * math.log(1.5) / 2  # t(0.975, 1) x stdev of the log ratios / sqrt(2)
+    assert low == pytest.approx(math.sqrt(6) * math.exp(-half), rel=1e-3)
+    assert high == pytest.approx(math.sqrt(6) * math.exp(half), rel=1e-3)
+    assert jobs["hybridserve"] == [200.0, 300.0] and jobs["vllm"] == [100.0, 100.0]
+    # The failed baseline run leaves its seed out of the pair, not the whole comparison.
+    base = ratios["baseline/vllm"]["job_goodput_per_hour"]
+    assert base["per_seed"] == [None, 1.5] and base["usable"] == 1 and base["ci95"] is None
+    assert set(ratios) == {"hybridserve/vllm", "baseline/vllm", "hybridserve/baseline"}
+    assert set(jobs) >= {"mean", "ci95", "per_seed"}
+    assert set(ratios["hybridserve/vllm"]) == set(e1.METRICS)
+    only_ours = e1.load_ratios(runs, 4, [0, 1], ["baseline", "hybridserve"])
+    assert set(only_ours) == {"hybridserve/baseline"}
+
+
+def _rows(*cached: int | None) -> list[dict[str, Any]]:
+    return [{"id": f"a0.j0.t{i}", "cached_tokens": c} for i, c in enumerate(cached)]
+
+
+def test_turn_agreement_compares_the_requests_both_servers_finished(e1: ModuleType) -> None:
+    baseline = _rows(0, 992, 1984, 2976, None)
+    vllm = _rows(0, 992, 1952, None, 3968)
+    agreement = e1.turn_agreement(baseline, vllm)
+    assert agreement["compared"] == 3  # t3 and t4 finished on one side only
+    assert agreement["equal_fraction"] == pytest.approx(2 / 3, abs=1e-4)
+    assert agreement["mean_abs_difference"] == pytest.approx(32 / 3, abs=0.01)
+    assert agreement["mean"] == [pytest.approx(992.0), pytest.approx(981.33, abs=0.01)]
+    assert e1.turn_agreement(baseline, []) == {"compared": 0, "equal_fraction": None}
+
+
+def test_cache_exactness_pools_the_turns_of_every_seed(e1: ModuleType, tmp_path: Path) -> None:
+    runs = []
+    for server, seed, rows in (
+        ("baseline", 0, _rows(0, 992, 1984)),
+        ("vllm", 0, _rows(0, 992, 1984)),
+        ("baseline", 1, _rows(0, 992)),
+        ("vllm", 1, _rows(0, 960)),
+    ):
+        path = tmp_path / f"{server}-{seed}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(
+            {**_run(server, seed, cached_tokens_per_turn=float(seed)), "requests_file": str(path)}
+        )
+    check = e1.cache_exactness(runs, 4, [0, 1])
+    assert [t["compared"] for t in check["per_turn"]] == [3, 2]
+    assert check["per_turn_equal_fraction"] == pytest.approx(4 / 5)
+    assert check["cached_tokens_per_turn"]["per_seed"] == {
+        "baseline": [0.0, 1.0],
+        "vllm": [0.0, 1.0],
+    }
+    assert check["cached_tokens_per_turn"]["mean"] == {"baseline": 0.5, "vllm": 0.5}
+
+
+def test_prefix_kept_measures_hits_against_the_reusable_prefix(e1: ModuleType) -> None:
+    rows = [  # a job's turns resend its previous prompt; first turns share the system prompt
+        {"session": "a0.j0", "prompt_tokens": 1100, "cached_tokens": 0},
+        {"session": "a1.j0", "prompt_tokens": 1200, "cached_tokens": 992},
+        {"session": "a0.j0", "prompt_tokens": 1500, "cached_tokens": 1088},  # ideal 1088
+        {"session": "a1.j0", "prompt_tokens": 1700, "cached_tokens": 992},  # evicted: 1184
+        {"session": "a0.j0", "prompt_tokens": 1900, "cached_tokens": None},  # not finished
+        {"session": "a0.j0", "prompt_tokens": 2100, "cached_tokens": 1900},  # exact tail
+    ]
+    kept = e1.prefix_kept(rows, 32, 1000)
+    ideal = 0 + 992 + 1088 + 1184 + 1888
+    assert kept["turns"] == 5 and kept["turns_short_of_ideal"] == 1
+    assert kept["ideal_tokens_per_turn"] == pytest.approx(ideal / 5, abs=0.1)
+    assert kept["cached_over_ideal"] == pytest.approx((992 + 1088 + 992 + 1900) / ideal, abs=1e-4)
+    assert e1.prefix_kept([], 32, 1000)["cached_over_ideal"] is None
+
+
+def test_timings_average_start_up_and_agent_seconds_per_server(e1: ModuleType) -> None:
+    runs = [
+        {"server": "vllm", "startup_s": 70.0, "agents_wall_s": 240.0},
+        {"server": "vllm", "startup_s": 80.0, "agents_wall_s": 242.0},
+        {"server": "baseline", "failed": {"reason": "exited"}},
+    ]
+    assert e1.timings(runs) == {"vllm": {"startup_s": 75.0, "agents_s": 241.0, "per_run_s": 316.0}}
+
+
+def test_quick_mode_is_one_load_two_seeds_and_short_runs(e1: ModuleType) -> None:
+    args = e1.parse_args(["--quick", "--servers", "baseline,hybridserve"])
+    assert (args.agents, args.seeds, args.duration, args.warmup) == ([4], 2, 60.0, 15.0)
+    assert args.servers == ["baseline", "hybridserve"]
+    with pytest.raises(SystemExit):
+        e1.parse_args(["--servers", "baseline,sglang"])
