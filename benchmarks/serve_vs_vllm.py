@@ -302,8 +302,13 @@ def main() -> None:
     report: dict[str, Any] = {"setup": {**vars(args), "threads": threads}}
     reason = _vllm_skip_reason(args)
     if reason is None:
-        # vLLM's CPU backend: its KV cache size (GiB) and OpenMP threads, as many as ours.
+        # vLLM's CPU backend: its KV cache size (GiB) and OpenMP threads, as many as ours. By
+        # default it keeps one core for its front end and computes on the rest (one of two
+        # here): no reserved core, so both sides compute on every core. Its compile cache does
+        # not load on this torch, so ahead-of-time compiling only slows each start.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         os.environ["OMP_NUM_THREADS"] = str(threads)
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
