@@ -304,7 +304,12 @@ class PrefillController:
                 )
             bypass = True
         decode_tokens = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
-        oldest = max(_oldest_age(waiting, now), _oldest_age(partials, now))
+        # Only the adaptive budget reads the oldest wait: its queue valve and its calm target.
+        oldest = (
+            max(_oldest_age(waiting, now), _oldest_age(partials, now))
+            if pending and self.adaptive is not None
+            else 0.0
+        )
         pressure = pending and self.adaptive is not None and self.adaptive.under_pressure(oldest)
         room = token_budget - decode_tokens
         budget, fallback = self._mixed_budget(room, decodes, partials)
