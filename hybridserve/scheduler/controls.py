@@ -304,13 +304,7 @@ class PrefillController:
                 )
             bypass = True
         decode_tokens = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
-        # Only the adaptive budget reads the oldest wait: its queue valve and its calm target.
-        oldest = (
-            max(_oldest_age(waiting, now), _oldest_age(partials, now))
-            if pending and self.adaptive is not None
-            else 0.0
-        )
-        pressure = pending and self.adaptive is not None and self.adaptive.under_pressure(oldest)
+        oldest, pressure = self._oldest_wait(now, waiting, partials, pending)
         room = token_budget - decode_tokens
         budget, fallback = self._mixed_budget(room, decodes, partials)
         if self._adaptive_alone_covers(room):
@@ -343,6 +337,16 @@ class PrefillController:
             oldest_wait_s=oldest,
             adaptive_step=self.adaptive is not None,
         )
+
+    def _oldest_wait(
+        self, now: float, waiting: Sequence[Request], partials: Sequence[Request], pending: bool
+    ) -> tuple[float, bool]:
+        """The oldest prefill's wait and whether the queue valve is open. Only the adaptive
+        budget reads them (its valve and its calm target), so nothing else scans the queue."""
+        if not pending or self.adaptive is None:
+            return 0.0, False
+        oldest = max(_oldest_age(waiting, now), _oldest_age(partials, now))
+        return oldest, self.adaptive.under_pressure(oldest)
 
     def _adaptive_alone_covers(self, room: int) -> bool:
         """Only the adaptive budget caps prefill, and it reaches the step's whole room."""
