@@ -417,7 +417,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--model", default="smollm2", choices=("smollm2", "gemma3-270m"))
     add("--agents", type=_ints, default=[4, 8, 12], help="loads, e.g. 4,8,12")
-    add("--seeds", type=int, default=5, help="seeds 0..N-1 (5 or more for the real run)")
+    add(
+        "--seeds",
+        type=int,
+        default=5,
+        help="N seeds from --first-seed (5 or more for the real run)",
+    )
+    add("--first-seed", type=int, default=0, help="the first seed [default: 0]")
+    add("--merge", type=Path, action="append", default=[],
+        help="an earlier report of this workload; its runs join these")  # fmt: skip
     add("--duration", type=float, default=210.0, help="seconds per run, warm-up included")
     add("--warmup", type=float, default=30.0)
     add("--servers", type=_names, default=list(SERVERS), help="baseline,hybridserve,vllm")
@@ -441,6 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: use 1 or more (5 or more for the real run)")
+    if args.first_seed < 0:
+        parser.error(f"--first-seed {args.first_seed}: use 0 or more")
     if not args.duration > args.warmup >= 0:
         parser.error(f"--duration {args.duration} must exceed --warmup {args.warmup} >= 0")
     return args
@@ -469,7 +479,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     setup: dict[str, Any] = {
         k: str(v) if isinstance(v, Path) else v
         for k, v in vars(args).items()
-        if k not in ("pool", "quick")
+        if k not in ("pool", "quick", "merge", "first_seed")
     }
     setup["quick"] = args.quick
     if "vllm" in args.servers:
@@ -486,7 +496,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     total = len(args.agents) * args.seeds * len(args.servers)
     for load in args.agents:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for name in rotated(args.servers, seed):
                 print(
                     f"run {len(runs) + 1}/{total}: {name}, {load} agents, seed {seed}",
@@ -517,15 +527,59 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup = prepare(args)
     began = time.monotonic()
-    runs = run_all(args)
-    seeds = list(range(args.seeds))
-    report = {
+    earlier = [merged_runs(path, setup) for path in args.merge]
+    runs = [run for part in earlier for run in part] + run_all(args)
+    report = summarise(setup, args.pool, runs)
+    report["wall_s"] = round(time.monotonic() - began, 1)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report))
+
+
+# The settings that make two reports one workload; a merged report must match on every one.
+WORKLOAD_KEYS = (
+    "model", "duration", "warmup", "pool_tokens", "block_size", "max_model_len", "threads",
+    "time_scale", "system_prompt_tokens", "max_context", "output_tokens", "tool_result_tokens",
+)  # fmt: skip
+
+
+def merged_runs(path: Path, setup: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs of an earlier report, checked to be the same workload as this one."""
+    try:
+        earlier = json.loads(path.read_text())
+        theirs = earlier["setup"]
+        runs = list(earlier["runs"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"--merge {path}: not an e1_real report ({err})") from None
+    differ = [k for k in WORKLOAD_KEYS if theirs.get(k) != setup.get(k)]
+    if differ:
+        pairs = ", ".join(f"{k} {theirs.get(k)!r} here {setup.get(k)!r}" for k in differ)
+        raise SystemExit(f"--merge {path}: another workload ({pairs}); rerun with its settings")
+    return runs
+
+
+def summarise(
+    setup: dict[str, Any], pool: dict[str, Any], runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The report of a set of runs: paired ratios and cache exactness per load, over every seed
+    run at that load (a merged report's seeds included); a (server, load, seed) run twice is an
+    error."""
+    keys = [(r["server"], r["agents"], r["seed"]) for r in runs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise SystemExit(f"runs given twice (server, agents, seed): {twice}; merge each once")
+    loads = sorted({r["agents"] for r in runs})
+    servers = [s for s in SERVERS if any(r["server"] == s for r in runs)]
+    seeds = {n: sorted({r["seed"] for r in runs if r["agents"] == n}) for n in loads}
+    setup = setup | {"agents": loads, "seeds": {str(n): seeds[n] for n in loads}}
+    return {
         "setup": setup,
-        "pool": args.pool,
+        "pool": pool,
         "runs": runs,
-        "ratios": {str(n): load_ratios(runs, n, seeds, args.servers) for n in args.agents},
-        "cache_exactness": {str(n): cache_exactness(runs, n, seeds) for n in args.agents}
-        if {"baseline", "vllm"} <= set(args.servers)
+        "ratios": {str(n): load_ratios(runs, n, seeds[n], servers) for n in loads},
+        "cache_exactness": {str(n): cache_exactness(runs, n, seeds[n]) for n in loads}
+        if {"baseline", "vllm"} <= set(servers)
         else None,
         "failed_runs": [
             {k: r[k] for k in ("server", "agents", "seed")} | {"reason": r["failed"]["reason"]}
@@ -533,12 +587,7 @@ def main(argv: list[str] | None = None) -> None:
             if "failed" in r
         ],
         "timings": timings(runs),
-        "wall_s": round(time.monotonic() - began, 1),
     }
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -6,13 +6,14 @@ model and the serving backend are built from the `Deployment` (`hybridserve.sim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hybridserve.core.config import SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.settings import Preset, preset_uses_lookahead, resolve_settings
+from hybridserve.kvcache.spec import FullAttentionSpec, SlidingWindowSpec
 from hybridserve.kvcache.spec import state_quantum as quantum_of_groups
 from hybridserve.sim.bounds import check_bound
 from hybridserve.sim.cost_model import Efficiency
@@ -128,6 +129,10 @@ class SimConfig:
     gpu_memory_utilization: float = 0.9
     # A fleet of replicas behind a router (hybridserve.sim.fleet); None: one engine.
     fleet: FleetConfig | None = None
+    # vLLM's --block-size for an attention-only model (a real server's pages); None: the
+    # profile's. And --num-gpu-blocks-override: the pool in block ids, not sized from memory.
+    block_size: int | None = None
+    num_gpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
         if not self.warmup_s >= 0:
@@ -152,6 +157,12 @@ class SimConfig:
             )
         if self.max_model_len is not None:
             _check_max_model_len(self.max_model_len, self.workload, self.agents)
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError("block_size (--block-size)", self.block_size, "use 1 or more tokens")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(
+                "num_gpu_blocks_override", self.num_gpu_blocks_override, "use 2 or more blocks"
+            )
         if self.fleet is not None and self.bound is not None:
             raise ConfigError(
                 "bound (--bound)",
@@ -262,10 +273,23 @@ def speculative_method(speculation: str, model: ModelProfile) -> str:
 
 
 def model_profile(config: SimConfig) -> ModelProfile:
-    """The run's model: parsed from `model_config` when given, else the named profile."""
+    """The run's model: parsed from `model_config` when given, else the named profile; its
+    attention pages `config.block_size` tokens when that is set."""
     if config.model_config is not None:
-        return load_model_profile(Path(config.model_config))
-    return get_model(config.model)
+        profile = load_model_profile(Path(config.model_config))
+    else:
+        profile = get_model(config.model)
+    if config.block_size is None:
+        return profile
+    if any(not isinstance(g, FullAttentionSpec | SlidingWindowSpec) for g in profile.groups):
+        raise ConfigError(
+            "block_size (--block-size)",
+            config.block_size,
+            f"{profile.name} has state or draft groups whose pages follow the attention page; "
+            "set a block size only for an attention-only model (leave it unset)",
+        )
+    groups = tuple(replace(g, block_size=config.block_size) for g in profile.groups)
+    return replace(profile, groups=groups)
 
 
 def speculative_of(config: SimConfig) -> SpeculativeConfig:

@@ -109,7 +109,7 @@ def pool_report(config: SimConfig | Deployment) -> dict[str, Any]:
     scheduler, dcp = deployment.settings.scheduler, deployment.config.dcp
     account = pool_memory_account(deployment)
     groups = deployment.model.kv_cache_groups()
-    num_blocks = account.num_blocks
+    num_blocks = deployment.config.num_gpu_blocks_override or account.num_blocks
     return {
         **{k: round(v, 4) for k, v in account.as_dict().items()},
         "kv_cache_tokens": kv_cache_tokens(num_blocks, groups, dcp=dcp),
@@ -156,6 +156,8 @@ def simulated_pool_blocks(config: SimConfig | Deployment, scheduler: SchedulerCo
     activations by max_num_seqs and max_num_batched_tokens)."""
     deployment = resolve_deployment(config)
     run = deployment.config
+    if run.num_gpu_blocks_override is not None:
+        return run.num_gpu_blocks_override
     return kv_pool_blocks(
         deployment.gpu,
         deployment.model,

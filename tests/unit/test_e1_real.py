@@ -208,3 +208,52 @@ def test_quick_mode_is_one_load_two_seeds_and_short_runs(e1: ModuleType) -> None
     assert args.servers == ["baseline", "hybridserve"]
     with pytest.raises(SystemExit):
         e1.parse_args(["--servers", "baseline,sglang"])
+
+
+SETUP = {
+    "model": "smollm2", "duration": 210.0, "warmup": 30.0, "pool_tokens": 12_288,
+    "block_size": 32, "max_model_len": 8_192, "threads": 2, "time_scale": 0.2,
+    "system_prompt_tokens": 1_000, "max_context": 6_000, "output_tokens": 32,
+    "tool_result_tokens": 150,
+}  # fmt: skip
+
+
+def _report(tmp_path: Path, name: str, runs: list[dict[str, Any]], **setup: Any) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"setup": SETUP | setup, "runs": runs}))
+    return path
+
+
+def test_merged_seeds_and_loads_are_one_report(e1: ModuleType, tmp_path: Path) -> None:
+    first = [
+        _run(s, seed, job_goodput_per_hour=100.0)
+        for s in ("hybridserve", "vllm")
+        for seed in (0, 1)
+    ]
+    later = [
+        _run("hybridserve", 2, job_goodput_per_hour=400.0),
+        _run("vllm", 2, job_goodput_per_hour=100.0),
+    ]
+    runs = e1.merged_runs(_report(tmp_path, "a.json", first), SETUP) + later
+    report = e1.summarise(SETUP, {"num_blocks": 384}, runs)
+    jobs = report["ratios"]["4"]["hybridserve/vllm"]["job_goodput_per_hour"]
+    assert jobs["per_seed"] == [1.0, 1.0, 4.0]  # seeds 0 and 1 merged, seed 2 run here
+    assert report["setup"]["seeds"] == {"4": [0, 1, 2]} and report["setup"]["agents"] == [4]
+    with pytest.raises(SystemExit, match="given twice"):
+        e1.summarise(SETUP, {}, runs + later[:1])
+
+
+def test_a_report_of_another_workload_is_not_merged(e1: ModuleType, tmp_path: Path) -> None:
+    other = _report(tmp_path, "b.json", [], max_context=3_000)
+    with pytest.raises(SystemExit, match="max_context 3000 here 6000"):
+        e1.merged_runs(other, SETUP)
+    (tmp_path / "c.json").write_text("{}")
+    with pytest.raises(SystemExit, match="not an e1_real report"):
+        e1.merged_runs(tmp_path / "c.json", SETUP)
+
+
+def test_seeds_can_start_past_zero(e1: ModuleType) -> None:
+    args = e1.parse_args(["--seeds", "2", "--first-seed", "3", "--agents", "12"])
+    assert (args.first_seed, args.seeds) == (3, 2)
+    with pytest.raises(SystemExit):
+        e1.parse_args(["--first-seed", "-1"])

@@ -1,0 +1,360 @@
+"""The simulator against real engines: every run of an `e1_real.py` report simulated on the
+same workload, seed, pool and block size with that server's calibration, and the two compared
+per engine, load and metric (docs/fidelity.md, docs/fidelity.json).
+
+Calibrations (`--calibrate` measures them first, on idle cores; else they are read from
+`--calibrations`):
+
+- `torch-own`: `hybridserve calibrate --model CHECKPOINT --gpu-name cpu` (the torch executor's
+  step times, measured in-process, peaks from microbenchmarks);
+- `torch-http`: `hybridserve calibrate --url` against `serve --executor torch --preset
+  baseline` (black-box: the gaps between streamed tokens, so the server's per-step work is
+  in them), peaks from `torch-own`;
+- `vllm-http`: the same against vLLM-CPU.
+
+The torch servers (baseline, hybridserve) are simulated with both torch calibrations, vLLM
+with its own. The simulated scheduler is the server's: `baseline` for baseline and for vLLM,
+`hybridserve` for the shipped preset. No E1 run is used to fit anything (the calibrations
+measure controlled shapes only), so every row is scored.
+
+Each row: `{"engine", "calibration", "load", "metric", "measured", "simulated", "error",
+"scored", "per_seed"}`, `error = simulated / measured - 1` of the means over the seeds both
+sides have.
+
+    python benchmarks/e1_real.py ... --out runs/e1_real/e1_real_smollm2.json
+    python benchmarks/fidelity.py --report runs/e1_real/e1_real_smollm2.json --calibrate \\
+        --vllm-python /tmp/vllm-venv/bin/python --out docs/fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_checkpoint import hf_checkpoint
+from server_process import ServerFailed, ServerProcess, free_port
+
+from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from hybridserve.loadgen.calibrate import RemoteTarget, calibrate_remote, model_profile_for
+from hybridserve.sim.calibration import Calibration
+from hybridserve.sim.calibration_fit import Grid
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import run_simulation
+from hybridserve.sim.workload import AgentParams
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = (
+    "job_goodput_per_hour",
+    "output_tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "prefix_hit_rate",
+    "slo_attainment",
+)
+CALIBRATIONS = {
+    "baseline": ("torch-own", "torch-http"),
+    "hybridserve": ("torch-own", "torch-http"),
+    "vllm": ("vllm-http",),
+}
+PRESETS = {"baseline": "baseline", "hybridserve": "hybridserve", "vllm": "baseline"}
+# Goals of the comparison (docs/fidelity.md): |error| within these per metric.
+GOALS = {
+    "job_goodput_per_hour": 0.10,
+    "output_tokens_per_s": 0.10,
+    "ttft_p50_ms": 0.15,
+    "itl_p50_ms": 0.15,
+    "ttft_p99_ms": 0.25,
+    "itl_p99_ms": 0.25,
+}
+CALIBRATION_POOL_BLOCKS = 2048  # the calibration servers' pool: 8 streams of 2k tokens fit
+# calibrate --url's shapes sized for a 2-core CPU (the quick grid's 16 streams of 8k tokens
+# would take an hour to prefill there): prefills of 256 and 1,024 tokens after 0 and 2,048
+# cached ones, 1 and 8 decodes at 256 and 2,048 tokens, two interleaved rounds.
+CPU_GRID = Grid(
+    prefill_tokens=(256, 1024),
+    prefill_context_tokens=(0, 2048),
+    decode_batches=(1, 8),
+    decode_context_tokens=(256, 2048),
+    rounds=2,
+    repeats=1,
+)
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-c", "from hybridserve.cli import main; main()"]
+
+
+def _env() -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def calibrate_own(args: argparse.Namespace, checkpoint: Path) -> None:
+    out = args.calibrations / "torch-own.json"
+    command = [*_cli(), "calibrate", "--model", str(checkpoint), "--gpu-name", "cpu"]
+    command += ["--threads", str(args.threads), "--out", str(out)]
+    print(f"calibrating the torch executor: {out}", file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, env={**os.environ, **_env()})
+
+
+def calibration_server(args: argparse.Namespace, name: str, checkpoint: Path) -> ServerProcess:
+    port, setup = free_port(), args.setup
+    log = args.calibrations / f"{name}-server.log"
+    common = ["--served-model-name", setup["model"], "--port", str(port)]
+    common += [
+        "--block-size",
+        str(setup["block_size"]),
+        "--max-model-len",
+        str(setup["max_model_len"]),
+    ]
+    if name == "torch-http":
+        command = [*_cli(), "serve", "--executor", "torch", "--model", str(checkpoint)]
+        command += ["--device", "cpu", "--threads", str(args.threads), "--preset", "baseline"]
+        command += ["--num-blocks", str(CALIBRATION_POOL_BLOCKS), "--shutdown-timeout", "5"]
+        return ServerProcess(name, command + common, log, port, env=_env())
+    command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", str(checkpoint), "--host", "127.0.0.1", "--dtype", "float32"]
+    command += ["--max-num-seqs", str(DEFAULT_MAX_NUM_SEQS)]
+    command += ["--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS)]
+    command += ["--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": str(args.threads)}
+    env |= {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_USE_AOT_COMPILE": "0"}
+    return ServerProcess(name, command + common, log, port, env=env)
+
+
+def calibrate_http(args: argparse.Namespace, name: str, checkpoint: Path) -> None:
+    """Start the server, calibrate it over HTTP on CPU_GRID with the torch executor's peaks,
+    write the calibration, stop the server."""
+    out = args.calibrations / f"{name}.json"
+    server = calibration_server(args, name, checkpoint)
+    print(f"calibrating {name} over HTTP: {out}", file=sys.stderr, flush=True)
+    own = Calibration.load(args.calibrations / "torch-own.json")
+    try:
+        server.start(600.0)
+        target = RemoteTarget(
+            url=server.base_url, model=args.setup["model"], api_key=None, gpu=own.gpu,
+            peaks=own.peaks, profile=model_profile_for(checkpoint, None), dtype="fp32",
+            kv_dtype="fp32",
+        )  # fmt: skip
+        result = asyncio.run(calibrate_remote(target, grid=CPU_GRID, progress=_progress(name)))
+    except ServerFailed as exc:
+        raise SystemExit(
+            f"{name}: the server did not start ({exc.reason}):\n{exc.log_tail}"
+        ) from None
+    finally:
+        server.stop()
+    out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+
+
+def _progress(name: str) -> Callable[[int, int], None]:
+    def say(done: int, total: int) -> None:
+        print(f"  {name}: {done}/{total} measurements", file=sys.stderr, flush=True)
+
+    return say
+
+
+def agent_params(setup: dict[str, Any], load: int) -> AgentParams:
+    """The load generator's workload (`hybridserve agents` with the report's options), its tool
+    times scaled by --time-scale as the load generator scales its waits."""
+    params = AgentParams(
+        num_agents=load,
+        system_prompt_tokens=setup["system_prompt_tokens"],
+        context_limit=setup["max_context"],
+    )
+    params = replace(
+        params, output_tokens=replace(params.output_tokens, median=setup["output_tokens"])
+    )
+    tool = replace(params.tool_result_tokens, median=setup["tool_result_tokens"])
+    scale = setup["time_scale"]
+    fast, slow = params.tool_time_fast, params.tool_time_slow
+    return replace(
+        params,
+        tool_result_tokens=tool,
+        tool_time_fast=replace(fast, median=fast.median * scale, high=fast.high * scale),
+        tool_time_slow=replace(slow, median=slow.median * scale, high=slow.high * scale),
+    )
+
+
+def sim_config(
+    report: dict[str, Any], checkpoint: Path, engine: str, load: int, seed: int, calibration: Path
+) -> SimConfig:
+    """The simulated twin of one real run: same workload and seed, same pool in the same blocks."""
+    setup, pool = report["setup"], report["pool"]
+    cal = Calibration.load(calibration)
+    return SimConfig(
+        model=setup["model"],
+        model_config=str(checkpoint / "config.json"),
+        gpu=cal.device,
+        calibrated_gpu=cal.gpu,
+        efficiency=cal.efficiency,
+        dtype=cal.dtype,
+        kv_dtype=cal.kv_dtype,
+        preset=PRESETS[engine],
+        speculation="none",
+        duration_s=setup["duration"],
+        warmup_s=setup["warmup"],
+        seed=seed,
+        agents=agent_params(setup, load),
+        max_model_len=setup["max_model_len"],
+        block_size=pool["block_size"],
+        num_gpu_blocks_override=pool["num_blocks"],
+    )
+
+
+def _simulate(config: SimConfig) -> dict[str, float]:
+    return dict(run_simulation(config).summary)
+
+
+def simulate_all(
+    report: dict[str, Any], checkpoint: Path, calibrations: Path, workers: int
+) -> dict[tuple[str, str, int, int], dict[str, float]]:
+    """(engine, calibration, load, seed) -> the simulated summary, for every finished run."""
+    jobs: dict[tuple[str, str, int, int], SimConfig] = {}
+    for run in report["runs"]:
+        if "failed" in run or "error" in run.get("metrics", {"error": 1}):
+            continue
+        engine, load, seed = run["server"], run["agents"], run["seed"]
+        for name in CALIBRATIONS[engine]:
+            path = calibrations / f"{name}.json"
+            jobs[(engine, name, load, seed)] = sim_config(
+                report, checkpoint, engine, load, seed, path
+            )
+    print(f"simulating {len(jobs)} runs", file=sys.stderr, flush=True)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(_simulate, jobs.values()))
+    return dict(zip(jobs, results, strict=True))
+
+
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.fmean(kept) if kept else None
+
+
+def fidelity_rows(
+    report: dict[str, Any], simulated: dict[tuple[str, str, int, int], dict[str, float]]
+) -> list[dict[str, Any]]:
+    """One row per engine, calibration, load and metric: means over the seeds both sides ran."""
+    measured = {
+        (r["server"], r["agents"], r["seed"]): r["metrics"]
+        for r in report["runs"]
+        if "failed" not in r and "error" not in r.get("metrics", {"error": 1})
+    }
+    rows: list[dict[str, Any]] = []
+    for engine, name, load in sorted({k[:3] for k in simulated}):
+        seeds = sorted(k[3] for k in simulated if k[:3] == (engine, name, load))
+        for metric in METRICS:
+            real = [measured[(engine, load, s)].get(metric) for s in seeds]
+            sim = [simulated[(engine, name, load, s)].get(metric) for s in seeds]
+            m, s = _mean(real), _mean(sim)
+            rows.append(
+                {
+                    "engine": engine,
+                    "calibration": name,
+                    "load": f"agents={load}",
+                    "metric": metric,
+                    "measured": m,
+                    "simulated": s,
+                    "error": None if m is None or s is None or m == 0 else s / m - 1,
+                    "scored": True,
+                    "per_seed": {"seeds": seeds, "measured": real, "simulated": sim},
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The error table: a line per engine, calibration and load, a column per metric."""
+    lines = [
+        "| engine | calibration | load | " + " | ".join(METRICS) + " |",
+        "|---" * (3 + len(METRICS)) + "|",
+    ]
+    for engine, name, load in dict.fromkeys(
+        (r["engine"], r["calibration"], r["load"]) for r in rows
+    ):
+        cells = []
+        for metric in METRICS:
+            row = next(
+                r
+                for r in rows
+                if (r["engine"], r["calibration"], r["load"], r["metric"])
+                == (engine, name, load, metric)
+            )
+            err = row["error"]
+            goal = GOALS.get(metric)
+            mark = "" if err is None or goal is None or abs(err) <= goal + 1e-9 else " ✗"
+            cells.append("-" if err is None else f"{err:+.0%}{mark}")
+        lines.append(f"| {engine} | {name} | {load} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--report", type=Path, required=True, help="an e1_real.py report (merged seeds and loads)")
+    add("--calibrations", type=Path, default=ROOT / "runs" / "fidelity", help="calibration folder")
+    add("--calibrate", action="store_true", help="measure the three calibrations first")
+    add("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    add("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    add("--workers", type=int, default=2, help="simulations at once")
+    add("--out", type=Path, default=None, help="also write the report here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        report = json.loads(args.report.read_text())
+        args.setup = report["setup"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"--report {args.report}: not an e1_real report ({err})") from None
+    checkpoint = hf_checkpoint(args.setup["model"])
+    if args.calibrate:
+        args.calibrations.mkdir(parents=True, exist_ok=True)
+        calibrate_own(args, checkpoint)
+        for name in ("torch-http", "vllm-http"):
+            calibrate_http(args, name, checkpoint)
+    missing = [
+        n
+        for n in ("torch-own", "torch-http", "vllm-http")
+        if not (args.calibrations / f"{n}.json").is_file()
+    ]
+    if missing:
+        raise SystemExit(
+            f"--calibrations {args.calibrations}: no {', '.join(missing)}; run with --calibrate"
+        )
+    simulated = simulate_all(report, checkpoint, args.calibrations, args.workers)
+    rows = fidelity_rows(report, simulated)
+    calibrations = {
+        n: json.loads((args.calibrations / f"{n}.json").read_text())
+        for n in ("torch-own", "torch-http", "vllm-http")
+    }
+    out = {
+        "report": str(args.report),
+        "setup": args.setup,
+        "pool": report["pool"],
+        "calibrations": calibrations,
+        "rows": rows,
+    }
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(markdown(rows), file=sys.stderr)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

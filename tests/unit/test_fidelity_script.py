@@ -1,0 +1,132 @@
+"""The pure parts of benchmarks/fidelity.py: the simulated twin of a real E1 run (its workload,
+pool, pages, scheduler and calibration) and the measured-against-simulated rows (no server runs,
+no simulation)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from hybridserve.sim.calibration import Calibration
+from hybridserve.sim.calibration_fit import fit_measurements, measured_gpu
+from hybridserve.sim.cost_model import Efficiency
+from hybridserve.sim.fit import CostSetup
+from hybridserve.sim.hf_config import profile_from_hf_config
+from hybridserve.sim.workload import AgentParams
+
+pytest.importorskip("httpx", reason="the benchmark's server helpers need the server extra")
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SETUP = {
+    "model": "smollm2", "duration": 210.0, "warmup": 30.0, "max_model_len": 8_192,
+    "time_scale": 0.2, "system_prompt_tokens": 1_000, "max_context": 6_000,
+    "output_tokens": 32, "tool_result_tokens": 150,
+}  # fmt: skip
+LLAMA = {
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 1024,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "vocab_size": 4096, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fid() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fidelity", BENCHMARKS / "fidelity.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_workload_is_the_load_generators_with_tool_times_scaled(fid: ModuleType) -> None:
+    params = fid.agent_params(SETUP, 12)
+    e1 = AgentParams()
+    assert (params.num_agents, params.system_prompt_tokens, params.context_limit) == (
+        12,
+        1_000,
+        6_000,
+    )
+    assert params.output_tokens.median == 32 and params.tool_result_tokens.median == 150
+    assert params.tool_time_fast.median == pytest.approx(e1.tool_time_fast.median * 0.2)
+    assert params.tool_time_slow.high == pytest.approx(e1.tool_time_slow.high * 0.2)
+    assert params.tool_time_slow.sigma == e1.tool_time_slow.sigma
+
+
+def _calibration(path: Path) -> Path:
+    cpu = measured_gpu(
+        "cpu", fp32_flops=1.5e11, bf16_flops=1e12, copy_bytes_per_s=1.2e10, memory_bytes=2.4e10
+    )
+    setup = CostSetup(gpu=cpu, model=profile_from_hf_config(LLAMA), dtype="fp32", kv_dtype="fp32")
+    cost = setup.cost_model(Efficiency(gemm=0.5, attention=0.4, hbm=0.6, step_overhead_s=2e-3))
+    from hybridserve.sim.calibration_fit import Grid
+
+    shapes = [(s, cost.step_cost(s).total_s) for s in Grid().shapes()]
+    fit = fit_measurements(shapes, setup=setup, holdout_fraction=0.25, seed=0)
+    Calibration(
+        device="cpu", gpu=cpu, peaks="measured", efficiency=fit.efficiency, model="llama",
+        dtype="fp32", kv_dtype="fp32", torch_version="2.13.0", torch_device="cpu",
+        num_threads=2, clock="wall", seed=0, holdout_fraction=0.25, samples=fit.rows,
+        in_sample=fit.in_sample, held_out=fit.held_out,
+    ).save(path)  # fmt: skip
+    return path
+
+
+def test_the_twin_has_the_runs_seed_pool_pages_and_scheduler(
+    fid: ModuleType, tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(LLAMA))
+    report = {"setup": SETUP, "pool": {"block_size": 32, "num_blocks": 384}}
+    cal = _calibration(tmp_path / "cal.json")
+    for engine, preset in (
+        ("vllm", "baseline"),
+        ("baseline", "baseline"),
+        ("hybridserve", "hybridserve"),
+    ):
+        config = fid.sim_config(report, checkpoint, engine, 4, 3, cal)
+        assert config.preset == preset
+        assert (config.seed, config.agents.num_agents) == (3, 4)
+        assert (config.block_size, config.num_gpu_blocks_override) == (32, 384)
+        assert (config.duration_s, config.warmup_s, config.max_model_len) == (210.0, 30.0, 8_192)
+        assert config.calibrated_gpu.name == "cpu" and config.dtype == "fp32"
+
+
+def _run(server: str, seed: int, **metrics: float) -> dict[str, Any]:
+    return {"server": server, "agents": 4, "seed": seed, "metrics": metrics}
+
+
+def test_rows_compare_means_over_the_seeds_both_sides_ran(fid: ModuleType) -> None:
+    report = {
+        "runs": [
+            _run("vllm", 0, output_tokens_per_s=10.0, itl_p50_ms=100.0),
+            _run("vllm", 1, output_tokens_per_s=30.0, itl_p50_ms=100.0),
+            {"server": "vllm", "agents": 4, "seed": 2, "failed": {"reason": "exited"}},
+        ]
+    }
+    simulated = {
+        ("vllm", "vllm-http", 4, 0): {"output_tokens_per_s": 12.0, "itl_p50_ms": 150.0},
+        ("vllm", "vllm-http", 4, 1): {"output_tokens_per_s": 32.0, "itl_p50_ms": 150.0},
+    }
+    rows = {r["metric"]: r for r in fid.fidelity_rows(report, simulated)}
+    tokens = rows["output_tokens_per_s"]
+    assert (tokens["measured"], tokens["simulated"]) == (20.0, 22.0)
+    assert tokens["error"] == pytest.approx(0.1) and tokens["scored"] is True
+    assert tokens["per_seed"]["seeds"] == [0, 1]
+    assert (tokens["engine"], tokens["calibration"], tokens["load"]) == (
+        "vllm",
+        "vllm-http",
+        "agents=4",
+    )
+    assert rows["itl_p50_ms"]["error"] == pytest.approx(0.5)
+    assert rows["job_goodput_per_hour"]["error"] is None  # measured by neither side here
+    table = fid.markdown(list(rows.values()))
+    assert "| vllm | vllm-http | agents=4 |" in table
+    assert "+10%" in table and "+10% ✗" not in table and "+50% ✗" in table  # goals: 10%, 15%
