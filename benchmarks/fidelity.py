@@ -212,6 +212,7 @@ def sim_config(
         max_model_len=setup["max_model_len"],
         block_size=pool["block_size"],
         num_gpu_blocks_override=pool["num_blocks"],
+        answers="synthetic",  # the load generator's: no turn reuses its answer's KV
     )
 
 

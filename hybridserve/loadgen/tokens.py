@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.sim.workload import SyntheticAnswers
+
+__all__ = ["SyntheticAnswers", "TokenMap"]
 
 _MASK = (1 << 64) - 1
 
@@ -50,16 +53,3 @@ class TokenMap:
             mapped.extend(self._system)
         mapped.extend(self.map(history[len(mapped) :]))
         return mapped
-
-
-class SyntheticAnswers:
-    """Per agent, a run of fresh negative ids: the answer tokens a job appends."""
-
-    def __init__(self) -> None:
-        self._next: dict[int, int] = {}
-
-    def take(self, agent: int, count: int) -> list[int]:
-        start = self._next.get(agent, 0)
-        self._next[agent] = start + count
-        base = -(1 + (agent << 40) + start)
-        return list(range(base, base - count, -1))

@@ -133,6 +133,9 @@ class SimConfig:
     # profile's. And --num-gpu-blocks-override: the pool in block ids, not sized from memory.
     block_size: int | None = None
     num_gpu_blocks_override: int | None = None
+    # What an agent appends after each answer: the engine's tokens ("engine"), or fresh ones
+    # ("synthetic") as `hybridserve agents --url` sends, so no turn hits its answer's KV.
+    answers: str = "engine"
 
     def __post_init__(self) -> None:
         if not self.warmup_s >= 0:
@@ -157,6 +160,8 @@ class SimConfig:
             )
         if self.max_model_len is not None:
             _check_max_model_len(self.max_model_len, self.workload, self.agents)
+        if self.answers not in ("engine", "synthetic"):
+            raise ConfigError("answers", self.answers, "use engine or synthetic")
         if self.block_size is not None and self.block_size < 1:
             raise ConfigError("block_size (--block-size)", self.block_size, "use 1 or more tokens")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:

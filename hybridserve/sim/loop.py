@@ -16,7 +16,7 @@ from hybridserve.core.errors import RequestError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, EngineStep
 from hybridserve.metrics.recorder import MetricsRecorder
-from hybridserve.sim.workload import AgentWorkload, Job, Turn
+from hybridserve.sim.workload import AgentWorkload, Job, SyntheticAnswers, Turn
 
 
 @dataclass(order=True, slots=True)
@@ -191,9 +191,19 @@ class OpenLoopSimulation(Simulation):
 class AgentSimulation(Simulation):
     """E1: agents run jobs back to back against one engine."""
 
-    def __init__(self, engine: Engine, workload: AgentWorkload, **kwargs: object) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        workload: AgentWorkload,
+        *,
+        synthetic_answers: bool = False,
+        **kwargs: object,
+    ) -> None:
         super().__init__(engine, **kwargs)  # type: ignore[arg-type]
         self.workload = workload
+        # The load generator's answers (`agents --url`): fresh tokens, not the engine's, so no
+        # turn reuses the KV of the answer before it.
+        self._synthetic = SyntheticAnswers(positive=True) if synthetic_answers else None
         self._jobs: dict[str, Job] = {}
         self._turn_of: dict[str, Turn] = {}
         # Tokens of each job whose KV exists (its last prompt and answer, less the last sampled
@@ -233,6 +243,9 @@ class AgentSimulation(Simulation):
         turn = self._turn_of.pop(req_id)
         job = self._jobs[turn.job_id]
         self._computed[job.job_id] = len(turn.prompt) + len(answer) - 1
+        if self._synthetic is not None:
+            answer = self._synthetic.take(job.agent, len(answer))
+            self._computed[job.job_id] = len(turn.prompt)
         tool_time = self.workload.after_answer(job, answer)
         if self.workload.is_over(job):
             self._computed.pop(job.job_id, None)

@@ -150,7 +150,7 @@ class AgentsWithRagSimulation(AgentSimulation):
         seed: int,
         **kwargs: object,
     ) -> None:
-        super().__init__(engine, workload, **kwargs)
+        super().__init__(engine, workload, **kwargs)  # type: ignore[arg-type]
         self.tenant = tenant
         self._duration_s = duration_s
         # Its own stream: the agents draw what they drew without the tenant.

@@ -359,7 +359,10 @@ def make_simulation(
     kind, _, arg = config.workload.partition(":")
     if kind == "agents":
         return AgentSimulation(
-            engine, AgentWorkload(config.agents, seed=config.seed), on_step=on_step
+            engine,
+            AgentWorkload(config.agents, seed=config.seed),
+            synthetic_answers=config.answers == "synthetic",
+            on_step=on_step,
         )
     if kind == "fixed":
         return fixed_simulation(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from hybridserve.core.errors import ConfigError
 
 _TASK_BASE = 1 << 32  # synthesised task and tool tokens live above any model vocabulary
+_ANSWER_BASE = 1 << 62  # synthetic answers (SyntheticAnswers(positive=True)) above those
 _AGENT_TOKEN_BITS = 40  # each agent's fresh tokens come from its own range of 2^40 ids
 
 
@@ -62,6 +63,26 @@ class AgentParams:
                 self.system_prompt_tokens,
                 f"it must leave room below context_limit={self.context_limit}",
             )
+
+
+class SyntheticAnswers:
+    """Per agent, a run of fresh ids: the answer tokens a job appends in place of what the
+    server generated (`agents --url`). Negative ids by default (they collide with no prompt
+    token; the load generator maps them onto the vocabulary); `positive`: ids from 2^62 up,
+    above every synthesised prompt token, for an engine that takes only ids >= 0."""
+
+    def __init__(self, *, positive: bool = False) -> None:
+        self._next: dict[int, int] = {}
+        self._positive = positive
+
+    def take(self, agent: int, count: int) -> list[int]:
+        start = self._next.get(agent, 0)
+        self._next[agent] = start + count
+        if self._positive:
+            base = _ANSWER_BASE + (agent << 40) + start
+            return list(range(base, base + count))
+        base = -(1 + (agent << 40) + start)
+        return list(range(base, base - count, -1))
 
 
 @dataclass(slots=True)

@@ -95,6 +95,7 @@ def test_the_twin_has_the_runs_seed_pool_pages_and_scheduler(
         assert config.preset == preset
         assert (config.seed, config.agents.num_agents) == (3, 4)
         assert (config.block_size, config.num_gpu_blocks_override) == (32, 384)
+        assert config.answers == "synthetic"  # as the load generator appends them
         assert (config.duration_s, config.warmup_s, config.max_model_len) == (210.0, 30.0, 8_192)
         assert config.calibrated_gpu.name == "cpu" and config.dtype == "fp32"
 

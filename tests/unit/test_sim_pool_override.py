@@ -4,6 +4,8 @@ sets so that the simulator caches in the same blocks from the same pool."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hybridserve.core.errors import ConfigError
@@ -61,3 +63,35 @@ def test_bad_page_or_pool_names_the_field(field: str, value: int, fix: str) -> N
 def test_a_block_size_on_a_model_with_state_groups_is_refused() -> None:
     with pytest.raises(ConfigError, match="attention-only"):
         resolve_deployment(_config(model="qwen3-next-80b-a3b", block_size=32))
+
+
+def _hits_past_the_last_prompt(answers: str) -> list[int]:
+    """Per turn after the first: hit tokens minus the previous turn's prompt length."""
+    fast, slow = AGENTS.tool_time_fast, AGENTS.tool_time_slow
+    quick = replace(  # tool times / 100: many turns in a short run
+        AGENTS,
+        tool_time_fast=replace(fast, median=fast.median / 100, high=fast.high / 100),
+        tool_time_slow=replace(slow, median=slow.median / 100, high=slow.high / 100),
+    )
+    run = run_simulation(_config(answers=answers, seed=1, agents=quick))
+    records = run.recorder.requests
+    over = []
+    for req_id, record in records.items():
+        job, _, turn = req_id.rpartition(".t")
+        previous = records.get(f"{job}.t{int(turn) - 1}")
+        if previous is not None and record.first_token_s is not None:
+            over.append(record.hit_tokens - previous.prompt_tokens)
+    return over
+
+
+def test_synthetic_answers_stop_every_hit_at_the_last_prompt() -> None:
+    # The load generator appends fresh answer tokens, so a turn reuses its last prompt at most;
+    # with the engine's own answers the hit runs into the answer.
+    synthetic, engine = (
+        _hits_past_the_last_prompt("synthetic"),
+        _hits_past_the_last_prompt("engine"),
+    )
+    assert synthetic and max(synthetic) <= 0
+    assert max(engine) > 0
+    with pytest.raises(ConfigError, match="engine or synthetic"):
+        _config(answers="server")
