@@ -45,6 +45,7 @@ the prefix a turn could reuse and vLLM 67% (`prefix_kept`), and vLLM queued 3 to
 4 and at 12 agents, vLLM all at 4 and 84% at 12.
 
     python benchmarks/e1_real.py --quick [--servers baseline,hybridserve]
+    python benchmarks/e1_real.py --tables REPORT     # its markdown tables (docs/e1_real.md)
     python benchmarks/e1_real.py --model smollm2 --agents 12 --seeds 5 --duration 210 \\
         --warmup 30 --vllm-python /tmp/vllm-venv/bin/python --out runs/e1_real.json
 """
@@ -523,7 +524,71 @@ def _say(entry: dict[str, Any]) -> None:
     )
 
 
+TABLE_COLUMNS = (  # (metric, heading, divisor)
+    ("requests_completed", "requests done", 1.0),
+    ("job_goodput_per_hour", "jobs/h", 1.0),
+    ("output_tokens_per_s", "output tok/s", 1.0),
+    ("ttft_p50_ms", "TTFT p50 s", 1000.0),
+    ("ttft_p99_ms", "TTFT p99 s", 1000.0),
+    ("itl_p50_ms", "ITL p50 ms", 1.0),
+    ("itl_p99_ms", "ITL p99 s", 1000.0),
+    ("cached_tokens_per_turn", "cached tokens/turn", 1.0),
+    ("prefix_hit_rate", "hit rate", 1.0),
+)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
+    return f"{value:,.{digits}f}"
+
+
+def markdown_tables(report: dict[str, Any]) -> str:
+    """Per load: each server's means over the seeds (per seed in brackets), then the paired
+    ratios with their 95% intervals: the tables of docs/e1_real.md."""
+    out: list[str] = []
+    for load, ratios in report["ratios"].items():
+        listed = report["setup"]["seeds"]
+        seeds = listed[load] if isinstance(listed, dict) else list(range(listed))
+        out += [f"### {load} agents, seeds {', '.join(map(str, seeds))}", ""]
+        out.append("| server | " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |")
+        out.append("|---" * (1 + len(TABLE_COLUMNS)) + "|")
+        for server in SERVERS:
+            if not any(r["server"] == server and str(r["agents"]) == load for r in report["runs"]):
+                continue
+            cells = []
+            for key, _, div in TABLE_COLUMNS:
+                values = [
+                    None if v is None else v / div
+                    for v in per_seed(report["runs"], server, int(load), seeds, key)
+                ]
+                kept = [v for v in values if v is not None]
+                mean = statistics.fmean(kept) if kept else None
+                cells.append(
+                    f"{_fmt(mean)} [{', '.join(_fmt(v) for v in values)}]" if kept else "-"
+                )
+            out.append(f"| {server} | " + " | ".join(cells) + " |")
+        out += [
+            "",
+            "| paired ratio | " + " | ".join(METRICS) + " |",
+            "|---" * (1 + len(METRICS)) + "|",
+        ]
+        for pair, metrics in ratios.items():
+            cells = []
+            for key in METRICS:
+                r = metrics[key]
+                ci = "" if r["ci95"] is None else f" [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]"
+                cells.append("-" if r["mean"] is None else f"{r['mean']:.2f}{ci}")
+            out.append(f"| {pair} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--tables":
+        print(markdown_tables(json.loads(Path(sys.argv[2]).read_text())))
+        return
     args = parse_args(argv)
     setup = prepare(args)
     began = time.monotonic()

@@ -257,3 +257,16 @@ def test_seeds_can_start_past_zero(e1: ModuleType) -> None:
     assert (args.first_seed, args.seeds) == (3, 2)
     with pytest.raises(SystemExit):
         e1.parse_args(["--first-seed", "-1"])
+
+
+def test_tables_show_each_servers_seeds_and_the_paired_ratios(e1: ModuleType) -> None:
+    runs = [
+        _run("hybridserve", s, output_tokens_per_s=v, itl_p50_ms=500.0)
+        for s, v in ((0, 6.0), (1, 8.0))
+    ] + [_run("vllm", s, output_tokens_per_s=10.0, itl_p50_ms=100.0) for s in (0, 1)]
+    report = e1.summarise(SETUP, {}, runs)
+    text = e1.markdown_tables(report)
+    assert "### 4 agents, seeds 0, 1" in text
+    assert "| hybridserve | - | - | 7.00 [6.00, 8.00] | - | - | 500 [500, 500] |" in text
+    assert "| hybridserve/vllm | - | 0.69 [" in text  # sqrt(0.6 x 0.8), jobs not measured
+    assert "| baseline |" not in text  # no runs: no row
