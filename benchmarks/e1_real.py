@@ -164,6 +164,23 @@ def preemptions(metrics_text: str) -> float | None:
     return sum(values) if values else None
 
 
+ENGINE_COUNTERS = (  # hybridserve's engine counters, whole run (warm-up included)
+    "engine_steps", "engine_step_seconds", "engine_step_cpu_seconds",
+    "executor_step_duration_seconds", "prompt_tokens", "generation_tokens",
+)  # fmt: skip
+
+
+def engine_counters(metrics_text: str) -> dict[str, float]:
+    """hybridserve's step counters from its Prometheus page: steps, the wall and CPU seconds
+    inside Engine.step and the executor, prompt and generated tokens (vLLM has none of them)."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        match = re.match(r"^hybridserve:(\w+?)_total\{", line)
+        if match and match.group(1) in ENGINE_COUNTERS:
+            found[match.group(1)] = found.get(match.group(1), 0.0) + float(line.rsplit(None, 1)[1])
+    return found
+
+
 def hybridserve_command(args: argparse.Namespace, preset: str, port: int) -> list[str]:
     return [
         sys.executable, "-c", "from hybridserve.cli import main; main()", "serve",
@@ -272,6 +289,8 @@ def one_run(args: argparse.Namespace, name: str, load: int, seed: int) -> dict[s
         try:
             page = httpx.get(f"{server.base_url}/metrics", timeout=10).text
             entry["server_preemptions"] = preemptions(page)
+            if name != "vllm":
+                entry["engine_counters"] = engine_counters(page)
         except httpx.HTTPError as exc:
             entry["server_preemptions"] = None
             entry["metrics_error"] = str(exc)
@@ -448,8 +467,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    if args.seeds < 1:
-        parser.error(f"--seeds {args.seeds}: use 1 or more (5 or more for the real run)")
+    if args.seeds < 1 and not (args.seeds == 0 and args.merge):
+        parser.error(f"--seeds {args.seeds}: use 1 or more (0 only to --merge reports)")
     if args.first_seed < 0:
         parser.error(f"--first-seed {args.first_seed}: use 0 or more")
     if not args.duration > args.warmup >= 0:

@@ -270,3 +270,21 @@ def test_tables_show_each_servers_seeds_and_the_paired_ratios(e1: ModuleType) ->
     assert "| hybridserve | - | - | 7.00 [6.00, 8.00] | - | - | 500 [500, 500] |" in text
     assert "| hybridserve/vllm | - | 0.69 [" in text  # sqrt(0.6 x 0.8), jobs not measured
     assert "| baseline |" not in text  # no runs: no row
+
+
+def test_engine_counters_are_read_from_the_prometheus_page(e1: ModuleType) -> None:
+    page = "\n".join(
+        [
+            "# HELP hybridserve:engine_steps_total Engine steps.",
+            'hybridserve:engine_steps_total{model_name="smollm2"} 812.0',
+            'hybridserve:engine_step_seconds_total{model_name="smollm2"} 171.5',
+            'hybridserve:engine_step_seconds_created{model_name="smollm2"} 1.7e9',
+            'hybridserve:generation_tokens_total{model_name="smollm2"} 1500.0',
+            'vllm:num_preemptions_total{model_name="smollm2"} 3.0',
+        ]
+    )
+    assert e1.engine_counters(page) == {
+        "engine_steps": 812.0,
+        "engine_step_seconds": 171.5,
+        "generation_tokens": 1500.0,
+    }
