@@ -102,8 +102,8 @@ def test_mixed_step_emits_the_tokens_of_separate_steps(folder: Path) -> None:
     assert together == apart
 
 
-def _shared_prefix_run(folder: Path, *, share: bool, steps: int = 5) -> Any:
-    """Request a prefills 300 tokens; b, c, d then hit its first 256 (16 blocks) and bring 20
+def _shared_prefix_run(folder: Path, *, share: bool, steps: int = 5, own: int = 20) -> Any:
+    """Request a prefills 300 tokens; b, c, d then hit its first 256 (16 blocks) and bring `own`
     tokens of their own; all four decode `steps` tokens. Returns tokens, logits and the keys
     gathered in the steps after a's prefill."""
     executor = TorchExecutor(
@@ -113,10 +113,10 @@ def _shared_prefix_run(folder: Path, *, share: bool, steps: int = 5) -> Any:
     blocks = _Blocks()
     prefix = _prompt(256, seed=7)
     prompts = {"a": prefix + _prompt(44, seed=8)}
-    prompts |= {r: prefix + _prompt(20, seed=9 + i) for i, r in enumerate("bcd")}
+    prompts |= {r: prefix + _prompt(own, seed=9 + i) for i, r in enumerate("bcd")}
     shared = tuple(range(1, 17))
     tables = {"a": blocks.take(300 + steps + 1)}
-    tables |= {r: shared + blocks.take(20 + steps + 1) for r in "bcd"}
+    tables |= {r: shared + blocks.take(own + steps + 1) for r in "bcd"}
     tokens: dict[str, list[int]] = {r: [] for r in prompts}
     first = executor.execute(StepPlan(0, (_chunk("a", 0, prompts["a"], tables["a"]),)))
     tokens["a"].extend(first.sampled_token_ids["a"])
@@ -152,3 +152,12 @@ def test_chunks_sharing_prefix_blocks_match_transformers_and_read_the_prefix_onc
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     # The 256 shared keys are gathered once per layer and step instead of four times.
     assert shared_elements <= alone_elements - 3 * 256 * 5 * LAYERS
+
+
+def test_a_prefix_short_beside_the_chunks_own_keys_is_not_shared(folder: Path) -> None:
+    # With 600 tokens of their own, sharing the 256 would save 27% of the keys: under
+    # MIN_SHARED_FRACTION, where the hand-run merge costs more than the gather it saves.
+    _, shared, _, shared_elements = _shared_prefix_run(folder, share=True, steps=2, own=600)
+    _, alone, _, alone_elements = _shared_prefix_run(folder, share=False, steps=2, own=600)
+    assert shared == alone
+    assert shared_elements == alone_elements
