@@ -12,11 +12,11 @@ decides which loads it calibrated on).
         --model-config /path/to/config.json --preset baseline --engine vllm --seeds 0,1,2 \\
         --agents 20 --duration 900 --warmup 120 [--calibration FILE] [--quick]
 
-Known differences the comparison keeps (docs/agents.md): the load generator appends synthetic
-answer tokens (the server cannot reuse its answer's KV next turn), the simulator the engine's
-own; the simulator sizes the KV pool by vLLM's rule for the calibrated device, the server has
-its own pool; and the simulator has no HTTP or detokenisation term (the calibration's
-`black_box.request_overhead_s` measures it).
+The simulated agents append synthetic answer tokens as the load generator does (so neither side
+reuses an answer's KV next turn). Known differences the comparison keeps (docs/agents.md): the
+simulator sizes the KV pool by vLLM's rule for the calibrated device, the server has its own
+pool (benchmarks/fidelity.py gives both the same one); and the simulator has no HTTP or
+detokenisation term (the calibration's `black_box.request_overhead_s` measures it).
 """
 
 from __future__ import annotations
@@ -169,6 +169,7 @@ def _simulated(
         warmup_s=args.warmup,
         seed=seed,
         agents=agents,
+        answers="synthetic",
     )
     return dict(run_simulation(config).summary)
 
