@@ -87,24 +87,14 @@ def _args() -> argparse.Namespace:
 
 def _agents(args: argparse.Namespace) -> AgentParams:
     """The workload both sides run; tool times scaled as the load generator scales its waits."""
-    params = AgentParams(
-        num_agents=args.agents,
-        system_prompt_tokens=args.system_prompt_tokens,
-        context_limit=args.max_context,
-    )
-    if args.output_tokens is not None:
-        params = replace(
-            params, output_tokens=replace(params.output_tokens, median=args.output_tokens)
+    return (
+        AgentParams(
+            num_agents=args.agents,
+            system_prompt_tokens=args.system_prompt_tokens,
+            context_limit=args.max_context,
         )
-    if args.tool_result_tokens is not None:
-        tool = replace(params.tool_result_tokens, median=args.tool_result_tokens)
-        params = replace(params, tool_result_tokens=tool)
-    scale = args.time_scale
-    fast, slow = params.tool_time_fast, params.tool_time_slow
-    return replace(
-        params,
-        tool_time_fast=replace(fast, median=fast.median * scale, high=fast.high * scale),
-        tool_time_slow=replace(slow, median=slow.median * scale, high=slow.high * scale),
+        .with_medians(output_tokens=args.output_tokens, tool_result_tokens=args.tool_result_tokens)
+        .with_tool_times_scaled(args.time_scale)
     )
 
 

@@ -38,12 +38,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from agents_vs_sim import METRICS
 from hf_checkpoint import hf_checkpoint
 from server_process import ServerFailed, ServerProcess, free_port
 
@@ -56,16 +56,6 @@ from hybridserve.sim.run import run_simulation
 from hybridserve.sim.workload import AgentParams
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = (
-    "job_goodput_per_hour",
-    "output_tokens_per_s",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "prefix_hit_rate",
-    "slo_attainment",
-)
 CALIBRATIONS = {
     "baseline": ("torch-own", "torch-http"),
     "hybridserve": ("torch-own", "torch-http"),
@@ -174,19 +164,10 @@ def agent_params(setup: dict[str, Any], load: int) -> AgentParams:
         num_agents=load,
         system_prompt_tokens=setup["system_prompt_tokens"],
         context_limit=setup["max_context"],
+    ).with_medians(
+        output_tokens=setup["output_tokens"], tool_result_tokens=setup["tool_result_tokens"]
     )
-    params = replace(
-        params, output_tokens=replace(params.output_tokens, median=setup["output_tokens"])
-    )
-    tool = replace(params.tool_result_tokens, median=setup["tool_result_tokens"])
-    scale = setup["time_scale"]
-    fast, slow = params.tool_time_fast, params.tool_time_slow
-    return replace(
-        params,
-        tool_result_tokens=tool,
-        tool_time_fast=replace(fast, median=fast.median * scale, high=fast.high * scale),
-        tool_time_slow=replace(slow, median=slow.median * scale, high=slow.high * scale),
-    )
+    return params.with_tool_times_scaled(setup["time_scale"])
 
 
 def sim_config(

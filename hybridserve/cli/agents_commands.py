@@ -6,7 +6,6 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -168,14 +167,7 @@ def _workload(
             num_agents=agents,
             system_prompt_tokens=system_prompt_tokens,
             context_limit=max_context,
-        )
-        if output_tokens is not None:
-            params = replace(
-                params, output_tokens=replace(params.output_tokens, median=output_tokens)
-            )
-        if tool_result_tokens is not None:
-            tool = replace(params.tool_result_tokens, median=tool_result_tokens)
-            params = replace(params, tool_result_tokens=tool)
+        ).with_medians(output_tokens=output_tokens, tool_result_tokens=tool_result_tokens)
         return params, None
     kind, _, path = workload.partition(":")
     readers = {"mooncake": mooncake_arrivals, "azure": azure_arrivals}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
 
@@ -63,6 +63,31 @@ class AgentParams:
                 self.system_prompt_tokens,
                 f"it must leave room below context_limit={self.context_limit}",
             )
+
+    def with_medians(
+        self, *, output_tokens: float | None = None, tool_result_tokens: float | None = None
+    ) -> AgentParams:
+        """These parameters with the answer and tool-result medians replaced where given (the
+        `--output-tokens` and `--tool-result-tokens` options)."""
+        params = self
+        if output_tokens is not None:
+            params = replace(
+                params, output_tokens=replace(params.output_tokens, median=output_tokens)
+            )
+        if tool_result_tokens is not None:
+            tool = replace(params.tool_result_tokens, median=tool_result_tokens)
+            params = replace(params, tool_result_tokens=tool)
+        return params
+
+    def with_tool_times_scaled(self, scale: float) -> AgentParams:
+        """Tool times x `scale` (median and cap), drawn from the same random numbers: what the
+        load generator's `--time-scale` does to its waits, for a simulated twin."""
+        fast, slow = self.tool_time_fast, self.tool_time_slow
+        return replace(
+            self,
+            tool_time_fast=replace(fast, median=fast.median * scale, high=fast.high * scale),
+            tool_time_slow=replace(slow, median=slow.median * scale, high=slow.high * scale),
+        )
 
 
 class SyntheticAnswers:

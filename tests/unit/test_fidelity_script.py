@@ -131,3 +131,19 @@ def test_rows_compare_means_over_the_seeds_both_sides_ran(fid: ModuleType) -> No
     table = fid.markdown(list(rows.values()))
     assert "| vllm | vllm-http | agents=4 |" in table
     assert "+10%" in table and "+10% ✗" not in table and "+50% ✗" in table  # goals: 10%, 15%
+
+
+def test_scaled_tool_times_are_the_same_draws_times_the_scale() -> None:
+    import random
+
+    base = AgentParams()
+    scaled = base.with_tool_times_scaled(0.2)
+    for dist, twin in (
+        (base.tool_time_fast, scaled.tool_time_fast),
+        (base.tool_time_slow, scaled.tool_time_slow),
+    ):
+        for seed in range(50):  # the load generator waits draw x scale; the twin draws that
+            assert twin.sample(random.Random(seed)) == pytest.approx(
+                0.2 * dist.sample(random.Random(seed))
+            )
+    assert base.with_medians() == base
