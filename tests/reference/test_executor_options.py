@@ -19,6 +19,7 @@ from hybridserve.executor.torch.forward import GatherBuffers
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.packed import (
     PACKED_ROWS,
+    SINGLE_ROW_ELEMENTS,
     PackedLinear,
     pack_linears,
     packing_available,
@@ -101,6 +102,32 @@ def test_packed_linears_match_plain_linears_at_every_row_count() -> None:
         torch.testing.assert_close(holder(x), plain(x), atol=1e-5, rtol=0)
 
 
+def _kernel_calls(layer: torch.nn.Module, rows: int, kernel: str) -> int:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        layer(torch.randn(rows, layer.in_features))
+    return sum(e.count for e in prof.key_averages() if e.key == kernel)
+
+
+def test_one_row_of_a_large_linear_reads_its_transposed_copy_and_more_rows_the_packed() -> None:
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    packed_kernel = "mkldnn::_linear_pointwise"
+    small = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    large = torch.nn.Sequential(torch.nn.Linear(512, SINGLE_ROW_ELEMENTS // 512 + 1))
+    assert pack_linears(small) == 1 and pack_linears(large) == 1
+    assert _kernel_calls(small[0], 1, packed_kernel) == 0
+    assert _kernel_calls(small[0], 2, packed_kernel) == 1
+    assert _kernel_calls(large[0], 1, packed_kernel) == 0
+    assert _kernel_calls(large[0], 1, "aten::addmm") == 1
+    assert _kernel_calls(large[0], 2, packed_kernel) == 1
+    for rows in (1, 2):
+        x = torch.randn(rows, 512)
+        plain = torch.nn.functional.linear(x, large[0].weight, large[0].bias)
+        torch.testing.assert_close(large(x), plain, atol=1e-5, rtol=0)
+
+
 def test_executor_packs_cpu_float32_linears_unless_told_not_to(folder: Path) -> None:
     from hybridserve.executor.torch.executor import TorchExecutor
 
@@ -131,19 +158,22 @@ def test_packed_and_plain_linears_give_the_same_tokens(folder: Path) -> None:
         )
 
 
-def test_gathers_reuse_one_buffer_and_equal_index_select() -> None:
+def test_gathers_reuse_one_buffer_and_equal_index_select_head_major() -> None:
     buffers = GatherBuffers()
     cache = torch.randn(64, 2, 8)
     first = buffers.gather("keys", cache, torch.tensor([5, 1, 9, 9]))
-    torch.testing.assert_close(first, cache.index_select(0, torch.tensor([5, 1, 9, 9])))
+    torch.testing.assert_close(
+        first, cache.index_select(0, torch.tensor([5, 1, 9, 9])).transpose(0, 1)
+    )
+    assert first.is_contiguous()  # each head's keys one [S, D] matrix
     pointer = first.data_ptr()
     second = buffers.gather("keys", cache, torch.tensor([3, 2]))  # fewer rows: same memory
     assert second.data_ptr() == pointer and second.shape == (2, 2, 8)
-    torch.testing.assert_close(second, cache[[3, 2]])
+    torch.testing.assert_close(second, cache[[3, 2]].transpose(0, 1))
     other = buffers.gather("values", cache, torch.tensor([3, 2]))
     assert other.data_ptr() != pointer  # each role has its own buffer
     grown = buffers.gather("keys", cache, torch.arange(40))
-    torch.testing.assert_close(grown, cache[:40])
+    torch.testing.assert_close(grown, cache[:40].transpose(0, 1))
 
 
 def test_serve_refuses_a_block_size_for_the_simulated_executor_or_below_one() -> None:

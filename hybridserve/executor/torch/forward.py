@@ -399,22 +399,37 @@ class GatherBuffers:
     step, was 2-4x faster than `index_select` allocating its output (a decode of 32 requests
     at 300 tokens of context, SmolLM2-135M). A layer's gathered keys live until its attention
     returns, so one buffer per role serves every layer. A buffer grows to the largest step's
-    gather and is kept at that size (one layer's keys, not all layers')."""
+    gather and is kept at that size (one layer's keys, not all layers').
+
+    The keys come out head-major, `[KVH, S, D]`: each head's keys of a chunk are then one
+    contiguous `[K, D]` matrix, which SDPA reads 1.4-1.7x faster than the cache's token-major
+    rows (SmolLM2's 3 KV heads, decodes of 8 x 2,062 and 12 x 3,500 on a 2-core CPU), more
+    than the per-head gather costs over one row gather."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
     def gather(self, role: str, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """`cache.index_select(0, slots)` written into the `role` buffer (grown as needed)."""
-        shape = (slots.numel(), *cache.shape[1:])
-        numel = shape[0] * cache[0].numel() if cache.shape[0] else 0
+        """`cache[slots]` (`cache` `[slots, KVH, D]`) head-major, `[KVH, S, D]`, written into
+        the `role` buffer (grown as needed)."""
+        num_heads = cache.shape[1]
+        shape = (num_heads, slots.numel(), *cache.shape[2:])
+        numel = shape[0] * shape[1] * cache[0, 0].numel() if cache.shape[0] else 0
         key = (role, cache.dtype, cache.device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(max(numel, 1), dtype=cache.dtype, device=cache.device)
             self._buffers[key] = buffer
         out = buffer[:numel].view(shape)
-        return torch.index_select(cache, 0, slots, out=out)
+        for head in range(num_heads):
+            torch.index_select(cache[:, head], 0, slots, out=out[head])
+        return out
+
+
+def _chunk_keys(keys: torch.Tensor, offset: int, num_seqs: int, num_keys: int) -> torch.Tensor:
+    """`[B, KVH, K, D]` view of a call's region of the head-major gathered keys."""
+    region = keys.narrow(1, offset, num_seqs * num_keys)
+    return region.view(keys.shape[0], num_seqs, num_keys, -1).transpose(0, 1)
 
 
 def _partial(
@@ -455,10 +470,10 @@ def _attend_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_attend_call` with the log-sum-exp, for chunks whose shared prefix is merged later."""
     b, nq, nk = call.num_seqs, call.num_queries, call.num_keys
-    heads, kv_heads, dim = q.shape[1], keys.shape[1], q.shape[2]
+    heads, dim = q.shape[1], q.shape[2]
     qc = q.index_select(0, call.rows).view(b, nq, heads, dim)
-    kb = keys.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, dim).transpose(1, 2)
-    vb = values.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, -1).transpose(1, 2)
+    kb = _chunk_keys(keys, call.key_offset, b, nk)
+    vb = _chunk_keys(values, call.key_offset, b, nk)
     out, lse = _partial(qc, kb, vb, call.mask, scale, softcap)
     return out.reshape(b * nq, heads, -1), lse.reshape(b * nq, heads)
 
@@ -471,16 +486,16 @@ def _attend_call(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """One call's attention: `q` `[T, H, D]` (all rows), `keys`/`values` `[S, KVH, D]` (the
+    """One call's attention: `q` `[T, H, D]` (all rows), `keys`/`values` `[KVH, S, D]` (the
     step's gathered keys); returns `[B * Q, H, D]` for the call's rows."""
     b, nq, nk = call.num_seqs, call.num_queries, call.num_keys
-    heads, kv_heads, dim = q.shape[1], keys.shape[1], q.shape[2]
+    heads, kv_heads, dim = q.shape[1], keys.shape[0], q.shape[2]
     if call.first_row is not None:
         qc = q.narrow(0, call.first_row, b * nq)
     else:
         qc = q.index_select(0, call.rows)
-    kb = keys.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, dim).transpose(1, 2)
-    vb = values.narrow(0, call.key_offset, b * nk).view(b, nk, kv_heads, -1).transpose(1, 2)
+    kb = _chunk_keys(keys, call.key_offset, b, nk)
+    vb = _chunk_keys(values, call.key_offset, b, nk)
     group = heads // kv_heads
     if softcap is None and nq == 1:
         # A decode: the G query heads of a KV head attend as G queries of one sequence.
@@ -596,8 +611,8 @@ class ForwardContext:
                 result.index_copy_(0, call.rows, out)
         for prefix in meta.prefix_calls:
             assert row_lse is not None
-            kb = keys.narrow(0, prefix.key_offset, prefix.num_keys).transpose(0, 1)[None]
-            vb = values.narrow(0, prefix.key_offset, prefix.num_keys).transpose(0, 1)[None]
+            kb = _chunk_keys(keys, prefix.key_offset, 1, prefix.num_keys)
+            vb = _chunk_keys(values, prefix.key_offset, 1, prefix.num_keys)
             qp = q.index_select(0, prefix.rows)[None]
             out_p, lse_p = _partial(qp, kb, vb, None, scale, softcap)
             own, own_lse = result.index_select(0, prefix.rows), row_lse.index_select(0, prefix.rows)

@@ -1,0 +1,139 @@
+"""Float32 linears on the CPU by row count: `F.linear`, the oneDNN-packed weight, and (at one
+row) the weight stored transposed.
+
+The projections of the two built-in models (SmolLM2-135M, Gemma 3 270M, their output heads
+included), at the row counts of decode batches and small prefill chunks. Each cell is the median
+of `--repeats` calls after two warm-up calls, interleaved (plain, packed) so that a load change
+on a shared machine hits both. Prints one JSON object: per shape and row count the milliseconds
+of each and `packed_speedup` (plain / packed), and whether `PackedLinear` takes the packed path
+there. This is what `hybridserve.executor.torch.layers.packed.PACKED_ROWS` and
+`SINGLE_ROW_ELEMENTS` were chosen from.
+
+    .venv/bin/python benchmarks/cpu_linears.py [--threads 2] [--repeats 15]
+        [--rows 1,2,3,4,8,16,32,48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from hybridserve.executor.torch.layers.packed import (
+    PACK_ROWS_HINT,
+    PACKED_ROWS,
+    SINGLE_ROW_ELEMENTS,
+    packing_available,
+)
+
+# (name, out_features, in_features)
+SHAPES = (
+    ("gemma3-270m lm_head", 262_144, 640),
+    ("gemma3-270m mlp up", 2_048, 640),
+    ("gemma3-270m mlp down", 640, 2_048),
+    ("gemma3-270m q", 1_024, 640),
+    ("smollm2 lm_head", 49_152, 576),
+    ("smollm2 gate+up", 3_072, 576),
+    ("smollm2 down", 576, 1_536),
+    ("smollm2 qkv", 960, 576),
+    ("smollm2 o", 576, 576),
+)
+
+
+def _median_ms(calls: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
+    """Each call's median wall milliseconds, the calls interleaved."""
+    for call in calls:
+        call()
+        call()
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            times[i].append(time.perf_counter() - start)
+    return [round(statistics.median(t) * 1000, 4) for t in times]
+
+
+def _path(rows: int, elements: int) -> str:
+    """The path `PackedLinear` takes for `rows` rows of a weight of `elements` elements."""
+    if rows == 1 and elements >= SINGLE_ROW_ELEMENTS:
+        return "columns"
+    return "packed" if rows in PACKED_ROWS else "plain"
+
+
+def measure(rows: list[int], repeats: int) -> list[dict[str, object]]:
+    results: list[dict[str, object]] = []
+    for name, out_features, in_features in SHAPES:
+        weight = torch.randn(out_features, in_features)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        columns = weight.t().contiguous()
+        for count in rows:
+            x = torch.randn(count, in_features)
+            calls: list[Callable[[], torch.Tensor]] = [
+                partial(F.linear, x, weight),
+                partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
+            ]
+            if count == 1:
+                calls.append(partial(torch.mm, x, columns))
+            times = _median_ms(calls, repeats)
+            row: dict[str, object] = {
+                "shape": name,
+                "out_features": out_features,
+                "in_features": in_features,
+                "rows": count,
+                "plain_ms": times[0],
+                "packed_ms": times[1],
+                "packed_speedup": round(times[0] / times[1], 3),
+                "path": _path(count, weight.numel()),
+            }
+            if count == 1:
+                row["columns_ms"] = times[2]
+                row["columns_speedup"] = round(times[0] / times[2], 3)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def _slower_paths(results: list[dict[str, object]]) -> list[str]:
+    """Cells where the path taken is slower than `F.linear`."""
+    slower = []
+    for r in results:
+        taken = {"plain": 1.0, "packed": r["packed_speedup"], "columns": r.get("columns_speedup")}
+        if float(str(taken[str(r["path"])])) < 1:
+            slower.append(f"{r['shape']} x {r['rows']} ({r['path']})")
+    return slower
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rows", default="1,2,3,4,8,16,32,48")
+    args = parser.parse_args()
+    if not packing_available(torch.device("cpu"), torch.float32):
+        raise SystemExit("this torch build has no oneDNN linear packing: nothing to compare")
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    started = time.perf_counter()
+    results = measure(rows, args.repeats)
+    summary = {
+        "threads": args.threads,
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "repeats": args.repeats,
+        "results": results,
+        "path_slower_than_plain": _slower_paths(results),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
