@@ -359,14 +359,24 @@ class KVCacheManager:
         retention = layout.retention
         state: set[int] = set()
         window: set[int] = set()
+        dropped_window: set[int] = set()
         for index, boundary in enumerate(boundaries):
             if index > 0 and retention.kind in (
                 RetentionKind.BOUNDARY,
                 RetentionKind.BOUNDARY_ONLY,
+                RetentionKind.INTERVAL,
             ):
                 # vLLM keeps a shared-prefix junction as found (it is already past the drop).
                 state.add(boundary)
                 window.add(boundary)
+                if layout.speculative.drops_target_tail and (
+                    retention.kind is not RetentionKind.BOUNDARY_ONLY
+                ):
+                    # vLLM 0.33: a tail-dropping window group also keeps the landing one block
+                    # of its own below the junction (a hit, on the A grid), floored to A: a
+                    # sibling diverging right after the junction has no block past it to drop.
+                    a = layout.alignment_tokens
+                    dropped_window.add(max(boundary // a * a - a, 0))
                 continue
             landing = retention.landing_positions(
                 boundary,
@@ -391,6 +401,7 @@ class KVCacheManager:
             interval=interval,
             state_positions=tuple(sorted(state)),
             window_positions=tuple(sorted(window)),
+            dropped_window_positions=tuple(sorted(dropped_window - window)),
         )
 
     def _register(
@@ -412,9 +423,10 @@ class KVCacheManager:
             limit = num_to_cache
             if clamp:
                 # vLLM's get_num_cacheable_tokens: whole scheduler blocks (lcm of the groups'
-                # blocks), one more block of an EAGLE group on the legacy path.
+                # blocks), one more block of an EAGLE group on the legacy path once at least
+                # one scheduler block is cacheable (a shorter prefix registers nothing).
                 limit = num_to_cache // page * page
-                if group.ctx.drops_tail:
+                if group.ctx.drops_tail and limit > 0:
                     limit = min(limit + group.block_size, num_to_cache)
             group.register(req_id, hashes, limit, chunk_end=chunk_end, keep=keep, base=block_hashes)
 

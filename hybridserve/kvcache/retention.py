@@ -86,7 +86,8 @@ class Retention:
         tail-dropping method: those are the `window` positions that attention-window groups
         (SWA, draft) keep. State groups keep them plus floor(B/A)*A itself (the boundary and
         its predecessor). The `boundary` retention is vLLM 0.33's `replay_boundaries`: floor(B/A)*A,
-        or under the legacy EAGLE drop the dropped landings of B and B + 1. `boundary-only` is
+        or under the legacy EAGLE drop the dropped landings of B and B + 1; `interval:N` keeps
+        the same landings (its multiples of N are kept apart, in the mask). `boundary-only` is
         the pre-0.33 rule: floor(B/A)*A alone, whatever the drop.
         """
         base = boundary // alignment * alignment
@@ -97,7 +98,7 @@ class Retention:
             kept = {base, *(boundary // unit * unit for unit in sharded_units)}
             only = tuple(sorted(p for p in kept if p > 0))
             return Landing(state=only, window=only)
-        if self.kind is RetentionKind.BOUNDARY:
+        if self.kind in (RetentionKind.BOUNDARY, RetentionKind.INTERVAL):
             # vLLM's replay_boundaries: the boundary itself, and where a full-attention lookup
             # coarser than A lands on it; under the legacy EAGLE drop, where the dropped lookup
             # of a request sharing B or B + 1 tokens lands.

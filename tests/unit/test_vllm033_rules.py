@@ -348,7 +348,9 @@ def test_fine_grained_hits_stop_at_the_tail_and_serve_it() -> None:
 # The legacy EAGLE drop on a sliding window whose block (8) is smaller than the scheduler block
 # (32): FA32 + SWA(block 8, window 8), hash block 8, a 100-block pool, every group an EAGLE
 # group, token ids that repeat each value 8 times. "Cached" below means the SWA group's
-# hash-block positions whose block is registered in the cache.
+# hash-block positions whose block is registered in the cache. Every number was measured on
+# vLLM 0.33.0's own KVCacheManager (HybridKVCacheCoordinator, SlidingWindowManager) driven with
+# the scheduler's calls for a one-chunk prefill.
 EAGLE_FA32 = FullAttentionSpec(block_size=32)
 EAGLE_SWA8 = SlidingWindowSpec(block_size=8, window=8)
 
@@ -363,46 +365,44 @@ def cached_window_positions(cache: KVCacheManager, tokens: Sequence[int], group:
     return [i for i in range(len(hashes)) if swa._cached(hashes, i)]
 
 
+def build_eagle_windows(retention: str, num_windows: int = 1) -> tuple[Engine, KVCacheManager]:
+    groups = [EAGLE_FA32, *([EAGLE_SWA8] * num_windows)]
+    return build(groups, speculation="eagle-legacy", drafts=1, num_blocks=100, retention=retention)
+
+
 def test_dense_eagle_window_resend_hits_at_the_segment_grid() -> None:
-    # vLLM 0.33: 128 tokens then the same prompt hits a positive multiple of 32 (here 96: the
-    # full-attention match of 128 less its dropped block; the window before 96 and the block
-    # after it, SWA positions 11 and 12, are cached).
-    engine, cache = build(
-        [EAGLE_FA32, EAGLE_SWA8],
-        speculation="eagle-legacy",
-        drafts=1,
-        num_blocks=100,
-        retention="dense",
-    )
+    """128 tokens, then the same prompt (dense): vLLM 0.33 hits 96.
+
+    The cap is 127; the hybrid coordinator asks full attention up to min(127 + 32, 16 hashes *
+    8) = 128, it matches 4 blocks and drops one: 96. The window group is asked up to
+    min(96 + 8, 128) = 104 and needs cdiv(8 - 1, 8) + 1 = 2 contiguous blocks: 11 and 12 are
+    cached, so it matches 13 blocks and drops one, 96. Registration keeps, per 32-token
+    segment, the window before the segment end and the block after it (the reachable mask
+    shifted up one block): 3, 4, 7, 8, 11, 12 and 15 of the 16 full blocks.
+    """
+    engine, cache = build_eagle_windows("dense")
     run(engine, "prime", repeated_tokens(128))
     assert cached_window_positions(cache, repeated_tokens(128), 1) == [3, 4, 7, 8, 11, 12, 15]
     assert run(engine, "resend", repeated_tokens(128))[0] == 96
 
 
 def test_dense_eagle_window_keeps_the_block_after_each_segment_end() -> None:
-    # vLLM 0.33: a 40-token prompt caches SWA positions 3 and 4 (the window before 32 and the
-    # block after it, the drop's proof); a 41-token follow-up hits 0 (the full-attention match
-    # of 32 loses its only block).
-    engine, cache = build(
-        [EAGLE_FA32, EAGLE_SWA8],
-        speculation="eagle-legacy",
-        drafts=1,
-        num_blocks=100,
-        retention="dense",
-    )
+    """40 tokens (dense): vLLM 0.33 caches SWA positions 3 and 4 (the window before 32 and the
+    block after it, the drop's proof: the cacheable length is 32 plus one SWA block); a 41-token
+    follow-up hits 0 (full attention, asked up to the hashed 40 tokens, matches one block and
+    drops it)."""
+    engine, cache = build_eagle_windows("dense")
     run(engine, "prime", repeated_tokens(40))
     assert cached_window_positions(cache, repeated_tokens(40), 1) == [3, 4]
     assert run(engine, "follow", repeated_tokens(41))[0] == 0
 
 
 def test_dense_eagle_windows_of_two_groups_serve_the_dropped_landing() -> None:
-    # Two SWA groups, a 72-token prompt, a 73-token follow-up: vLLM 0.33 hits 32, which needs
-    # SWA positions 3 and 4 in both groups (its reachable mask with the EAGLE shift keeps
-    # {3, 4, 7, 8} of blocks 0..8).
-    groups = [EAGLE_FA32, EAGLE_SWA8, EAGLE_SWA8]
-    engine, cache = build(
-        groups, speculation="eagle-legacy", drafts=1, num_blocks=100, retention="dense"
-    )
+    """Two SWA groups, 72 tokens (dense): vLLM 0.33 caches SWA positions 3, 4, 7 and 8 in both
+    (blocks 0..8 are full: 64 plus one SWA block), and a 73-token follow-up hits 32: full
+    attention matches 64 and drops to 32, and each window group, asked up to 40, matches
+    blocks 3 and 4 and drops block 4."""
+    engine, cache = build_eagle_windows("dense", num_windows=2)
     run(engine, "prime", repeated_tokens(72))
     for group in (1, 2):
         assert cached_window_positions(cache, repeated_tokens(72), group) == [3, 4, 7, 8]
@@ -410,12 +410,70 @@ def test_dense_eagle_windows_of_two_groups_serve_the_dropped_landing() -> None:
 
 
 def test_boundary_eagle_window_keeps_one_block_past_the_landing() -> None:
-    # Retention 0, a 127-token prompt: the dropped landing is 64, and vLLM 0.33 caches SWA
-    # positions 7 and 8 (the window before 64 and one block after it, not a whole alignment
-    # unit); the resend hits 64.
-    engine, cache = build(
-        [EAGLE_FA32, EAGLE_SWA8], speculation="eagle-legacy", drafts=1, num_blocks=100
-    )
+    """Retention 0, 127 tokens: both replay landings under the drop are 64 (floor(126/32)*32 -
+    32 and floor(127/32)*32 - 32), and vLLM 0.33 caches SWA positions 7 and 8 (the window before
+    64 and one SWA block after it, not a whole alignment unit); the resend hits 64."""
+    engine, cache = build_eagle_windows("boundary")
     run(engine, "prime", repeated_tokens(127))
     assert cached_window_positions(cache, repeated_tokens(127), 1) == [7, 8]
     assert run(engine, "resend", repeated_tokens(127))[0] == 64
+
+
+@pytest.mark.parametrize(
+    ("retention", "windows", "first", "second", "cached", "hit"),
+    [
+        ("boundary", 1, 128, 128, [7, 8, 11, 12], 96),  # landings 64 and 96
+        ("boundary", 1, 40, 41, [0], 0),  # both landings below A: clamped to 0, block 0
+        ("boundary", 2, 72, 73, [3, 4], 32),  # both landings 32
+        ("dense", 1, 127, 127, [3, 4, 7, 8, 11, 12], 64),  # 96 + one block: blocks 0..12
+        ("interval:64", 1, 40, 41, [0], 0),  # the landing clamped to 0, as with retention 0
+        ("interval:64", 1, 72, 73, [3, 4, 7, 8], 32),  # landing 32, multiple 64
+        ("interval:64", 1, 100, 100, [7, 8], 64),  # landing 64 is also the multiple
+    ],
+)
+def test_eagle_window_registration_and_hit_under_each_retention(
+    retention: str, windows: int, first: int, second: int, cached: list[int], hit: int
+) -> None:
+    """The same layout under the other retentions, vLLM 0.33's numbers: a prompt, the SWA
+    positions it leaves cached (each window group), and the hit of a follow-up."""
+    engine, cache = build_eagle_windows(retention, num_windows=windows)
+    run(engine, "prime", repeated_tokens(first))
+    for group in range(1, windows + 1):
+        assert cached_window_positions(cache, repeated_tokens(first), group) == cached
+    assert run(engine, "follow", repeated_tokens(second))[0] == hit
+
+
+def test_eagle_window_registers_nothing_below_one_scheduler_block() -> None:
+    """Retention 0, 24 tokens: vLLM's get_num_cacheable_tokens adds an EAGLE group's extra
+    block only once a whole scheduler block is cacheable, so nothing is registered (the
+    clamped landing 0 would otherwise keep SWA block 0)."""
+    engine, cache = build_eagle_windows("boundary")
+    run(engine, "prime", repeated_tokens(24))
+    assert cached_window_positions(cache, repeated_tokens(24), 1) == []
+    assert cache.num_free_blocks == 99
+
+
+@pytest.mark.parametrize(
+    ("retention", "sibling_cached"),
+    [
+        ("boundary", [7, 8, 11, 12, 19, 20]),
+        ("interval:64", [7, 8, 11, 12, 15, 16, 19, 20, 23, 24]),
+    ],
+)
+def test_eagle_window_keeps_the_landing_below_a_junction(
+    retention: str, sibling_cached: list[int]
+) -> None:
+    """vLLM 0.33 (new since 0.32): under the drop a window group keeps, besides a shared-prefix
+    junction J, the landing one block of its own below it, floored to A (J - 32). A 256-token
+    prompt, then a 200-token sibling sharing 130 tokens: full attention matches 128 and drops
+    to 96, the window has nothing there, so the junction is 96 and the sibling keeps the tails
+    at 96 (11, 12) and 64 (7, 8), besides its replay landing 160 (19, 20). A third request
+    sharing only 96 tokens then hits 64 (full attention: 96 less its dropped block)."""
+    engine, cache = build_eagle_windows(retention)
+    prime = repeated_tokens(256)
+    sibling = prime[:130] + list(range(1_000, 1_070))
+    third = prime[:96] + list(range(2_000, 2_054))
+    run(engine, "prime", prime)
+    run(engine, "sibling", sibling)
+    assert cached_window_positions(cache, sibling, 1) == sibling_cached
+    assert run(engine, "third", third)[0] == 64

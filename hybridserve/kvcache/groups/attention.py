@@ -205,7 +205,9 @@ class SlidingWindowManager(GroupManager):
             return self._reachable_in_segment(index)
         if keep.interval and self._covers_segment(keep.interval):
             return True  # every block ends some interval segment's tail
-        return keep.keeps_range(start, start + self.block_size, self.lookback, lookahead)
+        return keep.keeps_range(
+            start, start + self.block_size, self.lookback, lookahead, drops=lookahead > 0
+        )
 
     def _needed_blocks(self) -> int:
         """Blocks a hit needs ending at its landing: the window, plus the block after the

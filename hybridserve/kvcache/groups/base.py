@@ -278,7 +278,13 @@ class GroupManager:
 class KeepMask:
     """Which positions a retention keeps for one request (see retention.py)."""
 
-    __slots__ = ("dense", "interval", "state_positions", "window_positions")
+    __slots__ = (
+        "dense",
+        "dropped_window_positions",
+        "interval",
+        "state_positions",
+        "window_positions",
+    )
 
     def __init__(
         self,
@@ -287,11 +293,15 @@ class KeepMask:
         interval: int,
         state_positions: tuple[int, ...],
         window_positions: tuple[int, ...],
+        dropped_window_positions: tuple[int, ...] = (),
     ) -> None:
         self.dense = dense
         self.interval = interval
         self.state_positions = state_positions
         self.window_positions = window_positions
+        # Landings only a tail-dropping window group keeps (vLLM 0.33: one block below a
+        # shared-prefix junction, where a sibling diverging right after it lands).
+        self.dropped_window_positions = dropped_window_positions
 
     def keeps_position(self, position: int) -> bool:
         """Whether a state snapshot at `position` is kept."""
@@ -299,12 +309,18 @@ class KeepMask:
             return True
         return self.interval > 0 and position % self.interval == 0
 
-    def keeps_range(self, start: int, end: int, lookback: int, lookahead: int) -> bool:
+    def keeps_range(
+        self, start: int, end: int, lookback: int, lookahead: int, *, drops: bool = False
+    ) -> bool:
         """Whether tokens [start, end) are needed to resume at a kept position p, that is whether
-        they intersect [p - lookback, p + lookahead) for some kept p."""
+        they intersect [p - lookback, p + lookahead) for some kept p (with `drops`, the group
+        drops its tail and also keeps the dropped window positions)."""
         if self.dense:
             return True
-        for p in self.window_positions:
+        positions = self.window_positions
+        if drops and self.dropped_window_positions:
+            positions = (*positions, *self.dropped_window_positions)
+        for p in positions:
             if p - lookback < end and start < p + lookahead:
                 return True
         if self.interval > 0:
