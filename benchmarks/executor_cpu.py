@@ -67,14 +67,28 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def run_hybridserve(path: Path, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+def run_hybridserve(
+    path: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_num_batched_tokens: int = 2048,
+) -> dict[str, Any]:
+    """The Engine on `prompts` (greedy, `new_tokens` each). `num_blocks` defaults to room for
+    every request at once in one cache group (a hybrid model's state group needs its own)."""
+    lengths = [len(p) for p in prompts]
     runtime = build_runtime(
         path,
-        num_blocks=blocks_for(
-            [len(p) for p in prompts], max_tokens=new_tokens, block_size=16, num_groups=1
-        ),
+        num_blocks=num_blocks
+        or blocks_for(lengths, max_tokens=new_tokens, block_size=block_size, num_groups=1),
+        block_size=block_size,
         settings=SettingsSources(
-            flags=(("max_num_seqs", len(prompts)), ("max_num_batched_tokens", 2048))
+            flags=(
+                ("max_num_seqs", len(prompts)),
+                ("max_num_batched_tokens", max_num_batched_tokens),
+            )
         ),
         load_tokenizer=False,
     )
@@ -84,13 +98,14 @@ def run_hybridserve(path: Path, prompts: list[list[int]], new_tokens: int) -> di
             Request(req_id=str(i), prompt_token_ids=tuple(prompt), sampling=sampling)
         )
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    hit_tokens = steps = prefill_tokens = 0
+    hit_tokens = steps = prefill_tokens = preemptions = 0
     prefill_s = 0.0
     wall0, cpu0 = _clock()
     while runtime.engine.has_requests():
         step = runtime.engine.step()
         steps += 1
         hit_tokens += sum(hit for _, hit in step.scheduled.new_reqs)
+        preemptions += len(step.scheduled.preempted)
         chunks = step.scheduled.plan.chunks
         prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         if prefill:
@@ -109,6 +124,7 @@ def run_hybridserve(path: Path, prompts: list[list[int]], new_tokens: int) -> di
         "prefix_hit_tokens": hit_tokens,
         "prefill_tokens": prefill_tokens,
         "prefill_s_per_token": prefill_s / max(prefill_tokens, 1),
+        "preemptions": preemptions,
         "outputs": outputs,
     }
 

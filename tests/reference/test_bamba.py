@@ -8,6 +8,9 @@ zeroed state carry that the comparisons must catch.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,6 +111,22 @@ def test_granite_hybrid_without_experts_matches_transformers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     check_single_request(*_saved(_granite_config(0), tmp_path_factory.mktemp("granite_dense")))
+
+
+def test_granite_4h_benchmark_layout_matches_transformers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """benchmarks/hybrid_checkpoint.py's Granite 4.0-H layout (no positional embedding, one
+    Mamba2 group, tied embeddings, micro's multipliers, its own init) at its tiny shape."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hybrid_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("hybrid_checkpoint", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    config = module.make_config("hybrid", module.SHAPES["tiny"])
+    folder = tmp_path_factory.mktemp("granite_4h_layout")
+    check_single_request(folder, make_checkpoint(config, folder))
 
 
 class TestAgainstTransformers(StateModelChecks):
