@@ -70,6 +70,7 @@ def _torch_loader(
     dcp_interleave: int = 1,
     threads: int | None = None,
     block_size: int = 16,
+    num_blocks: int | None = None,
 ) -> Callable[[], ServingBackend]:
     """Check that `model` and the torch executor are there; return what loads the model."""
     if model not in TORCH_MODEL_ALIASES and not Path(model).exists():
@@ -97,6 +98,7 @@ def _torch_loader(
             dcp=dcp,
             dcp_interleave=dcp_interleave,
             block_size=block_size,
+            num_blocks=num_blocks,
         )
         return backend
 
@@ -124,7 +126,14 @@ SimSpeedOpt = Annotated[
         parser=FINITE_FLOAT, help="Sim: wall time of a step = modelled time / this (1 = real)."
     ),
 ]
-NumBlocksOpt = Annotated[int | None, typer.Option(help="Cap the KV pool (blocks).")]
+NumBlocksOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="The KV pool in blocks. With --executor torch it is also what the executor "
+        "allocates (K/V per block, and a recurrent state per block for Mamba and gated delta "
+        "layers) [default: 4 x max-model-len / block-size, at least 256]."
+    ),
+]
 HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
 PortOpt = Annotated[int, typer.Option(help="Port to bind.")]
 ServerApiKeyOpt = Annotated[
@@ -437,6 +446,7 @@ def _backend_loader(flags: ServeFlags, file: SettingsFile | None) -> Callable[[]
             dcp_interleave=flags.dcp_interleave,
             threads=flags.threads,
             block_size=flags.block_size,
+            num_blocks=flags.num_blocks,
         )
     from hybridserve.cli.sim_backend import DEFAULT_MAX_MODEL_LEN, SimServingBackend
     from hybridserve.engine.settings import preset_name

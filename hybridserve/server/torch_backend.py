@@ -77,11 +77,14 @@ class TorchServingBackend:
         dcp: int = 1,
         dcp_interleave: int = 1,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
     ) -> None:
         """`name` is the model id clients use (default: the file or folder's name). `dcp` > 1
         starts ranks 1..N-1 as local processes (each loads the model) and makes this process
         rank 0: its engine drives the group; call `close()` after serving. `block_size` is the
-        tokens per KV block of every cache group (the pool's and the prefix hits' unit)."""
+        tokens per KV block of every cache group (the pool's and the prefix hits' unit);
+        `num_blocks` the pool the executor allocates (default: four requests at the longest
+        context, at least 256 blocks)."""
         from hybridserve.executor.torch.runtime import load_checkpoint, resolve_device
 
         path = Path(path)
@@ -90,6 +93,8 @@ class TorchServingBackend:
             raise ConfigError("--dcp", (dcp, dcp_interleave), "use 1 or more (and interleave)")
         if block_size < 1:
             raise ConfigError("--block-size", block_size, "use 1 or more tokens (16, 32, ...)")
+        if num_blocks is not None and num_blocks < 2:
+            raise ConfigError("--num-blocks", num_blocks, "use 2 or more blocks")
         loaded = load_checkpoint(path)
         if loaded.tokenizer is None:
             raise ConfigError("--model", str(path), "serving text needs a tokenizer.json beside it")
@@ -97,10 +102,10 @@ class TorchServingBackend:
         self._source = str(path) if self._name == path.name else f"{self._name} ({path})"
         self._tokenizer = TorchTokenizer(loaded.tokenizer, loaded.stop_token_ids)
         self._max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
-        # Room for four requests at the longest context (--num-blocks caps it); the cache
+        # Room for four requests at the longest context unless --num-blocks says; the cache
         # groups come from the model itself, their block size from --block-size.
         self._block_size = block_size
-        self._num_blocks = max(256, 4 * -(-self._max_model_len // block_size))
+        self._num_blocks = num_blocks or max(256, 4 * -(-self._max_model_len // block_size))
         self._ranks: LocalDcpRanks | None = None
         self._driver: DcpDriver | None = None
         if dcp == 1:
@@ -238,6 +243,7 @@ def serving_backend(
     dcp: int = 1,
     dcp_interleave: int = 1,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    num_blocks: int | None = None,
 ) -> TorchServingBackend:
     return TorchServingBackend(
         path,
@@ -247,4 +253,5 @@ def serving_backend(
         dcp=dcp,
         dcp_interleave=dcp_interleave,
         block_size=block_size,
+        num_blocks=num_blocks,
     )

@@ -542,3 +542,17 @@ def test_a_32_token_block_serves_greedy_text_and_caches_in_32_token_units(
         server.state.parts.cache.check_invariants()
     finally:
         server.stop()
+
+
+def test_num_blocks_sizes_the_executors_pool_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    from hybridserve.core.config import SchedulerConfig
+    from hybridserve.core.errors import ConfigError
+    from hybridserve.server.torch_backend import TorchServingBackend
+
+    torch.set_num_threads(1)
+    _write_checkpoint(tmp_path)
+    backend = TorchServingBackend(str(tmp_path), device="cpu", max_model_len=256, num_blocks=40)
+    assert backend.num_blocks(SchedulerConfig()) == 40
+    assert backend._executor.cache.num_blocks == 40  # what is allocated, not only a cap
+    with pytest.raises(ConfigError, match="--num-blocks"):
+        TorchServingBackend(str(tmp_path), device="cpu", num_blocks=1)
