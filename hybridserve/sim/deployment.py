@@ -21,7 +21,7 @@ from hybridserve.sim.gpus import Gpu, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.model_profiles import ModelProfile, get_model
 from hybridserve.sim.pd import parse_pd
-from hybridserve.sim.routers import ROUTERS, VIEWS
+from hybridserve.sim.routers import JUNCTION_WEIGHT, ROUTERS, VIEWS
 from hybridserve.sim.workload import AgentParams
 
 DEFAULT_SPECULATIVE_TOKENS = 2  # draft tokens per step (MTP's and EAGLE's k)
@@ -33,6 +33,8 @@ class FleetConfig:
     router: str = "round-robin"
     view: str = "precise"  # precise | approximate (routers.py)
     load_weight: float = 1.0  # the prefix routers' load term weight (routers.py)
+    # prefix-hybrid's price of a junction token against a hit token (routers.py)
+    junction_weight: float = JUNCTION_WEIGHT
     # Prefill/decode disaggregation (pd.py): P prefill and D decode replicas, P + D = replicas.
     pd: tuple[int, int] | None = None
     pd_link: str = "nvlink"
@@ -53,6 +55,8 @@ class FleetConfig:
             raise ConfigError(
                 "load_weight (--router-load-weight)", self.load_weight, "use 0 or more"
             )
+        if not 0 <= self.junction_weight <= 1:
+            raise ConfigError("junction_weight", self.junction_weight, "use a weight in [0, 1]")
         if self.view not in VIEWS:
             raise ConfigError(
                 "router_view (--router-view)", self.view, f"use one of {', '.join(VIEWS)}"

@@ -26,7 +26,6 @@ imbalance, max/mean over replicas of the time-averaged outstanding tokens.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,6 @@ from hybridserve.engine.assembly import EngineParts
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.kvcache.events import CacheMirror
 from hybridserve.kvcache.hashing import BlockHash, BlockHasher
-from hybridserve.kvcache.spec import GroupKind
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.scheduler import Scheduler
 from hybridserve.sim.deployment import Deployment, FleetConfig
@@ -50,6 +48,7 @@ from hybridserve.sim.routers import (
     ReplicaView,
     Router,
     RouteRequest,
+    state_grid,
 )
 from hybridserve.sim.summary import QueueTrace
 
@@ -84,17 +83,6 @@ class _Handoff:
     req_id: str = field(compare=False)
     replica: int = field(compare=False)  # the decode replica (fleet index)
     route: RouteRequest = field(compare=False)
-
-
-def state_grid(cache: KVCacheManager) -> int:
-    """Tokens between the positions a state group can resume at (0 without state groups)."""
-    layout = cache.layout
-    grids = [
-        math.lcm(layout.alignment_tokens, spec.block_size)
-        for spec in layout.groups
-        if spec.kind is GroupKind.MAMBA
-    ]
-    return max(grids, default=0)
 
 
 def _replica_views(caches: list[KVCacheManager], mirrors: list[CacheMirror]) -> list[ReplicaView]:
@@ -153,9 +141,9 @@ class FleetSimulation:
         views = _replica_views(caches, self.mirrors)
         # Arrivals go to the prefill replicas (all of them when colocated); handoffs to the
         # decode replicas, by the same router.
-        w = fleet.load_weight
-        self.router = Router(fleet.router, views[:num_prefill], load_weight=w)
-        self.decode_router = Router(fleet.router, views[num_prefill:] or views, load_weight=w)
+        weights = {"load_weight": fleet.load_weight, "junction_weight": fleet.junction_weight}
+        self.router = Router(fleet.router, views[:num_prefill], **weights)
+        self.decode_router = Router(fleet.router, views[num_prefill:] or views, **weights)
         self._slot: list[tuple[Router, int]] = [
             (self.router, i) if i < num_prefill else (self.decode_router, i - num_prefill)
             for i in range(fleet.replicas)

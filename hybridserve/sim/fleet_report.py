@@ -114,6 +114,7 @@ def _fleet_report(
         "router": fleet.router,
         "router_view": fleet.view,
         "load_weight": fleet.load_weight,
+        "junction_weight": fleet.junction_weight,
         "hit_rate": hit,
         "global_ideal_hit_rate": ideal,
         "hit_rate_of_ideal": hit / ideal if ideal else math.nan,

@@ -11,12 +11,24 @@ index (so a seed fixes every choice). The routers:
 * `prefix-fa`: score = the longest full-attention prefix overlap in tokens minus
   `load_weight` x outstanding tokens, as SGLang's cache-aware router and NVIDIA Dynamo's KV
   router score replicas (overlap against load, one weight trading them).
-* `prefix-hybrid`: the same score with the overlap replaced by the *reconciled* hit, the hit
-  every group (Mamba states included) can serve, which is what the replica will actually skip.
+* `prefix-hybrid`: what the placement will be able to serve. The *reconciled* hit (the hit
+  every group, Mamba states included, can serve: what the replica skips now), plus
+  `junction_weight` x the tokens past it up to the *junction* the placement makes: where the
+  replica holds a longer full-attention prefix than its states can resume, admitting the
+  request there keeps a state at that junction (on the state grid), which every later request
+  sharing the prefix hits. Under vLLM's `boundary` retention most arrivals' reconciled hit is
+  about 0, so scoring it alone spreads a shared prefix over the fleet and no junction is ever
+  made; scoring the full-attention overlap alone (`prefix-fa`) takes a longer overlap with no
+  state over a slightly shorter one that resumes now. With `junction_weight` 1 and states at
+  every block this is `prefix-fa`; at 0 it is the reconciled hit alone. Dynamo's hybrid KV
+  routing proposal scores the resume point on the state grid (the reconciled hit); llm-d's
+  hybrid scorer handles sliding windows only.
 
 `load_weight` is the trade-off: at 0 the router follows overlap alone (and can pile every
 session sharing a system prompt onto one replica); a large weight turns it into least-loaded.
 One token of overlap and one outstanding token count the same at the default, 1.0.
+`junction_weight` (default `JUNCTION_WEIGHT`) prices a token the placement will serve later
+against one it serves now.
 
 Two views of a replica's cache: `PreciseView` asks a KVCacheManager read-only (`find_hit`); in
 the fleet that is the replica's `CacheMirror` (kvcache/events.py), rebuilt from the replica's
@@ -31,6 +43,7 @@ routed prompt, on the state grid.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,9 +52,24 @@ from typing import Protocol
 from hybridserve.core.errors import ConfigError
 from hybridserve.kvcache import KVCacheManager
 from hybridserve.kvcache.hashing import BlockHash
+from hybridserve.kvcache.spec import GroupKind
 
 ROUTERS = ("round-robin", "least-loaded", "session", "prefix-fa", "prefix-hybrid")
 VIEWS = ("precise", "approximate")
+# A junction token (served to later requests once the placement keeps its state) against a
+# token of reconciled hit (served now).
+JUNCTION_WEIGHT = 0.75
+
+
+def state_grid(cache: KVCacheManager) -> int:
+    """Tokens between the positions a state group can resume at (0 without state groups)."""
+    layout = cache.layout
+    grids = [
+        math.lcm(layout.alignment_tokens, spec.block_size)
+        for spec in layout.groups
+        if spec.kind is GroupKind.MAMBA
+    ]
+    return max(grids, default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +93,12 @@ class ReplicaView(Protocol):
         """Tokens of the reconciled hit the replica would give."""
         ...
 
+    def hit_and_junction(self, request: RouteRequest) -> tuple[int, int]:
+        """The reconciled hit, and the position (>= the hit) up to which the replica will
+        serve the request's prefix once it is placed there: the full-attention junction on the
+        state grid where a state will be kept, else the hit."""
+        ...
+
     def on_routed(self, request: RouteRequest) -> None:
         """The request was sent to this replica."""
         ...
@@ -76,6 +110,7 @@ class PreciseView:
 
     def __init__(self, cache: KVCacheManager) -> None:
         self.cache = cache
+        self.state_grid = state_grid(cache)
 
     def fa_overlap(self, request: RouteRequest) -> int:
         hit = self.cache.find_hit(request.block_hashes, request.num_tokens)
@@ -85,6 +120,10 @@ class PreciseView:
 
     def hybrid_hit(self, request: RouteRequest) -> int:
         return self.cache.find_hit(request.block_hashes, request.num_tokens).num_tokens
+
+    def hit_and_junction(self, request: RouteRequest) -> tuple[int, int]:
+        hit = self.cache.find_hit(request.block_hashes, request.num_tokens)
+        return hit.num_tokens, _junction(hit.num_tokens, hit.junction, self.state_grid)
 
     def on_routed(self, request: RouteRequest) -> None:
         """The real cache learns of the request when the replica computes it."""
@@ -128,6 +167,10 @@ class ApproximateView:
                 return blocks * self.hash_block_size
         return 0
 
+    def hit_and_junction(self, request: RouteRequest) -> tuple[int, int]:
+        hit = self.hybrid_hit(request)
+        return hit, _junction(hit, self.fa_overlap(request), self.state_grid)
+
     def on_routed(self, request: RouteRequest) -> None:
         for block_hash in request.block_hashes:
             self._blocks[block_hash] = None
@@ -145,12 +188,25 @@ class ApproximateView:
                 self._states.popitem(last=False)
 
 
+def _junction(hit: int, overlap: int, grid: int) -> int:
+    """Where a placement will serve up to: the full-attention overlap on the state grid (a
+    state is kept at the junction) when it passes the hit; the hit otherwise."""
+    if grid:
+        overlap = overlap // grid * grid
+    return max(hit, overlap)
+
+
 class Router:
     """Picks a replica for each request; `outstanding[i]` is replica i's outstanding tokens,
     kept by the fleet loop."""
 
     def __init__(
-        self, name: str, views: Sequence[ReplicaView], *, load_weight: float = 1.0
+        self,
+        name: str,
+        views: Sequence[ReplicaView],
+        *,
+        load_weight: float = 1.0,
+        junction_weight: float = JUNCTION_WEIGHT,
     ) -> None:
         if name not in ROUTERS:
             raise ConfigError("router (--router)", name, f"use one of {', '.join(ROUTERS)}")
@@ -158,11 +214,14 @@ class Router:
             raise ConfigError(
                 "load_weight (--router-load-weight)", load_weight, "use 0 or a positive weight"
             )
+        if not 0 <= junction_weight <= 1:
+            raise ConfigError("junction_weight", junction_weight, "use a weight in [0, 1]")
         if not views:
             raise ConfigError("replicas (--replicas)", 0, "use 1 or more replicas")
         self.name = name
         self.views = list(views)
         self.load_weight = load_weight
+        self.junction_weight = junction_weight
         self.outstanding = [0] * len(views)
         self._next = 0
         self._sessions: dict[str, int] = {}
@@ -185,10 +244,16 @@ class Router:
         return max(range(n), key=lambda i: (scores[i], -self.outstanding[i], -i))
 
     def score(self, replica: int, request: RouteRequest) -> float:
-        """A prefix router's score of one replica: overlap minus the weighted load."""
+        """A prefix router's score of one replica: the tokens it will serve (`prefix-fa`: the
+        full-attention overlap; `prefix-hybrid`: the reconciled hit plus the weighted junction
+        past it) minus the weighted load."""
         view = self.views[replica]
-        overlap = view.fa_overlap(request) if self.name == "prefix-fa" else view.hybrid_hit(request)
-        return overlap - self.load_weight * self.outstanding[replica]
+        if self.name == "prefix-fa":
+            served = float(view.fa_overlap(request))
+        else:
+            hit, junction = view.hit_and_junction(request)
+            served = hit + self.junction_weight * (junction - hit)
+        return served - self.load_weight * self.outstanding[replica]
 
     def routed(self, request: RouteRequest, replica: int) -> None:
         """The request went to `replica` (the engine accepted it)."""

@@ -44,6 +44,9 @@ class _Load:
     def hybrid_hit(self, request: RouteRequest) -> int:
         return 0
 
+    def hit_and_junction(self, request: RouteRequest) -> tuple[int, int]:
+        return 0, 0
+
     def on_routed(self, request: RouteRequest) -> None:
         pass
 
@@ -57,6 +60,9 @@ class _Fixed(_Load):
 
     def hybrid_hit(self, request: RouteRequest) -> int:
         return self.hybrid
+
+    def hit_and_junction(self, request: RouteRequest) -> tuple[int, int]:
+        return self.hybrid, max(self.hybrid, self.fa)
 
 
 def _request(session: str | None = None, num_tokens: int = 100) -> RouteRequest:
@@ -93,12 +99,16 @@ def test_session_affinity_keeps_a_session_on_its_first_replica() -> None:
 
 
 def test_prefix_routers_trade_overlap_against_the_weighted_load() -> None:
-    views = [_Fixed(fa=4_000, hybrid=0), _Fixed(fa=1_000, hybrid=1_000)]
+    views = [_Fixed(fa=1_500, hybrid=0), _Fixed(fa=1_000, hybrid=1_000)]
     fa = Router("prefix-fa", views, load_weight=1.0)
-    hybrid = Router("prefix-hybrid", views, load_weight=1.0)
+    hybrid = Router("prefix-hybrid", views, load_weight=1.0, junction_weight=0.5)
     assert fa.choose(_request()) == 0
-    assert hybrid.choose(_request()) == 1
-    fa.outstanding[:] = [5_000, 0]  # 4000 - 5000 < 1000 - 0: the load wins
+    assert hybrid.choose(_request()) == 1  # 1,000 now beats 0.5 x 1,500 later
+    assert hybrid.score(0, _request()) == 750.0
+    longer = [_Fixed(fa=4_000, hybrid=0), _Fixed(fa=1_000, hybrid=1_000)]
+    assert Router("prefix-hybrid", longer, junction_weight=0.5).choose(_request()) == 0
+    assert Router("prefix-hybrid", longer, junction_weight=0.0).choose(_request()) == 1
+    fa.outstanding[:] = [5_000, 0]  # 1500 - 5000 < 1000 - 0: the load wins
     assert fa.choose(_request()) == 1
     heavy = Router("prefix-fa", views, load_weight=0.0)
     heavy.outstanding[:] = [5_000, 0]
@@ -143,11 +153,38 @@ def test_prefix_fa_picks_a_replica_whose_mamba_group_cannot_serve_and_prefix_hyb
     assert views[0].hybrid_hit(request) == 0
     assert views[1].hybrid_hit(request) == 12 * BLOCK
     assert Router("prefix-fa", views, load_weight=0.0).choose(request) == 0
-    assert Router("prefix-hybrid", views, load_weight=0.0).choose(request) == 1
+    # 384 tokens now against a junction at 512 priced at 0.5: the hit wins.
+    assert Router("prefix-hybrid", views, load_weight=0.0, junction_weight=0.5).choose(request) == 1
     # Querying the views changed neither cache: the same answer again.
     assert views[1].hybrid_hit(request) == 12 * BLOCK
     cache_a.check_invariants()
     cache_b.check_invariants()
+
+
+def test_prefix_hybrid_places_a_shared_prefix_where_its_junction_state_will_be_kept() -> None:
+    shared = list(range(1_000, 1_000 + 20 * BLOCK))
+    engine_a, cache_a = _replica_cache()
+    engine_b, cache_b = _replica_cache()
+    # A computed all 640 shared tokens (its state sits at their end, none at 512); B computed
+    # one shared block and a tail of its own, so B resumes the new request at 32 tokens now.
+    _serve(engine_a, "a", shared)
+    _serve(engine_b, "b", [*shared[:BLOCK], *range(9_000, 9_016)])
+    prompt = [*shared[: 16 * BLOCK], *range(20_000, 20_100)]
+    request = RouteRequest("new", None, len(prompt), cache_a.hasher.hash_tokens(prompt))
+    views = [PreciseView(cache_a), PreciseView(cache_b)]
+    assert views[0].hit_and_junction(request) == (0, 16 * BLOCK)
+    assert views[1].hit_and_junction(request) == (BLOCK, BLOCK)
+    # The reconciled hit alone takes B's 32 tokens; the junction A will keep is worth more.
+    assert Router("prefix-hybrid", views, load_weight=0.0, junction_weight=0.0).choose(request) == 1
+    assert Router("prefix-hybrid", views, load_weight=0.0).choose(request) == 0
+    # Placed on A, the request keeps a state at the junction: the next request sharing the
+    # prefix resumes there at once, where B could still give it only 32 tokens.
+    _serve(engine_a, "new", prompt)
+    follow = [*shared[: 16 * BLOCK], *range(40_000, 40_200)]
+    after = RouteRequest("follow", None, len(follow), cache_a.hasher.hash_tokens(follow))
+    assert views[0].hybrid_hit(after) == 16 * BLOCK
+    assert views[1].hybrid_hit(after) == BLOCK
+    cache_a.check_invariants()
 
 
 def test_approximate_view_counts_routed_blocks_and_states_only_at_routed_prompt_ends() -> None:
