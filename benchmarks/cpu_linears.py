@@ -63,9 +63,9 @@ def _median_ms(calls: list[Callable[[], torch.Tensor]], repeats: int) -> list[fl
 
 def _path(rows: int, elements: int) -> str:
     """The path `PackedLinear` takes for `rows` rows of a weight of `elements` elements."""
-    if rows == 1 and elements >= SINGLE_ROW_ELEMENTS:
-        return "columns"
-    return "packed" if rows in PACKED_ROWS else "plain"
+    if rows in PACKED_ROWS or (rows == 1 and elements >= SINGLE_ROW_ELEMENTS):
+        return "packed"
+    return "plain"
 
 
 def measure(rows: list[int], repeats: int) -> list[dict[str, object]]:
@@ -105,7 +105,7 @@ def _slower_paths(results: list[dict[str, object]]) -> list[str]:
     """Cells where the path taken is slower than `F.linear`."""
     slower = []
     for r in results:
-        taken = {"plain": 1.0, "packed": r["packed_speedup"], "columns": r.get("columns_speedup")}
+        taken = {"plain": 1.0, "packed": r["packed_speedup"]}
         if float(str(taken[str(r["path"])])) < 1:
             slower.append(f"{r['shape']} x {r['rows']} ({r['path']})")
     return slower

@@ -129,3 +129,54 @@ class RecurrentLayerChecks:
             for name in ("conv", "ssm"):
                 torch.testing.assert_close(snapshot[name], by_token[count][name], atol=1e-5, rtol=0)
         torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)
+
+
+class FakeStateContext:
+    """A ForwardContext's state side for one layer: slots in a dict, calls counted."""
+
+    def __init__(self, chunks: list, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.chunks, self.states, self.calls = chunks, states, {"one": 0, "batch": 0}
+
+    def state_chunks(self, layer_index: int) -> list:
+        return self.chunks
+
+    def load_state(self, layer_index: int, chunk) -> dict[str, torch.Tensor]:
+        self.calls["one"] += 1
+        return {k: v.clone() for k, v in self.states[chunk.read_slot].items()}
+
+    def save_state(self, layer_index: int, chunk, count: int, state) -> None:
+        self.states[chunk.slots[chunk.snapshots.index(count)][0]] = state
+
+    def load_states(self, layer_index: int, chunks: list) -> dict[str, torch.Tensor]:
+        self.calls["batch"] += 1
+        names = self.states[chunks[0].read_slot]
+        return {k: torch.stack([self.states[c.read_slot][k] for c in chunks]) for k in names}
+
+    def save_states(self, layer_index: int, chunks: list, states) -> None:
+        for i, chunk in enumerate(chunks):
+            self.states[chunk.slots[0][0]] = {k: v[i] for k, v in states.items()}
+
+
+def check_decodes_batched(ours: torch.nn.Module, *, hidden_size: int) -> None:
+    """A recurrent layer's forward runs a step's decodes as one batch (one batched state load)
+    and its prefill chunk alone, each equal to the request run by itself."""
+    from hybridserve.executor.torch.forward import StateChunk
+
+    torch.manual_seed(4)
+    shapes = ours.state_shapes()
+    start = {s: {k: torch.randn(shape) * 0.5 for k, shape in shapes.items()} for s in (1, 2, 3)}
+    # Rows 0-2: three decodes; rows 3-8: a 6-token prefill chunk saving after 6 tokens.
+    chunks = [StateChunk(i, slice(i, i + 1), i + 1, (1,), ((10 + i,),)) for i in range(3)]
+    chunks.append(StateChunk(3, slice(3, 9), 1, (6,), ((20,),)))
+    ctx = FakeStateContext(chunks, dict(start))
+    x = torch.randn(9, hidden_size)
+    with torch.no_grad():
+        y = ours.forward(x, ctx)  # type: ignore[arg-type]
+        assert ctx.calls == {"one": 1, "batch": 1}
+        for i in range(3):
+            alone, state, _ = ours.forward_sequence(x[i : i + 1], start[i + 1])
+            torch.testing.assert_close(y[i], alone[0], atol=1e-6, rtol=0)
+            torch.testing.assert_close(ctx.states[10 + i]["ssm"], state["ssm"], atol=1e-6, rtol=0)
+        prefill, state, _ = ours.forward_sequence(x[3:9], start[1])
+        torch.testing.assert_close(y[3:9], prefill, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ctx.states[20]["conv"], state["conv"])

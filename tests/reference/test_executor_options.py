@@ -110,7 +110,7 @@ def _kernel_calls(layer: torch.nn.Module, rows: int, kernel: str) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == kernel)
 
 
-def test_one_row_of_a_large_linear_reads_its_transposed_copy_and_more_rows_the_packed() -> None:
+def test_one_row_reads_the_packed_weight_only_of_a_large_linear() -> None:
     if not packing_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN linear packing")
     packed_kernel = "mkldnn::_linear_pointwise"
@@ -119,9 +119,7 @@ def test_one_row_of_a_large_linear_reads_its_transposed_copy_and_more_rows_the_p
     assert pack_linears(small) == 1 and pack_linears(large) == 1
     assert _kernel_calls(small[0], 1, packed_kernel) == 0
     assert _kernel_calls(small[0], 2, packed_kernel) == 1
-    assert _kernel_calls(large[0], 1, packed_kernel) == 0
-    assert _kernel_calls(large[0], 1, "aten::addmm") == 1
-    assert _kernel_calls(large[0], 2, packed_kernel) == 1
+    assert _kernel_calls(large[0], 1, packed_kernel) == 1
     for rows in (1, 2):
         x = torch.randn(rows, 512)
         plain = torch.nn.functional.linear(x, large[0].weight, large[0].bias)

@@ -14,6 +14,7 @@ from hybridserve.executor.torch.layers.gated_delta import (
 )
 from tests.reference.recurrent_layer import (
     RecurrentLayerChecks,
+    check_decodes_batched,
     inputs,
     perturb,
     snapshot_counts,
@@ -148,3 +149,9 @@ def test_snapshot_outside_the_chunk_is_refused(
     _, ours = layers
     with pytest.raises(ValueError, match="snapshots=\\(4, 11\\)"):
         ours.forward_sequence(inputs(length=10), ours.zero_state(), snapshots=(4, 11))
+
+
+def test_a_steps_decodes_run_as_one_batch_and_its_prefill_alone(
+    layers: tuple[torch.nn.Module, GatedDeltaNet],
+) -> None:
+    check_decodes_batched(layers[1], hidden_size=32)

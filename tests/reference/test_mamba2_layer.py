@@ -11,7 +11,12 @@ from hybridserve.executor.torch.layers.mamba2 import (
     ssd_chunked,
     ssd_recurrent,
 )
-from tests.reference.recurrent_layer import RecurrentLayerChecks, perturb, snapshot_counts
+from tests.reference.recurrent_layer import (
+    RecurrentLayerChecks,
+    check_decodes_batched,
+    perturb,
+    snapshot_counts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,3 +119,30 @@ def test_chunked_scan_with_snapshots_equals_token_loop(length: int, start: str) 
         assert len(saved) == len(counts)
         for count, got, want in zip(counts, saved, expected_saved, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"state after {count}")
+
+
+def test_a_batch_of_decodes_equals_each_request_decoded_alone(
+    layers: tuple[torch.nn.Module, Mamba2Mixer],
+) -> None:
+    _, ours = layers
+    torch.manual_seed(3)
+    batch = 5
+    shapes = ours.state_shapes()
+    states = [{k: torch.randn(shape) * 0.5 for k, shape in shapes.items()} for _ in range(batch)]
+    x = torch.randn(batch, 32)
+    with torch.no_grad():
+        _, xbc, dt = ours._project(x)
+        stacked = {k: torch.stack([s[k] for s in states]) for k in shapes}
+        y, new = ours._decode(xbc, dt, stacked)
+        for i in range(batch):
+            alone, state, saved = ours._mix(xbc[i : i + 1], dt[i : i + 1], states[i], (1,))
+            torch.testing.assert_close(y[i], alone[0], atol=1e-6, rtol=0)
+            for k in shapes:
+                torch.testing.assert_close(new[k][i], state[k], atol=1e-6, rtol=0)
+                torch.testing.assert_close(saved[0][k], state[k])
+
+
+def test_a_steps_decodes_run_as_one_batch_and_its_prefill_alone(
+    layers: tuple[torch.nn.Module, Mamba2Mixer],
+) -> None:
+    check_decodes_batched(layers[1], hidden_size=32)

@@ -74,6 +74,38 @@ class DeviceCache:
             return {name: torch.zeros_like(t[0]) for name, t in states.items()}
         return {name: t[slot].clone() for name, t in states.items()}
 
+    def read_states(self, layer_index: int, slots: Sequence[int | None]) -> dict[str, torch.Tensor]:
+        """The states in `slots`, stacked `[B, ...]` (a copy; zeros for None)."""
+        states = self._states(layer_index)
+        present = [i for i, slot in enumerate(slots) if slot is not None]
+        out = {}
+        for name, tensor in states.items():
+            if len(present) == len(slots):
+                index = torch.tensor(slots, dtype=torch.long, device=tensor.device)
+                out[name] = tensor.index_select(0, index)
+                continue
+            stacked = tensor.new_zeros((len(slots), *tensor.shape[1:]))
+            if present:
+                rows = torch.tensor(present, dtype=torch.long, device=tensor.device)
+                index = torch.tensor([slots[i] for i in present], device=tensor.device)
+                stacked.index_copy_(0, rows, tensor.index_select(0, index))
+            out[name] = stacked
+        return out
+
+    def write_states(
+        self,
+        layer_index: int,
+        rows: Sequence[int],
+        slots: Sequence[int],
+        states: dict[str, torch.Tensor],
+    ) -> None:
+        """Row `rows[i]` of each stacked state into slot `slots[i]` (slots distinct)."""
+        for name, tensor in self._states(layer_index).items():
+            source = states[name]
+            index = torch.tensor(slots, dtype=torch.long, device=tensor.device)
+            picked = source.index_select(0, torch.tensor(rows, device=source.device))
+            tensor.index_copy_(0, index, picked.to(tensor.dtype))
+
     def write_state(self, layer_index: int, slot: int, state: dict[str, torch.Tensor]) -> None:
         for name, tensor in self._states(layer_index).items():
             tensor[slot].copy_(state[name])

@@ -684,6 +684,24 @@ class ForwardContext:
         """The state the chunk starts from (a copy): the restored snapshot, or zeros."""
         return self.cache.read_state(layer_index, chunk.read_slot)
 
+    def load_states(
+        self, layer_index: int, chunks: Sequence[StateChunk]
+    ) -> dict[str, torch.Tensor]:
+        """The states `chunks` start from, stacked `[B, ...]` (zeros where a chunk has none)."""
+        return self.cache.read_states(layer_index, [c.read_slot for c in chunks])
+
+    def save_states(
+        self, layer_index: int, chunks: Sequence[StateChunk], states: dict[str, torch.Tensor]
+    ) -> None:
+        """Store each single-snapshot chunk's state (row i of `states`, `[B, ...]`) in every
+        slot its snapshot asks for."""
+        rows, slots = [], []
+        for i, chunk in enumerate(chunks):
+            for slot in chunk.slots[0]:
+                rows.append(i)
+                slots.append(slot)
+        self.cache.write_states(layer_index, rows, slots, states)
+
     def save_state(
         self, layer_index: int, chunk: StateChunk, num_tokens: int, state: dict[str, torch.Tensor]
     ) -> None:

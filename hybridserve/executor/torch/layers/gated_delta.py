@@ -26,7 +26,9 @@ from hybridserve.executor.torch.layers.recurrence import (
     State,
     causal_conv1d,
     check_snapshots,
+    conv_step,
     decay_within_chunks,
+    decode_batch,
     in_spans,
     scan_chunk_size,
     snapshots_by_chunk,
@@ -67,6 +69,26 @@ def gated_delta_rule_recurrent(
         if t + 1 in wanted:
             saved.append(state)
     return torch.stack(outputs), state, saved
+
+
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of `gated_delta_rule_recurrent` for each of B requests: q, k `[B, Hk, Dk]`,
+    v `[B, Hv, Dv]`, g and beta `[B, Hv]`, state `[B, Hv, Dk, Dv]`; returns `[B, Hv, Dv]` and
+    the new states."""
+    ratio = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    state = state * g.exp()[:, :, None, None]
+    predicted = torch.einsum("bhk,bhkv->bhv", k, state)
+    delta = (v - predicted) * beta[:, :, None]
+    state = state + k[:, :, :, None] * delta[:, :, None, :]
+    return torch.einsum("bhk,bhkv->bhv", q, state), state
 
 
 def gated_delta_rule_chunked(
@@ -291,6 +313,32 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(n, self.num_v_heads, self.head_v_dim)
         return mixed, z, b.reshape(n, self.num_v_heads), a.reshape(n, self.num_v_heads)
 
+    def _inputs(
+        self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k `[L, Hk, Dk]` (normalised, q scaled), v `[L, Hv, Dv]`, g and beta `[L, Hv]` from
+        the activated conv output and the raw b, a of L tokens."""
+        n = conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.float().reshape(n, self.num_k_heads, self.head_k_dim)
+        k = k.float().reshape(n, self.num_k_heads, self.head_k_dim)
+        q = l2_normalize(q) * self.head_k_dim**-0.5
+        k = l2_normalize(k)
+        v = v.float().reshape(n, self.num_v_heads, self.head_v_dim)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v, g, beta
+
+    def _decode(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: State
+    ) -> tuple[torch.Tensor, State]:
+        """One token for each of B requests (states stacked `[B, ...]`): `[B, Hv, Dv]` and the
+        new states."""
+        conv_out, conv_state = conv_step(mixed, state["conv"], self.conv1d.weight[:, 0], None)
+        q, k, v, g, beta = self._inputs(self.act(conv_out), b, a)
+        out, ssm = gated_delta_step(q, k, v, g, beta, state["ssm"].float())
+        return out, {"conv": conv_state, "ssm": ssm}
+
     def _mix(
         self,
         mixed: torch.Tensor,
@@ -307,15 +355,7 @@ class GatedDeltaNet(nn.Module):
         conv_out, conv_state, conv_saved = causal_conv1d(
             mixed, state["conv"], weight, None, snapshots
         )
-        conv_out = self.act(conv_out)
-        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.float().reshape(n, self.num_k_heads, self.head_k_dim)
-        k = k.float().reshape(n, self.num_k_heads, self.head_k_dim)
-        q = l2_normalize(q) * self.head_k_dim**-0.5
-        k = l2_normalize(k)
-        v = v.float().reshape(n, self.num_v_heads, self.head_v_dim)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        q, k, v, g, beta = self._inputs(self.act(conv_out), b, a)
         ssm = state["ssm"].float()
         if n <= GATED_DELTA_LOOP_MAX_TOKENS:
             out, ssm, ssm_saved = gated_delta_rule_recurrent(
@@ -349,7 +389,14 @@ class GatedDeltaNet(nn.Module):
         and its requested snapshots are saved through `ctx`."""
         mixed, z, b, a = self._project(x)
         out = x.new_empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
-        for chunk in ctx.state_chunks(self.layer_index):
+        decodes, others = decode_batch(ctx.state_chunks(self.layer_index))
+        if decodes:
+            index = torch.tensor([c.rows.start for c in decodes], device=x.device)
+            states = ctx.load_states(self.layer_index, decodes)
+            stepped, states = self._decode(mixed[index], b[index], a[index], states)
+            out.index_copy_(0, index, stepped)
+            ctx.save_states(self.layer_index, decodes, states)
+        for chunk in others:
             state = ctx.load_state(self.layer_index, chunk)
             rows = chunk.rows
             out[rows], _, saved = self._mix(mixed[rows], b[rows], a[rows], state, chunk.snapshots)

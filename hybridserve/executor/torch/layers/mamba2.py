@@ -26,7 +26,9 @@ from hybridserve.executor.torch.layers.recurrence import (
     State,
     causal_conv1d,
     check_snapshots,
+    conv_step,
     decay_within_chunks,
+    decode_batch,
     in_spans,
     scan_chunk_size,
     snapshots_by_chunk,
@@ -129,6 +131,23 @@ def ssd_recurrent(
         if t + 1 in wanted:
             saved.append(state)
     return torch.stack(outputs), state, saved
+
+
+def ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of `ssd_recurrent` for each of B requests: x `[B, H, P]`, dt `[B, H]`, a `[H]`,
+    b and c `[B, G, N]`, state `[B, H, P, N]`; returns y `[B, H, P]` and the new states."""
+    ratio = x.shape[1] // b.shape[1]
+    b, c = b.repeat_interleave(ratio, dim=1), c.repeat_interleave(ratio, dim=1)
+    decay = torch.exp(dt * a)[:, :, None, None]
+    state = state * decay + (dt[:, :, None] * x)[:, :, :, None] * b[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", state, c), state
 
 
 def ssd_chunked(
@@ -278,17 +297,12 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(x).split([d.inner_size, d.conv_dim, d.num_heads], dim=-1)
         return z, xbc, dt
 
-    def _mix(
-        self, xbc: torch.Tensor, dt_raw: torch.Tensor, state: State, snapshots: tuple[int, ...]
-    ) -> tuple[torch.Tensor, State, list[State]]:
-        """Conv and scan over one request's chunk: y `[L, inner]`, the new state and the states
-        after each count in `snapshots`."""
-        d, n = self.dims, xbc.shape[0]
-        check_snapshots(snapshots, n)
-        conv_out, conv_state, conv_saved = causal_conv1d(
-            xbc, state["conv"], self.conv1d.weight[:, 0], self.conv1d.bias, snapshots
-        )
-        conv_out = self.act(conv_out)
+    def _inputs(
+        self, conv_out: torch.Tensor, dt_raw: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[L, H, P]`, dt `[L, H]` (discretised), a `[H]`, b and c `[L, G, N]` from the
+        activated conv output and the raw dt of L tokens."""
+        d, n = self.dims, conv_out.shape[0]
         group_dim = d.num_groups * d.state_size
         xs, b, c = conv_out.split([d.inner_size, group_dim, group_dim], dim=-1)
         xs = xs.float().reshape(n, d.num_heads, d.head_dim)
@@ -296,7 +310,32 @@ class Mamba2Mixer(nn.Module):
         c = c.float().reshape(n, d.num_groups, d.state_size)
         dt = F.softplus(dt_raw.float() + self.dt_bias.float())
         dt = dt.clamp(min=d.time_step_limit[0], max=d.time_step_limit[1])
-        a = -torch.exp(self.A_log.float())
+        return xs, dt, -torch.exp(self.A_log.float()), b, c
+
+    def _decode(
+        self, xbc: torch.Tensor, dt_raw: torch.Tensor, state: State
+    ) -> tuple[torch.Tensor, State]:
+        """One token for each of B requests (`xbc` `[B, conv_dim]`, states stacked `[B, ...]`):
+        y `[B, inner]` and the new states."""
+        conv_out, conv_state = conv_step(
+            xbc, state["conv"], self.conv1d.weight[:, 0], self.conv1d.bias
+        )
+        xs, dt, a, b, c = self._inputs(self.act(conv_out), dt_raw)
+        y, ssm = ssd_step(xs, dt, a, b, c, state["ssm"].float())
+        y = y + xs * self.D.float()[:, None]
+        return y.reshape(xbc.shape[0], -1), {"conv": conv_state, "ssm": ssm}
+
+    def _mix(
+        self, xbc: torch.Tensor, dt_raw: torch.Tensor, state: State, snapshots: tuple[int, ...]
+    ) -> tuple[torch.Tensor, State, list[State]]:
+        """Conv and scan over one request's chunk: y `[L, inner]`, the new state and the states
+        after each count in `snapshots`."""
+        n = xbc.shape[0]
+        check_snapshots(snapshots, n)
+        conv_out, conv_state, conv_saved = causal_conv1d(
+            xbc, state["conv"], self.conv1d.weight[:, 0], self.conv1d.bias, snapshots
+        )
+        xs, dt, a, b, c = self._inputs(self.act(conv_out), dt_raw)
         ssm = state["ssm"].float()
         if n <= MAMBA2_LOOP_MAX_TOKENS:
             y, ssm, ssm_saved = ssd_recurrent(xs, dt, a, b, c, ssm, snapshots=snapshots)
@@ -329,7 +368,14 @@ class Mamba2Mixer(nn.Module):
         and its requested snapshots are saved through `ctx`."""
         z, xbc, dt = self._project(x)
         y = x.new_empty(x.shape[0], self.dims.inner_size, dtype=torch.float32)
-        for chunk in ctx.state_chunks(self.layer_index):
+        decodes, others = decode_batch(ctx.state_chunks(self.layer_index))
+        if decodes:
+            index = torch.tensor([c.rows.start for c in decodes], device=x.device)
+            states = ctx.load_states(self.layer_index, decodes)
+            out, states = self._decode(xbc[index], dt[index], states)
+            y.index_copy_(0, index, out)
+            ctx.save_states(self.layer_index, decodes, states)
+        for chunk in others:
             state = ctx.load_state(self.layer_index, chunk)
             rows = chunk.rows
             y[rows], _, saved = self._mix(xbc[rows], dt[rows], state, chunk.snapshots)

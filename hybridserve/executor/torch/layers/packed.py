@@ -8,20 +8,20 @@ weight`), and its linear then reads that copy (`mkldnn._linear_pointwise`) for a
 vLLM's CPU backend does the same (`dispatch_cpu_unquantized_gemm`, a oneDNN handle created per
 linear at load time).
 
-Measured on a 2-core x86 machine with 2 threads (`benchmarks/cpu_linears.py`, median of 15
-calls, float32): at 2-8 rows the packed weight ran 1.5-3x faster than `F.linear` on every
-shape of SmolLM2-135M and Gemma 3 270M, the output heads included (Gemma 3's 262,144 x 640 head
-at 2 rows: 48 ms against 135); at one row it was faster only on the large matrices (the output
-heads: 44 ms against 49 for Gemma 3's, 4.3 against 7.9 for SmolLM2's) and up to 30% slower on
-the small projections, which a row reads from cache either way. One row is fastest against
-the weight stored transposed (`[in, out]`, contiguous): 27-28 ms for Gemma 3's head at one or
-two threads, against 40-44 packed and 49-50 plain, near a plain read of its 671 MB (24 ms);
-SmolLM2's 4.6 against 7.0 and 8.6 (one thread). So the packed weight serves 2-40 rows
-(`PACKED_ROWS`), and a weight of `SINGLE_ROW_ELEMENTS` or more (the output heads) also keeps a
-transposed copy for single rows (a decode batch of one). Each copy costs the weight's memory
-again (the plain weight stays: tied embeddings, draft heads and weight loaders read it): for
-Gemma 3 270M's head, 671 MB each. Results differ from `F.linear` by float32 rounding only (a
-different summation order); the reference tests hold them to transformers within 1e-4.
+Measured on a 2-core x86 machine with 2 threads on quiet cores (`benchmarks/cpu_linears.py`,
+median of 15 interleaved calls, float32; docs/cpu_linears.json):
+at 2-32 rows the packed weight ran 1.2-5x faster than `F.linear` on every projection of
+SmolLM2-135M and Gemma 3 270M, the output heads included (Gemma 3's 262,144 x 640 head at 2
+rows: 25.8 ms against 105.6); at one row it was faster on the weights of a million elements and
+more (Gemma 3's head 25.0 ms against 47.5, its MLP 0.15-0.22 against 0.19-0.27, SmolLM2's
+gate+up 0.23 against 0.44) and up to 1.5x slower on the smaller ones, which a row reads from
+cache either way (SmolLM2's o, qkv and down, Gemma 3's q). So the packed weight serves 2-40
+rows (`PACKED_ROWS`) and one row of a weight of `SINGLE_ROW_ELEMENTS` or more. The weight
+stored transposed (`[in, out]`) read one row of Gemma 3's head in 26.8 ms, no faster than the
+packed copy, so no third copy is kept. The packed copy costs the weight's memory again (the
+plain weight stays: tied embeddings, draft heads and weight loaders read it). Results differ
+from `F.linear` by float32 rounding only (a different summation order); the reference tests
+hold them to transformers within 1e-4.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ PACK_ROWS_HINT = 32
 # Row counts the packed weight serves; above them `F.linear` was as fast (48 rows and more:
 # within 3%), and below them only a large weight gains (see the module's docstring).
 PACKED_ROWS = range(2, 41)
-# A weight of at least this many elements also keeps a transposed copy for single rows.
-SINGLE_ROW_ELEMENTS = 4_000_000
+# One row reads the packed weight too when the weight has at least this many elements.
+SINGLE_ROW_ELEMENTS = 1_000_000
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -51,24 +51,19 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` whose forward reads a oneDNN-packed copy of its weight (and, for one row
-    of a large weight, a transposed copy). Made from an existing `nn.Linear` by `pack_linears`
-    (its class is swapped in place, so parameters, tied weights and `state_dict` are
-    unchanged)."""
+    """An `nn.Linear` whose forward reads a oneDNN-packed copy of its weight. Made from an
+    existing `nn.Linear` by `pack_linears` (its class is swapped in place, so parameters, tied
+    weights and `state_dict` are unchanged)."""
 
     _packed: torch.Tensor
-    _columns: torch.Tensor | None  # the weight transposed, [in, out], for single rows
+    _single_row: bool  # one row reads the packed weight too (a large weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the compiler chooses the kernels (and the row count is symbolic).
         rows = x.shape[0] if x.dim() == 2 else 0
         if torch.compiler.is_compiling() or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        if rows == 1 and self._columns is not None:
-            if self.bias is None:
-                return torch.mm(x, self._columns)
-            return torch.addmm(self.bias, x, self._columns)
-        if rows not in PACKED_ROWS:
+        if rows not in PACKED_ROWS and not (rows == 1 and self._single_row):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
@@ -88,7 +83,6 @@ def pack_linears(model: nn.Module) -> int:
         module.__class__ = PackedLinear
         assert isinstance(module, PackedLinear)
         module._packed = packed
-        large = weight.numel() >= SINGLE_ROW_ELEMENTS
-        module._columns = weight.detach().t().contiguous() if large else None
+        module._single_row = weight.numel() >= SINGLE_ROW_ELEMENTS
         count += 1
     return count

@@ -2,15 +2,21 @@
 
 A recurrent layer processes one request's chunk of L tokens in one call and returns the state
 after each count the cache asks for (`snapshots`, ascending, each in 1..L), so that a chunk
-split at its snapshots and processed piece by piece gives the same states as one pass.
+split at its snapshots and processed piece by piece gives the same states as one pass. The
+step's decodes (one token each, their state saved after it) run together instead: their states
+gathered into one batch, one batched step, the new states written back (`decode_batch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from hybridserve.executor.torch.forward import StateChunk
 
 State = dict[str, torch.Tensor]
 
@@ -51,6 +57,30 @@ def causal_conv1d(
     # The state after n tokens is the K - 1 inputs ending at input n: window columns [n, n+K-1).
     saved = [window[:, n : n + kernel - 1].clone() for n in snapshots]
     return out.t(), window[:, window.shape[1] - (kernel - 1) :].clone(), saved
+
+
+def conv_step(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d` of one token for each of B requests: `x` `[B, C]`, `conv_state`
+    `[B, C, K - 1]`, `weight` `[C, K]`. Returns the output `[B, C]` (no activation) and the new
+    states `[B, C, K - 1]`."""
+    window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
+    out = (window * weight.to(x.dtype)[None]).sum(dim=-1)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out, window[:, :, 1:].contiguous()
+
+
+def decode_batch(chunks: Sequence[StateChunk]) -> tuple[list[StateChunk], list[StateChunk]]:
+    """(the decodes: chunks of one token whose state is saved after it, to run as one batch;
+    every other chunk, to run alone)."""
+    decodes: list[StateChunk] = []
+    others: list[StateChunk] = []
+    for chunk in chunks:
+        one = chunk.rows.stop - chunk.rows.start == 1 and chunk.snapshots == (1,)
+        (decodes if one else others).append(chunk)
+    return decodes, others
 
 
 def to_chunks(tensors: Iterable[torch.Tensor], chunk_size: int) -> list[torch.Tensor]:
