@@ -10,7 +10,7 @@ there. This is what `hybridserve.executor.torch.layers.packed.PACKED_ROWS` and
 `SINGLE_ROW_ELEMENTS` were chosen from.
 
     .venv/bin/python benchmarks/cpu_linears.py [--threads 2] [--repeats 15]
-        [--rows 1,2,3,4,8,16,32,48]
+        [--rows 1,2,3,4,8,16,32,48,64,128,256,512]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--rows", default="1,2,3,4,8,16,32,48")
+    parser.add_argument("--rows", default="1,2,3,4,8,16,32,48,64,128,256,512")
     args = parser.parse_args()
     if not packing_available(torch.device("cpu"), torch.float32):
         raise SystemExit("this torch build has no oneDNN linear packing: nothing to compare")

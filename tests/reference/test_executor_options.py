@@ -97,7 +97,7 @@ def test_packed_linears_match_plain_linears_at_every_row_count() -> None:
         pytest.skip("this torch build has no oneDNN linear packing")
     assert pack_linears(holder) == 1
     assert isinstance(holder[0], PackedLinear) and holder[0].weight is packed.weight
-    for rows in (1, 3, *PACKED_ROWS[:2], 16, PACKED_ROWS[-1], 64):
+    for rows in (1, 3, *PACKED_ROWS[:2], 16, PACKED_ROWS[-1], PACKED_ROWS[-1] + 1):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(holder(x), plain(x), atol=1e-5, rtol=0)
 

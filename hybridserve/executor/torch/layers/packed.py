@@ -8,20 +8,21 @@ weight`), and its linear then reads that copy (`mkldnn._linear_pointwise`) for a
 vLLM's CPU backend does the same (`dispatch_cpu_unquantized_gemm`, a oneDNN handle created per
 linear at load time).
 
-Measured on a 2-core x86 machine with 2 threads on quiet cores (`benchmarks/cpu_linears.py`,
-median of 15 interleaved calls, float32; docs/cpu_linears.json):
-at 2-32 rows the packed weight ran 1.2-5x faster than `F.linear` on every projection of
-SmolLM2-135M and Gemma 3 270M, the output heads included (Gemma 3's 262,144 x 640 head at 2
-rows: 25.8 ms against 105.6); at one row it was faster on the weights of a million elements and
-more (Gemma 3's head 25.0 ms against 47.5, its MLP 0.15-0.22 against 0.19-0.27, SmolLM2's
-gate+up 0.23 against 0.44) and up to 1.5x slower on the smaller ones, which a row reads from
-cache either way (SmolLM2's o, qkv and down, Gemma 3's q). So the packed weight serves 2-40
-rows (`PACKED_ROWS`) and one row of a weight of `SINGLE_ROW_ELEMENTS` or more. The weight
-stored transposed (`[in, out]`) read one row of Gemma 3's head in 26.8 ms, no faster than the
-packed copy, so no third copy is kept. The packed copy costs the weight's memory again (the
-plain weight stays: tied embeddings, draft heads and weight loaders read it). Results differ
-from `F.linear` by float32 rounding only (a different summation order); the reference tests
-hold them to transformers within 1e-4.
+Measured on a 2-core x86 machine with 2 threads (`benchmarks/cpu_linears.py`, median of 15
+interleaved calls, float32; docs/cpu_linears.json): at 2 rows the packed weight ran 1.2-3.8x
+faster than `F.linear` on every projection of SmolLM2-135M and Gemma 3 270M, the output heads
+included (Gemma 3's 262,144 x 640 head: 27.8 ms against 105.3); at 48-128 rows 1.1-1.8x on
+the large weights and 0.90-1.17x on the small projections; at 256 and 512 rows 0.88-1.25x. At
+one row it was faster on the weights of a million elements and more (Gemma 3's head 26.0 ms
+against 48.4, SmolLM2's gate+up 0.17 against 0.30; Gemma 3's MLP down 0.21 against 0.20) and
+up to 1.5x slower on the smaller ones, which a row reads from cache either way (SmolLM2's o,
+qkv and down, Gemma 3's q). So the packed weight serves 2-128 rows (`PACKED_ROWS`) and one row
+of a weight of `SINGLE_ROW_ELEMENTS` or more. The weight stored transposed (`[in, out]`) read
+one row of Gemma 3's head in 26.2 ms in an earlier run (packed 24.6), no faster than the packed
+copy, so no third copy is kept. The packed copy costs the weight's memory again (the plain
+weight stays: tied embeddings, draft heads and weight loaders read it). Results differ from
+`F.linear` by float32 rounding only (a different summation order); the reference tests hold
+them to transformers within 1e-4.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from torch import nn
 # The row count oneDNN is told to expect when it chooses the packed layout; the packed weight
 # serves every row count. vLLM's CPU backend passes 32 too.
 PACK_ROWS_HINT = 32
-# Row counts the packed weight serves; above them `F.linear` was as fast (48 rows and more:
-# within 3%), and below them only a large weight gains (see the module's docstring).
-PACKED_ROWS = range(2, 41)
+# Row counts the packed weight serves: up to 128 rows it gained on the large weights and was
+# within 10% on the small ones; from 256 rows up to 1.13x slower on the smaller projections;
+# one row gains only on a large weight (see the module's docstring).
+PACKED_ROWS = range(2, 129)
 # One row reads the packed weight too when the weight has at least this many elements.
 SINGLE_ROW_ELEMENTS = 1_000_000
 
