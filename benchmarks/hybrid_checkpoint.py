@@ -66,18 +66,25 @@ SHAPES = {
 }
 
 
+def _widths(shape: Shape) -> dict[str, Any]:
+    """The config arguments the hybrid and the dense checkpoint share."""
+    return {
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+    }
+
+
 def granite_config(shape: Shape) -> dict[str, Any]:
     """GraniteMoeHybridConfig arguments: granite-4.0-h-micro's settings at `shape`."""
     return {
         "architectures": ["GraniteMoeHybridForCausalLM"],
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "num_hidden_layers": shape.num_layers,
+        **_widths(shape),
         "layer_types": [
             "attention" if i in shape.attention_layers else "mamba" for i in range(shape.num_layers)
         ],
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
         "intermediate_size": shape.mlp_size,
         "shared_intermediate_size": shape.mlp_size,
         "num_local_experts": 0,
@@ -109,11 +116,7 @@ def dense_config(shape: Shape) -> dict[str, Any]:
     """LlamaConfig arguments: the same widths and depth, every layer attention."""
     return {
         "architectures": ["LlamaForCausalLM"],
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
+        **_widths(shape),
         "intermediate_size": shape.mlp_size,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,

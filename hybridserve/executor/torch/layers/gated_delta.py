@@ -56,19 +56,16 @@ def gated_delta_rule_recurrent(
     """Token by token. q, k `[L, Hk, Dk]` (normalised and scaled; each key head serves Hv / Hk
     value heads), v `[L, Hv, Dv]`, g and beta `[L, Hv]`, state `[Hv, Dk, Dv]`; returns outputs
     `[L, Hv, Dv]`, the final state and the states after each count in `snapshots`."""
-    ratio = v.shape[1] // k.shape[1]
-    q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
     outputs, saved = [], []
     wanted = set(snapshots)
+    batched = state[None]  # one request: a batch of one for gated_delta_step
     for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        predicted = torch.einsum("hk,hkv->hv", k[t], state)
-        delta = (v[t] - predicted) * beta[t][:, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        outputs.append(torch.einsum("hk,hkv->hv", q[t], state))
+        step = slice(t, t + 1)
+        out, batched = gated_delta_step(q[step], k[step], v[step], g[step], beta[step], batched)
+        outputs.append(out[0])
         if t + 1 in wanted:
-            saved.append(state)
-    return torch.stack(outputs), state, saved
+            saved.append(batched[0])
+    return torch.stack(outputs), batched[0], saved
 
 
 def gated_delta_step(

@@ -120,17 +120,16 @@ def ssd_recurrent(
     """Token by token. x `[L, H, P]`, dt `[L, H]` (discretised), a `[H]`, b and c `[L, G, N]`
     (G groups of H / G heads each), state `[H, P, N]`; returns y `[L, H, P]` (without the D
     skip), the final state and the states after each count in `snapshots`."""
-    ratio = x.shape[1] // b.shape[1]
-    b, c = b.repeat_interleave(ratio, dim=1), c.repeat_interleave(ratio, dim=1)
     outputs, saved = [], []
     wanted = set(snapshots)
+    batched = state[None]  # one request: a batch of one for ssd_step
     for t in range(x.shape[0]):
-        decay = torch.exp(dt[t] * a)[:, None, None]
-        state = state * decay + (dt[t][:, None] * x[t])[:, :, None] * b[t][:, None, :]
-        outputs.append(torch.einsum("hpn,hn->hp", state, c[t]))
+        step = slice(t, t + 1)
+        y, batched = ssd_step(x[step], dt[step], a, b[step], c[step], batched)
+        outputs.append(y[0])
         if t + 1 in wanted:
-            saved.append(state)
-    return torch.stack(outputs), state, saved
+            saved.append(batched[0])
+    return torch.stack(outputs), batched[0], saved
 
 
 def ssd_step(
