@@ -206,6 +206,30 @@ ServedNameOpt = Annotated[
         "or the checkpoint folder's name)."
     ),
 ]
+ToolParserOpt = Annotated[
+    str,
+    typer.Option(
+        help="How tool calls are read from chat outputs, and written when tool_choice is "
+        '"required" or names a function: hermes (<tool_call> blocks: Qwen3, Qwen3-Next, '
+        "Hermes, SmolLM; templates without tool support get this convention), llama3_json, "
+        "mistral.",
+    ),
+]
+ReasoningParserOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Split <think>...</think> reasoning into reasoning_content: qwen3 (needs the "
+        "opening tag) or deepseek_r1 (everything before </think>). Default: reasoning stays "
+        "content.",
+    ),
+]
+MetricsNamesOpt = Annotated[
+    str,
+    typer.Option(
+        help="Metric names on /metrics: hybridserve (hybridserve:...) or vllm (vLLM's own "
+        "vllm:... names, for dashboards, autoscalers and routers built for vLLM).",
+    ),
+]
 KvEventsOpt = Annotated[
     str | None, typer.Option(help="Publish KV events (vLLM's format) at tcp://HOST:PORT.")
 ]
@@ -251,6 +275,9 @@ class ServeFlags:
     dcp: int
     dcp_interleave: int
     served_model_name: list[str] | None
+    tool_call_parser: str
+    reasoning_parser: str | None
+    metrics_names: str
     threads: int | None
     block_size: int
     kv_events: str | None
@@ -294,6 +321,9 @@ def serve_cmd(
     dcp: ServeDcpOpt = 1,
     dcp_interleave: InterleaveOpt = 1,
     served_model_name: ServedNameOpt = None,
+    tool_call_parser: ToolParserOpt = "hermes",
+    reasoning_parser: ReasoningParserOpt = None,
+    metrics_names: MetricsNamesOpt = "hybridserve",
     threads: ThreadsOption = None,
     block_size: BlockSizeOption = 16,
     kv_events: KvEventsOpt = None,
@@ -421,7 +451,11 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
     names = tuple(dict.fromkeys(flags.served_model_name or ()))
     if any(not name.strip() for name in names):
         raise fail("--served-model-name: give a non-empty name")
+    _check_readers(flags)
     return ServerSettings(
+        tool_call_parser=flags.tool_call_parser,
+        reasoning_parser=flags.reasoning_parser,
+        metrics_names=flags.metrics_names,
         served_model_names=names,
         api_key=resolve_api_key(flags.api_key, flags.api_key_file, os.environ.get(API_KEY_ENV)),
         max_request_bytes=flags.max_request_bytes,
@@ -432,6 +466,23 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         allow_origins=tuple(flags.allow_origin or ()),
         default_max_tokens=flags.default_max_tokens,
     )
+
+
+def _check_readers(flags: ServeFlags) -> None:
+    """Refuse an unknown tool-call parser, reasoning parser or metric namespace before the
+    model loads."""
+    from hybridserve.server.metrics import NAMESPACES
+    from hybridserve.server.reasoning import reasoning_parser
+    from hybridserve.server.tool_parsers import tool_parser
+
+    try:
+        tool_parser(flags.tool_call_parser)
+        if flags.reasoning_parser is not None:
+            reasoning_parser(flags.reasoning_parser)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if flags.metrics_names not in NAMESPACES:
+        raise fail(f"--metrics-names {flags.metrics_names!r}: use one of {', '.join(NAMESPACES)}")
 
 
 def _backend_loader(flags: ServeFlags, file: SettingsFile | None) -> Callable[[], ServingBackend]:

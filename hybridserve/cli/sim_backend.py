@@ -145,6 +145,10 @@ class SimServingBackend:
         return False  # synthetic tokens come from no distribution
 
     @property
+    def grammars(self) -> None:
+        return None  # byte tokens from no model: nothing to constrain
+
+    @property
     def max_model_len(self) -> int:
         return self._max_model_len
 

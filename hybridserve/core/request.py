@@ -59,6 +59,30 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are 64-bit signed integers (as
 MAX_LOGPROBS = 20
 
 
+# OpenAI's range for `logit_bias` values.
+MAX_LOGIT_BIAS = 100.0
+STRUCTURED_KINDS = ("json", "regex", "lark")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """Output constrained by a grammar: `kind` "json" (`spec` is a JSON schema, as text),
+    "regex" (the whole output matches `spec`) or "lark" (a Lark grammar in llguidance's
+    dialect). An executor with a tokenizer enforces it token by token; the core only carries
+    it."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise RequestError(
+                "structured.kind", self.kind, f"use one of {', '.join(STRUCTURED_KINDS)}"
+            )
+        if not isinstance(self.spec, str) or not self.spec:
+            raise RequestError("structured.spec", self.spec, "give a non-empty grammar text")
+
+
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -87,6 +111,13 @@ class SamplingParams:
     # likely alternatives'; `prompt_logprobs` the same for every prompt token but the first.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output follows this grammar (None: free text).
+    structured: StructuredOutput | None = None
+    # Stop tokens cannot end the output before this many tokens (vLLM's `min_tokens`); a
+    # grammar that allows nothing else wins.
+    min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's `logit_bias`).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def has_penalties(self) -> bool:
@@ -120,6 +151,17 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise RequestError(name, value, f"use 0 to {MAX_LOGPROBS}, or None for none")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(
+                "min_tokens", self.min_tokens, f"use 0 to max_tokens ({self.max_tokens})"
+            )
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise RequestError("logit_bias", token_id, "token ids are >= 0")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise RequestError(
+                    "logit_bias", bias, f"use a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )
 
     def numerically_safe(self) -> SamplingParams:
         """These settings as a float32 sampler must apply them: greedy below MIN_TEMPERATURE,

@@ -23,25 +23,35 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridserve.core.errors import HybridServeError, RequestError
+from hybridserve.core.errors import RequestError
 from hybridserve.core.plan import TokenLogprob
-from hybridserve.core.request import Request, SamplingParams
+from hybridserve.core.request import SEED_MAX, SEED_MIN, Request, SamplingParams, StructuredOutput
 from hybridserve.engine.assembly import EngineParts
 from hybridserve.server.async_engine import AsyncEngine, RequestStream, shutdown_error
 from hybridserve.server.backend import ServingBackend
+from hybridserve.server.bodies import parse_body, read_json
+from hybridserve.server.chat import (
+    ChatDelta,
+    ChatOutput,
+    chat_prompt,
+    encode_checked,
+    request_functions,
+    session_id,
+    structured_output,
+    valid_unicode,
+)
+from hybridserve.server.extra_routes import EXTRA_BODY_PATHS, add_extra_routes
 from hybridserve.server.generation import Piece, generate
 from hybridserve.server.metrics import Sample, ServerMetrics
 from hybridserve.server.openapi import (
@@ -54,9 +64,10 @@ from hybridserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    ignored_fields,
     new_error_id,
-    validation_error,
 )
+from hybridserve.server.reasoning import reasoning_parser
 from hybridserve.server.responses import (
     ChatFormat,
     ChatLogprobs,
@@ -64,7 +75,7 @@ from hybridserve.server.responses import (
     CompletionLogprobs,
     Usage,
 )
-from hybridserve.server.tokenizer import ChatMessage
+from hybridserve.server.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +85,7 @@ COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 # The routes that read a JSON body: only these answer a non-JSON body with 415 (any other
 # POST is routed, and answered 404 or 405 as its path says).
-BODY_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})
+BODY_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH, *EXTRA_BODY_PATHS})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +105,13 @@ class ServerSettings:
     # The watchdog: a step running longer than this kills the engine (0 = no watchdog). Well
     # past the longest real step: a 2,048-token chunk takes ~40 s on a loaded 2-core CPU.
     step_timeout_s: float = 300.0
+    # How tool calls are read from chat outputs and written for tool_choice "required" or a
+    # named function (vLLM's --tool-call-parser); see tool_parsers.TOOL_PARSERS.
+    tool_call_parser: str = "hermes"
+    # How `<think>` reasoning is split into `reasoning_content` (None: it stays content).
+    reasoning_parser: str | None = None
+    # Metric names: "hybridserve" (hybridserve:...) or "vllm" (vLLM's own vllm:... names).
+    metrics_names: str = "hybridserve"
 
 
 class ServerState:
@@ -110,8 +128,12 @@ class ServerState:
         self.model_names = settings.served_model_names or (backend.model_name,)
         self.model_name = self.model_names[0]
         self.tokenizer = backend.tokenizer
+        self.tool_parser = tool_parser(settings.tool_call_parser)
+        self.reasoning_parser = (
+            reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
+        )
         self.max_model_len = parts.scheduler.config.max_model_len
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, settings.metrics_names)
         self.engine = AsyncEngine(
             parts,
             pace_s=backend.pace_s,
@@ -251,7 +273,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post(COMPLETIONS_PATH, **generation_route(CompletionRequest, "completion"))
     async def completions(http: HttpRequest) -> Response:
         created = int(time.time())
-        body = _parse(CompletionRequest, await _read_json(http, settings.max_request_bytes))
+        body = parse_body(CompletionRequest, await read_json(http, settings.max_request_bytes))
+        _warn_ignored(body, COMPLETIONS_PATH)
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(
                 400,
@@ -260,67 +283,79 @@ def create_app(state: ServerState) -> FastAPI:
             )
         if body.logprobs is not None:
             _need_logprobs(state, "logprobs")
-        encoded: list[tuple[list[int], str | None]] = []
-        for prompt in body.prompts():
-            if isinstance(prompt, str):
-                text = _valid_unicode(prompt, "prompt")
-                encoded.append(
-                    (_encode(functools.partial(state.tokenizer.encode, text), "prompt"), text)
-                )
-            else:
-                vocab = state.tokenizer.vocab_size
-                if not all(0 <= t < vocab for t in prompt):
-                    raise ApiError(
-                        400, f"prompt: token ids must be in [0, {vocab})", param="prompt"
-                    )
-                encoded.append((prompt, None))
+        if body.min_tokens:
+            _need_model(state, "min_tokens")
+        encoded = _completion_prompts(state, body)
+        structured = structured_output(body, state.backend.grammars, state.backend.executor_name)
+        session = session_id(body, http.headers)
         choices = []
-        for index, (prompt_ids, prompt_text) in enumerate(encoded):
-            request, stops = _make_request(
-                state,
-                body,
-                prompt_ids=prompt_ids,
-                max_tokens=(max(body.max_tokens, 1), "max_tokens"),
-                prompt_field="prompt",
-                logprobs=body.logprobs,
-                prompt_logprobs=body.logprobs if body.echo else None,
-            )
+        for number, (prompt_ids, prompt_text) in enumerate(encoded):
             echo: str | None = None
             if body.echo:
                 echo = prompt_text if prompt_text is not None else _decode(state, prompt_ids)
-            choices.append(
-                _Choice(index, request, stops, echo=echo, scored_only=body.max_tokens == 0)
-            )
+            for i in range(body.n):  # OpenAI's order: the n choices of each prompt in turn
+                request, stops = _make_request(
+                    state,
+                    body,
+                    prompt_ids=prompt_ids,
+                    max_tokens=(max(body.max_tokens, 1), "max_tokens"),
+                    prompt_field="prompt",
+                    logprobs=body.logprobs,
+                    prompt_logprobs=body.logprobs if body.echo else None,
+                    structured=structured,
+                    session=session,
+                    choice=i,
+                )
+                choices.append(
+                    _Choice(
+                        number * body.n + i,
+                        request,
+                        stops,
+                        echo=echo,
+                        scored_only=body.max_tokens == 0,
+                    )
+                )
         fmt = CompletionFormat(state.model_name, f"cmpl-{next(state.ids)}", created)
         return await _serve(state, http, stream=_stream_flags(body), choices=choices, fmt=fmt)
 
     @app.post(CHAT_PATH, **generation_route(ChatCompletionRequest, "chat completion"))
     async def chat_completions(http: HttpRequest) -> Response:
         created = int(time.time())
-        body = _parse(ChatCompletionRequest, await _read_json(http, settings.max_request_bytes))
-        messages = [
-            # A developer message is the system instructions under OpenAI's newer name.
-            ChatMessage(
-                "system" if m.role == "developer" else m.role,
-                _valid_unicode(m.text(), f"messages.{i}.content"),
-            )
-            for i, m in enumerate(body.messages)
-        ]
+        body = parse_body(ChatCompletionRequest, await read_json(http, settings.max_request_bytes))
+        _warn_ignored(body, CHAT_PATH)
         if body.num_logprobs() is not None:
             _need_logprobs(state, "logprobs")
-        prompt_ids = _encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
-        request, stops = _make_request(
-            state,
-            body,
-            prompt_ids=prompt_ids,
-            max_tokens=body.requested_max_tokens(),
-            prompt_field="messages",
-            logprobs=body.num_logprobs(),
+        if body.min_tokens:
+            _need_model(state, "min_tokens")
+        prompt_ids, messages = chat_prompt(
+            state.tokenizer, body.messages, request_functions(body), body.chat_template_kwargs
         )
+        structured = structured_output(
+            body,
+            state.backend.grammars,
+            state.backend.executor_name,
+            tool_parser=state.tool_parser,
+        )
+        offered = bool(body.tools) and body.effective_tool_choice() != "none"
+        choices = []
+        for i in range(body.n):
+            request, stops = _make_request(
+                state,
+                body,
+                prompt_ids=prompt_ids,
+                max_tokens=body.requested_max_tokens(),
+                prompt_field="messages",
+                logprobs=body.num_logprobs(),
+                structured=structured,
+                session=session_id(body, http.headers, messages),
+                choice=i,
+            )
+            output = ChatOutput(state.reasoning_parser, state.tool_parser if offered else None)
+            choices.append(_Choice(i, request, stops, output=output))
         fmt = ChatFormat(state.model_name, f"chatcmpl-{next(state.ids)}", created)
-        choices = [_Choice(0, request, stops)]
         return await _serve(state, http, stream=_stream_flags(body), choices=choices, fmt=fmt)
 
+    add_extra_routes(app, state)
     return app
 
 
@@ -334,6 +369,52 @@ class _Choice:
     echo: str | None = None  # the prompt text shown before the output (completions' echo)
     scored_only: bool = False  # echo with max_tokens 0: the one generated token is dropped
     started: bool = False  # its first piece went out (a stream shows the echo with it)
+    output: ChatOutput | None = None  # a chat choice's reasoning and tool calls, read back
+
+
+def _completion_prompts(
+    state: ServerState, body: CompletionRequest
+) -> list[tuple[list[int], str | None]]:
+    """Each prompt's token ids, with its text when it came as text."""
+    encoded: list[tuple[list[int], str | None]] = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            text = valid_unicode(prompt, "prompt")
+            encode = functools.partial(state.tokenizer.encode, text)
+            encoded.append((encode_checked(encode, "prompt"), text))
+            continue
+        vocab = state.tokenizer.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+        encoded.append((prompt, None))
+    return encoded
+
+
+def _warn_ignored(body: CompletionRequest | ChatCompletionRequest, path: str) -> None:
+    """Log the fields no OpenAI or vLLM request defines (they are ignored, as vLLM does)."""
+    ignored = ignored_fields(body)
+    if ignored:
+        logger.warning("%s: ignoring fields it does not define: %s", path, ", ".join(ignored))
+
+
+def _logit_bias(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest
+) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs: keys are token ids in the vocabulary."""
+    if not body.logit_bias:
+        return ()
+    _need_model(state, "logit_bias")
+    vocab = state.tokenizer.vocab_size
+    out = []
+    for key, bias in body.logit_bias.items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise ApiError(
+                400,
+                f"logit_bias: {key!r} is not a token id; use ids in [0, {vocab}) as strings",
+                param="logit_bias",
+            )
+        out.append((int(key), float(bias)))
+    return tuple(out)
 
 
 def _stream_flags(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
@@ -341,14 +422,21 @@ def _stream_flags(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool
     return body.stream, bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _need_logprobs(state: ServerState, field: str) -> None:
+def _need_model(
+    state: ServerState, field: str, lacks: str = "whose logits it could change"
+) -> None:
+    """A 400 naming `field` when the executor has no model (the simulator)."""
     if not state.backend.supports_logprobs:
         raise ApiError(
             400,
-            f"{field}: the {state.backend.executor_name} executor has no model, so there are no "
-            "log-probabilities to return; leave it out, or serve a model (--executor torch)",
+            f"{field}: the {state.backend.executor_name} executor has no model {lacks}; "
+            "leave it out, or serve a model (--executor torch)",
             param=field,
         )
+
+
+def _need_logprobs(state: ServerState, field: str) -> None:
+    _need_model(state, field, "to return log-probabilities from")
 
 
 def _decode(state: ServerState, token_ids: Sequence[int]) -> str:
@@ -479,8 +567,19 @@ async def _whole(
     shown, block = render.render("".join(text), logprobs, prompt_logprobs)
     choice = render.choice
     num_output = 0 if choice.scored_only else last.num_output_tokens
-    body = fmt.choice(choice.index, shown, last.finish_reason, block)
+    if choice.output is not None and isinstance(fmt, ChatFormat):
+        read = choice.output.whole(shown)
+        finish = _finish_reason(last.finish_reason, choice.output)
+        with_reasoning = choice.output.reads_reasoning
+        body = fmt.message_choice(choice.index, read, finish, block, with_reasoning=with_reasoning)
+    else:
+        body = fmt.choice(choice.index, shown, last.finish_reason, block)
     return body, num_output, last.num_cached_tokens
+
+
+def _finish_reason(reason: str | None, output: ChatOutput) -> str | None:
+    """ "tool_calls" for a turn that ended by itself after calling tools, as OpenAI says."""
+    return "tool_calls" if reason == "stop" and output.called else reason
 
 
 class _EngineStreamingResponse(StreamingResponse):
@@ -509,7 +608,7 @@ async def _sse(
     """Server-sent events: each piece of each choice as soon as it is generated (a chat stream
     opens with the assistant role, a completions stream with the first text), the usage if
     asked for, then [DONE]."""
-    opening = fmt.first_chunk()
+    opening = fmt.first_chunk(len(renders))
     if opening is not None:
         yield _event(opening)
     num_output = [0] * len(renders)
@@ -521,7 +620,13 @@ async def _sse(
             num_cached[index] = piece.num_cached_tokens
             if not render.choice.scored_only:
                 num_output[index] = piece.num_output_tokens
-            choice = fmt.stream_choice(index, text, piece.finish_reason, block)
+            output = render.choice.output
+            if output is not None and isinstance(fmt, ChatFormat):
+                choice = _read_delta(fmt, render.choice.index, output, piece, text, block)
+                if choice is None:
+                    continue  # nothing to show yet (a call's tag is still arriving)
+            else:
+                choice = fmt.stream_choice(render.choice.index, text, piece.finish_reason, block)
             yield _event(fmt.chunk([choice]))
     except ApiError as exc:
         yield _event(exc.body())
@@ -530,6 +635,29 @@ async def _sse(
     if include_usage:
         yield _event(fmt.usage_chunk(Usage(num_prompt, sum(num_output), sum(num_cached))))
     yield b"data: [DONE]\n\n"
+
+
+def _read_delta(
+    fmt: ChatFormat,
+    index: int,
+    output: ChatOutput,
+    piece: Piece,
+    text: str,
+    block: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """A chat stream's chunk for one piece read back (None: it shows nothing yet)."""
+    delta = output.push(text)
+    if piece.finish_reason is not None:
+        rest = output.finish()
+        delta = ChatDelta(
+            delta.content + rest.content,
+            delta.reasoning + rest.reasoning,
+            delta.tool_calls + rest.tool_calls,
+        )
+    if piece.finish_reason is None and block is None and delta == ChatDelta():
+        return None
+    finish = _finish_reason(piece.finish_reason, output)
+    return fmt.delta_choice(index, delta, finish, block)
 
 
 async def _merged(pieces: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
@@ -579,6 +707,9 @@ def _make_request(
     prompt_field: str,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    structured: StructuredOutput | None = None,
+    session: str | None = None,
+    choice: int = 0,
 ) -> tuple[Request, list[str]]:
     if body.model not in state.model_names:
         served = " or ".join(repr(name) for name in state.model_names)
@@ -611,11 +742,7 @@ def _make_request(
     if not body.ignore_eos:
         stop_ids += state.tokenizer.eos_token_ids
     req_id = f"req-{next(state.ids)}"
-    seed = body.seed
-    if seed is None:
-        # A fresh seed per request: unseeded requests must not all draw the same numbers.
-        seed = secrets.randbits(63)
-        logger.debug("%s: unseeded, drew seed %d", req_id, seed)
+    seed = _choice_seed(body.seed, choice, req_id)
     try:
         sampling = SamplingParams(
             max_tokens=limit,
@@ -629,6 +756,9 @@ def _make_request(
             frequency_penalty=body.frequency_penalty,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
+            min_tokens=body.min_tokens,
+            logit_bias=_logit_bias(state, body),
         )
         cache_salt = body.cache_salt
         if prompt_logprobs is not None:
@@ -643,7 +773,7 @@ def _make_request(
             arrival_time=state.engine.now(),
             priority=body.priority,
             cache_salt=cache_salt,
-            session_id=body.user or None,  # OpenAI's end-user id names the session
+            session_id=session,
         )
         state.parts.scheduler.config.check_priority(body.priority)  # the one priority rule
     except RequestError as exc:
@@ -652,6 +782,17 @@ def _make_request(
             param = limit_field
         raise ApiError(400, str(exc), param=param) from None
     return request, body.stop_list()
+
+
+def _choice_seed(seed: int | None, choice: int, req_id: str) -> int:
+    """The seed of a request's `choice`-th choice: a fresh random one when the request gives
+    none (unseeded requests must not all draw the same numbers); else one per choice, so the
+    choices of a seeded request (n > 1) differ from each other, and repeat."""
+    if seed is None:
+        drawn = secrets.randbits(63)
+        logger.debug("%s: unseeded, drew seed %d", req_id, drawn)
+        return drawn
+    return (seed + choice - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
 
 
 def _admit(state: ServerState, requests: Sequence[Request]) -> list[RequestStream]:
@@ -684,91 +825,6 @@ def _admit(state: ServerState, requests: Sequence[Request]) -> list[RequestStrea
             headers=retry_after,
         )
     return [state.engine.submit(request) for request in requests]
-
-
-async def _read_json(http: HttpRequest, limit: int) -> Any:
-    declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks, size = [], 0
-    try:
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        # Nobody reads the answer; say why in the log without a traceback.
-        logger.info("client disconnected after %d bytes of the request body", size)
-        raise ApiError(400, "the client disconnected", param="body", code="disconnected") from None
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(
-            400, f"body is not valid UTF-8 (byte {exc.start})", param="body", code="invalid_utf8"
-        ) from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"body is not JSON: {exc}", param="body", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(
-            400, "body is nested too deeply to parse", param="body", code="invalid_json"
-        ) from None
-    except ValueError:  # an integer literal past Python's digit limit
-        raise ApiError(
-            400, "body has an integer with too many digits", param="body", code="invalid_json"
-        ) from None
-    if not isinstance(value, dict):
-        raise ApiError(400, "body must be a JSON object", param="body", code="invalid_json")
-    return value
-
-
-def _too_large(size: int, limit: int) -> ApiError:
-    return ApiError(
-        413, f"body of {size} bytes exceeds {limit}", param="body", code="request_too_large"
-    )
-
-
-_Body = TypeVar("_Body", CompletionRequest, ChatCompletionRequest)
-
-
-def _parse(model: type[_Body], value: Any) -> _Body:
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    except RecursionError:
-        raise ApiError(
-            400, "body is nested too deeply to validate", param="body", code="invalid_json"
-        ) from None
-
-
-def _valid_unicode(text: str, field: str) -> str:
-    """`text`, or a 400 naming `field` if it holds a lone surrogate (JSON's "\\udfff"), which
-    no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(
-            400,
-            f"{field}: text is not valid Unicode (a lone surrogate at character {exc.start})",
-            param=field,
-        ) from None
-    return text
-
-
-def _encode(encode: Callable[[], list[int]], field: str) -> list[int]:
-    try:
-        ids = encode()
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{field}: text is not valid Unicode", param=field) from None
-    except HybridServeError as exc:  # e.g. a chat template that rejects the conversation
-        raise ApiError(400, f"{field}: {getattr(exc, 'fix', exc)}", param=field) from None
-    if not ids:
-        raise ApiError(400, f"{field}: the prompt is empty", param=field)
-    return ids
 
 
 def _bearer_token(headers: Headers) -> bytes:

@@ -28,6 +28,7 @@ from hybridserve.engine.assembly import (
 )
 from hybridserve.engine.settings import Preset, SettingsSources
 from hybridserve.executor.api import Executor
+from hybridserve.executor.grammar import Grammars
 from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.kvcache.spec import state_quantum
 from hybridserve.server.tokenizer import Tokenizer
@@ -56,6 +57,12 @@ class ServingBackend(Protocol):
     def supports_logprobs(self) -> bool:
         """Whether the executor reports log-probabilities (`SamplingParams.logprobs`,
         `prompt_logprobs`): a real model does, the simulator has none to report."""
+        ...
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The tokenizer's structured-output grammars (None: the executor has no tokenizer to
+        constrain, and requests for structured output are refused)."""
         ...
 
     @property

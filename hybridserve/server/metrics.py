@@ -1,6 +1,8 @@
 """Prometheus metrics of one server, in its own CollectorRegistry.
 
-Names mirror vLLM's `vllm:` metrics under `hybridserve:`. Labels are bounded: the model name, a
+Names mirror vLLM's `vllm:` metrics under `hybridserve:`; with `namespace="vllm"` (`serve
+--metrics-names vllm`) they are exported under vLLM's own names, so dashboards, autoscalers and
+routers built for vLLM read them unchanged. Labels are bounded: the model name, a
 finish reason, a cache group's index and kind. Never a request id or any content.
 Request latencies are observed where the client sees them (the event loop); engine counters
 in the engine thread; scheduler and cache state is read at scrape time.
@@ -15,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 NS = "hybridserve"
+NAMESPACES = ("hybridserve", "vllm")
 FINISH_REASONS = ("stop", "length", "abort")
 
 # vLLM's buckets for TTFT, ITL and request latencies.
@@ -38,13 +41,19 @@ Sample = tuple[str, dict[str, str], float, str]
 class EngineStateCollector(Collector):
     """Scheduler gauges, cache and control counters, read from the engine at scrape time."""
 
-    def __init__(self, read: Callable[[], list[Sample]], model_name: str) -> None:
+    def __init__(
+        self, read: Callable[[], list[Sample]], model_name: str, namespace: str = NS
+    ) -> None:
         self._read = read
         self._model_name = model_name
+        self._namespace = namespace
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
-        for name, labels, value, kind in self._read():
+        for engine_name, labels, value, kind in self._read():
+            name = engine_name
+            if self._namespace != NS and engine_name.startswith(f"{NS}:"):
+                name = f"{self._namespace}:{engine_name.removeprefix(f'{NS}:')}"
             keys = ["model_name", *labels]
             family = families.get(name)
             if family is None:
@@ -60,72 +69,80 @@ class EngineStateCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, namespace: str = NS) -> None:
+        if namespace not in NAMESPACES:
+            raise ValueError(f"--metrics-names {namespace!r}: use one of {', '.join(NAMESPACES)}")
         self.model_name = model_name
+        self.namespace = namespace
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         labels = ["model_name"]
         reg = self.registry
         self.request_success = Counter(
-            f"{NS}:request_success",
+            f"{namespace}:request_success",
             "Finished requests by finish reason.",
             [*labels, "finished_reason"],
             registry=reg,
         )
         self.prompt_tokens = Counter(
-            f"{NS}:prompt_tokens", "Prefilled prompt tokens.", labels, registry=reg
+            f"{namespace}:prompt_tokens", "Prefilled prompt tokens.", labels, registry=reg
         )
         self.generation_tokens = Counter(
-            f"{NS}:generation_tokens", "Generated tokens.", labels, registry=reg
+            f"{namespace}:generation_tokens", "Generated tokens.", labels, registry=reg
         )
         self.num_preemptions = Counter(
-            f"{NS}:num_preemptions", "Preemptions by the scheduler.", labels, registry=reg
+            f"{namespace}:num_preemptions", "Preemptions by the scheduler.", labels, registry=reg
         )
-        self.engine_steps = Counter(f"{NS}:engine_steps", "Engine steps.", labels, registry=reg)
+        self.engine_steps = Counter(
+            f"{namespace}:engine_steps", "Engine steps.", labels, registry=reg
+        )
         self.engine_failed_steps = Counter(
-            f"{NS}:engine_failed_steps",
+            f"{namespace}:engine_failed_steps",
             "Engine steps the executor failed (their requests were aborted).",
             labels,
             registry=reg,
         )
         self.engine_step_seconds = Counter(
-            f"{NS}:engine_step_seconds", "Wall seconds spent in Engine.step.", labels, registry=reg
+            f"{namespace}:engine_step_seconds",
+            "Wall seconds spent in Engine.step.",
+            labels,
+            registry=reg,
         )
         self.engine_step_cpu_seconds = Counter(
-            f"{NS}:engine_step_cpu_seconds",
+            f"{namespace}:engine_step_cpu_seconds",
             "Engine-thread CPU seconds spent in Engine.step.",
             labels,
             registry=reg,
         )
         self.executor_step_seconds = Counter(
-            f"{NS}:executor_step_duration_seconds",
+            f"{namespace}:executor_step_duration_seconds",
             "Step durations the executor reported (modelled time for the simulator).",
             labels,
             registry=reg,
         )
         self.ttft = Histogram(
-            f"{NS}:time_to_first_token_seconds",
+            f"{namespace}:time_to_first_token_seconds",
             "Time to first token.",
             labels,
             buckets=_TTFT_BUCKETS,
             registry=reg,
         )
         self.itl = Histogram(
-            f"{NS}:inter_token_latency_seconds",
+            f"{namespace}:inter_token_latency_seconds",
             "Gap between consecutive output deliveries of a request.",
             labels,
             buckets=_ITL_BUCKETS,
             registry=reg,
         )
         self.e2e = Histogram(
-            f"{NS}:e2e_request_latency_seconds",
+            f"{namespace}:e2e_request_latency_seconds",
             "Arrival to the last token.",
             labels,
             buckets=_REQUEST_BUCKETS,
             registry=reg,
         )
         self.queue_time = Histogram(
-            f"{NS}:request_queue_time_seconds",
+            f"{namespace}:request_queue_time_seconds",
             "Arrival to first admission.",
             labels,
             buckets=_REQUEST_BUCKETS,
@@ -152,7 +169,7 @@ class ServerMetrics:
 
     def attach(self, read: Callable[[], list[Sample]]) -> None:
         """Export the engine's state through `read`, called at every scrape."""
-        self.registry.register(EngineStateCollector(read, self.model_name))
+        self.registry.register(EngineStateCollector(read, self.model_name, self.namespace))
 
     def on_step(
         self,

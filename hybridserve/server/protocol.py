@@ -1,17 +1,21 @@
 """OpenAI request models (pydantic, strict) and OpenAI-style errors.
 
-Unknown fields are rejected (`extra="forbid"`), so a parameter this server does not implement
-is a 400 naming it rather than silently ignored. vLLM's extensions `top_k`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `cache_salt` and `priority` are
-implemented; vLLM's other sampling parameters are accepted at their neutral value (`min_p: 0`,
-`skip_special_tokens: true`, ...) and refused otherwise. `null` means "left out" for every
-field, as in vLLM. Types are strict (no "10" for 10, no 0 for false), except that integer
-fields take integral floats (`1.0`), as OpenAI and vLLM do.
+Fields no OpenAI or vLLM request defines (`store`, `metadata`, a client's own extras) are
+ignored and logged with a warning, as vLLM does, so clients that send them keep working;
+`ignored_fields` lists them. A parameter OpenAI or vLLM defines but this server does not
+implement is a 400 naming it rather than silently ignored. vLLM's extensions `top_k`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `min_tokens`, `cache_salt`, `priority`
+and structured outputs (`structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`) are implemented; vLLM's other sampling parameters are accepted at their
+neutral value (`min_p: 0`, `skip_special_tokens: true`, ...) and refused otherwise. `null`
+means "left out" for every field, as in vLLM. Types are strict (no "10" for 10, no 0 for
+false), except that integer fields take integral floats (`1.0`), as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -35,10 +39,37 @@ from hybridserve.core.request import (
     REPETITION_RANGE,
     SEED_MAX,
     SEED_MIN,
+    StructuredOutput,
 )
 
 MAX_STOP_SEQUENCES = 16
 MAX_USER_CHARS = 65_536
+MAX_CHOICES = 16  # `n`: choices per prompt
+MAX_TOOLS = 128
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def _structured(kind: str, value: Any, field: str) -> StructuredOutput:
+    """One structured-output field as the grammar the executor enforces."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ApiError(
+                    400, f"{field}: the schema is not JSON ({exc})", param=field
+                ) from None
+        if not isinstance(value, dict):
+            raise ApiError(400, f"{field}: a JSON schema is a JSON object", param=field)
+        return StructuredOutput("json", json.dumps(value))
+    if kind == "regex":
+        return StructuredOutput("regex", value)
+    if kind == "choice":
+        if not all(isinstance(c, str) and c for c in value):
+            raise ApiError(400, f"{field}: give non-empty strings", param=field)
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(value))
+        return StructuredOutput("lark", f"start: {literals}")
+    return StructuredOutput("lark", value)
 
 
 def new_error_id() -> str:
@@ -163,10 +194,11 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
-    """Strict, closed request models; `null` for any field means the field was left out, as
-    vLLM reads it (`"temperature": null` is the default temperature)."""
+    """Strict request models; `null` for any field means the field was left out, as vLLM
+    reads it (`"temperature": null` is the default temperature). Unknown fields are kept
+    aside (`model_extra`) and reported by `ignored_fields`."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +215,38 @@ class StreamOptions(_Body):
 
 class TextFormat(_Body):
     type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    # `schema` is a BaseModel attribute: the field keeps its JSON name through an alias.
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = {}
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    json_object: bool | None = None
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -214,24 +278,26 @@ class _SamplingFields(_Body):
     min_p: Annotated[float, Field(ge=0.0, le=0.0), neutral("0")] = 0.0
     length_penalty: Annotated[float, Field(ge=1.0, le=1.0), neutral("1")] = 1.0
     include_stop_str_in_output: Annotated[OnlyFalse, neutral("false")] = False
-    min_tokens: Annotated[Integer, Field(ge=0, le=0), neutral("0")] = 0
+    min_tokens: Annotated[Integer, Field(ge=0)] = 0
     skip_special_tokens: Annotated[OnlyTrue, neutral("true")] = True
     spaces_between_special_tokens: Annotated[OnlyTrue, neutral("true")] = True
     truncation_side: Literal["left", "right"] | None = None  # no effect without truncation
     allowed_token_ids: Unsupported = None
     bad_words: Annotated[list[str], Field(max_length=0), neutral("[]")] = []
-    logit_bias: Annotated[dict[str, float], Field(max_length=0), neutral("{}")] = {}
+    # Token id (as a string, as OpenAI sends it) -> bias in [-100, 100].
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = {}
     truncate_prompt_tokens: Unsupported = None
     prompt_logprobs: Unsupported = None
     logprob_token_ids: Unsupported = None
     watermarking: Annotated[OnlyFalse, neutral("false")] = False
-    response_format: TextFormat | None = None
-    structured_outputs: Unsupported = None
-    guided_json: Unsupported = None
-    guided_regex: Unsupported = None
-    guided_choice: Unsupported = None
-    guided_grammar: Unsupported = None
-    guided_decoding_backend: Unsupported = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    # One backend serves structured outputs (llguidance); vLLM's names for it are accepted.
+    guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None
     guided_whitespace_pattern: Unsupported = None
     return_tokens_as_token_ids: Annotated[OnlyFalse, neutral("false")] = False
     return_token_ids: Annotated[OnlyFalse, neutral("false")] = False
@@ -258,9 +324,9 @@ class _SamplingFields(_Body):
 
     @field_validator("n")
     @classmethod
-    def _single_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices_bounded(cls, value: int) -> int:
+        if value > MAX_CHOICES:
+            raise ValueError(f"give at most {MAX_CHOICES} choices")
         return value
 
     @field_validator("stream_options")
@@ -274,6 +340,29 @@ class _SamplingFields(_Body):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def structured_fields(self) -> list[tuple[str, StructuredOutput]]:
+        """The structured-output constraints the request gives, each with the field it came
+        from (a valid request gives at most one)."""
+        out: list[tuple[str, StructuredOutput]] = []
+        fmt = self.response_format
+        if isinstance(fmt, JsonObjectFormat):
+            out.append(("response_format", StructuredOutput("json", ANY_JSON_OBJECT)))
+        elif isinstance(fmt, JsonSchemaFormat):
+            schema = json.dumps(fmt.json_schema.schema_ or {"type": "object"})
+            out.append(("response_format.json_schema.schema", StructuredOutput("json", schema)))
+        so = self.structured_outputs
+        legacy = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        given = (so.json_, so.regex, so.choice, so.grammar) if so else (None,) * 4
+        for prefix, values in (("structured_outputs.", given), ("guided_", legacy)):
+            for name, value in zip(("json", "regex", "choice", "grammar"), values, strict=True):
+                if value is not None:
+                    out.append((prefix + name, _structured(name, value, prefix + name)))
+        if so is not None and so.json_object:
+            out.append(
+                ("structured_outputs.json_object", StructuredOutput("json", ANY_JSON_OBJECT))
+            )
+        return out
 
 
 class CompletionRequest(_SamplingFields):
@@ -302,16 +391,66 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCallModel(_Body):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallModel(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallModel
+
+
 class ChatMessageModel(_Body):
-    # "developer" is OpenAI's newer name for system instructions.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for system instructions; "tool" carries a tool's
+    # result back to the model.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallModel] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # an earlier turn's reasoning (not shown again)
+
+    @model_validator(mode="after")
+    def _content_unless_calls(self) -> ChatMessageModel:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                "content: give the message's text (only an assistant turn with tool_calls may "
+                "leave it out)"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has them")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Body):
+    # OpenAI's rule for function names.
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolModel(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -320,10 +459,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Annotated[list[Any], Field(max_length=0), neutral("[]")] = []
-    # Without tools, "auto" calls none either.
-    tool_choice: Annotated[Literal["none", "auto"], neutral('"none" or "auto"')] = "none"
-    parallel_tool_calls: bool = True  # no effect without tools
+    tools: Annotated[list[ToolModel], Field(max_length=MAX_TOOLS)] = []
+    # Default: "auto" with tools, "none" without.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # several calls in one turn (no effect without tools)
     # vLLM's chat extras, at their neutral values only.
     echo: Annotated[OnlyFalse, neutral("false")] = False
     add_generation_prompt: Annotated[OnlyTrue, neutral("true")] = True
@@ -331,7 +470,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: Annotated[OnlyFalse, neutral("false")] = False
     documents: Unsupported = None
     chat_template: Unsupported = None
-    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=0), neutral("{}")] = {}
+    # Extra variables for the chat template (Qwen3's `enable_thinking`, ...).
+    chat_template_kwargs: dict[str, Any] = {}
     mm_processor_kwargs: Unsupported = None
     reasoning_effort: Unsupported = None
 
@@ -348,6 +488,27 @@ class ChatCompletionRequest(_SamplingFields):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be distinct")
+        if choice in ("required",) and not self.tools:
+            raise ValueError('tool_choice: "required" needs tools')
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice: {choice.function.name!r} is not one of the tools ({names})"
+            )
+        return self
+
+    def effective_tool_choice(self) -> str:
+        """ "none", "auto", "required", or "named" (`tool_choice` names a function)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return choice or ("auto" if self.tools else "none")
+
     def num_logprobs(self) -> int | None:
         """Alternatives per generated token to report (None: no log-probabilities)."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -358,6 +519,8 @@ def validation_error(exc: ValidationError) -> ApiError:
     first = exc.errors()[0]
     # Union members add their type to the location ("prompt.str"); keep the field path.
     parts = [str(p) for p in first["loc"] if not _is_type_tag(p)]
+    if parts[:1] == ["response_format"] and len(parts) > 2:
+        del parts[1]  # the format's tag ("json_schema"), which the field path repeats
     param = ".".join(parts) or None
     message = first["msg"]
     if first["type"] == "extra_forbidden":
@@ -365,8 +528,27 @@ def validation_error(exc: ValidationError) -> ApiError:
     elif first["type"] == "missing":
         message = f"missing required field {param!r}"
     else:
-        message = f"{param}: {message.removeprefix('Value error, ')}"
+        message = message.removeprefix("Value error, ")
+        # A model's own check names its field first ("content: ..."): the param names it too.
+        named = re.match(r"([a-z_]+): ", message)
+        if named and (not parts or parts[-1] != named.group(1)):
+            param = ".".join([*parts, named.group(1)])
+            message = message[named.end() :]
+        message = f"{param}: {message}"
     return ApiError(400, message, param=param, code=first["type"])
+
+
+def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
+    """The fields of `body` (nested models included) that no model defines, by path."""
+    out = [f"{where}{name}" for name in body.model_extra or {}]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                index = f".{i}" if isinstance(value, list) else ""
+                out.extend(ignored_fields(item, f"{where}{name}{index}."))
+    return out
 
 
 def _is_type_tag(part: object) -> bool:
@@ -375,3 +557,27 @@ def _is_type_tag(part: object) -> bool:
     return part in ("str", "int", "float", "bool", "none") or part.startswith(
         ("list[", "constrained-", "literal[", "function-")
     )
+
+
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a completion prompt, or a chat's messages (with its tools)."""
+
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessageModel], Field(min_length=1)] | None = None
+    tools: Annotated[list[ToolModel], Field(max_length=MAX_TOOLS)] = []
+    chat_template_kwargs: dict[str, Any] = {}
+    add_special_tokens: bool = True
+    add_generation_prompt: Annotated[OnlyTrue, neutral("true")] = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridserve.core.plan import TokenLogprob
+from hybridserve.server.tool_parsers import ToolCall, ToolCallDelta
+
+if TYPE_CHECKING:
+    from hybridserve.server.chat import ChatDelta
 
 
 class Usage(NamedTuple):
@@ -57,7 +61,7 @@ class _Format:
         body["usage"] = usage.body()
         return body
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def first_chunk(self, num_choices: int = 1) -> dict[str, Any] | None:
         """What a stream opens with before any token, if anything."""
         return None
 
@@ -99,15 +103,74 @@ class ChatFormat(_Format):
             "finish_reason": finish_reason,
         }
 
-    def first_chunk(self) -> dict[str, Any]:
-        """The role, as OpenAI opens a chat stream; it carries no content."""
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant"},
-            "logprobs": None,
-            "finish_reason": None,
+    def message_choice(
+        self,
+        index: int,
+        output: tuple[str | None, str | None, Sequence[ToolCall]],
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        *,
+        with_reasoning: bool,
+    ) -> dict[str, Any]:
+        """A whole choice read back: (content, reasoning, tool calls); `content` is null when
+        the turn is only calls, as OpenAI sends it."""
+        content, reasoning, calls = output
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if with_reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in calls
+            ]
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
         }
-        return self.chunk([choice])
+
+    def delta_choice(
+        self,
+        index: int,
+        delta: ChatDelta,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """A streamed piece read back: content, reasoning and tool-call deltas, in OpenAI's
+        shape (a call's first delta carries its id, type and name)."""
+        body: dict[str, Any] = {}
+        if delta.content:
+            body["content"] = delta.content
+        if delta.reasoning:
+            body["reasoning_content"] = delta.reasoning
+        if delta.tool_calls:
+            body["tool_calls"] = [_call_delta(d) for d in delta.tool_calls]
+        return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def first_chunk(self, num_choices: int = 1) -> dict[str, Any]:
+        """The role of each choice, as OpenAI opens a chat stream; it carries no content."""
+        choices = [
+            {"index": i, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
+            for i in range(num_choices)
+        ]
+        return self.chunk(choices)
+
+
+def _call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    function: dict[str, Any] = {"arguments": delta.arguments}
+    out: dict[str, Any] = {"index": delta.index}
+    if delta.id is not None:
+        out["id"] = delta.id
+        out["type"] = "function"
+    if delta.name is not None:
+        function["name"] = delta.name
+    out["function"] = function
+    return out
 
 
 class CompletionLogprobs:

@@ -13,15 +13,37 @@ its end-of-sequence ids.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+# The variables a chat template gets from the request itself; `chat_template_kwargs` cannot
+# replace them.
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str
+    # An assistant turn's tool calls as chat templates read them:
+    # {"id", "type": "function", "function": {"name", "arguments": {...}}}.
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None  # the call a tool message answers
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as transformers and vLLM hand it to a chat template."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class IncrementalDecoder(Protocol):
@@ -50,8 +72,22 @@ class Tokenizer(Protocol):
         expects them at the start of a prompt. Raises UnicodeEncodeError on lone surrogates."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of the conversation followed by an open assistant turn."""
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders `tools` (and tool turns) itself; when it does
+        not, the server writes them into the conversation in the hermes convention."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation followed by an open assistant turn; `tools` are
+        OpenAI tool definitions for the template, `options` extra template variables
+        (`chat_template_kwargs`)."""
         ...
 
     def new_decoder(self) -> IncrementalDecoder:
@@ -135,7 +171,17 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
+    @property
+    def supports_tools(self) -> bool:
+        return False
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         text = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
 

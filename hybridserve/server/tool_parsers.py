@@ -275,6 +275,9 @@ class _HermesStream(ToolCallStream):
         self._buf = ""
         self._inside = False
         self._scanned = 0  # how far into _buf a closing tag was looked for
+        # The JSON object a block opens with: a closing tag inside one of its strings is text.
+        self._span: _JsonSpan | None = None
+        self._span_end: int | None = None
 
     def _consume(self, text: str, *, final: bool) -> None:
         self._buf += text
@@ -292,12 +295,33 @@ class _HermesStream(ToolCallStream):
         self._buf = self._buf[start + len(self.OPEN) :]
         self._inside = True
         self._scanned = 0
+        self._span, self._span_end = None, None
         return True
 
+    def _closing_tag(self, final: bool) -> int:
+        """Where the block's closing tag starts (-1: not yet, or never): the first one after
+        the JSON object the block opens with, else (an object that never closes, at the end
+        of the output) the first one."""
+        body = self._buf
+        first = len(body) - len(body.lstrip())
+        if self._span is None and first < len(body) and body[first] == "{":
+            self._span = _JsonSpan(first, "{")
+        if self._span is not None and self._span_end is None:
+            self._span_end = self._span.advance(body)
+        begin = max(0, self._scanned - len(self.CLOSE) + 1)
+        if self._span_end is not None:
+            begin = max(begin, self._span_end)
+        elif self._span is not None and not final:
+            self._scanned = 0
+            return -1
+        end = body.find(self.CLOSE, begin if self._span_end is not None or not final else 0)
+        if end < 0:
+            self._scanned = len(body)
+        return end
+
     def _close_block(self, final: bool) -> bool:
-        end = self._buf.find(self.CLOSE, max(0, self._scanned - len(self.CLOSE) + 1))
+        end = self._closing_tag(final)
         if end < 0 and not final:
-            self._scanned = len(self._buf)
             return False
         if end < 0:  # the output ended inside the block: a call if its JSON is whole
             body = self._buf[: len(self._buf) - _held_length(self._buf, self.CLOSE)]

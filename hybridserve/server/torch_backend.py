@@ -8,7 +8,7 @@ resolves a built-in alias (`smollm2`, `gemma3-270m`) to its file and passes the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +17,10 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepResult
 from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
-from hybridserve.server.tokenizer import OffsetDecoder
+from hybridserve.server.tokenizer import ChatMessage, OffsetDecoder
 
 if TYPE_CHECKING:
+    from hybridserve.executor.grammar import Grammars
     from hybridserve.executor.torch.dcp import DcpDriver, LocalDcpRanks
     from hybridserve.executor.torch.executor import TorchExecutor
     from hybridserve.executor.torch.tokenizer import TextTokenizer
@@ -48,11 +49,22 @@ class TorchTokenizer:
         text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, as the protocol says
         return self._text.encode(text)
 
-    def apply_chat_template(self, messages: Sequence[Any]) -> list[int]:
+    @property
+    def supports_tools(self) -> bool:
+        template = self._text.chat_template
+        return template is not None and "tools" in template
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         for message in messages:
             message.content.encode("utf-8")  # lone surrogates: UnicodeEncodeError
         rendered = self._text.render_chat(
-            [{"role": m.role, "content": m.content} for m in messages]
+            [m.template_dict() for m in messages], tools=tools, options=options
         )
         # The template writes the special tokens itself.
         return self._text.encode(rendered, add_special_tokens=False)
@@ -108,6 +120,7 @@ class TorchServingBackend:
         self._num_blocks = num_blocks or max(256, 4 * -(-self._max_model_len // block_size))
         self._ranks: LocalDcpRanks | None = None
         self._driver: DcpDriver | None = None
+        self._grammars = _grammars(loaded.tokenizer, loaded.model, loaded.stop_token_ids)
         if dcp == 1:
             self._executor = self._single_executor(loaded.model, device)
         else:
@@ -119,7 +132,11 @@ class TorchServingBackend:
         from hybridserve.executor.torch.executor import TorchExecutor
 
         return TorchExecutor(
-            model, num_blocks=self._num_blocks, block_size=self._block_size, device=device
+            model,
+            num_blocks=self._num_blocks,
+            block_size=self._block_size,
+            device=device,
+            grammars=self._grammars,
         )
 
     def _dcp_executor(
@@ -157,6 +174,7 @@ class TorchServingBackend:
                 block_size=self._block_size,
                 device=device,
                 dcp=group,
+                grammars=self._grammars,
             )
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
@@ -192,6 +210,10 @@ class TorchServingBackend:
     @property
     def supports_logprobs(self) -> bool:
         return True
+
+    @property
+    def grammars(self) -> Grammars:
+        return self._grammars
 
     @property
     def max_model_len(self) -> int:
@@ -232,6 +254,15 @@ class TorchServingBackend:
                 logger.warning("a DCP rank had already stopped; releasing the rest (%s)", exc)
         if self._ranks is not None:
             self._ranks.close()
+
+
+def _grammars(tokenizer: TextTokenizer, model: Any, stop_token_ids: Sequence[int]) -> Grammars:
+    """Structured outputs for the model's tokenizer: masks as wide as its logits, a complete
+    output ended by its stop tokens."""
+    from hybridserve.executor.grammar import Grammars
+
+    vocab = max(int(model.vocab_size), int(tokenizer.backend.get_vocab_size()))
+    return Grammars(tokenizer.backend.to_str(), vocab_size=vocab, eos_token_ids=stop_token_ids)
 
 
 def serving_backend(

@@ -54,7 +54,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
     ("temperature-too-high", COMPLETIONS, {**BASE, "temperature": 5}, 400, "temperature"),
     ("top-p-zero", COMPLETIONS, {**BASE, "top_p": 0}, 400, "top_p"),
     ("top-k-below-minus-one", COMPLETIONS, {**BASE, "top_k": -2}, 400, "top_k"),
-    ("n-two", COMPLETIONS, {**BASE, "n": 2}, 400, "n"),
+    ("n-past-16", COMPLETIONS, {**BASE, "n": 17}, 400, "n"),
     ("unknown-model", COMPLETIONS, {**BASE, "model": "gpt-9"}, 404, "model"),
     ("unsupported-logit-bias", COMPLETIONS, {**BASE, "logit_bias": {"1": 2}}, 400, "logit_bias"),
     ("sim-has-no-logprobs", COMPLETIONS, {**BASE, "logprobs": 1}, 400, "logprobs"),
@@ -110,7 +110,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
         COMPLETIONS,
         {**BASE, "response_format": {"type": "json_object"}},
         400,
-        "response_format.type",
+        "response_format",
     ),
     ("suffix", COMPLETIONS, {**BASE, "suffix": "end"}, 400, "suffix"),
     (
@@ -218,7 +218,13 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str]] = [
         "max_completion_tokens",
     ),
     ("chat-max-tokens-past-context", CHAT, {**CHAT_BASE, "max_tokens": 5000}, 400, "max_tokens"),
-    ("chat-tools", CHAT, {**CHAT_BASE, "tools": [{"type": "function"}]}, 400, "tools"),
+    (
+        "chat-tool-without-function",
+        CHAT,
+        {**CHAT_BASE, "tools": [{"type": "function"}]},
+        400,
+        "tools.0.function",
+    ),
     ("chat-logprobs-zero", CHAT, {**CHAT_BASE, "logprobs": 0}, 400, "logprobs"),
     ("chat-sim-has-no-logprobs", CHAT, {**CHAT_BASE, "logprobs": True}, 400, "logprobs"),
     (

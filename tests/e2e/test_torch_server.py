@@ -490,6 +490,55 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path: Path) -> N
     assert ours.render_chat(messages) == want
 
 
+# A template with tool support (as Qwen3's and Hermes' are): tools, an assistant turn's
+# tool_calls with parsed arguments, tool turns, and an extra template variable.
+TOOL_TEMPLATE = """{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }}:{{
+t.function.parameters | tojson }};{% endfor %}</tools>{% endif -%}
+{% for m in messages %}<{{ m.role }}>{% if m.content %}{{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}<call id={{ c.id }}>{{ c.function.name }}({{
+c.function.arguments.expression }})</call>{% endfor %}</{{ m.role }}>{% endfor %}
+{%- if add_generation_prompt %}<assistant>{% if enable_thinking is false %}<nothink>{% endif %}
+{%- endif %}"""
+
+
+def test_tools_render_through_the_template_as_transformers_renders_them(tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridserve.server.chat_render import conversation
+    from hybridserve.server.tokenizer import ChatMessage
+    from hybridserve.server.tool_parsers import ToolCall, ToolFunction
+    from hybridserve.server.torch_backend import TorchTokenizer
+
+    _, tok = _write_checkpoint(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    from hybridserve.executor.torch.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(tmp_path)
+    assert ours is not None
+    server_side = TorchTokenizer(ours, (2,))
+    assert server_side.supports_tools
+    calc = ToolFunction("calc", None, {"type": "object", "properties": {}})
+    messages = [ChatMessage("user", "2+2?"), ChatMessage("assistant", ""),
+                ChatMessage("tool", "4", tool_call_id="c1")]  # fmt: skip
+    calls = [[], [ToolCall("c1", "calc", '{"expression": "2+2"}')], []]
+    rendered, tools = conversation(messages, calls, [calc], native=True)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    hf.chat_template = TOOL_TEMPLATE
+    want = hf.apply_chat_template(
+        [m.template_dict() for m in rendered],
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    got = ours.render_chat(
+        [m.template_dict() for m in rendered], tools=tools, options={"enable_thinking": False}
+    )
+    assert got == want
+    assert "<tools>calc:" in got and "<call id=c1>calc(2+2)</call>" in got
+    assert got.endswith("<assistant><nothink>")
+
+
 def test_the_smollm2_gguf_chat_template_renders_as_in_transformers() -> None:
     from hybridserve.executor.torch.checkpoints import builtin_path
     from hybridserve.executor.torch.tokenizer import load_tokenizer

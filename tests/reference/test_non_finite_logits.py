@@ -29,7 +29,8 @@ from tests.reference.helpers import make_checkpoint
 VOCAB = 64
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.7, top_k=5, top_p=0.9, seed=3, ignore_eos=True)
-POISONS = [float("nan"), float("inf"), float("-inf")]
+# -inf is a token masked out (a grammar, min_tokens), not a poison: see the test below.
+POISONS = [float("nan"), float("inf")]
 
 
 def _logits(rows: int, seed: int) -> torch.Tensor:
@@ -58,6 +59,21 @@ def test_a_non_finite_row_gets_no_tokens_and_its_neighbours_sample_as_without_it
     out = verify_batch(logits, batch)
     assert out == [alone[0], (), alone[1]]
     assert verify(bad, drafts, params, first_position=20) == ()
+
+
+@pytest.mark.parametrize(("params", "drafts"), [(GREEDY, ()), (SAMPLED, ()), (SAMPLED, (5, 9))])
+def test_a_minus_inf_logit_is_a_masked_token_and_the_row_still_samples(
+    params: SamplingParams, drafts: tuple[int, ...]
+) -> None:
+    logits = _logits(len(drafts) + 1, seed=1)
+    top = int(logits[-1].argmax())
+    masked = logits.clone()
+    masked[-1, top] = float("-inf")
+    out = verify(masked, drafts, params, first_position=20)
+    assert out and out[-1] != top
+    if params is GREEDY:
+        runner_up = int(logits[-1].topk(2).indices[1])
+        assert out == (runner_up,)
 
 
 def test_logits_that_overflow_at_the_temperature_get_no_tokens() -> None:

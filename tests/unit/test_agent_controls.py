@@ -3,10 +3,8 @@ KV-aware admission. Each is off by default (vLLM's schedule)."""
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +16,6 @@ from hybridserve.engine import Engine
 from hybridserve.scheduler import Scheduler
 from hybridserve.scheduler.queue import ProgramQueue
 from hybridserve.scheduler.sessions import ToolGapModel
-from hybridserve.server.app import _make_request
 from hybridserve.server.protocol import CompletionRequest
 from tests.conftest import fake_executor, make_scheduler
 
@@ -82,27 +79,15 @@ def test_request_session_id_must_be_a_non_empty_string() -> None:
 
 
 def test_server_takes_the_session_id_from_the_user_field() -> None:
-    config = SchedulerConfig()
-    state = SimpleNamespace(
-        model_name="m",
-        model_names=("m",),
-        max_model_len=100,
-        settings=SimpleNamespace(default_max_tokens=8),
-        tokenizer=SimpleNamespace(eos_token_ids=[0]),
-        ids=itertools.count(),
-        engine=SimpleNamespace(now=lambda: 1.5),
-        parts=SimpleNamespace(scheduler=SimpleNamespace(config=config)),
-    )
+    from starlette.datastructures import Headers
+
+    from hybridserve.server.chat import session_id
+
     for user, expected in (("agent-7", "agent-7"), (None, None), ("", None)):
         body = CompletionRequest(model="m", prompt=[1, 2, 3], user=user)
-        request, _ = _make_request(
-            state,  # type: ignore[arg-type]
-            body,
-            prompt_ids=[1, 2, 3],
-            max_tokens=(4, "max_tokens"),
-            prompt_field="prompt",
-        )
-        assert request.session_id == expected
+        assert session_id(body, Headers()) == expected
+    body = CompletionRequest(model="m", prompt=[1, 2, 3], user="agent-7")
+    assert session_id(body, Headers({"X-Session-Id": "job-1"})) == "agent-7"  # user wins
 
 
 # ----- configuration ------------------------------------------------------------------------

@@ -37,6 +37,17 @@ def test_serve_refuses_max_waiting_zero_instead_of_answering_every_request_503()
     assert code == 2 and "--max-waiting=0 is invalid" in text and "1 or more" in text
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--tool-call-parser", "nope"), ("--reasoning-parser", "nope"), ("--metrics-names", "x")],
+)
+def test_serve_refuses_an_unknown_parser_or_metric_namespace_naming_the_flag(
+    flag: str, value: str
+) -> None:
+    code, text = _run(["serve", "--executor", "sim", flag, value])
+    assert code == 2 and flag in text and repr(value) in text, text
+
+
 @pytest.mark.parametrize("tp", ["3", "1024"])
 def test_tensor_parallel_width_must_split_the_heads(tp: str) -> None:
     for command in (["simulate", "--duration", "10", "--warmup", "0"], ["serve"]):

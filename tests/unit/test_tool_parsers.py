@@ -529,3 +529,22 @@ def test_grammar_admits_several_calls_only_when_parallel(parser: str, matcher_fo
 def test_grammar_without_functions_is_refused() -> None:
     with pytest.raises(ValueError, match="tools"):
         HERMES.grammar([], parallel=False)
+
+
+def test_hermes_reads_a_closing_tag_inside_an_argument_string_as_text() -> None:
+    text = (
+        '<tool_call>\n{"name": "calc", "arguments": {"expression": "17}}</tool_call> more"}}'
+        "\n</tool_call> after"
+    )
+    parser = tool_parser("hermes")
+    content, calls = parser.extract(text)
+    assert content == "after"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("calc", {"expression": "17}}</tool_call> more"})
+    ]
+    stream = parser.stream()
+    deltas = [stream.push(ch) for ch in text] + [stream.finish()]
+    streamed = "".join(d.tool_calls[1].arguments for d in deltas if len(d.tool_calls) > 1)
+    assert json.loads(streamed) == {"expression": "17}}</tool_call> more"}
+    broken = '<tool_call>{"name": "calc", "arguments": {</tool_call> tail'
+    assert parser.extract(broken) == (broken, [])  # never closes: the first tag ends it

@@ -18,7 +18,9 @@ from hybridserve.core.config import DEFAULT_MAX_NUM_SEQS, SpeculativeConfig, Spe
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult, TokenLogprob
 from hybridserve.core.request import SamplingParams, keep_sampled
+from hybridserve.executor.grammar import Grammars
 from hybridserve.executor.torch.cache import DeviceCache
+from hybridserve.executor.torch.constraints import Constraints, RuleRows, has_rules
 from hybridserve.executor.torch.draft_head import DraftHead, DraftHeadRunner
 from hybridserve.executor.torch.drafting import ngram_propose
 from hybridserve.executor.torch.forward import (
@@ -78,6 +80,7 @@ class TorchExecutor:
         dcp: DcpGroup | None = None,
         share_prefixes: bool = True,
         packed_linears: bool = True,
+        grammars: Grammars | None = None,
     ) -> None:
         """`packed_linears`: on the CPU, float32 linear layers read a oneDNN-packed copy of
         their weights (`layers.packed`; off, `F.linear`). `share_prefixes`: chunks whose block
@@ -114,6 +117,9 @@ class TorchExecutor:
                 method.value,
                 f"a draft head does not run under dcp={self.dcp.world_size}; use ngram or none",
             )
+        # logit_bias, min_tokens and grammars: `grammars` compiles structured outputs for the
+        # model's tokenizer (None: a request with one fails).
+        self.constraints = Constraints(grammars)
         self.num_lookahead = self.speculative.num_speculative_tokens
         self.block_size = block_size
         self.seed = seed
@@ -215,6 +221,7 @@ class TorchExecutor:
                 self.drafter.forget(req_id)
         for req_id in plan.finished_req_ids:
             self._sampling.pop(req_id, None)
+            self.constraints.forget(req_id)
             self._prompt_lens.pop(req_id, None)
             self._prompt_logprob_states.pop(req_id, None)
         self._step_logprobs, self._step_prompt_logprobs = {}, {}
@@ -225,6 +232,7 @@ class TorchExecutor:
         for chunk in plan.chunks:
             if chunk.sampling is not None:  # a request's first chunk carries its settings
                 self._sampling[chunk.req_id] = chunk.sampling
+                self.constraints.start(chunk.req_id, chunk.sampling)
             self._update_tables(chunk)
         with torch.inference_mode():
             sampled, drafts = self._run(plan.chunks)
@@ -295,6 +303,7 @@ class TorchExecutor:
         logits = self.model.compute_logits(hidden.index_select(0, index))
         # Sampling sees the penalized scores; log-probabilities come from the raw logits.
         scores = apply_penalties(logits, self._penalty_rows(owners))
+        scores = self.constraints.apply(scores, self._rule_rows(owners))
         requests = []
         for chunk in owners:
             verified = chunk.num_tokens - chunk.num_draft_tokens
@@ -312,6 +321,8 @@ class TorchExecutor:
             start, offset = offset, offset + chunk.num_draft_tokens + 1
             if not emitted:  # its logits were not finite: the engine fails this request alone
                 continue
+            if not self.constraints.commit(chunk.req_id, emitted):
+                continue  # outside its grammar: failed alone too
             sampled[chunk.req_id] = emitted
             emitted_logits = logits[start : start + len(emitted)]
             self._emitted(chunk, emitted, emitted_logits, commits.get(chunk.req_id))
@@ -355,7 +366,21 @@ class TorchExecutor:
         kept, _ = keep_sampled(params, num_output, emitted)
         return len(kept)
 
-    # ----- penalties and log-probabilities ------------------------------------------------------
+    # ----- penalties, rules and log-probabilities -----------------------------------------------
+
+    def _rule_rows(self, owners: Sequence[ScheduledChunk]) -> list[RuleRows]:
+        """The sampled rows of requests with logit rules (bias, min_tokens, a grammar)."""
+        out: list[RuleRows] = []
+        offset = 0
+        for chunk in owners:
+            params = self._sampling.get(chunk.req_id)
+            if params is not None and has_rules(params):
+                first = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+                drafts = chunk.token_ids[chunk.num_tokens - chunk.num_draft_tokens :]
+                num_output = first - self._prompt_lens[chunk.req_id]
+                out.append(RuleRows(chunk.req_id, offset, drafts, num_output, params))
+            offset += chunk.num_draft_tokens + 1
+        return out
 
     def _penalty_rows(self, owners: Sequence[ScheduledChunk]) -> list[PenaltyRow]:
         """The sampled rows of requests with penalties, each with the tokens before the

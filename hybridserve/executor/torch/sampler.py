@@ -169,10 +169,14 @@ def _non_finite_requests(logits: torch.Tensor, sizes: Sequence[int]) -> frozense
 
 
 def _finite_rows(logits: torch.Tensor) -> list[bool] | None:
-    """Whether each row of `logits` is finite; None when all are. A row's sum is finite only if
-    every logit is (the cheap check, one pass); only when some sum is not are the rows checked
-    exactly (large finite logits can sum past float32's range)."""
+    """Whether each row of `logits` can be sampled from; None when all can. A row can when it
+    holds no NaN and no +inf and some finite logit: -inf is a token masked out (a grammar,
+    `min_tokens`). A row's sum is finite only if every logit is (the cheap check, one pass);
+    only when some sum is not are the rows checked exactly (large finite logits can sum past
+    float32's range)."""
     if bool(torch.isfinite(logits.sum(dim=-1)).all()):
         return None
-    finite: list[bool] = torch.isfinite(logits).all(dim=-1).tolist()
+    unusable = torch.isnan(logits) | (logits == float("inf"))
+    usable = ~unusable.any(dim=-1) & torch.isfinite(logits).any(dim=-1)
+    finite: list[bool] = usable.tolist()
     return finite

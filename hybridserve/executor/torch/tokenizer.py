@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +16,10 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.executor.torch.gguf_file import GGUFFile
 
 _CONTROL, _USER_DEFINED = 3, 4
+# The variables the renderer itself gives a chat template (extra options cannot replace them).
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 @dataclass
@@ -35,10 +39,18 @@ class TextTokenizer:
         """One token's text, special tokens spelled out (for log-probability listings)."""
         return str(self.backend.decode([token_id], skip_special_tokens=False))
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> str:
         """`messages` through the chat template, followed by an open assistant turn, rendered
-        as transformers' `apply_chat_template` renders it. Raises ChatTemplateError when the
-        model has no template or the template rejects the conversation."""
+        as transformers' `apply_chat_template` renders it: `tools` (OpenAI tool definitions)
+        as the template's `tools`, `options` as further template variables (Qwen3's
+        `enable_thinking`). Raises ChatTemplateError when the model has no template or the
+        template rejects the conversation."""
         if self.chat_template is None:
             raise ChatTemplateError(
                 "this model has no chat template (no chat_template.jinja or chat_template in "
@@ -50,8 +62,9 @@ class TextTokenizer:
             template = _compiled_template(self.chat_template)
             return str(
                 template.render(
+                    **{k: v for k, v in (options or {}).items() if k not in TEMPLATE_VARIABLES},
                     messages=[dict(m) for m in messages],
-                    tools=None,
+                    tools=[dict(t) for t in tools] if tools else None,
                     documents=None,
                     add_generation_prompt=True,
                     bos_token=self.bos_token or "",
