@@ -622,11 +622,11 @@ async def _sse(
                 num_output[index] = piece.num_output_tokens
             output = render.choice.output
             if output is not None and isinstance(fmt, ChatFormat):
-                choice = _read_delta(fmt, render.choice.index, output, piece, text, block)
-                if choice is None:
-                    continue  # nothing to show yet (a call's tag is still arriving)
-            else:
-                choice = fmt.stream_choice(render.choice.index, text, piece.finish_reason, block)
+                # Nothing while a call's tag is still arriving; a chunk per tool-call delta.
+                for choice in _read_deltas(fmt, render.choice.index, output, piece, text, block):
+                    yield _event(fmt.chunk([choice]))
+                continue
+            choice = fmt.stream_choice(render.choice.index, text, piece.finish_reason, block)
             yield _event(fmt.chunk([choice]))
     except ApiError as exc:
         yield _event(exc.body())
@@ -637,15 +637,17 @@ async def _sse(
     yield b"data: [DONE]\n\n"
 
 
-def _read_delta(
+def _read_deltas(
     fmt: ChatFormat,
     index: int,
     output: ChatOutput,
     piece: Piece,
     text: str,
     block: dict[str, Any] | None,
-) -> dict[str, Any] | None:
-    """A chat stream's chunk for one piece read back (None: it shows nothing yet)."""
+) -> list[dict[str, Any]]:
+    """A chat stream's choices for one piece read back: none while nothing shows yet, else
+    one per tool-call delta, as OpenAI streams them (the first with the content and the
+    log-probabilities, the last with the finish reason)."""
     delta = output.push(text)
     if piece.finish_reason is not None:
         rest = output.finish()
@@ -655,9 +657,17 @@ def _read_delta(
             delta.tool_calls + rest.tool_calls,
         )
     if piece.finish_reason is None and block is None and delta == ChatDelta():
-        return None
+        return []
+    calls = delta.tool_calls
+    parts = [ChatDelta(delta.content, delta.reasoning, calls[:1])]
+    parts += [ChatDelta(tool_calls=(call,)) for call in calls[1:]]
     finish = _finish_reason(piece.finish_reason, output)
-    return fmt.delta_choice(index, delta, finish, block)
+    return [
+        fmt.delta_choice(
+            index, part, finish if i == len(parts) - 1 else None, block if i == 0 else None
+        )
+        for i, part in enumerate(parts)
+    ]
 
 
 async def _merged(pieces: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:

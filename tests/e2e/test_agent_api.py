@@ -339,3 +339,40 @@ def test_the_docs_agent_loop_runs_and_its_later_turns_hit_the_cache(
     cached = [int(n) for n in re.findall(r"turn \d: (\d+) of \d+ prompt tokens cached", printed)]
     assert len(cached) == 3 and cached[1] > 0 and cached[2] > cached[1], printed
     assert printed.count(" -> ") == 2  # one tool result per forced turn
+
+
+def test_the_openai_sdks_structured_output_and_tool_helpers_run_unchanged(
+    agent_server: LiveServer,
+) -> None:
+    import openai
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        population: int
+
+    class Calculator(BaseModel):
+        """Evaluate an arithmetic expression"""
+
+        expression: str = Field(max_length=30)
+
+    client = _client(agent_server)
+    common: dict[str, Any] = {"model": MODEL, "max_tokens": 60, "temperature": 0}
+    parsed = client.chat.completions.parse(
+        messages=_ask("Name a big city."), response_format=City, **common
+    )
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    tools = [openai.pydantic_function_tool(Calculator)]
+    called = client.chat.completions.parse(
+        messages=_ask("What is 3*4?"), tools=tools, tool_choice="required", **common
+    )
+    (call,) = called.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Calculator)
+    with client.chat.completions.stream(
+        messages=_ask("What is 3*4?"), tools=tools, tool_choice="required", **common
+    ) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in kinds
+    (streamed,) = final.choices[0].message.tool_calls or []
+    assert streamed.function.parsed_arguments == call.function.parsed_arguments
