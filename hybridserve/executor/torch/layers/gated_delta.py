@@ -162,15 +162,21 @@ def _gated_delta_span(
     wanted = snapshots_by_chunk(snapshots, size)
     out = torch.empty_like(vc)
     saved: list[torch.Tensor] = []
+    # Both reads of the chunk's starting state, k (for u) and q (for the output), in one
+    # batched product; the carry updates a private copy of the state in place.
+    from_state = torch.cat((reads, q_decayed), dim=2)  # [N, Hv, 2C, Dk]
+    k_to_end = k_to_end.contiguous()
+    state = state.clone()
     for n in range(num_chunks):
-        u = torch.baddbmm(values[n], reads[n], state, alpha=-1)
-        torch.baddbmm(q_decayed[n] @ state, attn[n], u, out=out[n])
+        read = from_state[n] @ state
+        u = values[n] - read[:, :size]
+        torch.baddbmm(read[:, size:], attn[n], u, out=out[n])
         offsets = wanted.get(n, [])
         inside = [j for j in offsets if j < size]
         saved.extend(_state_after(state, k_heads[n], cum[n], u, j) for j in inside)
-        state = torch.baddbmm(state * chunk_decay[n], k_to_end[n], u)
+        state.mul_(chunk_decay[n]).baddbmm_(k_to_end[n], u)
         if len(inside) < len(offsets):
-            saved.append(state)
+            saved.append(state.clone())
     return out.transpose(1, 2).reshape(-1, num_heads, dim_v)[:length], state, saved
 
 
