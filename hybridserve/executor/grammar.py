@@ -90,6 +90,8 @@ class Grammars:
         self._llg = llguidance
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        # What builds an equal Grammars in another process (a DCP rank samples as rank 0).
+        self.source = (tokenizer_json, vocab_size, self.eos_token_ids)
         self._tokenizer: Any = None
         self.unusable: str | None = None  # why this tokenizer cannot constrain outputs
         try:

@@ -153,6 +153,8 @@ class TorchServingBackend:
                 "num_blocks": self._num_blocks,
                 "block_size": self._block_size,
                 "device": device,
+                # Every rank samples as rank 0 does, grammars included.
+                "grammar_source": self._grammars.source,
             },
             interleave=interleave,
         )

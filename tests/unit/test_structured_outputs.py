@@ -178,3 +178,15 @@ def test_a_complete_output_ends_once_the_rest_of_its_budget_is_smaller_than_it(
     incomplete = RuleRows("s", 0, (), 4, open_params)
     row = torch.isfinite(rules.apply(scores, [incomplete])[0])
     assert row.nonzero().flatten().tolist() == ids(tok, "a")  # never cut short
+
+
+def test_a_dcp_follower_gets_grammars_equal_to_rank_zeros(grammars: Grammars, tok: Any) -> None:
+    from hybridserve.executor.torch.dcp import follower_options
+
+    options = follower_options({"num_blocks": 8, "grammar_source": grammars.source})
+    theirs = options.pop("grammars")
+    assert options == {"num_blocks": 8}
+    yes_no = StructuredOutput("regex", "yes|no")
+    mine, other = grammars.matcher(yes_no), theirs.matcher(yes_no)
+    assert mine.allowed() == other.allowed()
+    assert follower_options({"num_blocks": 8}) == {"num_blocks": 8}

@@ -139,6 +139,23 @@ def follow_plans(executor: TorchExecutor) -> int:
     return steps
 
 
+def follower_options(executor_options: dict[str, Any]) -> dict[str, Any]:
+    """A follower's TorchExecutor keyword arguments from what rank 0 sent: `grammar_source`
+    (its structured-output grammars' tokenizer, vocabulary and end tokens) becomes an equal
+    `Grammars`, so the rank samples a constrained request as rank 0 does and keeps the same
+    tokens and recurrent states."""
+    options = dict(executor_options)
+    grammar_source = options.pop("grammar_source", None)
+    if grammar_source is not None:
+        from hybridserve.executor.grammar import Grammars
+
+        tokenizer_json, vocab_size, eos_token_ids = grammar_source
+        options["grammars"] = Grammars(
+            tokenizer_json, vocab_size=vocab_size, eos_token_ids=eos_token_ids
+        )
+    return options
+
+
 def _follower_main(
     rank: int,
     world_size: int,
@@ -161,7 +178,7 @@ def _follower_main(
         dcp = join_local_group(
             rank, world_size, port, interleave=interleave, backend=backend, timeout_s=timeout_s
         )
-        options = dict(executor_options)
+        options = follower_options(executor_options)
         if backend == "nccl":
             options["device"] = f"cuda:{torch.cuda.current_device()}"
         try:
