@@ -215,6 +215,14 @@ ToolParserOpt = Annotated[
         "mistral.",
     ),
 ]
+AutoToolChoiceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--enable-auto-tool-choice",
+        help="Accepted so that vLLM command lines run unchanged: tool_choice \"auto\" is "
+        "always served (with --tool-call-parser).",
+    ),
+]
 ReasoningParserOpt = Annotated[
     str | None,
     typer.Option(
@@ -276,6 +284,7 @@ class ServeFlags:
     dcp_interleave: int
     served_model_name: list[str] | None
     tool_call_parser: str
+    enable_auto_tool_choice: bool
     reasoning_parser: str | None
     metrics_names: str
     threads: int | None
@@ -322,6 +331,7 @@ def serve_cmd(
     dcp_interleave: InterleaveOpt = 1,
     served_model_name: ServedNameOpt = None,
     tool_call_parser: ToolParserOpt = "hermes",
+    enable_auto_tool_choice: AutoToolChoiceOpt = False,
     reasoning_parser: ReasoningParserOpt = None,
     metrics_names: MetricsNamesOpt = "hybridserve",
     threads: ThreadsOption = None,

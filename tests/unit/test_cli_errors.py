@@ -48,6 +48,12 @@ def test_serve_refuses_an_unknown_parser_or_metric_namespace_naming_the_flag(
     assert code == 2 and flag in text and repr(value) in text, text
 
 
+def test_serve_takes_vllms_enable_auto_tool_choice_flag() -> None:
+    # A vLLM command line's flag is accepted: the run goes on to the next check (the port).
+    code, text = _run(["serve", "--executor", "sim", "--enable-auto-tool-choice", "--port", "0"])
+    assert code == 2 and "--port=0 is invalid" in text
+
+
 @pytest.mark.parametrize("tp", ["3", "1024"])
 def test_tensor_parallel_width_must_split_the_heads(tp: str) -> None:
     for command in (["simulate", "--duration", "10", "--warmup", "0"], ["serve"]):
