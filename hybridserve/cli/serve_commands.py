@@ -219,7 +219,7 @@ AutoToolChoiceOpt = Annotated[
     bool,
     typer.Option(
         "--enable-auto-tool-choice",
-        help="Accepted so that vLLM command lines run unchanged: tool_choice \"auto\" is "
+        help='Accepted so that vLLM command lines run unchanged: tool_choice "auto" is '
         "always served (with --tool-call-parser).",
     ),
 ]
