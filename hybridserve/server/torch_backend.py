@@ -97,7 +97,7 @@ class TorchServingBackend:
         tokens per KV block of every cache group (the pool's and the prefix hits' unit);
         `num_blocks` the pool the executor allocates (default: four requests at the longest
         context, at least 256 blocks)."""
-        from hybridserve.executor.torch.runtime import load_checkpoint, resolve_device
+        from hybridserve.executor.torch.runtime import in_passing_thread, resolve_device
 
         path = Path(path)
         device = resolve_device(device)
@@ -107,6 +107,26 @@ class TorchServingBackend:
             raise ConfigError("--block-size", block_size, "use 1 or more tokens (16, 32, ...)")
         if num_blocks is not None and num_blocks < 2:
             raise ConfigError("--num-blocks", num_blocks, "use 2 or more blocks")
+        # Loaded in a thread that then exits, so that the engine thread's OpenMP team is the
+        # only one (see in_passing_thread): its steps then run at full speed.
+        in_passing_thread(lambda: self._load(path, name, device, max_model_len, dcp,
+                                             dcp_interleave, block_size, num_blocks))  # fmt: skip
+
+    def _load(
+        self,
+        path: Path,
+        name: str | None,
+        device: str,
+        max_model_len: int | None,
+        dcp: int,
+        dcp_interleave: int,
+        block_size: int,
+        num_blocks: int | None,
+    ) -> None:
+        """Load the checkpoint, its tokenizer and grammars, and build the executor (and the
+        DCP ranks)."""
+        from hybridserve.executor.torch.runtime import load_checkpoint
+
         loaded = load_checkpoint(path)
         if loaded.tokenizer is None:
             raise ConfigError("--model", str(path), "serving text needs a tokenizer.json beside it")
