@@ -605,3 +605,22 @@ def test_num_blocks_sizes_the_executors_pool_and_a_bad_one_is_named(tmp_path: Pa
     assert backend._executor.cache.num_blocks == 40  # what is allocated, not only a cap
     with pytest.raises(ConfigError, match="--num-blocks"):
         TorchServingBackend(str(tmp_path), device="cpu", num_blocks=1)
+
+
+def test_the_backend_loads_its_model_in_a_thread_that_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridserve.executor.torch import runtime
+    from hybridserve.server.torch_backend import TorchServingBackend
+
+    loads: list[str] = []
+    passing = runtime.in_passing_thread
+
+    def recorded(build: Any) -> Any:
+        loads.append(threading.current_thread().name)
+        return passing(build)
+
+    monkeypatch.setattr(runtime, "in_passing_thread", recorded)
+    _write_checkpoint(tmp_path)
+    backend = TorchServingBackend(str(tmp_path), device="cpu", max_model_len=64)
+    assert loads == [threading.current_thread().name] and backend.model_name == tmp_path.name
