@@ -286,7 +286,10 @@ def create_app(state: ServerState) -> FastAPI:
         if body.min_tokens:
             _need_model(state, "min_tokens")
         encoded = _completion_prompts(state, body)
-        structured = structured_output(body, state.backend.grammars, state.backend.executor_name)
+        # Compiling a large schema can take a while: off the event loop, which keeps streaming.
+        structured = await asyncio.to_thread(
+            structured_output, body, state.backend.grammars, state.backend.executor_name
+        )
         session = session_id(body, http.headers)
         choices = []
         for number, (prompt_ids, prompt_text) in enumerate(encoded):
@@ -330,11 +333,14 @@ def create_app(state: ServerState) -> FastAPI:
         prompt_ids, messages = chat_prompt(
             state.tokenizer, body.messages, request_functions(body), body.chat_template_kwargs
         )
-        structured = structured_output(
-            body,
-            state.backend.grammars,
-            state.backend.executor_name,
-            tool_parser=state.tool_parser,
+        structured = await asyncio.to_thread(
+            functools.partial(
+                structured_output,
+                body,
+                state.backend.grammars,
+                state.backend.executor_name,
+                tool_parser=state.tool_parser,
+            )
         )
         offered = bool(body.tools) and body.effective_tool_choice() != "none"
         choices = []
