@@ -152,6 +152,13 @@ def structured_output(
     if not fields:
         return None
     field, structured = fields[0]
+    if body.ignore_eos:
+        raise ApiError(
+            400,
+            f"ignore_eos: a structured output ({field}) ends where its grammar completes, with "
+            "the end-of-sequence token; leave ignore_eos out",
+            param="ignore_eos",
+        )
     if len(fields) > 1:
         second = fields[1][0]
         raise ApiError(

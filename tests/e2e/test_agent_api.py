@@ -267,6 +267,7 @@ def test_json_object_output_is_an_object(agent_server: LiveServer) -> None:
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "b"}, "tool_choice"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"guided_choice": ["a", "b"], "ignore_eos": True}, "ignore_eos"),
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_its_field(
