@@ -29,6 +29,7 @@ from hybridserve.server.protocol import (
     ChatMessageModel,
     CompletionRequest,
     NamedToolChoice,
+    ToolModel,
 )
 from hybridserve.server.reasoning import ReasoningParser
 from hybridserve.server.tokenizer import TEMPLATE_VARIABLES, ChatMessage, Tokenizer
@@ -126,13 +127,16 @@ def request_functions(body: ChatCompletionRequest) -> list[ToolFunction]:
     """The request's tools. The template sees them even with `tool_choice: "none"` (as vLLM
     renders them by default), so a turn that may not call keeps the prompt prefix of the turns
     that may, and its cached blocks; its output is then not read for calls."""
+    return functions_of(body.tools)
+
+
+def functions_of(tools: Sequence[ToolModel]) -> list[ToolFunction]:
+    """Validated tool definitions as functions (no `parameters`: an object of no properties)."""
     return [
-        ToolFunction(
-            t.function.name,
-            t.function.description,
-            t.function.parameters or {"type": "object", "properties": {}},
-        )
-        for t in body.tools
+        ToolFunction(t.function.name, t.function.description, t.function.parameters)
+        if t.function.parameters is not None
+        else ToolFunction(t.function.name, t.function.description)
+        for t in tools
     ]
 
 

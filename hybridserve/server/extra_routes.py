@@ -12,10 +12,9 @@ from starlette.requests import Request as HttpRequest
 
 import hybridserve
 from hybridserve.server.bodies import parse_body, read_json
-from hybridserve.server.chat import chat_prompt, encode_checked, valid_unicode
+from hybridserve.server.chat import chat_prompt, encode_checked, functions_of, valid_unicode
 from hybridserve.server.openapi import COMMON_ERRORS
 from hybridserve.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest
-from hybridserve.server.tool_parsers import ToolFunction
 
 if TYPE_CHECKING:
     from hybridserve.server.app import ServerState
@@ -34,10 +33,7 @@ def add_extra_routes(app: FastAPI, state: ServerState) -> None:
         _check_model(state, body.model)
         tokenizer = state.tokenizer
         if body.messages is not None:
-            functions = [
-                ToolFunction(t.function.name, t.function.description, t.function.parameters or {})
-                for t in body.tools
-            ]
+            functions = functions_of(body.tools)
             ids, _ = chat_prompt(tokenizer, body.messages, functions, body.chat_template_kwargs)
         else:
             text = valid_unicode(body.prompt or "", "prompt")

@@ -29,7 +29,7 @@ import json
 import math
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -75,31 +75,6 @@ class ToolFunction:
     name: str
     description: str | None = None
     parameters: dict[str, Any] = field(default_factory=_no_parameters)
-
-
-def tool_functions(tools: Sequence[Mapping[str, Any]]) -> list[ToolFunction]:
-    """The functions of an OpenAI `tools` list (`{"type": "function", "function": {...}}`)."""
-    functions: list[ToolFunction] = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if tool.get("type", "function") != "function":
-            raise RequestError(f"{where}.type", tool.get("type"), 'only "function" tools exist')
-        function = tool.get("function")
-        if not isinstance(function, Mapping):
-            raise RequestError(f"{where}.function", function, "give an object with a name")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise RequestError(f"{where}.function.name", name, "give a non-empty string")
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise RequestError(f"{where}.function.description", description, "give a string")
-        parameters = function.get("parameters")
-        if parameters is None:
-            parameters = _no_parameters()
-        elif not isinstance(parameters, Mapping):
-            raise RequestError(f"{where}.function.parameters", parameters, "give a JSON schema")
-        functions.append(ToolFunction(name, description, dict(parameters)))
-    return functions
 
 
 def new_call_id() -> str:

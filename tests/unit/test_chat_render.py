@@ -58,3 +58,19 @@ def test_no_tools_leaves_the_conversation_as_it_is() -> None:
     plain = [ChatMessage("user", "hi")]
     assert conversation(plain, [[]], [], native=False) == (plain, None)
     assert conversation(plain, [[]], [], native=True) == (plain, None)
+
+
+def test_a_tool_without_parameters_is_a_function_of_no_arguments() -> None:
+    from hybridserve.server.chat import functions_of
+    from hybridserve.server.protocol import ToolModel
+
+    tools = [
+        ToolModel.model_validate({"type": "function", "function": {"name": "now"}}),
+        ToolModel.model_validate(
+            {"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}
+        ),
+    ]
+    assert functions_of(tools) == [
+        ToolFunction("now", None, {"type": "object", "properties": {}}),
+        ToolFunction("w", None, {"type": "object"}),
+    ]

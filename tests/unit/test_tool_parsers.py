@@ -23,7 +23,6 @@ from hybridserve.server.tool_parsers import (
     new_call_id,
     render_tools_prompt,
     tool_call_text,
-    tool_functions,
     tool_parser,
 )
 
@@ -416,19 +415,6 @@ def test_earlier_calls_written_in_hermes_form_parse_back() -> None:
     ]
     assert calls_of(HERMES.extract(text)[1]) == calls_of(calls)
     assert '"arguments": "not json"' in tool_call_text([ToolCall("c", "f", "not json")])
-
-
-def test_tool_functions_read_openai_tools_and_name_a_bad_field() -> None:
-    tools = [
-        {"type": "function", "function": {"name": "now"}},
-        {
-            "type": "function",
-            "function": {"name": "w", "description": "d", "parameters": {"type": "object"}},
-        },
-    ]
-    assert tool_functions(tools) == [NOW, ToolFunction("w", "d", {"type": "object"})]
-    with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
-        tool_functions([{"type": "function", "function": {"name": ""}}])
 
 
 # ---- grammars ----

@@ -46,6 +46,34 @@ class RuleRows:
     params: SamplingParams
 
 
+def _allowed(
+    matcher: GrammarMatcher | None,
+    params: SamplingParams,
+    stops: list[int],
+    num_output: int,
+    vocab: int,
+) -> torch.Tensor | None:
+    """The [vocab] tokens a row with `num_output` tokens before it may sample (None: all)."""
+    holding = num_output < params.min_tokens and bool(stops) and not params.ignore_eos
+    if matcher is None and not holding:
+        return None
+    if matcher is None:
+        allowed = torch.ones(vocab, dtype=torch.bool)
+    else:
+        allowed = allowed_tokens(matcher.allowed(), vocab)
+        if stops and matcher.accepting and _budget_spent(params, num_output):
+            ending = torch.zeros_like(allowed)
+            ending[stops] = True
+            if bool((allowed & ending).any()):
+                allowed &= ending
+    if holding:
+        without_stops = allowed.clone()
+        without_stops[stops] = False
+        if bool(without_stops.any()):
+            allowed = without_stops
+    return allowed
+
+
 def _budget_spent(params: SamplingParams, num_output: int) -> bool:
     """Fewer tokens remain under max_tokens than the output already holds."""
     return params.max_tokens - num_output < num_output
@@ -107,32 +135,17 @@ class Constraints:
     def _apply_one(self, out: torch.Tensor, rows: RuleRows) -> None:
         params, matcher = rows.params, self._matchers.get(rows.req_id)
         vocab = out.shape[-1]
-        if params.logit_bias:
-            ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
-            bias = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=out.dtype).to(
-                out.device
-            )
-            ids = ids.to(out.device)
+        biased = [(t, b) for t, b in params.logit_bias if t < vocab]
+        ids = torch.tensor([t for t, _ in biased], dtype=torch.long, device=out.device)
+        bias = torch.tensor([b for _, b in biased], dtype=out.dtype).to(out.device)
         stops = [t for t in params.stop_token_ids if t < vocab]
         consumed = 0
         for j in range(len(rows.drafts) + 1):
             row = out[rows.first + j]
-            if params.logit_bias:
+            if biased:
                 row.index_add_(0, ids, bias)
-            allowed = torch.ones(vocab, dtype=torch.bool)
-            if matcher is not None:
-                allowed = allowed_tokens(matcher.allowed(), vocab)
-                if stops and matcher.accepting and _budget_spent(params, rows.num_output + j):
-                    ending = torch.zeros_like(allowed)
-                    ending[stops] = True
-                    if bool((allowed & ending).any()):
-                        allowed &= ending
-            if rows.num_output + j < params.min_tokens and stops and not params.ignore_eos:
-                without_stops = allowed.clone()
-                without_stops[stops] = False
-                if bool(without_stops.any()):
-                    allowed = without_stops
-            if matcher is not None or params.min_tokens:
+            allowed = _allowed(matcher, params, stops, rows.num_output + j, vocab)
+            if allowed is not None:
                 row.masked_fill_(~allowed.to(out.device), float("-inf"))
             if matcher is not None and j < len(rows.drafts) and consumed == j:
                 consumed += matcher.accept([rows.drafts[j]])
