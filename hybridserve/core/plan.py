@@ -23,6 +23,16 @@ class BlockCopy:
     num_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class HostCopy:
+    """Copy one block of group `group_id` between device block `block_id` and host slot
+    `slot` of the host tier: a save (device to host) or a load (host to device)."""
+
+    group_id: int
+    block_id: int
+    slot: int
+
+
 class ScheduledChunk(NamedTuple):
     """One request's work in a step (a NamedTuple: built for every request every step)."""
 
@@ -50,6 +60,10 @@ class StepPlan:
     step_id: int
     chunks: tuple[ScheduledChunk, ...]
     block_copies: tuple[BlockCopy, ...] = ()  # run before the chunks
+    # Host tier: saves (device -> host) run first, then loads (host -> device), then the
+    # block copies: a block saved and loaded in one step is read after it is written.
+    host_saves: tuple[HostCopy, ...] = ()
+    host_loads: tuple[HostCopy, ...] = ()
     preempted_req_ids: tuple[str, ...] = ()  # their state may be dropped
     finished_req_ids: tuple[str, ...] = ()  # finished last step; the executor frees their state
 

@@ -164,6 +164,7 @@ class Engine:
         for req_id in req_ids:
             scheduler.abort(req_id)
         cache.uncache_free_blocks(held)
+        cache.forget_host_slots(copy.slot for copy in plan.host_saves)
         cache.check_invariants()
         return StepFailed(plan.step_id, req_ids)
 

@@ -14,6 +14,7 @@ from hybridserve.core.errors import CacheInvariantError
 
 if TYPE_CHECKING:
     from hybridserve.kvcache.events import CacheEvents
+    from hybridserve.kvcache.host_tier import HostTier
 
 
 class Block:
@@ -119,6 +120,10 @@ class BlockPool:
         self.evictions_by_group: dict[int, int] = {}
         # KV events (events.py): None emits nothing; groups report registrations through it.
         self.events: CacheEvents | None = None
+        # The host tier (host_tier.py): None drops what is evicted. `hide_host` makes lookups
+        # see the device alone (how much of a hit the host served).
+        self.host: HostTier | None = None
+        self.hide_host = False
 
     # ----- public API -------------------------------------------------------------------------
 
@@ -135,9 +140,14 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def get_cached(self, key: bytes) -> Block | None:
-        """Any one block registered under `key`, or None. Does not mutate."""
+        """Any one block registered under `key` (on the device, else a `HostBlock` of the host
+        tier), or None. Does not mutate."""
         entry = self._cached.get(key)
-        if entry is None or isinstance(entry, Block):
+        if entry is None:
+            if self.host is None or self.hide_host:
+                return None
+            return self.host.lookup(key)
+        if isinstance(entry, Block):
             return entry
         return next(iter(entry.values()))
 
@@ -151,9 +161,12 @@ class BlockPool:
         if num > self.free_queue.num_free:
             raise ValueError(f"asked for {num} blocks with {self.free_queue.num_free} free")
         out = []
+        host = self.host
         for _ in range(num):
             block = self.free_queue.popleft()
             if block.key is not None:
+                if host is not None:
+                    host.save(block)
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -175,9 +188,10 @@ class BlockPool:
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Take one reference per block (a cache hit); free blocks leave the free queue."""
+        """Take one reference per block (a cache hit); free blocks leave the free queue. A
+        host block is skipped: its admission gives it a device block (`KVCacheManager`)."""
         for block in blocks:
-            if block is self.null_block:
+            if block is self.null_block or block.block_id < 0:
                 continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -246,6 +260,8 @@ class BlockPool:
                 block.key = None
                 block.group_id = -1
         self._cached.clear()
+        if self.host is not None:
+            self.host.clear()
         if self.events is not None:
             self.events.cleared()
         return True

@@ -26,6 +26,7 @@ The cache emits nothing unless a sink is attached (`attach_events`); the pool th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -37,6 +38,7 @@ from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.manager import KVCacheManager
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # the host tier's blocks (vLLM's offloading emits the same medium)
 _SUFFIX = len(cache_key(b"", 0))  # the group id after the hash in a pool key
 
 
@@ -168,6 +170,25 @@ class CacheEvents:
     def cleared(self) -> None:
         self.emit(AllBlocksCleared())
 
+    def host_changed(self, key: bytes, group_id: int, stored: bool) -> None:
+        """The host tier took `key` (saved) or gave it up (loaded back or dropped): the
+        medium is CPU. Its tokens and parent are not known there (empty and None)."""
+        block_hash = key[:-_SUFFIX]
+        if stored:
+            self.emit(
+                BlockStored(
+                    (block_hash,),
+                    None,
+                    (),
+                    self.block_sizes[group_id],
+                    medium=MEDIUM_CPU,
+                    group_id=group_id,
+                    group_kind=self.kinds[group_id],
+                )
+            )
+        else:
+            self.emit(BlockRemoved((block_hash,), medium=MEDIUM_CPU, group_id=group_id))
+
 
 def attach_events(
     cache: KVCacheManager,
@@ -181,6 +202,8 @@ def attach_events(
     if events is None:
         events = CacheEvents(cache, tokens_of=tokens_of)
         cache.pool.events = events
+        if cache.host is not None:
+            cache.host.on_change = events.host_changed
     elif tokens_of is not None:
         events.tokens_of = tokens_of
     events.sinks.append(sink)
@@ -192,14 +215,17 @@ class CacheMirror:
     hashes stored and not yet removed (counted: a hash can be stored twice).
 
     It is a KVCacheManager over the same layout that holds no KV: its pool carries one empty
-    placeholder block per stored event, registered under the event's key. Its `find_hit` is
+    placeholder block per stored event, registered under the event's key. Events of either
+    medium count: a block on the host tier is a hit too (its admission loads it). Its `find_hit` is
     therefore the real cache's own lookup and reconciliation over the same hash map, so for the
     same hashes it gives the same hit, and the same per-group offers, as the cache would.
     """
 
     def __init__(self, layout: CacheLayout, *, enable_caching: bool = True) -> None:
         self.cache = KVCacheManager(
-            layout.with_num_blocks(2), enable_caching=enable_caching, enable_metrics=False
+            dataclasses.replace(layout, num_blocks=2, host_blocks=0),
+            enable_caching=enable_caching,
+            enable_metrics=False,
         )
         self._blocks: dict[bytes, list[Block]] = {}
         self._ids = itertools.count(2)  # placeholder ids, past the mirror pool's own blocks

@@ -43,6 +43,11 @@ class CacheLayout:
     eagle_groups: tuple[int, ...] | None = None
     partial_hash_hits: bool = False
     max_in_flight_tokens: int = 0
+    # The host tier (host_tier.py): blocks of host memory, the device's page size each; 0 =
+    # none. `host_write_through` saves every block once computed (vLLM's offloading) instead
+    # of at its eviction.
+    host_blocks: int = 0
+    host_write_through: bool = False
     units: tuple[int, ...] = field(init=False)
     page_tokens: int = field(init=False)
 
@@ -60,6 +65,15 @@ class CacheLayout:
         ):
             raise ConfigError(
                 "eagle_groups", self.eagle_groups, f"use group ids below {len(self.groups)}"
+            )
+        if self.host_blocks < 0:
+            raise ConfigError("host_blocks", self.host_blocks, "use 0 (no host tier) or more")
+        if self.host_blocks and (self.dcp > 1 or self.partial_hash_hits):
+            raise ConfigError(
+                "host_blocks",
+                self.host_blocks,
+                "the host tier keeps whole blocks of one rank: use it without DCP and without "
+                "partial hash hits, or set host memory to 0",
             )
         if self.max_in_flight_tokens < 0:
             raise ConfigError("max_in_flight_tokens", self.max_in_flight_tokens, "use 0 or more")

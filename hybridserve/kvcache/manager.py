@@ -10,13 +10,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridserve.core.errors import CacheInvariantError
-from hybridserve.core.plan import BlockCopy
+from hybridserve.core.plan import BlockCopy, HostCopy
 from hybridserve.kvcache.block_pool import Block, BlockPool
 from hybridserve.kvcache.coordinator import reconcile
 from hybridserve.kvcache.groups import GroupContext, GroupManager, make_manager
 from hybridserve.kvcache.groups.base import KeepMask, SlotRequest
 from hybridserve.kvcache.groups.mamba import MambaManager
 from hybridserve.kvcache.hashing import BlockHash, BlockHasher, derived_hashes
+from hybridserve.kvcache.host_tier import HostBlock, HostTier
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.metrics import AdmissionSample, CacheMetrics
 from hybridserve.kvcache.pins import PinStats, PinTable, exact_tail
@@ -110,6 +111,10 @@ class KVCacheManager:
         self.metrics = CacheMetrics(tuple(s.kind.value for s in layout.groups))
         # Tool-call pins (off unless a scheduler pins).
         self.pins = PinTable(self.pool)
+        self.host: HostTier | None = None
+        if layout.host_blocks and enable_caching and not unbounded:
+            self.host = HostTier(layout.host_blocks, write_through=layout.host_write_through)
+            self.pool.host = self.host
 
     # ----- lookup (never mutates) -------------------------------------------------------------
 
@@ -159,6 +164,9 @@ class KVCacheManager:
             junction = longest if longest > rec.num_tokens else 0
         sample = None
         if self.enable_metrics:
+            host_tokens = 0
+            if self.host is not None and _holds_host_blocks(group_blocks, cows):
+                host_tokens = rec.num_tokens - self._device_hit(block_hashes, num_tokens)
             sample = AdmissionSample(
                 queried_tokens=num_tokens,
                 cacheable_tokens=self.cacheable_tokens(num_tokens),
@@ -166,8 +174,17 @@ class KVCacheManager:
                 group_offered_tokens=rec.offered,
                 limiting_group=rec.limiting_group,
                 resumed=resumed,
+                host_hit_tokens=host_tokens,
             )
         return CacheHit(rec.num_tokens, tuple(group_blocks), tuple(cows), ready, junction, sample)
+
+    def _device_hit(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """The reconciled hit the device alone would serve (the rest of a hit is the host's)."""
+        self.pool.hide_host = True
+        try:
+            return self.find_hit(block_hashes, num_tokens).num_tokens
+        finally:
+            self.pool.hide_host = False
 
     def cacheable_tokens(self, num_tokens: int) -> int:
         """The structural maximum hit: floor(cap/A)*A; under the legacy drop, one A below what
@@ -316,16 +333,71 @@ class KVCacheManager:
         """Take every group's hit blocks for an admission, then the copy-on-write targets of
         partial hit blocks: the copies to run before the step."""
         # Hold every group's hit first: a new block must never be another group's hit.
+        promoted: dict[int, Block] = {}
+        host = self.host
+        if host is not None:
+            for part in (*hit.group_blocks, hit.cow_sources):
+                for block in part:
+                    if isinstance(block, HostBlock):
+                        host.claim(block)
         for gid, group in enumerate(self.groups):
             group.add_hit(req_id, hit.group_blocks[gid], hit.cow_sources[gid])
+        if host is not None:
+            promoted = self._promote(req_id, host)
         copies = []
         for gid, group in enumerate(self.groups):
             cow_src = hit.cow_sources[gid]
             if cow_src is not None:
+                cow_src = promoted.get(id(cow_src), cow_src)
                 cow_dst = group.add_copy_target(req_id)
                 offset = hit.num_tokens % group.block_size
                 copies.append(BlockCopy(gid, cow_src.block_id, cow_dst.block_id, offset))
         return tuple(copies)
+
+    def _promote(self, req_id: str, host: HostTier) -> dict[int, Block]:
+        """Give every host block the admission holds (in its tables, or held as a copy-on-write
+        source) a device block carrying its key, and queue its load. Returns the device block
+        of each, by the host block's id()."""
+        promoted: dict[int, Block] = {}
+        for group in self.groups:
+            table = group.tables[req_id]
+            for index, block in enumerate(table):
+                if isinstance(block, HostBlock):
+                    table[index] = self._load(host, group, block, (req_id, index))
+                    promoted[id(block)] = table[index]
+            for index, block in enumerate(group.cow_holds):
+                if isinstance(block, HostBlock):
+                    group.cow_holds[index] = self._load(host, group, block, None)
+                    promoted[id(block)] = group.cow_holds[index]
+        return promoted
+
+    def _load(
+        self,
+        host: HostTier,
+        group: GroupManager,
+        block: HostBlock,
+        where: tuple[str, int] | None,
+    ) -> Block:
+        """A device block for `block`'s content: registered under its key, loaded before the
+        step. The caller checked that the pool has room (a host block counts as one)."""
+        key = block.key
+        assert key is not None
+        device = self.pool.allocate(1)[0]
+        self.pool.register(device, key, group.ctx.group_id)
+        host.load(block, device)
+        events = self.pool.events
+        if events is not None and where is not None:
+            req_id, index = where
+            unit, suffix = group.block_size, len(group.key_suffix)
+            start = index * unit
+            events.stored(group.ctx.group_id, key[:-suffix], None, req_id, start, start + unit)
+        return device
+
+    def take_host_transfers(self) -> tuple[tuple[HostCopy, ...], tuple[HostCopy, ...]]:
+        """The saves and loads the host tier queued since the last call (none without one)."""
+        if self.host is None:
+            return (), ()
+        return self.host.take_transfers()
 
     def _blocks_needed(
         self,
@@ -428,7 +500,21 @@ class KVCacheManager:
                 limit = num_to_cache // page * page
                 if group.ctx.drops_tail and limit > 0:
                     limit = min(limit + group.block_size, num_to_cache)
+            start = group.num_processed.get(req_id, 0)
             group.register(req_id, hashes, limit, chunk_end=chunk_end, keep=keep, base=block_hashes)
+            if self.host is not None and self.host.write_through:
+                self._write_through(req_id, group, start)
+
+    def _write_through(self, req_id: str, group: GroupManager, start: int) -> None:
+        """Save to the host the prompt blocks `group` registered for `req_id` from table index
+        `start` on (vLLM's offloading stores prompts only, by default), once computed."""
+        host, table = self.host, group.tables.get(req_id, ())
+        assert host is not None
+        prompt_blocks = self._requests[req_id].num_prompt_tokens // group.block_size
+        end = min(group.num_processed.get(req_id, 0), len(table), prompt_blocks)
+        for block in table[start:end]:
+            if block.key is not None and block.block_id > 0:
+                host.save(block, computed=False)
 
     def cache_computed(
         self, req_id: str, block_hashes: Sequence[BlockHash], num_computed: int, num_tokens: int
@@ -492,7 +578,7 @@ class KVCacheManager:
         for part_blocks, part_cows in parts:
             for group_blocks, cow in zip(part_blocks, part_cows, strict=True):
                 for block in (*group_blocks, *((cow,) if cow is not None else ())):
-                    if block is not null and block.block_id not in seen:
+                    if block is not null and block.block_id > 0 and block.block_id not in seen:
                         seen.add(block.block_id)
                         blocks.append(block)
         return self.pins.hold(
@@ -601,6 +687,11 @@ class KVCacheManager:
         blocks = self.pool.blocks
         return sum(self.pool.uncache(blocks[i]) for i in set(block_ids) if 0 < i < len(blocks))
 
+    def forget_host_slots(self, slots: Iterable[int]) -> int:
+        """Drop the host keys in these slots: a failed step's saves may not have run. Returns
+        how many were dropped."""
+        return self.host.forget(set(slots)) if self.host is not None else 0
+
     def new_step(self) -> None:
         """Call at the start of every schedule(): states registered before are now final."""
         for group in self.groups:
@@ -649,13 +740,23 @@ class KVCacheManager:
         return [self.pool.evictions_by_group.get(g, 0) for g in range(len(self.groups))]
 
     def metrics_snapshot(self) -> dict[str, object]:
-        return self.metrics.snapshot(
+        snapshot = self.metrics.snapshot(
             registered=self.registered_blocks(), evicted=self.evicted_blocks()
         )
+        if self.host is not None:
+            snapshot["host"] = {
+                "slots": self.host.num_slots,
+                "used_slots": self.host.num_used,
+                "hit_tokens": self.metrics.host_hit_tokens,
+                **self.host.stats.as_dict(),
+            }
+        return snapshot
 
     def check_invariants(self) -> None:
         """Raise CacheInvariantError if any invariant of SPEC.md section 8 items 1-4 is broken."""
         self.pool.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         expected: dict[int, int] = {}
         null = self.pool.null_block
         for group in self.groups:
@@ -665,6 +766,8 @@ class KVCacheManager:
                         f"group {group.ctx.group_id} holds unknown {req_id!r}"
                     )
                 for block in table:
+                    if isinstance(block, HostBlock):
+                        raise CacheInvariantError(f"{req_id!r} holds {block} past its admission")
                     if block is not null:
                         expected[block.block_id] = expected.get(block.block_id, 0) + 1
             for block in group.held_outside_tables():
@@ -679,6 +782,14 @@ class KVCacheManager:
                 )
             if block.key is not None and block.group_id < 0:
                 raise CacheInvariantError(f"{block} is hashed without a group")
+
+
+def _holds_host_blocks(
+    group_blocks: Sequence[Sequence[Block]], cows: Sequence[Block | None]
+) -> bool:
+    return any(b.block_id < 0 for blocks in group_blocks for b in blocks) or any(
+        c is not None and c.block_id < 0 for c in cows
+    )
 
 
 def _admission_cap(spec: object, max_in_flight_tokens: int) -> int:

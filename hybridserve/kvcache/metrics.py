@@ -21,6 +21,7 @@ class AdmissionSample:
     group_offered_tokens: tuple[int, ...]
     limiting_group: int | None
     resumed: bool  # a preempted request coming back: recorded apart, out of the hit rate
+    host_hit_tokens: int = 0  # of hit_tokens, those the host tier served (0 without one)
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class CacheMetrics:
     preempted_requests: int = 0
     preempted_queried_tokens: int = 0
     preempted_hit_tokens: int = 0
+    host_hit_tokens: int = 0
     group_offered_tokens: list[int] = field(default_factory=list)
     group_limiting: list[int] = field(default_factory=list)
 
@@ -51,6 +53,7 @@ class CacheMetrics:
         self.requests += 1
         self.queried_tokens += sample.queried_tokens
         self.hit_tokens += sample.hit_tokens
+        self.host_hit_tokens += sample.host_hit_tokens
         self.cacheable_tokens += sample.cacheable_tokens
         for g, offered in enumerate(sample.group_offered_tokens):
             self.group_offered_tokens[g] += offered

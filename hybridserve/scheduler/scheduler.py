@@ -242,12 +242,15 @@ class Scheduler:
             )
         finished = tuple(self._finished_pending)
         self._finished_pending = []
+        host_saves, host_loads = self.cache.take_host_transfers()
         plan = StepPlan(
             step_id=self.step_id,
             chunks=tally.chunks,
             block_copies=tuple(c for a in step.allocations.values() for c in a.block_copies),
             preempted_req_ids=tuple(step.preempted),
             finished_req_ids=finished,
+            host_saves=host_saves,
+            host_loads=host_loads,
         )
         self.step_id += 1
         return SchedulerOutput(

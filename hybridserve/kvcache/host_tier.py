@@ -1,0 +1,221 @@
+"""The host tier: a second pool, in host memory, that cached blocks go to instead of being
+dropped, and come back from on a hit.
+
+A host slot holds one block of one group (a full-attention or window block, or a state slot:
+the device pool's pages are one size, so the host's are too). Two ways in:
+
+* **on eviction** (the default): when the device pool hands out a free block that still
+  carries a hash, its content is saved to a host slot first and its key moves to the host;
+* **write-through** (`write_through`, vLLM's offloading connector): every block is saved once
+  it is computed (the step after the one that registered it), so an eviction costs no copy;
+  the host then holds copies of device blocks too.
+
+A lookup finds a key on the device first, then on the host: `BlockPool.get_cached` returns a
+`HostBlock` for a host key, which the groups' lookups treat as any cached block. Admitting a
+hit promotes its host blocks: each takes a new device block, is registered there, and a load
+(host slot -> device block) is queued. A promoted key leaves the host (the tiers are exclusive
+on eviction; write-through keeps the host copy). The host keeps its entries in LRU order and
+drops the least recently stored when it needs a slot.
+
+Transfers are queued here and taken once per step (`take_transfers`): the executor runs every
+save, then every load, before the step's copies and its forward, so a slot saved and promoted
+in one step is read after it is written, and a device block reused in the step is saved before
+it is overwritten. A slot freed by a promotion is reused only from the next step on: its load
+has run by then.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hybridserve.core.errors import CacheInvariantError
+from hybridserve.core.plan import HostCopy
+from hybridserve.kvcache.block_pool import Block
+
+HostListener = Callable[[bytes, int, bool], None]
+
+
+class HostBlock(Block):
+    """What a lookup finds for a key held on the host: a placeholder with no device block
+    (`block_id` -1) that an admission replaces with a device block and a load."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int, key: bytes, group_id: int) -> None:
+        super().__init__(-1)
+        self.slot = slot
+        self.key = key
+        self.group_id = group_id
+
+    def __repr__(self) -> str:
+        return f"HostBlock(slot={self.slot}, group={self.group_id})"
+
+
+@dataclass(slots=True)
+class HostStats:
+    """Blocks saved to the host, loaded back, dropped from it (its own LRU), copies skipped
+    because the host already held the key, and saves refused (every slot claimed)."""
+
+    saved: int = 0
+    loaded: int = 0
+    dropped: int = 0
+    already_held: int = 0
+    refused: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "saved": self.saved,
+            "loaded": self.loaded,
+            "dropped": self.dropped,
+            "already_held": self.already_held,
+            "refused": self.refused,
+        }
+
+
+class HostTier:
+    """`num_slots` host blocks: their keys in LRU order, free slots, and the step's transfers."""
+
+    def __init__(self, num_slots: int, *, write_through: bool = False) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots={num_slots}: a host tier needs at least one slot")
+        self.num_slots = num_slots
+        self.write_through = write_through
+        self._entries: OrderedDict[bytes, HostBlock] = OrderedDict()  # least recent first
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is used first
+        self._releasing: list[int] = []  # freed by a load this step; reusable next step
+        self._saves: list[HostCopy] = []
+        self._loads: list[HostCopy] = []
+        # Write-through saves of blocks registered this step (computed by its forward): they
+        # run with the next step's transfers, after that forward.
+        self._computing: list[HostCopy] = []
+        self._computed: list[HostCopy] = []
+        # Keys an admission is promoting this step: never dropped before their loads run.
+        self._claimed: set[bytes] = set()
+        self.stats = HostStats()
+        # KV events: called with (key, group_id, stored) as keys enter and leave the host.
+        self.on_change: HostListener | None = None
+
+    # ----- queries ----------------------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> HostBlock | None:
+        return self._entries.get(key)
+
+    @property
+    def num_used(self) -> int:
+        """Slots holding a key or waiting for a load to finish."""
+        return len(self._entries) + len(self._releasing)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    # ----- changes ----------------------------------------------------------------------------
+
+    def save(self, block: Block, *, computed: bool = True) -> None:
+        """Copy a hashed device block's content to a host slot under its key: at its eviction
+        (`computed`: the copy runs before the step reuses the block), or at its registration
+        under write-through (the copy runs after the step computes it). A key the host holds
+        already is only touched."""
+        key = block.key
+        if key is None:
+            raise CacheInvariantError(f"{block} has no key to save under")
+        held = self._entries.get(key)
+        if held is not None:
+            self._entries.move_to_end(key)
+            self.stats.already_held += 1
+            return
+        if not self._free and not self._drop_oldest():
+            self.stats.refused += 1
+            return
+        slot = self._free.pop()
+        self._entries[key] = HostBlock(slot, key, block.group_id)
+        copy = HostCopy(block.group_id, block.block_id, slot)
+        (self._saves if computed else self._computing).append(copy)
+        self.stats.saved += 1
+        if self.on_change is not None:
+            self.on_change(key, block.group_id, True)
+
+    def load(self, host_block: HostBlock, device_block: Block) -> None:
+        """Queue the copy of a host block into `device_block`, which now carries its key. The
+        entry leaves the host (a write-through host keeps it, as a copy of the device block)."""
+        key = host_block.key
+        if key is None or self._entries.get(key) is not host_block:
+            raise CacheInvariantError(f"{host_block} is not on the host")
+        self._loads.append(HostCopy(host_block.group_id, device_block.block_id, host_block.slot))
+        self.stats.loaded += 1
+        if self.write_through:
+            self._entries.move_to_end(key)
+            return
+        del self._entries[key]
+        self._claimed.discard(key)
+        self._releasing.append(host_block.slot)
+        if self.on_change is not None:
+            self.on_change(key, host_block.group_id, False)
+
+    def claim(self, host_block: HostBlock) -> None:
+        """Hold a host block an admission will load this step: the saves its allocations queue
+        drop other keys first, and none may reuse its slot before the load has run."""
+        key = host_block.key
+        if key is None or self._entries.get(key) is not host_block:
+            raise CacheInvariantError(f"{host_block} is not on the host")
+        self._claimed.add(key)
+
+    def take_transfers(self) -> tuple[tuple[HostCopy, ...], tuple[HostCopy, ...]]:
+        """The step's saves (write-through copies of the last step's blocks first) and loads,
+        in order; slots freed by its loads become reusable."""
+        saves, loads = (*self._computed, *self._saves), tuple(self._loads)
+        self._computed, self._computing = self._computing, []
+        self._saves.clear()
+        self._loads.clear()
+        self._free.extend(reversed(self._releasing))
+        self._releasing.clear()
+        self._claimed.clear()
+        return saves, loads
+
+    def clear(self) -> None:
+        """Drop every key (a prefix-cache reset). Queued transfers still run."""
+        for key, entry in list(self._entries.items()):
+            self._free.append(entry.slot)
+            if self.on_change is not None:
+                self.on_change(key, entry.group_id, False)
+        self._entries.clear()
+
+    def forget(self, slots: set[int]) -> int:
+        """Drop the keys held in `slots` (their saves did not run). Returns how many."""
+        dropped = [key for key, entry in self._entries.items() if entry.slot in slots]
+        for key in dropped:
+            entry = self._entries.pop(key)
+            self._free.append(entry.slot)
+            if self.on_change is not None:
+                self.on_change(key, entry.group_id, False)
+        return len(dropped)
+
+    def _drop_oldest(self) -> bool:
+        """Free the slot of the least recently stored key that no admission claims."""
+        for key in self._entries:
+            if key not in self._claimed:
+                break
+        else:
+            return False
+        entry = self._entries.pop(key)
+        self._free.append(entry.slot)
+        self.stats.dropped += 1
+        if self.on_change is not None:
+            self.on_change(key, entry.group_id, False)
+        return True
+
+    # ----- invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Every slot is exactly one of: holding a key, waiting on a load, free."""
+        held = [e.slot for e in self._entries.values()]
+        every = held + self._releasing + self._free
+        if sorted(every) != list(range(self.num_slots)):
+            raise CacheInvariantError(
+                f"host slots are not partitioned: {len(held)} held, "
+                f"{len(self._releasing)} releasing, {len(self._free)} free of {self.num_slots}"
+            )
+        for key, entry in self._entries.items():
+            if entry.key != key or entry.ref_cnt != 0:
+                raise CacheInvariantError(f"{entry} is mapped under a key it does not carry")
