@@ -326,6 +326,35 @@ DcpOption = Annotated[
         "(lookups in block_size*N units, state groups replicated); --tp defaults to N."
     ),
 ]
+HostMemoryOption = Annotated[
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT,
+        help="Host memory for a host tier of the KV cache, GiB over the engine's TP ranks (as "
+        "vLLM's --kv-offloading-size); 0 = none. Evicted blocks (and states) go there and "
+        "come back on a hit over the GPU's host link.",
+    ),
+]
+HostOffloadOption = Annotated[
+    str,
+    typer.Option(
+        help="How the host tier fills: evict (what the device evicts) or vllm (vLLM 0.33's "
+        "offloading connector: every computed prompt block, written through)."
+    ),
+]
+HOST_OFFLOADS = ("evict", "vllm")
+
+
+def host_options(host_memory_gib: float, host_offload: str) -> dict[str, Any]:
+    """SimConfig fields of --host-memory-gib and --host-offload."""
+    if host_offload not in HOST_OFFLOADS:
+        raise ConfigError("--host-offload", host_offload, f"use one of {HOST_OFFLOADS}")
+    return {
+        "host_memory_gib": host_memory_gib,
+        "host_write_through": host_offload == "vllm" and host_memory_gib > 0,
+    }
+
+
 BoundOption = Annotated[
     str | None,
     typer.Option(
@@ -410,6 +439,8 @@ class SimulateFlags:
     router_load_weight: float
     pd: str | None
     pd_link: str
+    host_memory_gib: float
+    host_offload: str
 
     def config(self) -> SimConfig:
         """The run's SimConfig: the flags, the device, the model and the settings file."""
@@ -428,6 +459,7 @@ class SimulateFlags:
             limit=self.limit,
             max_model_len=self.max_model_len,
             include_scheduler_cpu=self.include_scheduler_cpu,
+            **host_options(self.host_memory_gib, self.host_offload),
             **_model_options(self.model_config),
             **_device_options(self.gpu, self.dtype, self.kv_dtype, self.calibration),
             **_file_options(self.config_file, preset=self.preset),
@@ -465,6 +497,8 @@ def simulate_cmd(
     router_load_weight: LoadWeightOption = 1.0,
     pd: PdOption = None,
     pd_link: PdLinkOption = "nvlink",
+    host_memory_gib: HostMemoryOption = 0.0,
+    host_offload: HostOffloadOption = "evict",
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
     flags = SimulateFlags(**locals())
@@ -628,7 +662,11 @@ BREAKDOWN_ROWS = ("slo_attainment", *BREAKDOWN_KEYS)
 
 
 BaselineOption = Annotated[
-    str, typer.Option(help="What hybridserve is compared with: vllm, vllm-tuned or legacy.")
+    str,
+    typer.Option(
+        help="What hybridserve is compared with: vllm, vllm-tuned, legacy or vllm-offload "
+        "(vLLM 0.33 with its own CPU offloading at --host-memory-gib)."
+    ),
 ]
 SeedsOption = Annotated[
     int,
@@ -667,7 +705,8 @@ AblationsOption = Annotated[
 AlsoBaselinesOption = Annotated[
     str,
     typer.Option(
-        help="More baselines beside --baseline, comma-separated (vllm, vllm-tuned, legacy): each "
+        help="More baselines beside --baseline, comma-separated (vllm, vllm-tuned, legacy, "
+        "vllm-offload): each "
         "runs on the same seeds, with hybridserve's paired ratios to it (`ratios_vs`)."
     ),
 ]
@@ -708,6 +747,7 @@ class BenchFlags:
     router_load_weight: float
     pd: str | None
     pd_link: str
+    host_memory_gib: float
 
     @property
     def seed_list(self) -> list[int]:
@@ -767,6 +807,7 @@ def bench_cmd(
     router_load_weight: LoadWeightOption = 1.0,
     pd: PdOption = None,
     pd_link: PdLinkOption = "nvlink",
+    host_memory_gib: HostMemoryOption = 0.0,
 ) -> None:
     """Experiment E1: a baseline against hybridserve on paired seeds, with 95% intervals, the
     upper bounds and where the time goes (on one engine, or every configuration on the fleet
@@ -821,10 +862,22 @@ def _bench_configs(flags: BenchFlags) -> tuple[SimConfig, dict[str, SimConfig], 
         label: replace(
             with_preset(config, presets[label]),
             **(extra if label != "baseline" and label not in others else {}),
+            **_bench_host(flags, label),
         )
         for label in flags.labels
     }
     return config, configs, base_preset
+
+
+def _bench_host(flags: BenchFlags, label: str) -> dict[str, Any]:
+    """A label's host tier under --host-memory-gib: hybridserve's tier (what the device
+    evicts), vLLM's offloading for `vllm-offload`, none for the other vLLM baselines."""
+    name = flags.baseline if label == "baseline" else label
+    if name == "vllm-offload":
+        return {"host_memory_gib": flags.host_memory_gib, "host_write_through": True}
+    if label == "baseline" or label in flags.other_baselines:
+        return {}
+    return {"host_memory_gib": flags.host_memory_gib}
 
 
 def _bench(

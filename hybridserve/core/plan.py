@@ -31,6 +31,9 @@ class HostCopy:
     group_id: int
     block_id: int
     slot: int
+    # A write-through save of a block the last step computed: it may run beside the forward
+    # (a side stream); every other transfer completes before the forward starts.
+    background: bool = False
 
 
 class ScheduledChunk(NamedTuple):

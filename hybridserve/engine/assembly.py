@@ -74,6 +74,8 @@ def resolve_engine_config(
     vocab_size: int | None = None,
     enable_caching: bool = True,
     max_in_flight_tokens: int | None = None,
+    host_blocks: int = 0,
+    host_write_through: bool = False,
 ) -> EngineConfig:
     """The one engine configuration of a run: the resolved `settings` (scheduler, retention,
     lookahead hashes) over the `model`'s cache and a pool of `num_blocks`.
@@ -83,6 +85,8 @@ def resolve_engine_config(
       recording of vLLM that logged its own).
     * EAGLE/MTP drop a block instead of hashing a lookahead when the preset says so (`legacy`)
       or the speculation was named that way (`mtp-legacy`).
+    * `host_blocks` > 0 adds a host tier of that many blocks (`kvcache/host_tier.py`), filled
+      by evictions, or by every computed prompt block with `host_write_through`.
     """
     speculative = model.speculative
     if speculative.uses_hidden_states and not settings.lookahead_block_hashes:
@@ -101,6 +105,8 @@ def resolve_engine_config(
         eagle_groups=model.eagle_groups,
         partial_hash_hits=model.partial_hash_hits,
         max_in_flight_tokens=in_flight,
+        host_blocks=host_blocks,
+        host_write_through=host_write_through,
     )
     return EngineConfig(
         layout=layout,

@@ -165,6 +165,7 @@ class Engine:
             scheduler.abort(req_id)
         cache.uncache_free_blocks(held)
         cache.forget_host_slots(copy.slot for copy in plan.host_saves)
+        cache.drop_failed_loads(copy.block_id for copy in plan.host_loads)
         cache.check_invariants()
         return StepFailed(plan.step_id, req_ids)
 

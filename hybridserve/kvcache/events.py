@@ -170,6 +170,20 @@ class CacheEvents:
     def cleared(self) -> None:
         self.emit(AllBlocksCleared())
 
+    def promoted(self, key: bytes, group_id: int) -> None:
+        """A block came back from the host tier to the device under `key` (its tokens and
+        parent are not known there)."""
+        self.emit(
+            BlockStored(
+                (key[:-_SUFFIX],),
+                None,
+                (),
+                self.block_sizes[group_id],
+                group_id=group_id,
+                group_kind=self.kinds[group_id],
+            )
+        )
+
     def host_changed(self, key: bytes, group_id: int, stored: bool) -> None:
         """The host tier took `key` (saved) or gave it up (loaded back or dropped): the
         medium is CPU. Its tokens and parent are not known there (empty and None)."""

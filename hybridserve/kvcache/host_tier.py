@@ -26,7 +26,7 @@ has run by then.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,20 +77,33 @@ class HostStats:
 class HostTier:
     """`num_slots` host blocks: their keys in LRU order, free slots, and the step's transfers."""
 
-    def __init__(self, num_slots: int, *, write_through: bool = False) -> None:
+    def __init__(
+        self, num_slots: int, *, write_through: bool = False, loads_per_step: int = 0
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: a host tier needs at least one slot")
+        if loads_per_step < 0:
+            raise ValueError(f"loads_per_step={loads_per_step}: use 0 (no cap) or more")
         self.num_slots = num_slots
         self.write_through = write_through
+        # Background loads (prefetches) a plan carries at most; 0: all that are queued.
+        self.loads_per_step = loads_per_step
         self._entries: OrderedDict[bytes, HostBlock] = OrderedDict()  # least recent first
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is used first
         self._releasing: list[int] = []  # freed by a load this step; reusable next step
         self._saves: list[HostCopy] = []
         self._loads: list[HostCopy] = []
+        # Prefetch loads: queued, planned `loads_per_step` at a time, beside the forward; a
+        # block planned in a step is read from the next one on (`in_flight` until then).
+        self._queued: deque[tuple[HostCopy, int]] = deque()  # (load, slot to release)
+        self._queued_blocks: set[int] = set()
+        self._in_flight: set[int] = set()
         # Write-through saves of blocks registered this step (computed by its forward): they
         # run with the next step's transfers, after that forward.
         self._computing: list[HostCopy] = []
         self._computed: list[HostCopy] = []
+        self._unsaved: set[bytes] = set()  # the keys of `_computing`: not loadable yet
+        self._next: set[bytes] = set()  # the keys of `_computed`: saved by the next plan
         # Keys an admission is promoting this step: never dropped before their loads run.
         self._claimed: set[bytes] = set()
         self.stats = HostStats()
@@ -100,12 +113,23 @@ class HostTier:
     # ----- queries ----------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> HostBlock | None:
+        """The host block under `key`; None for a key whose save has not been planned yet (a
+        write-through save of a block this step computes)."""
+        if key in self._unsaved:
+            return None
         return self._entries.get(key)
+
+    def is_saved(self, key: bytes) -> bool:
+        """Whether the key's content is in its slot once the last plan's saves have run."""
+        return key in self._entries and key not in self._unsaved and key not in self._next
 
     @property
     def num_used(self) -> int:
         """Slots holding a key or waiting for a load to finish."""
-        return len(self._entries) + len(self._releasing)
+        return len(self._entries) + len(self._releasing) + len(self._queued_slots())
+
+    def _queued_slots(self) -> list[int]:
+        return [slot for _, slot in self._queued if slot >= 0]
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -130,28 +154,51 @@ class HostTier:
             return
         slot = self._free.pop()
         self._entries[key] = HostBlock(slot, key, block.group_id)
-        copy = HostCopy(block.group_id, block.block_id, slot)
+        copy = HostCopy(block.group_id, block.block_id, slot, background=not computed)
         (self._saves if computed else self._computing).append(copy)
+        if not computed:
+            self._unsaved.add(key)
         self.stats.saved += 1
         if self.on_change is not None:
             self.on_change(key, block.group_id, True)
 
-    def load(self, host_block: HostBlock, device_block: Block) -> None:
+    def load(self, host_block: HostBlock, device_block: Block, *, prefetch: bool = False) -> None:
         """Queue the copy of a host block into `device_block`, which now carries its key. The
-        entry leaves the host (a write-through host keeps it, as a copy of the device block)."""
+        entry leaves the host (a write-through host keeps it, as a copy of the device block).
+        A load runs before the step's forward; a `prefetch` runs beside a later one (at most
+        `loads_per_step` a step) and its block is not ready until the step after."""
         key = host_block.key
         if key is None or self._entries.get(key) is not host_block:
             raise CacheInvariantError(f"{host_block} is not on the host")
-        self._loads.append(HostCopy(host_block.group_id, device_block.block_id, host_block.slot))
+        copy = HostCopy(host_block.group_id, device_block.block_id, host_block.slot, prefetch)
         self.stats.loaded += 1
-        if self.write_through:
+        keep = self.write_through
+        if prefetch:
+            self._queued.append((copy, -1 if keep else host_block.slot))
+            self._queued_blocks.add(device_block.block_id)
+        else:
+            self._loads.append(copy)
+        if keep:
             self._entries.move_to_end(key)
             return
         del self._entries[key]
         self._claimed.discard(key)
-        self._releasing.append(host_block.slot)
+        if not prefetch:
+            self._releasing.append(host_block.slot)
         if self.on_change is not None:
             self.on_change(key, host_block.group_id, False)
+
+    def is_loading(self, block_id: int) -> bool:
+        """Whether a prefetch into this device block has not completed yet."""
+        return block_id in self._queued_blocks or block_id in self._in_flight
+
+    @property
+    def num_queued_loads(self) -> int:
+        return len(self._queued)
+
+    def new_step(self) -> None:
+        """The last plan has run: its prefetches are complete."""
+        self._in_flight.clear()
 
     def claim(self, host_block: HostBlock) -> None:
         """Hold a host block an admission will load this step: the saves its allocations queue
@@ -164,14 +211,25 @@ class HostTier:
     def take_transfers(self) -> tuple[tuple[HostCopy, ...], tuple[HostCopy, ...]]:
         """The step's saves (write-through copies of the last step's blocks first) and loads,
         in order; slots freed by its loads become reusable."""
-        saves, loads = (*self._computed, *self._saves), tuple(self._loads)
+        saves = (*self._computed, *self._saves)
+        loads = [*self._loads]
+        cap = self.loads_per_step or len(self._queued)
+        while self._queued and cap > 0:
+            copy, slot = self._queued.popleft()
+            self._queued_blocks.discard(copy.block_id)
+            self._in_flight.add(copy.block_id)
+            if slot >= 0:
+                self._releasing.append(slot)
+            loads.append(copy)
+            cap -= 1
         self._computed, self._computing = self._computing, []
+        self._next, self._unsaved = self._unsaved, set()
         self._saves.clear()
         self._loads.clear()
         self._free.extend(reversed(self._releasing))
         self._releasing.clear()
         self._claimed.clear()
-        return saves, loads
+        return saves, tuple(loads)
 
     def clear(self) -> None:
         """Drop every key (a prefix-cache reset). Queued transfers still run."""
@@ -210,11 +268,12 @@ class HostTier:
     def check_invariants(self) -> None:
         """Every slot is exactly one of: holding a key, waiting on a load, free."""
         held = [e.slot for e in self._entries.values()]
-        every = held + self._releasing + self._free
+        every = held + self._releasing + self._queued_slots() + self._free
         if sorted(every) != list(range(self.num_slots)):
             raise CacheInvariantError(
                 f"host slots are not partitioned: {len(held)} held, "
-                f"{len(self._releasing)} releasing, {len(self._free)} free of {self.num_slots}"
+                f"{len(self._releasing) + len(self._queued)} loading, {len(self._free)} free of "
+                f"{self.num_slots}"
             )
         for key, entry in self._entries.items():
             if entry.key != key or entry.ref_cnt != 0:

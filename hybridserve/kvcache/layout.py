@@ -48,6 +48,9 @@ class CacheLayout:
     # of at its eviction.
     host_blocks: int = 0
     host_write_through: bool = False
+    # Prefetched loads a step carries at most (0: every one queued): sized so that a step's
+    # loads finish beside its forward over the host link.
+    host_loads_per_step: int = 0
     units: tuple[int, ...] = field(init=False)
     page_tokens: int = field(init=False)
 
@@ -65,6 +68,10 @@ class CacheLayout:
         ):
             raise ConfigError(
                 "eagle_groups", self.eagle_groups, f"use group ids below {len(self.groups)}"
+            )
+        if self.host_loads_per_step < 0:
+            raise ConfigError(
+                "host_loads_per_step", self.host_loads_per_step, "use 0 (no cap) or more"
             )
         if self.host_blocks < 0:
             raise ConfigError("host_blocks", self.host_blocks, "use 0 (no host tier) or more")

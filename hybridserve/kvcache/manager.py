@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import CacheInvariantError
 from hybridserve.core.plan import BlockCopy, HostCopy
@@ -113,19 +113,37 @@ class KVCacheManager:
         self.pins = PinTable(self.pool)
         self.host: HostTier | None = None
         if layout.host_blocks and enable_caching and not unbounded:
-            self.host = HostTier(layout.host_blocks, write_through=layout.host_write_through)
+            self.host = HostTier(
+                layout.host_blocks,
+                write_through=layout.host_write_through,
+                loads_per_step=layout.host_loads_per_step,
+            )
             self.pool.host = self.host
+        self._prefetch: dict[str, list[Block]] = {}  # req_id -> blocks its prefetch holds
+        self._prefetched_tokens: dict[str, int] = {}  # req_id -> host hit tokens it loads
 
     # ----- lookup (never mutates) -------------------------------------------------------------
 
     def find_hit(
-        self, block_hashes: Sequence[BlockHash], num_tokens: int, *, resumed: bool = False
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        *,
+        resumed: bool = False,
+        device_only: bool = False,
     ) -> CacheHit:
         """The reconciled hit for a sequence of `num_tokens` tokens with these hashes.
 
         The lookup cap is num_tokens - 1: one token is always recomputed for its logits.
         Does not mutate the pool; the metrics sample is committed only by `allocate`.
+        `device_only`: the hit without the host tier's blocks.
         """
+        if device_only and self.host is not None:
+            self.pool.hide_host = True
+            try:
+                return self.find_hit(block_hashes, num_tokens, resumed=resumed)
+            finally:
+                self.pool.hide_host = False
         layout, cap = self.layout, num_tokens - 1
         if not self.enable_caching or cap < layout.alignment_tokens:
             return self._empty_hit(num_tokens, resumed)
@@ -156,6 +174,8 @@ class KVCacheManager:
             not (isinstance(g, MambaManager) and blocks and g.is_fresh(blocks[-1]))
             for g, blocks in zip(self.groups, group_blocks, strict=True)
         )
+        if ready and self.host is not None:
+            ready = not self._loading(group_blocks, cows)
         # The shared-prefix junction: the longest full-attention hit after the EAGLE drop, when
         # it exceeds the reconciled hit (vLLM's shared_prefix_boundary).
         junction = 0
@@ -180,11 +200,12 @@ class KVCacheManager:
 
     def _device_hit(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int:
         """The reconciled hit the device alone would serve (the rest of a hit is the host's)."""
-        self.pool.hide_host = True
-        try:
-            return self.find_hit(block_hashes, num_tokens).num_tokens
-        finally:
-            self.pool.hide_host = False
+        return self.find_hit(block_hashes, num_tokens, device_only=True).num_tokens
+
+    @staticmethod
+    def needs_host(hit: CacheHit) -> bool:
+        """Whether some of the hit's blocks are on the host tier (its admission loads them)."""
+        return _holds_host_blocks(hit.group_blocks, hit.cow_sources)
 
     def cacheable_tokens(self, num_tokens: int) -> int:
         """The structural maximum hit: floor(cap/A)*A; under the legacy drop, one A below what
@@ -295,7 +316,12 @@ class KVCacheManager:
         if self.enable_caching:
             self._register(req_id, block_hashes, total_computed, num_new_tokens, num_tokens)
         if hit is not None and hit.sample is not None:
-            self.metrics.commit(hit.sample)
+            sample = hit.sample
+            prefetched = self._prefetched_tokens.pop(req_id, 0)
+            if prefetched and not sample.resumed:
+                sample = replace(sample, host_hit_tokens=min(prefetched, sample.hit_tokens))
+            self.metrics.commit(sample)
+        self.release_prefetch(req_id)
         return Allocation(new_ids, copies)
 
     def _settled(
@@ -377,6 +403,8 @@ class KVCacheManager:
         group: GroupManager,
         block: HostBlock,
         where: tuple[str, int] | None,
+        *,
+        prefetch: bool = False,
     ) -> Block:
         """A device block for `block`'s content: registered under its key, loaded before the
         step. The caller checked that the pool has room (a host block counts as one)."""
@@ -384,13 +412,16 @@ class KVCacheManager:
         assert key is not None
         device = self.pool.allocate(1)[0]
         self.pool.register(device, key, group.ctx.group_id)
-        host.load(block, device)
+        host.load(block, device, prefetch=prefetch)
         events = self.pool.events
-        if events is not None and where is not None:
-            req_id, index = where
-            unit, suffix = group.block_size, len(group.key_suffix)
-            start = index * unit
-            events.stored(group.ctx.group_id, key[:-suffix], None, req_id, start, start + unit)
+        if events is not None:
+            if where is None:
+                events.promoted(key, group.ctx.group_id)
+            else:
+                req_id, index = where
+                unit, suffix = group.block_size, len(group.key_suffix)
+                start = index * unit
+                events.stored(group.ctx.group_id, key[:-suffix], None, req_id, start, start + unit)
         return device
 
     def take_host_transfers(self) -> tuple[tuple[HostCopy, ...], tuple[HostCopy, ...]]:
@@ -524,10 +555,73 @@ class KVCacheManager:
             self._register(req_id, block_hashes, num_computed, 0, num_tokens)
 
     def free(self, req_id: str) -> None:
-        """Release every block of a finished or preempted request (deepest first per group)."""
+        """Release every block of a finished or preempted request (deepest first per group),
+        and what a prefetch holds for it."""
         for group in self.groups:
             group.free(req_id)
         self._requests.pop(req_id, None)
+        self.release_prefetch(req_id)
+        self._prefetched_tokens.pop(req_id, None)
+
+    # ----- host tier prefetch -----------------------------------------------------------------
+
+    def prefetch(self, req_id: str, hit: CacheHit) -> bool:
+        """Start loading the host blocks of a waiting request's hit (vLLM's asynchronous KV
+        load): each gets a device block carrying its key, whose load runs beside later steps;
+        the hit's device blocks are held too, so the request finds all of it once the loads are
+        done (`find_hit` says the hit is not ready until then). False, changing nothing, when
+        the hit has no host block, a prefetch for the request runs already, or the pool lacks
+        room for the loads."""
+        host = self.host
+        if host is None or req_id in self._prefetch:
+            return False
+        parts = [*hit.group_blocks, tuple(c for c in hit.cow_sources if c is not None)]
+        blocks = list(dict.fromkeys(b for part in parts for b in part if b.block_id != 0))
+        if not any(isinstance(b, HostBlock) for b in blocks):
+            return False
+        if not self.pool.has_room(sum(1 for b in blocks if b.ref_cnt == 0)):
+            return False
+        for block in blocks:
+            if isinstance(block, HostBlock):
+                host.claim(block)
+        self.pool.touch(blocks)
+        held: list[Block] = []
+        for block in blocks:
+            if isinstance(block, HostBlock):
+                group = self.groups[block.group_id]
+                block = self._load(host, group, block, None, prefetch=True)
+            held.append(block)
+        self._prefetch[req_id] = held
+        if hit.sample is not None:
+            self._prefetched_tokens[req_id] = hit.sample.host_hit_tokens
+        return True
+
+    def is_prefetching(self, req_id: str) -> bool:
+        return req_id in self._prefetch
+
+    def release_prefetch(self, req_id: str) -> None:
+        """Drop what a prefetch holds for `req_id` (its admission holds the blocks now, or it
+        left the queue). The blocks stay cached."""
+        held = self._prefetch.pop(req_id, None)
+        if held:
+            self.pool.free(held[::-1])
+
+    def drop_failed_loads(self, block_ids: Iterable[int]) -> None:
+        """A step whose plan carried loads into these blocks failed: the prefetches holding
+        them are released and the blocks leave the prefix cache (their content is unknown)."""
+        failed = set(block_ids)
+        for req_id in [r for r, held in self._prefetch.items() if failed & _ids(held)]:
+            self.release_prefetch(req_id)
+        self.uncache_free_blocks(failed)
+
+    def _loading(
+        self, group_blocks: Sequence[Sequence[Block]], cows: Sequence[Block | None]
+    ) -> bool:
+        host = self.host
+        assert host is not None
+        return any(host.is_loading(b.block_id) for blocks in group_blocks for b in blocks) or any(
+            c is not None and host.is_loading(c.block_id) for c in cows
+        )
 
     # ----- tool-call pinning -------------------------------------------------------------------
 
@@ -693,9 +787,12 @@ class KVCacheManager:
         return self.host.forget(set(slots)) if self.host is not None else 0
 
     def new_step(self) -> None:
-        """Call at the start of every schedule(): states registered before are now final."""
+        """Call at the start of every schedule(): states registered before are now final, and
+        the prefetches the last plan carried are complete."""
         for group in self.groups:
             group.new_step()
+        if self.host is not None:
+            self.host.new_step()
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -774,6 +871,9 @@ class KVCacheManager:
                 expected[block.block_id] = expected.get(block.block_id, 0) + 1
         for block in self.pins.held_blocks():
             expected[block.block_id] = expected.get(block.block_id, 0) + 1
+        for held in self._prefetch.values():
+            for block in held:
+                expected[block.block_id] = expected.get(block.block_id, 0) + 1
         for block in self.pool.blocks[1:]:
             if block.ref_cnt != expected.get(block.block_id, 0):
                 raise CacheInvariantError(
@@ -782,6 +882,10 @@ class KVCacheManager:
                 )
             if block.key is not None and block.group_id < 0:
                 raise CacheInvariantError(f"{block} is hashed without a group")
+
+
+def _ids(blocks: Iterable[Block]) -> set[int]:
+    return {b.block_id for b in blocks}
 
 
 def _holds_host_blocks(

@@ -32,6 +32,12 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         hit = scheduler.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
         if scheduler.exact_tails and request.session_key is not None:
             hit = _longer_session_hit(scheduler, request, hit, resumed)
+        if scheduler.cache.needs_host(hit):
+            if scheduler.cache.prefetch(request.req_id, hit):
+                break  # its blocks load beside the next steps; it waits at the head for them
+            hit = scheduler.cache.find_hit(
+                request.block_hashes, request.num_tokens, resumed=resumed, device_only=True
+            )
         # Tokens received from another engine start computed (vLLM's KV connector): the step
         # schedules only what follows them.
         start = max(hit.num_tokens, request.num_external_computed_tokens)

@@ -6,6 +6,7 @@ model and the serving backend are built from the `Deployment` (`hybridserve.sim.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,11 @@ class SimConfig:
     # What an agent appends after each answer: the engine's tokens ("engine"), or fresh ones
     # ("synthetic") as `hybridserve agents --url` sends, so no turn hits its answer's KV.
     answers: str = "engine"
+    # The host tier (hybridserve.sim.host_link): host memory of the engine over its TP ranks,
+    # in GiB (0: none), and whether it stores every prompt block once computed (vLLM's
+    # offloading connector) instead of what the device evicts.
+    host_memory_gib: float = 0.0
+    host_write_through: bool = False
 
     def __post_init__(self) -> None:
         if not self.warmup_s >= 0:
@@ -171,6 +177,16 @@ class SimConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ConfigError(
                 "num_gpu_blocks_override", self.num_gpu_blocks_override, "use 2 or more blocks"
+            )
+        if not (self.host_memory_gib >= 0 and math.isfinite(self.host_memory_gib)):
+            raise ConfigError(
+                "host_memory_gib (--host-memory-gib)", self.host_memory_gib, "use 0 or more GiB"
+            )
+        if self.host_write_through and self.host_memory_gib == 0:
+            raise ConfigError(
+                "host_memory_gib (--host-memory-gib)",
+                0,
+                "vLLM's offloading needs host memory: give --host-memory-gib N",
             )
         if self.fleet is not None and self.bound is not None:
             raise ConfigError(

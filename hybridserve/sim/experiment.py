@@ -28,7 +28,7 @@ from hybridserve.sim.stats import paired_ratio
 from hybridserve.sim.summary import SimRun
 
 # `--baseline NAME` -> the preset that stands for it.
-BASELINES = ("vllm", "vllm-tuned", "legacy")
+BASELINES = ("vllm", "vllm-tuned", "legacy", "vllm-offload")
 
 # Metrics every configuration reports (means over seeds).
 METRIC_KEYS = (*RUN_KEYS, "slo_attainment")
@@ -54,9 +54,10 @@ RATIOS = {
 
 def baseline_preset(name: str, *, field: str = "baseline") -> str:
     """The preset that `--baseline NAME` runs (`vllm-tuned` is the baseline preset with the tuned
-    vLLM knobs on top, `tune_vllm`). Raises ConfigError naming `field` for an unknown name and
-    for `legacy` while no such preset exists."""
-    if name in ("vllm", "vllm-tuned"):
+    vLLM knobs on top, `tune_vllm`; `vllm-offload` is it with vLLM's own CPU offloading).
+    Raises ConfigError naming `field` for an unknown name and for `legacy` while no such
+    preset exists."""
+    if name in ("vllm", "vllm-tuned", "vllm-offload"):
         return "baseline"
     if name == "legacy":
         if "legacy" not in PRESETS:

@@ -29,6 +29,10 @@ class Gpu:
     # what a serving engine sizes its pool from; None where no report was found (the datasheet
     # capacity is used then).
     reported_bytes: float | None = None
+    # The host link (host_link.py): bytes per second per direction between the GPU and its
+    # host's memory, and the latency of one batched copy.
+    host_link_bytes_per_s: float = 64 * 1e9
+    host_link_latency_s: float = 10e-6
 
     @property
     def memory_bytes(self) -> float:
@@ -78,6 +82,13 @@ _GIB = float(1 << 30)
 # - H100-SXM: 79.18 GiB, vLLM's total in llm-d-benchmark's
 #   config_explorer/empirical-vllm-memory-results.md ("H100 GPUs (79.18 GiB total memory)").
 # - A100-80G, B200, MI300X: no report found; the datasheet capacity stands in.
+# Host link, per direction (the host tier's copies): PCIe Gen5 x16 is 128 GB/s bidirectional,
+# 64 GB/s each way, on H100 SXM, H200 SXM (the MLPerf v4.1 H200-SXM-141GBx8 system JSON lists
+# "PCIe Gen5 x16"), HGX B200 and MI300X; PCIe Gen4 x16 (32 GB/s each way) on A100. Measured
+# pinned-memory copies reach about 50 GB/s of the 64 on an H100 (vLLM blog, "KV offloading
+# connector", 2026-01-08: "up to about 50GB/s" one way, 83.4 GB/s both ways): the host link's
+# efficiency (host_link.py) is that ratio. Latency: about 5-7 us per cudaMemcpyAsync call for
+# small chunks (DualPath, arXiv 2602.21548, section 5.2); 10 us is charged per batched copy.
 GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
@@ -89,6 +100,7 @@ GPUS: dict[str, Gpu] = {
             hbm_bytes=80 * _G,
             hbm_bytes_per_s=2.039 * _T,
             link_bytes_per_s=300 * _G,
+            host_link_bytes_per_s=32 * _G,
         ),
         Gpu(
             name="H100-SXM",

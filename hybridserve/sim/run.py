@@ -40,9 +40,11 @@ from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.fixed_workload import fixed_simulation
 from hybridserve.sim.fleet import FleetSimulation
 from hybridserve.sim.fleet_report import FleetRun, fleet_run
+from hybridserve.sim.host_link import HostLink, host_blocks
 from hybridserve.sim.loop import AgentSimulation, OpenLoopSimulation, Simulation
 from hybridserve.sim.memory import (
     MemoryAccount,
+    bytes_per_block,
     kv_cache_tokens,
     max_concurrency,
     vllm_log_lines,
@@ -171,6 +173,15 @@ def simulated_pool_blocks(config: SimConfig | Deployment, scheduler: SchedulerCo
     )
 
 
+def simulated_host_link(deployment: SimConfig | Deployment) -> tuple[HostLink, int]:
+    """The deployment's host link and its host tier's blocks per rank (0: no tier)."""
+    resolved = resolve_deployment(deployment)
+    run = resolved.config
+    per_block = bytes_per_block(resolved.model, tp=run.tp, kv_dtype=run.kv_dtype, dcp=run.dcp)
+    slots = host_blocks(run.host_memory_gib, per_block, tp=run.tp)
+    return HostLink.of(resolved.gpu, per_block), slots
+
+
 def simulated_engine(
     deployment: SimConfig | Deployment,
     *,
@@ -187,6 +198,7 @@ def simulated_engine(
     model, speculative, chosen = resolved.model, resolved.speculative, resolved.settings
     cost = simulated_cost_model(resolved)
     num_blocks = simulated_pool_blocks(resolved, chosen.scheduler)
+    link, num_host_blocks = simulated_host_link(resolved)
     bound, ideal = config.bound, ideal_prefix if ideal_prefix is not None else {}
     # Under a step-cost bound the prompt tokens it makes free take no token budget either
     # (the pool above is still the one the real budget's profile run leaves).
@@ -205,7 +217,8 @@ def simulated_engine(
             shape = shape_from_plan(plan, scheduler_cpu_s=cpu_s)
         else:
             shape = bounded_shape(plan, bound, ideal, scheduler_cpu_s=cpu_s)
-        return cost.step_cost(shape).total_s
+        total = cost.step_cost(shape).total_s
+        return total + link.step_s(plan, total) if num_host_blocks else total
 
     def executor(layout: CacheLayout) -> SimulatedExecutor:
         return SimulatedExecutor(
@@ -220,6 +233,8 @@ def simulated_engine(
         chosen,
         ModelCache(groups=model.kv_cache_groups(), speculative=speculative, dcp=config.dcp),
         num_blocks=num_blocks,
+        host_blocks=num_host_blocks,
+        host_write_through=config.host_write_through,
     )
     return build_engine(
         replace(engine_config, scheduler=scheduler),

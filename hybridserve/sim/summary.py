@@ -139,6 +139,25 @@ def engine_counters(cache: dict[str, Any], schedulers: Sequence[Scheduler]) -> d
     out["kv_cache_blocks"] = float(sum(s.cache.layout.num_blocks for s in schedulers))
     out.update(pin_counters(schedulers))
     out.update(control_counters(schedulers))
+    out.update(host_counters(cache, schedulers))
+    return out
+
+
+def host_counters(cache: dict[str, Any], schedulers: Sequence[Scheduler]) -> dict[str, float]:
+    """The host tier's counters summed over the engines (none without a tier): its blocks,
+    the hit tokens it served (`host_hit_rate` over the queried tokens) and its copies."""
+    out: dict[str, float] = {}
+    for scheduler in schedulers:
+        snapshot = scheduler.cache.metrics_snapshot().get("host")
+        if not isinstance(snapshot, dict):
+            continue
+        for name, value in snapshot.items():
+            if name != "used_slots":
+                key = "host_blocks" if name == "slots" else f"host_{name}"
+                out[key] = out.get(key, 0.0) + float(value)
+    if out:
+        queried = cache["queried_tokens"]
+        out["host_hit_rate"] = out["host_hit_tokens"] / queried if queried else 0.0
     return out
 
 

@@ -1,0 +1,203 @@
+"""The host tier under random sessions: what moves between the device and the host is what the
+cache says is there, and nothing is lost, read early or counted twice.
+
+A shadow executor keeps a label per device block and per host slot: the cache key whose content
+the block or slot holds. It runs each plan as the contract says (saves, then loads, then the
+forward) and checks, every step:
+
+* every loaded block now holds the key the cache registered it under (a promotion read the
+  slot after its save, and no other save overwrote the slot first);
+* every key the host holds is in its slot (no slot was reused while a load still needed it);
+* every block the forward reads (a request's blocks below its chunk) holds its own key;
+* `check_invariants()` of the pool, the groups and the host; the host never uses more slots
+  than it has; and every block saved is, at any time, either loaded back, dropped by the host's
+  LRU or still held (never two of them).
+
+Sessions extend their last prompt and answer (agent turns), other prompts share a system
+prefix, and the pool is small, so blocks are evicted, saved and promoted all the time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridserve.core.config import SchedulerConfig
+from hybridserve.core.plan import StepPlan, StepResult
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine import Engine
+from hybridserve.executor.fake import FakeExecutor
+from hybridserve.kvcache import (
+    CacheLayout,
+    FullAttentionSpec,
+    GroupSpec,
+    KVCacheManager,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from hybridserve.kvcache.block_pool import Block
+from hybridserve.scheduler import Scheduler
+
+FAMILIES = ("full", "full+swa", "full+mamba")
+
+
+class ShadowExecutor:
+    """Runs a plan's transfers on labels and checks what the forward will read."""
+
+    def __init__(self, cache: KVCacheManager) -> None:
+        self.cache = cache
+        self.device: dict[int, bytes | None] = {}
+        self.host: dict[int, bytes | None] = {}
+        self.tokens = FakeExecutor(lambda req_id, t: (t * 7 + len(req_id)) % 5)
+        self.num_loads = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        blocks = self.cache.pool.blocks
+        for copy in plan.host_saves:
+            self.host[copy.slot] = self.device.get(copy.block_id)
+        for copy in plan.host_loads:
+            self.device[copy.block_id] = self.host.get(copy.slot)
+            assert self.device[copy.block_id] == blocks[copy.block_id].key, (
+                f"block {copy.block_id} was loaded from slot {copy.slot} without its content"
+            )
+        self.num_loads += len(plan.host_loads)
+        host = self.cache.host
+        for key, entry in host._entries.items() if host is not None else ():
+            if host is not None and host.is_saved(key):
+                assert self.host.get(entry.slot) == key, f"host slot {entry.slot} lost its content"
+        self._check_reads(plan)
+        # The forward computes every block registered so far that holds nothing else yet.
+        for block in blocks[1:]:
+            if block.key is not None:
+                self.device[block.block_id] = block.key
+        return self.tokens.execute(plan)
+
+    def _check_reads(self, plan: StepPlan) -> None:
+        """Blocks a chunk reads (wholly below its start) hold the key they are registered
+        under; a block not registered has no key to compare (its content is the request's)."""
+        blocks = self.cache.pool.blocks
+        for chunk in plan.chunks:
+            for gid, group in enumerate(self.cache.groups):
+                table = group.tables.get(chunk.req_id, [])
+                for index, block in enumerate(table):
+                    if (index + 1) * group.block_size > chunk.start:
+                        break
+                    if block.block_id > 0 and block.key is not None:
+                        label = self.device.get(block.block_id)
+                        assert label == blocks[block.block_id].key, (
+                            f"{chunk.req_id} reads group {gid} block {block.block_id} holding "
+                            "other content"
+                        )
+
+
+def _groups(family: str, block_size: int) -> tuple[GroupSpec, ...]:
+    groups: list[GroupSpec] = [FullAttentionSpec(block_size=block_size)]
+    if family == "full+swa":
+        groups.append(SlidingWindowSpec(block_size=block_size, window=2 * block_size))
+    if family == "full+mamba":
+        groups.append(MambaSpec(block_size=block_size))
+    return tuple(groups)
+
+
+@st.composite
+def _runs(draw: st.DrawFn) -> tuple[CacheLayout, list[tuple[str, int, int]]]:
+    family = draw(st.sampled_from(FAMILIES))
+    block_size = draw(st.sampled_from((4, 8)))
+    layout = CacheLayout(
+        groups=_groups(family, block_size),
+        num_blocks=draw(st.integers(28, 40)),
+        host_blocks=draw(st.integers(4, 40)),
+        host_write_through=draw(st.booleans()),
+    )
+    turns = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(("s0", "s1", "s2", "other", "other")),
+                st.integers(3, 40),  # new prompt tokens
+                st.integers(1, 6),  # answer tokens
+            ),
+            min_size=6,
+            max_size=16,
+        )
+    )
+    return layout, turns
+
+
+def _drive(layout: CacheLayout, turns: Sequence[tuple[str, int, int]]) -> ShadowExecutor:
+    cache = KVCacheManager(layout)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4), cache)
+    shadow = ShadowExecutor(cache)
+    engine = Engine(scheduler, shadow)
+    contexts: dict[str, list[int]] = {}
+    system = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7]
+    for n, (session, new, answer) in enumerate(turns):
+        context = contexts.get(session, list(system)) if session != "other" else list(system)
+        if len(context) > 64:  # the session starts over: every prompt fits the pool
+            context = list(system)
+        prompt = [*context, *[(n * 3 + i) % 4 for i in range(new)]]
+        request = Request(
+            req_id=f"r{n}",
+            prompt_token_ids=tuple(prompt),
+            sampling=SamplingParams(max_tokens=answer, ignore_eos=True),
+        )
+        engine.add_request(request)
+        outputs: list[int] = []
+        for _ in range(400):
+            if not engine.has_requests():
+                break
+            step = engine.step()
+            for out in step.outputs:
+                outputs.extend(out.new_token_ids)
+            _check(cache)
+        assert not engine.has_requests(), "the engine did not drain"
+        if session != "other":
+            contexts[session] = [*prompt, *outputs]
+    return shadow
+
+
+def _check(cache: KVCacheManager) -> None:
+    cache.check_invariants()
+    host = cache.host
+    if host is None:
+        return
+    assert host.num_used <= host.num_slots
+    stats = host.stats
+    if not host.write_through:
+        # Every block saved is loaded back, dropped or still held: exactly one of them.
+        assert stats.saved == stats.loaded + stats.dropped + len(host._entries)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_runs())
+def test_host_transfers_carry_the_content_the_cache_says_they_do(
+    run: tuple[CacheLayout, list[tuple[str, int, int]]],
+) -> None:
+    layout, turns = run
+    _drive(layout, turns)
+
+
+def test_a_session_evicted_from_the_device_comes_back_from_the_host() -> None:
+    """A turn evicted by other prompts is promoted for its session's next turn: the hit is the
+    host's, and the loads carry its content (the shadow checks every one)."""
+    layout = CacheLayout(
+        groups=_groups("full+mamba", 4), num_blocks=36, host_blocks=40, host_write_through=False
+    )
+    turns = [("s0", 20, 3), *[("other", 20, 2)] * 3, ("s0", 4, 2)]
+    shadow = _drive(layout, turns)
+    assert shadow.num_loads > 0
+    snapshot = shadow.cache.metrics_snapshot()["host"]
+    assert isinstance(snapshot, dict)
+    assert snapshot["hit_tokens"] > 0 and snapshot["loaded"] > 0
+
+
+def test_without_a_host_tier_nothing_is_saved_or_loaded() -> None:
+    layout = CacheLayout(groups=_groups("full+mamba", 4), num_blocks=24)
+    cache = KVCacheManager(layout)
+    assert cache.host is None and "host" not in cache.metrics_snapshot()
+    assert cache.take_host_transfers() == ((), ())
+    plan_fields = {f.name for f in dataclasses.fields(StepPlan)}
+    assert {"host_saves", "host_loads"} <= plan_fields
+    assert Block(1).block_id == 1
