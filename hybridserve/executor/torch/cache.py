@@ -127,6 +127,16 @@ class DeviceCache:
     def is_state_layer(self, layer_index: int) -> bool:
         return self._state[layer_index] is not None
 
+    def block_views(self, layer_index: int, block_id: int) -> list[torch.Tensor]:
+        """Views of what block `block_id` holds in a layer: its `block_size` K and V (or
+        latent and indexer) rows, or each tensor of its state slot. Writing them writes the
+        cache (the host tier's saves read them, its loads write them)."""
+        states = self._state[layer_index]
+        if states is not None:
+            return [tensor[block_id] for tensor in states.values()]
+        rows = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        return [tensor[rows] for tensor in self.kv(layer_index)]
+
 
 def _state_tensors(
     layer: StateCache, num_slots: int, device: torch.device

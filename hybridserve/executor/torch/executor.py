@@ -32,6 +32,7 @@ from hybridserve.executor.torch.forward import (
     build_shard_meta,
     to_device,
 )
+from hybridserve.executor.torch.host_cache import HostCache
 from hybridserve.executor.torch.layers.packed import pack_linears
 from hybridserve.executor.torch.logits import (
     PROMPT_ROWS_PER_SLICE,
@@ -81,6 +82,7 @@ class TorchExecutor:
         share_prefixes: bool = True,
         packed_linears: bool = True,
         grammars: Grammars | None = None,
+        host_blocks: int = 0,
     ) -> None:
         """`packed_linears`: on the CPU, float32 linear layers read a oneDNN-packed copy of
         their weights (`layers.packed`; off, `F.linear`). `share_prefixes`: chunks whose block
@@ -88,7 +90,9 @@ class TorchExecutor:
         `forward.build_attention_meta`); off, each chunk reads its whole context. `dcp`: this
         rank's decode-context-parallel group. Every rank builds the same model and executes the
         same plans (see `executor.torch.dcp`); full-attention and MLA KV is sharded by token,
-        so one block id covers `block_size * dcp.world_size` tokens."""
+        so one block id covers `block_size * dcp.world_size` tokens. `host_blocks`: slots of
+        the host tier (`executor.torch.host_cache`; 0 = none), in pinned memory on CUDA; the
+        layout's `host_blocks` must not exceed it."""
         self.device = torch.device(device)
         self.dcp = dcp or DcpGroup()
         self.model = model.to(self.device).eval()
@@ -145,6 +149,17 @@ class TorchExecutor:
             device=self.device,
         )
         self.num_blocks = num_blocks
+        self.host_blocks = host_blocks
+        self.host_cache = (
+            HostCache(
+                self.cache,
+                host_blocks,
+                layer_group=self.groups.layer_group,
+                device=self.device,
+            )
+            if host_blocks
+            else None
+        )
         # Groups attended through hybridserve.parallel: MLA always, full attention under DCP.
         sharded = (GroupKind.FULL, GroupKind.MLA) if self.dcp.world_size > 1 else (GroupKind.MLA,)
         self._sharded_groups = frozenset(
@@ -167,6 +182,9 @@ class TorchExecutor:
             else None
         )
         self._requests: dict[str, _RequestState] = {}
+        if self.host_cache is not None and self._slot_tokens is not None:
+            assert self._token_group is not None
+            self.host_cache.add_table(self._token_group, self._slot_tokens, self._token_unit)
         self.drafter = (
             DraftHeadRunner(
                 self.head,
@@ -180,6 +198,8 @@ class TorchExecutor:
             if self.head is not None
             else None
         )
+        if self.host_cache is not None and self.drafter is not None:
+            self.host_cache.add_table(self.drafter.group_id, self.drafter.next_token, block_size)
         self._sampling: dict[str, SamplingParams] = {}
         # Kept until a request finishes (preemption included): its prompt length (the position
         # it first sampled at), and where its prompt log-probabilities stand.
@@ -207,6 +227,7 @@ class TorchExecutor:
             "num_blocks": self.num_blocks,
             "speculative": self.speculative,
             "dcp": self.dcp.world_size,
+            "host_blocks": self.host_blocks,
             **options,
         }
         return CacheLayout(**fields)  # type: ignore[arg-type]
@@ -225,6 +246,7 @@ class TorchExecutor:
             self._prompt_lens.pop(req_id, None)
             self._prompt_logprob_states.pop(req_id, None)
         self._step_logprobs, self._step_prompt_logprobs = {}, {}
+        self._host_transfers(plan)
         for copy in plan.block_copies:
             self._copy_block(copy.group_id, copy.src_block_id, copy.dst_block_id, copy.num_tokens)
         if not plan.chunks:
@@ -246,6 +268,19 @@ class TorchExecutor:
             logprobs=self._step_logprobs,
             prompt_logprobs=self._step_prompt_logprobs,
         )
+
+    def _host_transfers(self, plan: StepPlan) -> None:
+        """The plan's host-tier saves, then its loads (before its block copies)."""
+        if not plan.host_saves and not plan.host_loads:
+            return
+        if self.host_cache is None:
+            raise ConfigError(
+                "host_blocks",
+                0,
+                f"step {plan.step_id} moves blocks to and from the host tier; build the "
+                "executor with the layout's host_blocks",
+            )
+        self.host_cache.transfer(plan.host_saves, plan.host_loads)
 
     def _run(
         self, chunks: Sequence[ScheduledChunk]
