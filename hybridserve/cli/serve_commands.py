@@ -250,6 +250,17 @@ KvReplayOpt = Annotated[
 ]
 
 
+ServeHostMemoryOpt = Annotated[
+    float,
+    typer.Option(
+        "--host-memory-gib",
+        parser=FINITE_FLOAT,
+        help="Host memory for a host tier of the KV cache, in GiB (0 = none): evicted blocks "
+        "and states go there and come back on a hit (not with --dcp).",
+    ),
+]
+
+
 @dataclass(frozen=True, slots=True)
 class ServeFlags:
     """Every `serve` flag, as given."""
@@ -291,6 +302,7 @@ class ServeFlags:
     block_size: int
     kv_events: str | None
     kv_events_replay: str | None
+    host_memory_gib: float
     scheduler: dict[str, Any]  # SchedulerConfig fields by name; None: not given
 
     @property
@@ -338,6 +350,7 @@ def serve_cmd(
     block_size: BlockSizeOption = 16,
     kv_events: KvEventsOpt = None,
     kv_events_replay: KvReplayOpt = None,
+    host_memory_gib: ServeHostMemoryOpt = 0.0,
     **scheduler: Any,
 ) -> None:
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /metrics.
@@ -378,6 +391,7 @@ def _serve(flags: ServeFlags) -> int:
                 retention=flags.retention,
                 num_blocks=flags.num_blocks,
                 overrides=flags.scheduler,
+                host_memory_gib=flags.host_memory_gib,
             )
             attach_kv_events(server_app, flags.kv_events, flags.kv_events_replay)
         except HybridServeError as exc:
@@ -610,6 +624,7 @@ def build_app(
     num_blocks: int | None = None,
     overrides: dict[str, Any] | None = None,
     settings_file: SettingsFile | None = None,
+    host_memory_gib: float = 0.0,
 ) -> Any:
     """The FastAPI app over `backend` with the settings resolved as every command resolves
     them (`hybridserve.engine.settings`: preset, then the file, then the flags). The file is
@@ -622,5 +637,10 @@ def build_app(
     sources = SettingsSources(
         preset=preset_name, file=file, flags=tuple((overrides or {}).items()), retention=retention
     )
-    parts = serving_engine(backend, serve_settings(backend, sources), num_blocks=num_blocks)
+    parts = serving_engine(
+        backend,
+        serve_settings(backend, sources),
+        num_blocks=num_blocks,
+        host_memory_gib=host_memory_gib,
+    )
     return create_app(ServerState(backend, parts, settings))

@@ -22,7 +22,8 @@ from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
 from hybridserve.sim.cost_model import shape_from_plan
 from hybridserve.sim.deployment import DEFAULT_SPECULATIVE_TOKENS, SimConfig, resolve_deployment
 from hybridserve.sim.executor import SimulatedExecutor
-from hybridserve.sim.run import simulated_cost_model, simulated_pool_blocks
+from hybridserve.sim.host_link import HostLink
+from hybridserve.sim.run import simulated_cost_model, simulated_host_link, simulated_pool_blocks
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
 _PRINTABLE = frozenset(_ALPHABET)
@@ -112,6 +113,7 @@ class SimServingBackend:
         self._gpu = self.deployment.gpu
         self._cost = simulated_cost_model(self.deployment)
         self._speculative = self.deployment.speculative
+        self._link: HostLink | None = None
         self._eos_probability = eos_probability
         self._tp, self._dtype = tp, dtype
         self._acceptance_rate = acceptance_rate
@@ -169,11 +171,21 @@ class SimServingBackend:
     def close(self) -> None:
         """Nothing to release: the simulated executor starts no processes."""
 
+    def host_tier(self, host_memory_gib: float) -> tuple[int, int]:
+        """The simulated host tier: its blocks per rank and prefetches per step."""
+        from dataclasses import replace
+
+        config = replace(self.deployment.config, host_memory_gib=host_memory_gib)
+        link, slots = simulated_host_link(replace(self.deployment, config=config))
+        self._link = link if slots else None
+        return slots, link.loads_per_step() if slots else 0
+
     def make_executor(self, layout: CacheLayout) -> Executor:
-        cost = self._cost
+        cost, link = self._cost, self._link
 
         def step_time(plan: StepPlan) -> float:
-            return cost.step_cost(shape_from_plan(plan)).total_s
+            compute = cost.step_cost(shape_from_plan(plan)).total_s
+            return compute + link.step_s(plan, compute) if link is not None else compute
 
         return PrintableTokens(
             SimulatedExecutor(

@@ -664,8 +664,9 @@ BREAKDOWN_ROWS = ("slo_attainment", *BREAKDOWN_KEYS)
 BaselineOption = Annotated[
     str,
     typer.Option(
-        help="What hybridserve is compared with: vllm, vllm-tuned, legacy or vllm-offload "
-        "(vLLM 0.33 with its own CPU offloading at --host-memory-gib)."
+        help="What hybridserve is compared with: vllm, vllm-tuned, legacy, vllm-offload or "
+        "vllm-tuned-offload (vLLM 0.33, or the tuned vLLM, with its own CPU offloading at "
+        "--host-memory-gib)."
     ),
 ]
 SeedsOption = Annotated[
@@ -706,7 +707,7 @@ AlsoBaselinesOption = Annotated[
     str,
     typer.Option(
         help="More baselines beside --baseline, comma-separated (vllm, vllm-tuned, legacy, "
-        "vllm-offload): each "
+        "vllm-offload, vllm-tuned-offload; one tuned one at most): each "
         "runs on the same seeds, with hybridserve's paired ratios to it (`ratios_vs`)."
     ),
 ]
@@ -766,6 +767,11 @@ class BenchFlags:
                 raise ConfigError(
                     "--also-baselines", name, "name each baseline once, other than --baseline"
                 )
+        tuned = [n for n in (self.baseline, *names) if n in ("vllm-tuned", "vllm-tuned-offload")]
+        if len(tuned) > 1:
+            raise ConfigError(
+                "--also-baselines", tuned[-1], f"compare with one tuned vLLM at a time: {tuned}"
+            )
         return names
 
     @property
@@ -873,7 +879,7 @@ def _bench_host(flags: BenchFlags, label: str) -> dict[str, Any]:
     """A label's host tier under --host-memory-gib: hybridserve's tier (what the device
     evicts), vLLM's offloading for `vllm-offload`, none for the other vLLM baselines."""
     name = flags.baseline if label == "baseline" else label
-    if name == "vllm-offload":
+    if name in ("vllm-offload", "vllm-tuned-offload"):
         return {"host_memory_gib": flags.host_memory_gib, "host_write_through": True}
     if label == "baseline" or label in flags.other_baselines:
         return {}
@@ -894,10 +900,7 @@ def _bench(
             "--bounds", True, "bounds are single-engine: drop --bounds or the fleet options"
         )
     search: dict[str, Any] | None = None
-    # The vllm-tuned baseline, main or another one (never both: --also-baselines excludes it).
-    tuned_label = "baseline" if flags.baseline == "vllm-tuned" else None
-    if "vllm-tuned" in flags.other_baselines:
-        tuned_label = "vllm-tuned"
+    tuned_label = _tuned_label(flags)
     if tuned_label is not None:
         configs[tuned_label], search = _tuned_baseline(
             configs[tuned_label],
@@ -940,6 +943,14 @@ def _bench(
     report["pool"] = pools
     report["setup"] = _bench_setup(flags, config, simulated, base_preset, search)
     return report, results, kept
+
+
+def _tuned_label(flags: BenchFlags) -> str | None:
+    """The label of the tuned vLLM baseline, main or another one (one at most), if any."""
+    tuned = ("vllm-tuned", "vllm-tuned-offload")
+    if flags.baseline in tuned:
+        return "baseline"
+    return next((name for name in tuned if name in flags.other_baselines), None)
 
 
 def _bench_setup(

@@ -76,6 +76,7 @@ def resolve_engine_config(
     max_in_flight_tokens: int | None = None,
     host_blocks: int = 0,
     host_write_through: bool = False,
+    host_loads_per_step: int = 0,
 ) -> EngineConfig:
     """The one engine configuration of a run: the resolved `settings` (scheduler, retention,
     lookahead hashes) over the `model`'s cache and a pool of `num_blocks`.
@@ -107,6 +108,7 @@ def resolve_engine_config(
         max_in_flight_tokens=in_flight,
         host_blocks=host_blocks,
         host_write_through=host_write_through,
+        host_loads_per_step=host_loads_per_step if host_blocks else 0,
     )
     return EngineConfig(
         layout=layout,

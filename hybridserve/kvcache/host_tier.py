@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import CacheInvariantError
 from hybridserve.core.plan import HostCopy
@@ -96,6 +96,7 @@ class HostTier:
         # Prefetch loads: queued, planned `loads_per_step` at a time, beside the forward; a
         # block planned in a step is read from the next one on (`in_flight` until then).
         self._queued: deque[tuple[HostCopy, int]] = deque()  # (load, slot to release)
+        self._queued_keys: dict[bytes, int] = {}  # kept keys (write-through) a queued load reads
         self._queued_blocks: set[int] = set()
         self._in_flight: set[int] = set()
         # Write-through saves of blocks registered this step (computed by its forward): they
@@ -103,7 +104,14 @@ class HostTier:
         self._computing: list[HostCopy] = []
         self._computed: list[HostCopy] = []
         self._unsaved: set[bytes] = set()  # the keys of `_computing`: not loadable yet
+        # Saves ahead of eviction (free blocks next in line), and the blocks this step evicts:
+        # a background copy of one of those must finish before the forward reuses it.
+        self._ahead: list[HostCopy] = []
+        self._evicted: set[int] = set()
         self._next: set[bytes] = set()  # the keys of `_computed`: saved by the next plan
+        # The save still to run into each slot: a key dropped before its save ran cancels it
+        # (its slot may be saved into again, and the older copy must not land after that).
+        self._pending: dict[int, HostCopy] = {}
         # Keys an admission is promoting this step: never dropped before their loads run.
         self._claimed: set[bytes] = set()
         self.stats = HostStats()
@@ -136,14 +144,17 @@ class HostTier:
 
     # ----- changes ----------------------------------------------------------------------------
 
-    def save(self, block: Block, *, computed: bool = True) -> None:
+    def save(self, block: Block, *, computed: bool = True, ahead: bool = False) -> None:
         """Copy a hashed device block's content to a host slot under its key: at its eviction
-        (`computed`: the copy runs before the step reuses the block), or at its registration
+        (`computed`: the copy runs before the step reuses the block), ahead of its eviction
+        (`ahead`: a free block next in line, copied beside the forward), or at its registration
         under write-through (the copy runs after the step computes it). A key the host holds
-        already is only touched."""
+        already is only touched; its eviction makes a copy still to run a blocking one."""
         key = block.key
         if key is None:
             raise CacheInvariantError(f"{block} has no key to save under")
+        if computed and not ahead:
+            self._evicted.add(block.block_id)
         held = self._entries.get(key)
         if held is not None:
             self._entries.move_to_end(key)
@@ -154,8 +165,12 @@ class HostTier:
             return
         slot = self._free.pop()
         self._entries[key] = HostBlock(slot, key, block.group_id)
-        copy = HostCopy(block.group_id, block.block_id, slot, background=not computed)
-        (self._saves if computed else self._computing).append(copy)
+        copy = HostCopy(block.group_id, block.block_id, slot, background=ahead or not computed)
+        if ahead:
+            self._ahead.append(copy)
+        else:
+            (self._saves if computed else self._computing).append(copy)
+        self._pending[slot] = copy
         if not computed:
             self._unsaved.add(key)
         self.stats.saved += 1
@@ -176,6 +191,8 @@ class HostTier:
         if prefetch:
             self._queued.append((copy, -1 if keep else host_block.slot))
             self._queued_blocks.add(device_block.block_id)
+            if keep:
+                self._queued_keys[key] = self._queued_keys.get(key, 0) + 1
         else:
             self._loads.append(copy)
         if keep:
@@ -211,12 +228,21 @@ class HostTier:
     def take_transfers(self) -> tuple[tuple[HostCopy, ...], tuple[HostCopy, ...]]:
         """The step's saves (write-through copies of the last step's blocks first) and loads,
         in order; slots freed by its loads become reusable."""
-        saves = (*self._computed, *self._saves)
+        background = [c for c in (*self._computed, *self._ahead) if self._runs(c)]
+        evicted = self._evicted
+        saves = (
+            *(replace(c, background=False) for c in background if c.block_id in evicted),
+            *(c for c in self._saves if self._runs(c)),
+            *(c for c in background if c.block_id not in evicted),
+        )
+        self._ahead.clear()
+        self._evicted = set()
         loads = [*self._loads]
         cap = self.loads_per_step or len(self._queued)
         while self._queued and cap > 0:
             copy, slot = self._queued.popleft()
             self._queued_blocks.discard(copy.block_id)
+            self._release_queued_key(copy.slot)
             self._in_flight.add(copy.block_id)
             if slot >= 0:
                 self._releasing.append(slot)
@@ -231,6 +257,23 @@ class HostTier:
         self._claimed.clear()
         return saves, tuple(loads)
 
+    def _release_queued_key(self, slot: int) -> None:
+        for key, count in self._queued_keys.items():
+            entry = self._entries.get(key)
+            if entry is not None and entry.slot == slot:
+                if count > 1:
+                    self._queued_keys[key] = count - 1
+                else:
+                    del self._queued_keys[key]
+                return
+
+    def _runs(self, copy: HostCopy) -> bool:
+        """Whether a queued save still runs (its key was not dropped); taken off the pending."""
+        if self._pending.get(copy.slot) is not copy:
+            return False
+        del self._pending[copy.slot]
+        return True
+
     def clear(self) -> None:
         """Drop every key (a prefix-cache reset). Queued transfers still run."""
         for key, entry in list(self._entries.items()):
@@ -244,6 +287,7 @@ class HostTier:
         dropped = [key for key, entry in self._entries.items() if entry.slot in slots]
         for key in dropped:
             entry = self._entries.pop(key)
+            self._pending.pop(entry.slot, None)
             self._free.append(entry.slot)
             if self.on_change is not None:
                 self.on_change(key, entry.group_id, False)
@@ -252,11 +296,12 @@ class HostTier:
     def _drop_oldest(self) -> bool:
         """Free the slot of the least recently stored key that no admission claims."""
         for key in self._entries:
-            if key not in self._claimed:
+            if key not in self._claimed and key not in self._queued_keys:
                 break
         else:
             return False
         entry = self._entries.pop(key)
+        self._pending.pop(entry.slot, None)
         self._free.append(entry.slot)
         self.stats.dropped += 1
         if self.on_change is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from hybridserve.core.errors import CacheInvariantError
 from hybridserve.core.plan import BlockCopy, HostCopy
 from hybridserve.kvcache.block_pool import Block, BlockPool
-from hybridserve.kvcache.coordinator import reconcile
+from hybridserve.kvcache.coordinator import Reconciliation, reconcile
 from hybridserve.kvcache.groups import GroupContext, GroupManager, make_manager
 from hybridserve.kvcache.groups.base import KeepMask, SlotRequest
 from hybridserve.kvcache.groups.mamba import MambaManager
@@ -170,12 +170,7 @@ class KVCacheManager:
             blocks, cow = lookup.blocks(rec.num_tokens)
             group_blocks.append(tuple(blocks))
             cows.append(cow)
-        ready = all(
-            not (isinstance(g, MambaManager) and blocks and g.is_fresh(blocks[-1]))
-            for g, blocks in zip(self.groups, group_blocks, strict=True)
-        )
-        if ready and self.host is not None:
-            ready = not self._loading(group_blocks, cows)
+        ready = self._ready(group_blocks, cows)
         # The shared-prefix junction: the longest full-attention hit after the EAGLE drop, when
         # it exceeds the reconciled hit (vLLM's shared_prefix_boundary).
         junction = 0
@@ -187,16 +182,29 @@ class KVCacheManager:
             host_tokens = 0
             if self.host is not None and _holds_host_blocks(group_blocks, cows):
                 host_tokens = rec.num_tokens - self._device_hit(block_hashes, num_tokens)
-            sample = AdmissionSample(
-                queried_tokens=num_tokens,
-                cacheable_tokens=self.cacheable_tokens(num_tokens),
-                hit_tokens=rec.num_tokens,
-                group_offered_tokens=rec.offered,
-                limiting_group=rec.limiting_group,
-                resumed=resumed,
-                host_hit_tokens=host_tokens,
-            )
+            sample = self._sample(num_tokens, rec, resumed=resumed, host_tokens=host_tokens)
         return CacheHit(rec.num_tokens, tuple(group_blocks), tuple(cows), ready, junction, sample)
+
+    def _sample(
+        self, num_tokens: int, rec: Reconciliation, *, resumed: bool, host_tokens: int
+    ) -> AdmissionSample:
+        return AdmissionSample(
+            queried_tokens=num_tokens,
+            cacheable_tokens=self.cacheable_tokens(num_tokens),
+            hit_tokens=rec.num_tokens,
+            group_offered_tokens=rec.offered,
+            limiting_group=rec.limiting_group,
+            resumed=resumed,
+            host_hit_tokens=host_tokens,
+        )
+
+    def _ready(self, group_blocks: Sequence[Sequence[Block]], cows: Sequence[Block | None]) -> bool:
+        """A hit is ready unless it needs a state registered this step or a block whose
+        prefetch has not completed."""
+        for group, blocks in zip(self.groups, group_blocks, strict=True):
+            if isinstance(group, MambaManager) and blocks and group.is_fresh(blocks[-1]):
+                return False
+        return self.host is None or not self._loading(group_blocks, cows)
 
     def _device_hit(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int:
         """The reconciled hit the device alone would serve (the rest of a hit is the host's)."""
@@ -315,14 +323,20 @@ class KVCacheManager:
         new_ids = tuple(tuple(b.block_id for b in g.allocate(req_id, slots)) for g in self.groups)
         if self.enable_caching:
             self._register(req_id, block_hashes, total_computed, num_new_tokens, num_tokens)
-        if hit is not None and hit.sample is not None:
+        if hit is not None:
+            self._commit_admission(req_id, hit)
+        return Allocation(new_ids, copies)
+
+    def _commit_admission(self, req_id: str, hit: CacheHit) -> None:
+        """Record an admission's hit once (what a prefetch loaded for it counts as the host's)
+        and drop the prefetch's hold: the request holds the blocks now."""
+        if hit.sample is not None:
             sample = hit.sample
             prefetched = self._prefetched_tokens.pop(req_id, 0)
             if prefetched and not sample.resumed:
                 sample = replace(sample, host_hit_tokens=min(prefetched, sample.hit_tokens))
             self.metrics.commit(sample)
         self.release_prefetch(req_id)
-        return Allocation(new_ids, copies)
 
     def _settled(
         self,
@@ -793,6 +807,21 @@ class KVCacheManager:
             group.new_step()
         if self.host is not None:
             self.host.new_step()
+            self._save_ahead(self.host)
+
+    def _save_ahead(self, host: HostTier) -> None:
+        """Copy to the host, beside the forward, the cached free blocks next in line for
+        eviction (up to a step's worth of loads), so that evicting them later costs no copy
+        before a forward. Not under write-through (every block is there already)."""
+        budget = host.loads_per_step
+        if not budget or host.write_through:
+            return
+        for looked, block in enumerate(self.pool.free_queue):
+            if budget <= 0 or looked >= 4 * host.loads_per_step:
+                break
+            if block.key is not None and block.key not in host:
+                host.save(block, ahead=True)
+                budget -= 1
 
     # ----- queries ----------------------------------------------------------------------------
 

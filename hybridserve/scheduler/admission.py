@@ -33,7 +33,7 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         if scheduler.exact_tails and request.session_key is not None:
             hit = _longer_session_hit(scheduler, request, hit, resumed)
         if scheduler.cache.needs_host(hit):
-            if scheduler.cache.prefetch(request.req_id, hit):
+            if _prefetch(scheduler, request, hit):
                 break  # its blocks load beside the next steps; it waits at the head for them
             hit = scheduler.cache.find_hit(
                 request.block_hashes, request.num_tokens, resumed=resumed, device_only=True
@@ -71,6 +71,18 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
         (step.resumed if resumed else step.new_reqs).append((request.req_id, hit.num_tokens))
         step.record(request.req_id, num_new, allocation, new_request=True)
         prefill.charge(num_new, completes=completes)
+
+
+def _prefetch(scheduler: Scheduler, request: Request, hit: CacheHit) -> bool:
+    """Start loading the host blocks of the head waiter's hit (a prefetch it had already is
+    replaced: the hit now holds what it loaded). As an admission does, release other sessions'
+    pins while the pool lacks room. False when the loads do not fit even then."""
+    cache = scheduler.cache
+    cache.release_prefetch(request.req_id)
+    while not cache.prefetch(request.req_id, hit):
+        if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_key)):
+            return False
+    return True
 
 
 def _longer_session_hit(

@@ -86,6 +86,12 @@ class ServingBackend(Protocol):
         """The executor over this cache layout; called once, before serving starts."""
         ...
 
+    def host_tier(self, host_memory_gib: float) -> tuple[int, int]:
+        """Set up a host tier of `host_memory_gib` GiB (0: none; called once, before
+        `make_executor`): its blocks, and the prefetched loads a step carries at most (0: no
+        cap)."""
+        ...
+
     @property
     def dcp_width(self) -> int:
         """Decode-context-parallel ranks the full-attention KV is sharded over (1 = none): the
@@ -115,19 +121,27 @@ def serve_settings(backend: ServingBackend, sources: SettingsSources) -> Preset:
 
 
 def serving_engine(
-    backend: ServingBackend, settings: Preset, *, num_blocks: int | None = None
+    backend: ServingBackend,
+    settings: Preset,
+    *,
+    num_blocks: int | None = None,
+    host_memory_gib: float = 0.0,
 ) -> EngineParts:
     """An engine over the backend's executor, configured by `resolve_engine_config` as every
     engine is. `num_blocks` caps the backend's pool size; a token id the executor returns
-    outside the tokenizer's vocabulary fails its request."""
+    outside the tokenizer's vocabulary fails its request. `host_memory_gib` > 0 adds a host
+    tier of that size."""
     pool = backend.num_blocks(settings.scheduler)
     model = ModelCache(
         groups=backend.cache_groups(), speculative=backend.speculative, dcp=backend.dcp_width
     )
+    host_blocks, loads_per_step = backend.host_tier(host_memory_gib)
     config = resolve_engine_config(
         settings,
         model,
         num_blocks=pool if num_blocks is None else min(num_blocks, pool),
         vocab_size=backend.tokenizer.vocab_size,
+        host_blocks=host_blocks,
+        host_loads_per_step=loads_per_step,
     )
     return build_engine(config, backend.make_executor)

@@ -251,6 +251,23 @@ class TorchServingBackend:
     def num_blocks(self, scheduler: SchedulerConfig) -> int:
         return self._num_blocks  # the checkpoint's pool: sized at load, whatever the settings
 
+    def host_tier(self, host_memory_gib: float) -> tuple[int, int]:
+        """A host pool of `host_memory_gib` GiB beside the executor's, in its block size."""
+        if not host_memory_gib >= 0:
+            raise ConfigError("--host-memory-gib", host_memory_gib, "use 0 or more GiB")
+        if host_memory_gib == 0:
+            return 0, 0
+        slots = int(host_memory_gib * (1 << 30) // self._executor.block_bytes)
+        if slots < 1:
+            raise ConfigError(
+                "--host-memory-gib",
+                host_memory_gib,
+                f"it holds no block of {self._executor.block_bytes} bytes; give more, or 0",
+            )
+        if self._executor.host_cache is None:
+            self._executor.enable_host_tier(slots)
+        return self._executor.host_blocks, 0
+
     def make_executor(self, layout: CacheLayout) -> Executor:
         if layout.num_blocks > self._num_blocks:
             raise ConfigError(

@@ -28,7 +28,7 @@ from hybridserve.sim.stats import paired_ratio
 from hybridserve.sim.summary import SimRun
 
 # `--baseline NAME` -> the preset that stands for it.
-BASELINES = ("vllm", "vllm-tuned", "legacy", "vllm-offload")
+BASELINES = ("vllm", "vllm-tuned", "legacy", "vllm-offload", "vllm-tuned-offload")
 
 # Metrics every configuration reports (means over seeds).
 METRIC_KEYS = (*RUN_KEYS, "slo_attainment")
@@ -57,7 +57,7 @@ def baseline_preset(name: str, *, field: str = "baseline") -> str:
     vLLM knobs on top, `tune_vllm`; `vllm-offload` is it with vLLM's own CPU offloading).
     Raises ConfigError naming `field` for an unknown name and for `legacy` while no such
     preset exists."""
-    if name in ("vllm", "vllm-tuned", "vllm-offload"):
+    if name in ("vllm", "vllm-tuned", "vllm-offload", "vllm-tuned-offload"):
         return "baseline"
     if name == "legacy":
         if "legacy" not in PRESETS:

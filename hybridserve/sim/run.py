@@ -235,6 +235,7 @@ def simulated_engine(
         num_blocks=num_blocks,
         host_blocks=num_host_blocks,
         host_write_through=config.host_write_through,
+        host_loads_per_step=link.loads_per_step(),
     )
     return build_engine(
         replace(engine_config, scheduler=scheduler),

@@ -58,22 +58,34 @@ class ShadowExecutor:
         blocks = self.cache.pool.blocks
         for copy in plan.host_saves:
             self.host[copy.slot] = self.device.get(copy.block_id)
-        for copy in plan.host_loads:
-            self.device[copy.block_id] = self.host.get(copy.slot)
-            assert self.device[copy.block_id] == blocks[copy.block_id].key, (
-                f"block {copy.block_id} was loaded from slot {copy.slot} without its content"
-            )
+        now = [c for c in plan.host_loads if not c.background]
+        beside = [c for c in plan.host_loads if c.background]
+        for copy in now:
+            self._load(copy.block_id, copy.slot)
         self.num_loads += len(plan.host_loads)
         host = self.cache.host
         for key, entry in host._entries.items() if host is not None else ():
             if host is not None and host.is_saved(key):
                 assert self.host.get(entry.slot) == key, f"host slot {entry.slot} lost its content"
+        # Prefetches run beside the forward: what it reads must not depend on them.
+        for copy in beside:
+            self.device[copy.block_id] = None
         self._check_reads(plan)
         # The forward computes every block registered so far that holds nothing else yet.
+        loading = {c.block_id for c in beside}
         for block in blocks[1:]:
-            if block.key is not None:
-                self.device[block.block_id] = block.key
+            if block.key is not None and block.block_id not in loading:
+                if host is None or not host.is_loading(block.block_id):
+                    self.device[block.block_id] = block.key
+        for copy in beside:
+            self._load(copy.block_id, copy.slot)
         return self.tokens.execute(plan)
+
+    def _load(self, block_id: int, slot: int) -> None:
+        self.device[block_id] = self.host.get(slot)
+        assert self.device[block_id] == self.cache.pool.blocks[block_id].key, (
+            f"block {block_id} was loaded from slot {slot} without its content"
+        )
 
     def _check_reads(self, plan: StepPlan) -> None:
         """Blocks a chunk reads (wholly below its start) hold the key they are registered
@@ -111,6 +123,7 @@ def _runs(draw: st.DrawFn) -> tuple[CacheLayout, list[tuple[str, int, int]]]:
         num_blocks=draw(st.integers(28, 40)),
         host_blocks=draw(st.integers(4, 40)),
         host_write_through=draw(st.booleans()),
+        host_loads_per_step=draw(st.sampled_from((0, 1, 3))),
     )
     turns = draw(
         st.lists(
@@ -135,7 +148,7 @@ def _drive(layout: CacheLayout, turns: Sequence[tuple[str, int, int]]) -> Shadow
     system = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7]
     for n, (session, new, answer) in enumerate(turns):
         context = contexts.get(session, list(system)) if session != "other" else list(system)
-        if len(context) > 64:  # the session starts over: every prompt fits the pool
+        if len(context) + new > 56:  # the session starts over: every prompt fits the pool
             context = list(system)
         prompt = [*context, *[(n * 3 + i) % 4 for i in range(new)]]
         request = Request(
@@ -170,7 +183,7 @@ def _check(cache: KVCacheManager) -> None:
         assert stats.saved == stats.loaded + stats.dropped + len(host._entries)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_runs())
 def test_host_transfers_carry_the_content_the_cache_says_they_do(
     run: tuple[CacheLayout, list[tuple[str, int, int]]],

@@ -127,6 +127,14 @@ class DeviceCache:
     def is_state_layer(self, layer_index: int) -> bool:
         return self._state[layer_index] is not None
 
+    def block_bytes(self) -> int:
+        """Bytes one block id holds over every layer (K/V rows or a state slot each)."""
+        return sum(
+            view.numel() * view.element_size()
+            for layer in range(len(self._kv))
+            for view in self.block_views(layer, 0)
+        )
+
     def block_views(self, layer_index: int, block_id: int) -> list[torch.Tensor]:
         """Views of what block `block_id` holds in a layer: its `block_size` K and V (or
         latent and indexer) rows, or each tensor of its state slot. Writing them writes the

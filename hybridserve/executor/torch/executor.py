@@ -149,17 +149,8 @@ class TorchExecutor:
             device=self.device,
         )
         self.num_blocks = num_blocks
-        self.host_blocks = host_blocks
-        self.host_cache = (
-            HostCache(
-                self.cache,
-                host_blocks,
-                layer_group=self.groups.layer_group,
-                device=self.device,
-            )
-            if host_blocks
-            else None
-        )
+        self.host_blocks = 0
+        self.host_cache: HostCache | None = None
         # Groups attended through hybridserve.parallel: MLA always, full attention under DCP.
         sharded = (GroupKind.FULL, GroupKind.MLA) if self.dcp.world_size > 1 else (GroupKind.MLA,)
         self._sharded_groups = frozenset(
@@ -182,9 +173,6 @@ class TorchExecutor:
             else None
         )
         self._requests: dict[str, _RequestState] = {}
-        if self.host_cache is not None and self._slot_tokens is not None:
-            assert self._token_group is not None
-            self.host_cache.add_table(self._token_group, self._slot_tokens, self._token_unit)
         self.drafter = (
             DraftHeadRunner(
                 self.head,
@@ -198,8 +186,8 @@ class TorchExecutor:
             if self.head is not None
             else None
         )
-        if self.host_cache is not None and self.drafter is not None:
-            self.host_cache.add_table(self.drafter.group_id, self.drafter.next_token, block_size)
+        if host_blocks:
+            self.enable_host_tier(host_blocks)
         self._sampling: dict[str, SamplingParams] = {}
         # Kept until a request finishes (preemption included): its prompt length (the position
         # it first sampled at), and where its prompt log-probabilities stand.
@@ -233,6 +221,29 @@ class TorchExecutor:
         return CacheLayout(**fields)  # type: ignore[arg-type]
 
     # ----- the step -------------------------------------------------------------------------
+
+    def enable_host_tier(self, host_blocks: int) -> None:
+        """Give the executor a host pool of `host_blocks` slots (once; refused under DCP)."""
+        if self.host_cache is not None:
+            raise ConfigError("host_blocks", host_blocks, "the executor has a host pool already")
+        if self.dcp.world_size > 1:
+            raise ConfigError("host_blocks", host_blocks, "the host tier does not run with DCP")
+        self.host_cache = HostCache(
+            self.cache, host_blocks, layer_group=self.groups.layer_group, device=self.device
+        )
+        self.host_blocks = host_blocks
+        if self._slot_tokens is not None:
+            assert self._token_group is not None
+            self.host_cache.add_table(self._token_group, self._slot_tokens, self._token_unit)
+        if self.drafter is not None:
+            self.host_cache.add_table(
+                self.drafter.group_id, self.drafter.next_token, self.cache.block_size
+            )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block id in every layer: what one host slot holds."""
+        return self.cache.block_bytes()
 
     def execute(self, plan: StepPlan) -> StepResult:
         began = time.perf_counter()

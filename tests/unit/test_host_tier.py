@@ -1,0 +1,107 @@
+"""The host tier's own rules (HostTier), and what the simulated host link charges for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.plan import HostCopy, StepPlan
+from hybridserve.kvcache.block_pool import Block
+from hybridserve.kvcache.host_tier import HostTier
+from hybridserve.sim.gpus import get_gpu
+from hybridserve.sim.host_link import HOST_LINK_EFFICIENCY, HostLink, host_blocks
+
+
+def _block(block_id: int, key: bytes, group_id: int = 0) -> Block:
+    block = Block(block_id)
+    block.key, block.group_id = key, group_id
+    return block
+
+
+def test_an_evicted_block_is_saved_before_the_step_and_its_slot_waits_a_step_after_a_load() -> None:
+    tier = HostTier(1)
+    tier.save(_block(5, b"a"))
+    saves, loads = tier.take_transfers()
+    assert saves == (HostCopy(0, 5, 0),) and loads == ()
+    found = tier.lookup(b"a")
+    assert found is not None
+    tier.load(found, _block(7, b"a"))
+    tier.save(_block(6, b"b"))  # the only slot is being read: nothing to drop, nothing saved
+    assert tier.stats.refused == 1 and tier.lookup(b"b") is None
+    saves, loads = tier.take_transfers()
+    assert saves == () and loads == (HostCopy(0, 7, 0),)
+    tier.save(_block(6, b"b"))  # the load has run: the slot is free again
+    assert tier.take_transfers()[0] == (HostCopy(0, 6, 0),)
+    tier.check_invariants()
+
+
+def test_a_dropped_keys_save_never_lands_after_the_slot_is_reused() -> None:
+    tier = HostTier(1, write_through=True)
+    tier.save(_block(3, b"old"), computed=False)  # written through: runs after its forward
+    tier.take_transfers()  # the step that computes block 3
+    tier.save(_block(4, b"new"))  # evicted now: drops `old`, whose copy has not run yet
+    saves, _ = tier.take_transfers()
+    assert saves == (HostCopy(0, 4, 0),)
+
+
+def test_a_write_through_key_a_queued_load_reads_is_not_dropped() -> None:
+    tier = HostTier(2, write_through=True, loads_per_step=1)
+    for block_id, key in ((1, b"x"), (2, b"y")):
+        tier.save(_block(block_id, key))
+    tier.take_transfers()
+    for device, key in ((8, b"x"), (9, b"y")):
+        found = tier.lookup(key)
+        assert found is not None
+        tier.load(found, _block(device, key), prefetch=True)
+    tier.take_transfers()  # carries x's load; y's waits for the next step
+    tier.save(_block(8, b"x"))  # x is stored again: y is now the least recent key
+    tier.save(_block(3, b"z"))  # full: the key to drop is x, never y (a load still reads it)
+    assert tier.lookup(b"y") is not None and tier.lookup(b"x") is None
+    _, loads = tier.take_transfers()
+    assert loads == (HostCopy(0, 9, 1, background=True),)
+    assert tier.is_loading(9)
+    tier.new_step()
+    assert not tier.is_loading(9)
+
+
+def test_a_background_save_of_a_block_evicted_in_its_step_runs_before_the_forward() -> None:
+    tier = HostTier(4, write_through=True)
+    block = _block(3, b"k")
+    tier.save(block, computed=False)
+    tier.take_transfers()
+    tier.save(block)  # evicted while its write-through copy is still to run
+    saves, _ = tier.take_transfers()
+    assert saves == (HostCopy(0, 3, 0, background=False),)
+
+
+def test_the_host_link_charges_latency_plus_bytes_over_the_measured_rate() -> None:
+    h200 = get_gpu("H200")
+    link = HostLink.of(h200, bytes_per_block=10e6)
+    assert h200.host_link_bytes_per_s == 64e9  # PCIe Gen5 x16, one direction
+    assert link.copy_s(0) == 0.0
+    expected = 10e-6 + 8 * 10e6 / (64e9 * HOST_LINK_EFFICIENCY)
+    assert link.copy_s(8) == pytest.approx(expected)
+    assert get_gpu("A100-80G").host_link_bytes_per_s == 32e9  # PCIe Gen4
+
+
+def test_a_step_pays_for_blocking_copies_and_for_what_outlasts_its_forward() -> None:
+    link = HostLink(64e9, 10e-6, 10e6)
+    saves = (HostCopy(0, 1, 0), HostCopy(0, 2, 1, background=True))
+    loads = tuple(HostCopy(0, 3 + i, 2 + i, background=True) for i in range(40))
+    plan = StepPlan(step_id=0, chunks=(), host_saves=saves, host_loads=loads)
+    blocking = link.copy_s(1)
+    beside = link.copy_s(40)
+    assert link.step_s(plan, compute_s=0.0) == pytest.approx(blocking + beside)
+    assert link.step_s(plan, compute_s=beside) == pytest.approx(blocking)
+    assert link.step_s(StepPlan(step_id=1, chunks=()), compute_s=0.01) == 0.0
+
+
+def test_host_memory_is_shared_by_the_tp_ranks_and_sized_in_blocks() -> None:
+    gib = float(1 << 30)
+    assert host_blocks(0, 1e6) == 0
+    assert host_blocks(2, gib / 4) == 8
+    assert host_blocks(2, gib / 4, tp=2) == 4
+    with pytest.raises(ConfigError, match="host_memory_gib"):
+        host_blocks(0.001, gib)
+    with pytest.raises(ConfigError, match="host_memory_gib"):
+        host_blocks(-1, gib)
