@@ -108,6 +108,10 @@ class HostTier:
         # a background copy of one of those must finish before the forward reuses it.
         self._ahead: list[HostCopy] = []
         self._evicted: set[int] = set()
+        # Set while a prefetch takes device blocks: what they evict is saved beside the
+        # forward too (the block is written by the prefetch's load, after the save, on the copy
+        # stream; the forward does not touch it).
+        self.prefetching = False
         self._next: set[bytes] = set()  # the keys of `_computed`: saved by the next plan
         # The save still to run into each slot: a key dropped before its save ran cancels it
         # (its slot may be saved into again, and the older copy must not land after that).
@@ -153,7 +157,8 @@ class HostTier:
         key = block.key
         if key is None:
             raise CacheInvariantError(f"{block} has no key to save under")
-        if computed and not ahead:
+        beside = ahead or not computed or self.prefetching
+        if not beside:
             self._evicted.add(block.block_id)
         held = self._entries.get(key)
         if held is not None:
@@ -165,8 +170,8 @@ class HostTier:
             return
         slot = self._free.pop()
         self._entries[key] = HostBlock(slot, key, block.group_id)
-        copy = HostCopy(block.group_id, block.block_id, slot, background=ahead or not computed)
-        if ahead:
+        copy = HostCopy(block.group_id, block.block_id, slot, background=beside)
+        if ahead or (computed and self.prefetching):
             self._ahead.append(copy)
         else:
             (self._saves if computed else self._computing).append(copy)

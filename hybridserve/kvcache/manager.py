@@ -600,11 +600,15 @@ class KVCacheManager:
                 host.claim(block)
         self.pool.touch(blocks)
         held: list[Block] = []
-        for block in blocks:
-            if isinstance(block, HostBlock):
-                group = self.groups[block.group_id]
-                block = self._load(host, group, block, None, prefetch=True)
-            held.append(block)
+        host.prefetching = True
+        try:
+            for block in blocks:
+                if isinstance(block, HostBlock):
+                    group = self.groups[block.group_id]
+                    block = self._load(host, group, block, None, prefetch=True)
+                held.append(block)
+        finally:
+            host.prefetching = False
         self._prefetch[req_id] = held
         if hit.sample is not None:
             self._prefetched_tokens[req_id] = hit.sample.host_hit_tokens

@@ -157,3 +157,18 @@ def test_ctrl_c_of_a_sweep_with_workers_stops_them_without_tracebacks(tmp_path: 
     code, stderr = _interrupt(args, after_s=8, tmp_path=tmp_path)
     assert code == 130, stderr
     assert "interrupted:" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["simulate", "--host-offload", "lru"], "--host-offload"),
+        (["simulate", "--host-memory-gib", "-1"], "host_memory_gib"),
+        (["simulate", "--host-memory-gib", "0.001"], "holds no block"),
+        (["simulate", "--host-offload", "vllm", "--dcp", "2", "--host-memory-gib", "8"], "DCP"),
+        (["bench", "--baseline", "vllm-offload", "--seeds", "1"], "--host-memory-gib"),
+    ],
+)
+def test_a_bad_host_tier_flag_is_refused_naming_it(args: list[str], expected: str) -> None:
+    code, text = _run([*args, "--duration", "20", "--warmup", "5"])
+    assert code == 2 and expected in text, text

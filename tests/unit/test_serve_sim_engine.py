@@ -46,3 +46,16 @@ def test_serve_sim_and_simulate_agree_under_every_preset(preset: str) -> None:
         simulated.speculative,
         simulated.retention,
     )
+
+
+def test_serve_sim_and_simulate_build_the_same_host_tier() -> None:
+    config = SimConfig(host_memory_gib=64)
+    simulated = simulated_engine(config).layout
+    backend = SimServingBackend(model_profile=config.model, speculation="auto")
+    app = build_app(backend, ServerSettings(), host_memory_gib=64)
+    served = app.state.hybridserve.parts
+    assert served.layout.host_blocks == simulated.host_blocks > 0
+    assert served.layout.host_loads_per_step == simulated.host_loads_per_step > 0
+    assert served.cache.host is not None and served.cache.host.num_slots == simulated.host_blocks
+    plain = build_app(backend, ServerSettings()).state.hybridserve.parts
+    assert plain.layout.host_blocks == 0 and plain.cache.host is None
