@@ -164,8 +164,8 @@ class Engine:
         for req_id in req_ids:
             scheduler.abort(req_id)
         cache.uncache_free_blocks(held)
+        cache.drop_failed_loads([*held, *(copy.block_id for copy in plan.host_loads)])
         cache.forget_host_slots(copy.slot for copy in plan.host_saves)
-        cache.drop_failed_loads(copy.block_id for copy in plan.host_loads)
         cache.check_invariants()
         return StepFailed(plan.step_id, req_ids)
 

@@ -95,7 +95,8 @@ class HostTier:
         self._loads: list[HostCopy] = []
         # Prefetch loads: queued, planned `loads_per_step` at a time, beside the forward; a
         # block planned in a step is read from the next one on (`in_flight` until then).
-        self._queued: deque[tuple[HostCopy, int]] = deque()  # (load, slot to release)
+        # (load, slot to release or -1, key)
+        self._queued: deque[tuple[HostCopy, int, bytes]] = deque()
         self._queued_keys: dict[bytes, int] = {}  # kept keys (write-through) a queued load reads
         self._queued_blocks: set[int] = set()
         self._in_flight: set[int] = set()
@@ -141,7 +142,7 @@ class HostTier:
         return len(self._entries) + len(self._releasing) + len(self._queued_slots())
 
     def _queued_slots(self) -> list[int]:
-        return [slot for _, slot in self._queued if slot >= 0]
+        return [slot for _, slot, _ in self._queued if slot >= 0]
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -194,7 +195,7 @@ class HostTier:
         self.stats.loaded += 1
         keep = self.write_through
         if prefetch:
-            self._queued.append((copy, -1 if keep else host_block.slot))
+            self._queued.append((copy, -1 if keep else host_block.slot, key))
             self._queued_blocks.add(device_block.block_id)
             if keep:
                 self._queued_keys[key] = self._queued_keys.get(key, 0) + 1
@@ -235,6 +236,12 @@ class HostTier:
         in order; slots freed by its loads become reusable."""
         background = [c for c in (*self._computed, *self._ahead) if self._runs(c)]
         evicted = self._evicted
+        read_now = {c.slot for c in self._loads}
+        if read_now:  # a slot a blocking load reads is written before the forward
+            background = [
+                replace(c, background=False) if c.slot in read_now else c for c in background
+            ]
+            evicted = evicted | {c.block_id for c in background if c.slot in read_now}
         saves = (
             *(replace(c, background=False) for c in background if c.block_id in evicted),
             *(c for c in self._saves if self._runs(c)),
@@ -245,9 +252,9 @@ class HostTier:
         loads = [*self._loads]
         cap = self.loads_per_step or len(self._queued)
         while self._queued and cap > 0:
-            copy, slot = self._queued.popleft()
+            copy, slot, key = self._queued.popleft()
             self._queued_blocks.discard(copy.block_id)
-            self._release_queued_key(copy.slot)
+            self._release_queued_key(key)
             self._in_flight.add(copy.block_id)
             if slot >= 0:
                 self._releasing.append(slot)
@@ -262,15 +269,32 @@ class HostTier:
         self._claimed.clear()
         return saves, tuple(loads)
 
-    def _release_queued_key(self, slot: int) -> None:
-        for key, count in self._queued_keys.items():
-            entry = self._entries.get(key)
-            if entry is not None and entry.slot == slot:
-                if count > 1:
-                    self._queued_keys[key] = count - 1
-                else:
-                    del self._queued_keys[key]
-                return
+    def _release_queued_key(self, key: bytes) -> None:
+        count = self._queued_keys.get(key, 0)
+        if count > 1:
+            self._queued_keys[key] = count - 1
+        elif count:
+            del self._queued_keys[key]
+
+    def cancel_loads(self, block_ids: set[int]) -> None:
+        """Take back the queued loads into these device blocks (a prefetch let go of them
+        before they ran): their keys stay on the host, in the slots they were read from."""
+        kept: deque[tuple[HostCopy, int, bytes]] = deque()
+        for copy, slot, key in self._queued:
+            if copy.block_id not in block_ids:
+                kept.append((copy, slot, key))
+                continue
+            self._queued_blocks.discard(copy.block_id)
+            self.stats.loaded -= 1
+            if slot < 0:
+                self._release_queued_key(key)
+            elif key not in self._entries:
+                self._entries[key] = HostBlock(slot, key, copy.group_id)
+                if self.on_change is not None:
+                    self.on_change(key, copy.group_id, True)
+            else:
+                self._free.append(slot)  # the key came back in another slot meanwhile
+        self._queued = kept
 
     def _runs(self, copy: HostCopy) -> bool:
         """Whether a queued save still runs (its key was not dropped); taken off the pending."""
@@ -288,15 +312,23 @@ class HostTier:
         self._entries.clear()
 
     def forget(self, slots: set[int]) -> int:
-        """Drop the keys held in `slots` (their saves did not run). Returns how many."""
+        """Drop the keys held in `slots` (their saves did not run; call once the prefetches
+        that read them are released). Returns how many."""
         dropped = [key for key, entry in self._entries.items() if entry.slot in slots]
         for key in dropped:
             entry = self._entries.pop(key)
             self._pending.pop(entry.slot, None)
             self._free.append(entry.slot)
+            self.stats.dropped += 1
             if self.on_change is not None:
                 self.on_change(key, entry.group_id, False)
         return len(dropped)
+
+    def forget_blocks(self, block_ids: set[int]) -> int:
+        """Drop the keys whose save still to run reads one of these device blocks (a failed
+        step's: their content is unknown). Returns how many."""
+        slots = {slot for slot, copy in self._pending.items() if copy.block_id in block_ids}
+        return self.forget(slots) if slots else 0
 
     def _drop_oldest(self) -> bool:
         """Free the slot of the least recently stored key that no admission claims."""

@@ -138,7 +138,7 @@ class KVCacheManager:
         Does not mutate the pool; the metrics sample is committed only by `allocate`.
         `device_only`: the hit without the host tier's blocks.
         """
-        if device_only and self.host is not None:
+        if device_only and self.host is not None and not self.pool.hide_host:
             self.pool.hide_host = True
             try:
                 return self.find_hit(block_hashes, num_tokens, resumed=resumed)
@@ -619,18 +619,37 @@ class KVCacheManager:
 
     def release_prefetch(self, req_id: str) -> None:
         """Drop what a prefetch holds for `req_id` (its admission holds the blocks now, or it
-        left the queue). The blocks stay cached."""
+        left the head of the queue). Loaded blocks stay cached; a load still queued is taken
+        back (its key stays on the host) and its block leaves the prefix cache."""
         held = self._prefetch.pop(req_id, None)
-        if held:
-            self.pool.free(held[::-1])
+        if not held:
+            return
+        host = self.host
+        assert host is not None
+        loading = [b for b in held if host.is_loading(b.block_id)]
+        if loading:
+            host.cancel_loads({b.block_id for b in loading})
+        self.pool.free(held[::-1])
+        for block in loading:
+            self.pool.uncache(block)
+
+    def release_prefetches(self, *, keep: str | None = None) -> int:
+        """Release every prefetch but `keep`'s (the head waiter's). Returns how many."""
+        others = [r for r in self._prefetch if r != keep]
+        for req_id in others:
+            self.release_prefetch(req_id)
+            self._prefetched_tokens.pop(req_id, None)
+        return len(others)
 
     def drop_failed_loads(self, block_ids: Iterable[int]) -> None:
-        """A step whose plan carried loads into these blocks failed: the prefetches holding
-        them are released and the blocks leave the prefix cache (their content is unknown)."""
+        """A step whose plan carried loads into these blocks failed: every prefetch is let go
+        (what it loaded in that step, or queued, leaves the prefix cache), and the host keys
+        whose saves would read these blocks are dropped."""
         failed = set(block_ids)
-        for req_id in [r for r, held in self._prefetch.items() if failed & _ids(held)]:
-            self.release_prefetch(req_id)
+        self.release_prefetches()
         self.uncache_free_blocks(failed)
+        if self.host is not None:
+            self.host.forget_blocks(failed)
 
     def _loading(
         self, group_blocks: Sequence[Sequence[Block]], cows: Sequence[Block | None]
@@ -690,9 +709,12 @@ class KVCacheManager:
         for part_blocks, part_cows in parts:
             for group_blocks, cow in zip(part_blocks, part_cows, strict=True):
                 for block in (*group_blocks, *((cow,) if cow is not None else ())):
-                    if block is not null and block.block_id > 0 and block.block_id not in seen:
-                        seen.add(block.block_id)
-                        blocks.append(block)
+                    if block is null or block.block_id <= 0 or block.block_id in seen:
+                        continue
+                    if self.host is not None and self.host.is_loading(block.block_id):
+                        continue  # a prefetch's block is not pinned before its load ran
+                    seen.add(block.block_id)
+                    blocks.append(block)
         return self.pins.hold(
             session_id,
             blocks,

@@ -24,6 +24,9 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
     uncached tokens within the long-prefill threshold, the budget, the decision's waiter tokens and
     the state grid, if the controls and (with KV-aware admission) the pool let it start."""
     config, waiting, prefill = scheduler.config, scheduler.waiting, step.prefill
+    # Only the head waiter prefetches: one that lost the head (a preempted request went
+    # ahead of it) lets its blocks go.
+    scheduler.cache.release_prefetches(keep=waiting.peek().req_id if waiting else None)
     while waiting and step.budget > 0:
         if len(scheduler.running) >= config.max_num_seqs:
             break

@@ -90,6 +90,8 @@ def allocate_or_preempt(
             return allocation, index
         if scheduler.pinning and cache.release_pin_for_room():
             continue  # memory pressure: a pin goes before a running request is preempted
+        if cache.release_prefetches():
+            continue  # and so does a waiter's prefetch
         victim = pick_victim(scheduler)
         victim_index = scheduler.running.index(victim)
         scheduler.running.pop(victim_index)

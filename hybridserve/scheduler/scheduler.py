@@ -142,6 +142,7 @@ class Scheduler:
             self.cache.free(req_id)
         else:
             self.waiting.remove(request)
+            self.cache.free(req_id)  # what a prefetch holds for it
             if self.pinning and request.session_key is not None:
                 self.cache.unpin(request.session_key)
         request.transition(RequestStatus.FINISHED_ABORTED)
