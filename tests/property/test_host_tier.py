@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.core.request import Request, SamplingParams
-from hybridserve.engine import Engine
+from hybridserve.engine import Engine, StepFailed
 from hybridserve.executor.fake import FakeExecutor
 from hybridserve.kvcache import (
     CacheLayout,
@@ -177,6 +177,9 @@ def _check(cache: KVCacheManager) -> None:
     if host is None:
         return
     assert host.num_used <= host.num_slots
+    queued = host._queued_blocks
+    for block in cache.pool.free_queue:
+        assert block.block_id not in queued, f"{block} is free while a load into it is queued"
     stats = host.stats
     if not host.write_through:
         # Every block saved is loaded back, dropped or still held: exactly one of them.
@@ -214,3 +217,69 @@ def test_without_a_host_tier_nothing_is_saved_or_loaded() -> None:
     plan_fields = {f.name for f in dataclasses.fields(StepPlan)}
     assert {"host_saves", "host_loads"} <= plan_fields
     assert Block(1).block_id == 1
+
+
+class FlakyShadow(ShadowExecutor):
+    """A shadow executor whose plans fail (before any copy runs) at the given step ids."""
+
+    def __init__(self, cache: KVCacheManager, failing: set[int]) -> None:
+        super().__init__(cache)
+        self.failing = failing
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.step_id in self.failing:
+            raise RuntimeError("device lost")
+        return super().execute(plan)
+
+
+@st.composite
+def _busy_runs(draw: st.DrawFn) -> tuple[CacheLayout, list[list[int]], set[int], set[int]]:
+    layout, _ = draw(_runs())
+    waves = draw(
+        st.lists(
+            st.lists(st.integers(0, 5), min_size=1, max_size=3),  # prompts of a wave, by session
+            min_size=3,
+            max_size=8,
+        )
+    )
+    failing = draw(st.sets(st.integers(1, 60), max_size=3))
+    aborting = draw(st.sets(st.integers(1, 60), max_size=3))
+    return layout, waves, failing, aborting
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_busy_runs())
+def test_host_transfers_hold_with_requests_in_flight_aborts_and_failed_steps(
+    run: tuple[CacheLayout, list[list[int]], set[int], set[int]],
+) -> None:
+    """Several requests at once share prefixes; some are aborted, some steps fail: every
+    transfer still carries its content, and no prefetch leaks or outlives its request."""
+    layout, waves, failing, aborting = run
+    cache = KVCacheManager(layout)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4), cache)
+    engine = Engine(scheduler, FlakyShadow(cache, failing))
+    system = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7]
+    step_no = 0
+    for w, wave in enumerate(waves):
+        for i, session in enumerate(wave):
+            prompt = [*system, *[(session * 5 + k) % 4 for k in range(4 + 4 * session)], w % 4]
+            request = Request(
+                req_id=f"w{w}-{i}",
+                prompt_token_ids=tuple(prompt),
+                sampling=SamplingParams(max_tokens=1 + (w + i) % 4, ignore_eos=True),
+            )
+            engine.add_request(request)
+        for _ in range(400):
+            if not engine.has_requests():
+                break
+            step_no += 1
+            if step_no in aborting and engine.request_ids():
+                engine.abort(engine.request_ids()[-1])
+            try:
+                engine.step()
+            except StepFailed:
+                pass
+            _check(cache)
+            assert set(cache._prefetch) <= set(engine.request_ids())
+        assert not engine.has_requests(), "the engine did not drain"
+    assert not cache._prefetch

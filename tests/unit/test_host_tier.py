@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.plan import HostCopy, StepPlan
+from hybridserve.core.plan import HostCopy, StepPlan, StepResult
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine import Engine, StepFailed
+from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager
 from hybridserve.kvcache.block_pool import Block
 from hybridserve.kvcache.host_tier import HostTier
+from hybridserve.scheduler import Scheduler
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.host_link import HOST_LINK_EFFICIENCY, HostLink, host_blocks
+from tests.property.test_host_tier import ShadowExecutor
 
 
 def _block(block_id: int, key: bytes, group_id: int = 0) -> Block:
@@ -105,3 +113,116 @@ def test_host_memory_is_shared_by_the_tp_ranks_and_sized_in_blocks() -> None:
         host_blocks(0.001, gib)
     with pytest.raises(ConfigError, match="host_memory_gib"):
         host_blocks(-1, gib)
+
+
+# ----- the tier in an engine: prefetches and their lifecycle ----------------------------------
+
+
+def _engine(
+    *, num_blocks: int = 12, loads_per_step: int = 1, write_through: bool = False
+) -> tuple[KVCacheManager, Scheduler, ShadowExecutor, Engine]:
+    layout = CacheLayout(
+        groups=(FullAttentionSpec(block_size=4),),
+        num_blocks=num_blocks,
+        host_blocks=16,
+        host_write_through=write_through,
+        host_loads_per_step=loads_per_step,
+    )
+    cache = KVCacheManager(layout)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), cache)
+    shadow = ShadowExecutor(cache)
+    return cache, scheduler, shadow, Engine(scheduler, shadow)
+
+
+def _request(req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=tuple(tokens),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def _drain(engine: Engine) -> None:
+    for _ in range(100):
+        if not engine.has_requests():
+            return
+        engine.step()
+    raise AssertionError("the engine did not drain")
+
+
+PREFIX = list(range(100, 117))  # four full blocks of 4 tokens
+
+
+def _evicted_prefix(**options: Any) -> tuple[KVCacheManager, Scheduler, ShadowExecutor, Engine]:
+    """An engine whose host holds PREFIX's blocks: a request on it, then one that evicts it."""
+    cache, scheduler, shadow, engine = _engine(**options)
+    engine.add_request(_request("a", PREFIX))
+    _drain(engine)
+    size = 4 * (cache.layout.num_blocks - 2) + 1  # every block but one: a's all go
+    engine.add_request(_request("evictor", list(range(200, 200 + size))))
+    _drain(engine)
+    assert cache.host is not None and all(
+        cache.host.lookup(h + cache.groups[0].key_suffix) is not None
+        for h in cache.hasher.hash_tokens(PREFIX)
+    )
+    return cache, scheduler, shadow, engine
+
+
+def test_a_returning_prefix_is_prefetched_and_its_request_waits_for_the_loads() -> None:
+    cache, scheduler, shadow, engine = _evicted_prefix()
+    engine.add_request(_request("b", [*PREFIX, 1, 2, 3]))
+    first = engine.step()
+    assert cache.is_prefetching("b") and not first.scheduled.new_reqs
+    _drain(engine)
+    snapshot = cache.metrics_snapshot()["host"]
+    assert isinstance(snapshot, dict) and snapshot["hit_tokens"] == 16
+    assert shadow.num_loads >= 4 and not cache._prefetch
+
+
+def test_aborting_a_prefetching_waiter_releases_its_blocks() -> None:
+    cache, scheduler, _, engine = _evicted_prefix(loads_per_step=0)
+    engine.add_request(_request("b", [*PREFIX, 1, 2, 3]))
+    engine.step()
+    assert cache.is_prefetching("b")
+    engine.abort("b")
+    assert not cache._prefetch
+    assert all(b.ref_cnt == 0 for b in cache.pool.blocks[1:])
+    cache.check_invariants()
+
+
+def test_a_released_prefetch_takes_back_its_queued_loads() -> None:
+    """A failed step lets the prefetch go while three of its four loads are still queued:
+    those keys stay on the host, their device blocks leave the prefix cache, and the request
+    is served right (the shadow executor checks every copy)."""
+    cache, scheduler, shadow, engine = _evicted_prefix(loads_per_step=1)
+    real = shadow.execute
+    failed: list[int] = []
+
+    def execute(plan: StepPlan) -> StepResult:
+        if plan.host_loads and not failed:
+            failed.append(plan.step_id)
+            raise RuntimeError("device lost")
+        return real(plan)
+
+    shadow.execute = execute  # type: ignore[method-assign]
+    engine.add_request(_request("r", [*PREFIX, *range(500, 524)]))
+    with pytest.raises(StepFailed):
+        engine.step()
+    host = cache.host
+    assert host is not None and not host._queued and not cache._prefetch
+    _drain(engine)
+    cache.check_invariants()
+
+
+def test_a_waiter_that_loses_the_head_lets_its_prefetch_go() -> None:
+    """A request put back ahead of a prefetching waiter (as a preempted one is) needs every
+    block: the waiter's prefetch must let go, or neither ever runs."""
+    cache, scheduler, _, engine = _evicted_prefix(num_blocks=16, loads_per_step=1)
+    engine.add_request(_request("b", [*PREFIX, 1, 2, 3]))
+    engine.step()
+    assert cache.is_prefetching("b")
+    urgent = _request("urgent", list(range(700, 757)))  # 15 blocks of the 15 there are
+    scheduler.waiting.prepend(urgent)
+    scheduler.requests["urgent"] = urgent
+    _drain(engine)
+    cache.check_invariants()
