@@ -169,7 +169,7 @@ def _evicted_prefix(**options: Any) -> tuple[KVCacheManager, Scheduler, ShadowEx
 
 
 def test_a_returning_prefix_is_prefetched_and_its_request_waits_for_the_loads() -> None:
-    cache, scheduler, shadow, engine = _evicted_prefix()
+    cache, _scheduler, shadow, engine = _evicted_prefix()
     engine.add_request(_request("b", [*PREFIX, 1, 2, 3]))
     first = engine.step()
     assert cache.is_prefetching("b") and not first.scheduled.new_reqs
@@ -180,7 +180,7 @@ def test_a_returning_prefix_is_prefetched_and_its_request_waits_for_the_loads() 
 
 
 def test_aborting_a_prefetching_waiter_releases_its_blocks() -> None:
-    cache, scheduler, _, engine = _evicted_prefix(loads_per_step=0)
+    cache, _scheduler, _, engine = _evicted_prefix(loads_per_step=0)
     engine.add_request(_request("b", [*PREFIX, 1, 2, 3]))
     engine.step()
     assert cache.is_prefetching("b")
@@ -194,7 +194,7 @@ def test_a_released_prefetch_takes_back_its_queued_loads() -> None:
     """A failed step lets the prefetch go while three of its four loads are still queued:
     those keys stay on the host, their device blocks leave the prefix cache, and the request
     is served right (the shadow executor checks every copy)."""
-    cache, scheduler, shadow, engine = _evicted_prefix(loads_per_step=1)
+    cache, _scheduler, shadow, engine = _evicted_prefix(loads_per_step=1)
     real = shadow.execute
     failed: list[int] = []
 
