@@ -13,6 +13,13 @@ from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine import Engine, StepFailed
 from hybridserve.kvcache import CacheLayout, FullAttentionSpec, KVCacheManager
 from hybridserve.kvcache.block_pool import Block
+from hybridserve.kvcache.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockRemoved,
+    BlockStored,
+    attach_events,
+)
 from hybridserve.kvcache.host_tier import HostTier
 from hybridserve.scheduler import Scheduler
 from hybridserve.sim.gpus import get_gpu
@@ -226,3 +233,22 @@ def test_a_waiter_that_loses_the_head_lets_its_prefetch_go() -> None:
     scheduler.requests["urgent"] = urgent
     _drain(engine)
     cache.check_invariants()
+
+
+def test_kv_events_name_the_host_tier_as_the_cpu_medium() -> None:
+    cache, _, _, engine = _engine()
+    events: list[object] = []
+    attach_events(cache, events.append)
+    engine.add_request(_request("a", PREFIX))
+    _drain(engine)
+    size = 4 * (cache.layout.num_blocks - 2) + 1
+    engine.add_request(_request("evictor", list(range(200, 200 + size))))
+    _drain(engine)
+    cpu_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
+    assert len(cpu_stored) >= 4
+    events.clear()
+    engine.add_request(_request("b", [*PREFIX, 1, 2, 3]))
+    _drain(engine)
+    assert any(isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU for e in events)
+    gpu_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_GPU]
+    assert {h for e in gpu_stored for h in e.block_hashes} >= set(cache.hasher.hash_tokens(PREFIX))
