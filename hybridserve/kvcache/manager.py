@@ -579,13 +579,14 @@ class KVCacheManager:
 
     # ----- host tier prefetch -----------------------------------------------------------------
 
-    def prefetch(self, req_id: str, hit: CacheHit) -> bool:
+    def prefetch(self, req_id: str, hit: CacheHit, num_tokens: int) -> bool:
         """Start loading the host blocks of a waiting request's hit (vLLM's asynchronous KV
         load): each gets a device block carrying its key, whose load runs beside later steps;
         the hit's device blocks are held too, so the request finds all of it once the loads are
         done (`find_hit` says the hit is not ready until then). False, changing nothing, when
         the hit has no host block, a prefetch for the request runs already, or the pool lacks
-        room for the loads."""
+        room for the loads and the rest of the request's `num_tokens` (a prefetch that left no
+        room for the prompt past its hit would hold the pool while its request never starts)."""
         host = self.host
         if host is None or req_id in self._prefetch:
             return False
@@ -593,7 +594,9 @@ class KVCacheManager:
         blocks = list(dict.fromkeys(b for part in parts for b in part if b.block_id != 0))
         if not any(isinstance(b, HostBlock) for b in blocks):
             return False
-        if not self.pool.has_room(sum(1 for b in blocks if b.ref_cnt == 0)):
+        rest = self.growth_blocks(hit.num_tokens, max(num_tokens - hit.num_tokens, 0))
+        rest += 2 * (len(self.groups) - len(self._full_groups))  # a state and its scratch each
+        if not self.pool.has_room(sum(1 for b in blocks if b.ref_cnt == 0) + rest):
             return False
         for block in blocks:
             if isinstance(block, HostBlock):

@@ -82,7 +82,7 @@ def _prefetch(scheduler: Scheduler, request: Request, hit: CacheHit) -> bool:
     pins while the pool lacks room. False when the loads do not fit even then."""
     cache = scheduler.cache
     cache.release_prefetch(request.req_id)
-    while not cache.prefetch(request.req_id, hit):
+    while not cache.prefetch(request.req_id, hit, request.num_tokens):
         if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_key)):
             return False
     return True

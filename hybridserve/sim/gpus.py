@@ -89,6 +89,8 @@ _GIB = float(1 << 30)
 # connector", 2026-01-08: "up to about 50GB/s" one way, 83.4 GB/s both ways): the host link's
 # efficiency (host_link.py) is that ratio. Latency: about 5-7 us per cudaMemcpyAsync call for
 # small chunks (DualPath, arXiv 2602.21548, section 5.2); 10 us is charged per batched copy.
+# GH200 (96 GB HBM3 at 3 TB/s, the NVIDIA "Grace Hopper Superchip Architecture In-Depth" blog):
+# NVLink-C2C, 900 GB/s total, 450 GB/s each way, to up to 512 GB of LPDDR5X; compute as H100.
 GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
@@ -130,6 +132,16 @@ GPUS: dict[str, Gpu] = {
             hbm_bytes=180 * _G,
             hbm_bytes_per_s=7.7 * _T,
             link_bytes_per_s=900 * _G,
+        ),
+        Gpu(
+            name="GH200",
+            bf16_flops=989.4 * _T,
+            fp8_flops=1978.9 * _T,
+            fp4_flops=None,
+            hbm_bytes=96 * _G,
+            hbm_bytes_per_s=3.0 * _T,
+            link_bytes_per_s=450 * _G,
+            host_link_bytes_per_s=450 * _G,
         ),
         Gpu(
             name="MI300X",

@@ -278,7 +278,7 @@ def test_parameter_counts_match_published_sizes(name: str, billions: float) -> N
 
 
 def test_gpu_catalog_holds_datasheet_values() -> None:
-    assert sorted(GPUS) == ["A100-80G", "B200", "H100-SXM", "H200", "MI300X"]
+    assert sorted(GPUS) == ["A100-80G", "B200", "GH200", "H100-SXM", "H200", "MI300X"]
     assert H200.hbm_bytes_per_s == 4.8e12 and H200.bf16_flops == H100.bf16_flops
     with pytest.raises(ConfigError, match="no fp8"):
         RooflineCostModel(get_gpu("A100-80G"), get_model("llama-3.1-8b"), dtype="fp8")

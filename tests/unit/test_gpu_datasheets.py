@@ -14,6 +14,7 @@ from tests.conftest import require_data
 DATASHEETS = data_path("gpu-datasheets.json")
 CATALOG_NAME = {"A100": "A100-80G", "H100": "H100-SXM", "H200": "H200", "B200": "B200"}
 CATALOG_NAME["MI300X"] = "MI300X"
+CATALOG_NAME["GH200"] = "GH200"
 
 
 def _entries() -> list[dict[str, object]]:
@@ -46,3 +47,14 @@ def test_catalog_matches_every_datasheet_entry() -> None:
         assert gpu.hbm_bytes_per_s == pytest.approx(float(entry["hbm_tb_s"]) * 1e12), name  # type: ignore[arg-type]
         link = _link_per_direction_gb_s(str(entry["link"]))
         assert gpu.link_bytes_per_s == pytest.approx(link * 1e9), name
+
+
+def test_the_host_link_of_a_datasheet_entry_is_the_catalogs() -> None:
+    for entry in _entries():
+        text = entry.get("host_link")
+        if text is None:
+            continue
+        name = CATALOG_NAME[str(entry["gpu"]).split("-")[0].split(" ")[0]]
+        match = re.search(r"([\d.]+) GB/s per direction", str(text))
+        assert match is not None, text
+        assert GPUS[name].host_link_bytes_per_s == pytest.approx(float(match.group(1)) * 1e9)
