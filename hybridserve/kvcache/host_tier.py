@@ -316,12 +316,7 @@ class HostTier:
         that read them are released). Returns how many."""
         dropped = [key for key, entry in self._entries.items() if entry.slot in slots]
         for key in dropped:
-            entry = self._entries.pop(key)
-            self._pending.pop(entry.slot, None)
-            self._free.append(entry.slot)
-            self.stats.dropped += 1
-            if self.on_change is not None:
-                self.on_change(key, entry.group_id, False)
+            self._drop(key)
         return len(dropped)
 
     def forget_blocks(self, block_ids: set[int]) -> int:
@@ -337,13 +332,17 @@ class HostTier:
                 break
         else:
             return False
+        self._drop(key)
+        return True
+
+    def _drop(self, key: bytes) -> None:
+        """Give up `key`: its slot is free again and a save still to run into it is cancelled."""
         entry = self._entries.pop(key)
         self._pending.pop(entry.slot, None)
         self._free.append(entry.slot)
         self.stats.dropped += 1
         if self.on_change is not None:
             self.on_change(key, entry.group_id, False)
-        return True
 
     # ----- invariants -------------------------------------------------------------------------
 
