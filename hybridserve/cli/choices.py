@@ -8,11 +8,14 @@ from hybridserve.engine.settings import DEFAULT_PRESET, PRESETS
 from hybridserve.layouts import LAYOUTS
 from hybridserve.sim.gpus import GPUS
 from hybridserve.sim.model_profiles import MODELS
+from hybridserve.sim.routers import LOAD_WEIGHT
 
 SIM_MODELS = tuple(sorted(MODELS))
 GPU_NAMES = tuple(GPUS)
 SPECULATION_METHODS = SPECULATION_NAMES
 CACHE_LAYOUTS = tuple(sorted(LAYOUTS))
+# The prefix routers' load weight, one default for every fleet command.
+ROUTER_LOAD_WEIGHT = LOAD_WEIGHT
 
 
 def listed(values: tuple[str, ...]) -> str:

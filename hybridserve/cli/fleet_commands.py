@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hybridserve.cli.app import FINITE_FLOAT, app, err, fail, install_hint, out_console
+from hybridserve.cli.choices import ROUTER_LOAD_WEIGHT
 from hybridserve.cli.options import (
     AgentsOption,
     DurationOption,
@@ -135,7 +136,7 @@ def fleet_sweep_cmd(
     pd: PdListOption = "",
     presets: PresetsOption = "hybridserve",
     router_view: RouterViewOption = "precise",
-    router_load_weight: LoadWeightOption = 1.0,
+    router_load_weight: LoadWeightOption = ROUTER_LOAD_WEIGHT,
     pd_link: PdLinkOption = "nvlink",
     workers: WorkersOption = 1,
     ray: FleetRayOption = None,

@@ -146,7 +146,7 @@ LoadWeightOption = Annotated[
     float,
     typer.Option(
         parser=FINITE_FLOAT,
-        help="Prefix routers: score = overlap tokens - weight x outstanding tokens.",
+        help="Prefix routers: score = prefix tokens served - weight x outstanding tokens.",
     ),
 ]
 PdLinkOption = Annotated[

@@ -29,6 +29,7 @@ from hybridserve.cli.app import (
     out_console,
     read_settings_file,
 )
+from hybridserve.cli.choices import ROUTER_LOAD_WEIGHT
 from hybridserve.cli.options import (
     AgentsOption,
     ConfigOption,
@@ -494,7 +495,7 @@ def simulate_cmd(
     replicas: ReplicasOption = None,
     router: RouterOption = "round-robin",
     router_view: RouterViewOption = "precise",
-    router_load_weight: LoadWeightOption = 1.0,
+    router_load_weight: LoadWeightOption = ROUTER_LOAD_WEIGHT,
     pd: PdOption = None,
     pd_link: PdLinkOption = "nvlink",
     host_memory_gib: HostMemoryOption = 0.0,
@@ -810,7 +811,7 @@ def bench_cmd(
     replicas: ReplicasOption = None,
     router: RouterOption = "round-robin",
     router_view: RouterViewOption = "precise",
-    router_load_weight: LoadWeightOption = 1.0,
+    router_load_weight: LoadWeightOption = ROUTER_LOAD_WEIGHT,
     pd: PdOption = None,
     pd_link: PdLinkOption = "nvlink",
     host_memory_gib: HostMemoryOption = 0.0,
@@ -1192,7 +1193,7 @@ def sweep_cmd(
     replicas: ReplicasOption = None,
     router: RouterOption = "round-robin",
     router_view: RouterViewOption = "precise",
-    router_load_weight: LoadWeightOption = 1.0,
+    router_load_weight: LoadWeightOption = ROUTER_LOAD_WEIGHT,
     pd: PdOption = None,
     pd_link: PdLinkOption = "nvlink",
 ) -> None:

@@ -22,7 +22,7 @@ from hybridserve.sim.gpus import Gpu, get_gpu
 from hybridserve.sim.hf_config import load_model_profile
 from hybridserve.sim.model_profiles import ModelProfile, get_model
 from hybridserve.sim.pd import parse_pd
-from hybridserve.sim.routers import JUNCTION_WEIGHT, ROUTERS, VIEWS
+from hybridserve.sim.routers import JUNCTION_WEIGHT, LOAD_WEIGHT, ROUTERS, VIEWS
 from hybridserve.sim.workload import AgentParams
 
 DEFAULT_SPECULATIVE_TOKENS = 2  # draft tokens per step (MTP's and EAGLE's k)
@@ -33,7 +33,7 @@ class FleetConfig:
     replicas: int = 1
     router: str = "round-robin"
     view: str = "precise"  # precise | approximate (routers.py)
-    load_weight: float = 1.0  # the prefix routers' load term weight (routers.py)
+    load_weight: float = LOAD_WEIGHT  # the prefix routers' load term weight (routers.py)
     # prefix-hybrid's price of a junction token against a hit token (routers.py)
     junction_weight: float = JUNCTION_WEIGHT
     # Prefill/decode disaggregation (pd.py): P prefill and D decode replicas, P + D = replicas.
@@ -69,7 +69,7 @@ def fleet_of(
     replicas: int | None,
     router: str = "round-robin",
     view: str = "precise",
-    load_weight: float = 1.0,
+    load_weight: float = LOAD_WEIGHT,
     pd: str | None = None,
     pd_link: str = "nvlink",
 ) -> FleetConfig | None:
@@ -80,8 +80,8 @@ def fleet_of(
     if split is not None and replicas is None:
         replicas = sum(split)
     if replicas is None:
-        given = (router, view, load_weight, pd_link) != ("round-robin", "precise", 1.0, "nvlink")
-        if given:
+        defaults = ("round-robin", "precise", LOAD_WEIGHT, "nvlink")
+        if (router, view, load_weight, pd_link) != defaults:
             raise ConfigError(
                 "replicas (--replicas)", None, "the --router options need a fleet: add --replicas N"
             )

@@ -22,7 +22,7 @@ from typing import Any
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.settings import PRESETS
 from hybridserve.sim.deployment import FleetConfig, SimConfig
-from hybridserve.sim.routers import ROUTERS
+from hybridserve.sim.routers import LOAD_WEIGHT, ROUTERS
 from hybridserve.sim.run import run_simulation
 from hybridserve.sim.summary import rounded
 from hybridserve.sim.sweep import run_map
@@ -65,7 +65,7 @@ class FleetOptions:
     agents per GPU (None: the base config's agents at every point)."""
 
     view: str = "precise"
-    load_weight: float = 1.0
+    load_weight: float = LOAD_WEIGHT
     pd_link: str = "nvlink"
     agents_per_gpu: int | None = None
 

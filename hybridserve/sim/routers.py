@@ -26,7 +26,7 @@ index (so a seed fixes every choice). The routers:
 
 `load_weight` is the trade-off: at 0 the router follows overlap alone (and can pile every
 session sharing a system prompt onto one replica); a large weight turns it into least-loaded.
-One token of overlap and one outstanding token count the same at the default, 1.0.
+At the default, `LOAD_WEIGHT` (0.1), ten outstanding tokens weigh as one token of prefix.
 `junction_weight` (default `JUNCTION_WEIGHT`) prices a token the placement will serve later
 against one it serves now.
 
@@ -59,6 +59,13 @@ VIEWS = ("precise", "approximate")
 # A junction token (served to later requests once the placement keeps its state) against a
 # token of reconciled hit (served now).
 JUNCTION_WEIGHT = 0.75
+# An outstanding token against a token of prefix served (the prefix routers' load term). Most
+# of a replica's outstanding tokens are answers still to come, each a row of a decode batch,
+# while a served token is a prompt token not recomputed; at 1.0 a prefix as long as the load gap
+# between two replicas is given up, which scatters conversations (docs/fleet.md: at 0.1 both
+# prefix routers reach one engine's hit rate with the fleet's pool on the Mooncake trace and on
+# agents, at imbalance <= 1.2 with 4 replicas).
+LOAD_WEIGHT = 0.1
 
 
 def state_grid(cache: KVCacheManager) -> int:
@@ -205,7 +212,7 @@ class Router:
         name: str,
         views: Sequence[ReplicaView],
         *,
-        load_weight: float = 1.0,
+        load_weight: float = LOAD_WEIGHT,
         junction_weight: float = JUNCTION_WEIGHT,
     ) -> None:
         if name not in ROUTERS:

@@ -28,7 +28,13 @@ from hybridserve.sim.fleet_report import imbalance
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.model_profiles import get_model
 from hybridserve.sim.pd import Link, handoff_bytes, link_of, parse_pd
-from hybridserve.sim.routers import ApproximateView, PreciseView, Router, RouteRequest
+from hybridserve.sim.routers import (
+    LOAD_WEIGHT,
+    ApproximateView,
+    PreciseView,
+    Router,
+    RouteRequest,
+)
 from hybridserve.sim.run import fleet_simulation, run_fleet, run_simulation
 from hybridserve.sim.workload import AgentParams
 
@@ -113,6 +119,22 @@ def test_prefix_routers_trade_overlap_against_the_weighted_load() -> None:
     heavy = Router("prefix-fa", views, load_weight=0.0)
     heavy.outstanding[:] = [5_000, 0]
     assert heavy.choose(_request()) == 0  # weight 0: overlap alone
+
+
+def test_the_default_load_weight_keeps_a_prefix_against_a_load_gap_longer_than_it() -> None:
+    # A conversation's next turn: 6,000 tokens of prefix on replica 0, which has 20,000
+    # outstanding tokens (mostly answers still to come) more than replica 1.
+    views = [_Fixed(fa=6_000, hybrid=6_000), _Fixed(fa=0, hybrid=0)]
+    assert FleetConfig().load_weight == LOAD_WEIGHT == 0.1
+    for name in ("prefix-fa", "prefix-hybrid"):
+        router = Router(name, views)
+        router.outstanding[:] = [20_000, 0]
+        assert router.choose(_request()) == 0  # the prefix stays together
+        router.outstanding[:] = [70_000, 0]
+        assert router.choose(_request()) == 1  # past ten tokens of load per token, the load wins
+        at_one = Router(name, views, load_weight=1.0)
+        at_one.outstanding[:] = [20_000, 0]
+        assert at_one.choose(_request()) == 1  # one for one scatters the conversation
 
 
 def _replica_cache() -> tuple[Engine, KVCacheManager]:
