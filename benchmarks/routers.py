@@ -18,6 +18,7 @@ simulations at once (each is one process).
 
     .venv/bin/python benchmarks/routers.py [--replicas 4,8] [--workloads mooncake,agents]
         [--load-weights 0.02,0.1,0.3,1.0] [--jobs 2] [--limit 1200] [--agents 40] [--spec eagle]
+        [--seed 0]
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def rows_of(load_weights: list[float]) -> list[tuple[str, str, float, float]]:
 def workload_config(name: str, args: argparse.Namespace) -> SimConfig:
     if name == "mooncake":
         return SimConfig(
-            workload=MOONCAKE, limit=args.limit, speculation=args.spec, warmup_s=0.0, seed=0
+            workload=MOONCAKE, limit=args.limit, speculation=args.spec, warmup_s=0.0, seed=args.seed
         )
     if name == "agents":
         return SimConfig(
@@ -72,7 +73,7 @@ def workload_config(name: str, args: argparse.Namespace) -> SimConfig:
             duration_s=600.0,
             warmup_s=120.0,
             speculation=args.spec,
-            seed=0,
+            seed=args.seed,
         )
     raise SystemExit(f"--workloads: unknown workload {name!r}; use mooncake or agents")
 
@@ -161,6 +162,7 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=40)
     parser.add_argument("--spec", default="eagle")
     parser.add_argument("--load-weights", default=f"{LOAD_WEIGHT:g},1.0")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     replicas = [int(n) for n in args.replicas.split(",")]
     try:
