@@ -140,6 +140,8 @@ class Engine:
             raise self._fail_step(plan) from exc
         self._unsent_finished = ()
         result, failed = self._checked(plan, result)
+        if scheduled.refused:
+            failed = (*(RequestFailure(r, why) for r, why in scheduled.refused), *failed)
         outputs = self.scheduler.update(scheduled, result)
         for failure in failed:
             if failure.req_id in self.scheduler.requests:

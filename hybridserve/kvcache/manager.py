@@ -885,6 +885,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def usable_blocks(self) -> int:
+        """The pool's blocks, less the null block (every block a request may hold)."""
+        return self.pool.num_blocks - 1
+
     def usage(self) -> float:
         return self.pool.usage()
 

@@ -70,10 +70,31 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
             break
         allocation = admit(scheduler, request, hit, num_new, start=start)
         if allocation is None:
+            if hit.ready and _can_never_start(scheduler):
+                scheduler.refuse(request, _too_long_for_the_pool(scheduler, request))
+                continue
             break  # head-of-line blocking
         (step.resumed if resumed else step.new_reqs).append((request.req_id, hit.num_tokens))
         step.record(request.req_id, num_new, allocation, new_request=True)
         prefill.charge(num_new, completes=completes)
+
+
+def _can_never_start(scheduler: Scheduler) -> bool:
+    """The head waiter's blocks did not fit a pool that nothing else holds a block of (no
+    request running, no pin, no prefetch): they never will. vLLM refuses at start-up a pool
+    that cannot hold max_model_len, so there it cannot happen; a pool here may be smaller, and
+    the waiter would hold the head of the queue, and every waiter behind it, for good."""
+    cache = scheduler.cache
+    return not scheduler.running and cache.num_free_blocks >= cache.usable_blocks
+
+
+def _too_long_for_the_pool(scheduler: Scheduler, request: Request) -> str:
+    usable = scheduler.cache.usable_blocks
+    return (
+        f"prompt_token_ids=<{request.num_tokens} tokens> cannot start: its blocks do not fit "
+        f"the whole KV pool ({usable} blocks, none of them in use); shorten the prompt, or give "
+        "the pool more blocks (e.g. --num-blocks)"
+    )
 
 
 def _prefetch(scheduler: Scheduler, request: Request, hit: CacheHit) -> bool:

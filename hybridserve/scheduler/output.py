@@ -26,6 +26,8 @@ class SchedulerOutput:
     mixed_budget: int = 0  # the governed prefill budget Bp of a mixed step (0: none)
     decode_only: bool = False  # a decode-burst step that deferred all prefill
     deadline_bypass: bool = False  # the oldest-waiter deadline opened this step
+    # Waiters refused because they could never start: (req_id, why). They are gone.
+    refused: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_empty(self) -> bool:

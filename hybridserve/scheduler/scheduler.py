@@ -96,6 +96,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_pending: list[str] = []
+        self.refused: list[tuple[str, str]] = []  # this step's, emitted in its output
         self.step_id = 0
         self.token_budget = config.max_num_batched_tokens
         self.hash_block_size = cache.layout.hash_block_size
@@ -131,6 +132,17 @@ class Scheduler:
             self.tool_gaps.on_arrival(request.session_key, request.arrival_time)
             self.cache.claim_pin(request.session_key)
         self.waiting.add(request)
+
+    def refuse(self, request: Request, why: str) -> None:
+        """Abort a waiter that can never start (nothing else holds a block and its blocks still
+        do not fit): it is reported in this step's output with `why`, and the waiters behind
+        it go on. A preempted one the executor knows is finished there as any abort is."""
+        self.abort(request.req_id)
+        self.refused.append((request.req_id, why))
+
+    def _take_refused(self) -> tuple[tuple[str, str], ...]:
+        refused, self.refused = tuple(self.refused), []
+        return refused
 
     def abort(self, req_id: str) -> None:
         """Abort a waiting or running request and free its blocks."""
@@ -271,6 +283,7 @@ class Scheduler:
             mixed_budget=step.decision.mixed_budget,
             decode_only=not step.decision.allow_prefill,
             deadline_bypass=step.decision.bypass,
+            refused=self._take_refused(),
         )
 
     # ----- update -------------------------------------------------------------------------

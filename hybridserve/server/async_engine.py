@@ -464,7 +464,13 @@ class AsyncEngine:
             reason = None if out.finish_reason is None else str(out.finish_reason)
             delivery = Delivery(out.new_token_ids, out.finished, reason, logprobs=logprobs)
             batch.append((out.req_id, delivery))
+        refused = dict(scheduled.refused)
         for req_id, reason in step.failed:
+            if req_id in refused:  # it can never start in this pool: the request's fault
+                logger.warning("request %s refused: %s", req_id, reason)
+                error = ApiError(400, reason, param="prompt", code="too_long_for_the_kv_pool")
+                batch.append((req_id, Delivery((), True, "abort", error)))
+                continue
             error_id = new_error_id()
             logger.error("request %s failed (error id %s): %s", req_id, error_id, reason)
             error = ApiError(

@@ -163,6 +163,10 @@ class Simulation:
         )
         for req_id, hit in step.scheduled.new_reqs:
             recorder.on_admitted(req_id, hit)
+        for req_id, why in step.failed:  # waiters the engine refused: they could never start
+            self._answers.pop(req_id, None)
+            record = recorder.requests.get(req_id)
+            self.reject(req_id, record.prompt_tokens if record is not None else 0, why)
         for output in step.outputs:
             recorder.on_delivery(output.req_id, end, len(output.new_token_ids))
             self._answers[output.req_id].extend(output.new_token_ids)

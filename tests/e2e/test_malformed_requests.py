@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import MODEL, LiveServer
+from tests.e2e.conftest import MODEL, LiveServer, start_server
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -340,3 +340,22 @@ def test_a_route_exception_answers_a_generic_500_and_logs_the_detail(
     error_id = error["message"].split("error id ")[1].rstrip(")")
     logged = [r for r in caplog.records if error_id in r.getMessage()]
     assert logged and "secret detail" in str(logged[0].exc_info[1] if logged[0].exc_info else "")
+
+
+def test_a_prompt_that_cannot_fit_the_whole_kv_pool_gets_a_400_and_the_queue_goes_on() -> None:
+    server = start_server(num_blocks=8)  # the sim model: 544-token blocks, 4 groups
+    try:
+        url = server.base_url + "/v1/completions"
+        long = server.client.post(url, json={"model": MODEL, "prompt": [7] * 4000, "max_tokens": 2})
+        assert long.status_code == 400, long.text
+        error = long.json()["error"]
+        assert error["code"] == "too_long_for_the_kv_pool" and error["param"] == "prompt"
+        assert "<4000 tokens> cannot start" in error["message"]
+        short = server.client.post(url, json={"model": MODEL, "prompt": [7] * 5, "max_tokens": 2})
+        assert short.status_code == 200, short.text
+        server.wait_idle()
+        cache = server.state.parts.cache
+        with server.state.engine.lock:
+            assert cache.num_free_blocks == cache.usable_blocks
+    finally:
+        server.stop()

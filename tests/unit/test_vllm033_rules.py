@@ -171,6 +171,49 @@ def test_sliding_window_admission_counts_at_most_window_plus_in_flight() -> None
     assert uncapped.step().scheduled.num_scheduled_tokens == ()  # 96 blocks do not fit
 
 
+def test_a_waiter_that_cannot_fit_an_empty_pool_is_refused_and_the_queue_goes_on() -> None:
+    # vLLM refuses at start-up a pool that cannot hold max_model_len; here one can be smaller.
+    # Without the refusal the 768-token prompt (96 blocks in a 78-block pool, whole-sequence
+    # check) would hold the head of the queue for good, and the short prompt behind it too.
+    groups = [FullAttentionSpec(block_size=16), SlidingWindowSpec(block_size=16, window=64)]
+    engine, cache = build(groups, budget=256, num_blocks=78)
+    for req_id, length in (("long", 768), ("short", 100)):
+        engine.add_request(
+            Request(
+                req_id=req_id,
+                prompt_token_ids=tuple(PROMPT[:length]),
+                sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+            )
+        )
+    first = engine.step()
+    assert [f.req_id for f in first.failed] == ["long"]
+    assert "<768 tokens> cannot start" in first.failed[0].reason
+    assert "77 blocks" in first.failed[0].reason
+    assert dict(first.scheduled.num_scheduled_tokens) == {"short": 100}
+    while engine.has_requests():
+        engine.step()
+    assert cache.num_free_blocks == cache.usable_blocks  # nothing leaked
+
+
+def test_a_waiter_that_fits_once_the_running_ones_finish_is_not_refused() -> None:
+    groups = [FullAttentionSpec(block_size=16)]
+    engine, _ = build(groups, budget=256, num_blocks=30)
+    for req_id, length in (("first", 300), ("second", 300)):  # 19 blocks each, 29 usable
+        engine.add_request(
+            Request(
+                req_id=req_id,
+                prompt_token_ids=tuple(PROMPT[:length]),
+                sampling=SamplingParams(max_tokens=4, ignore_eos=True),
+            )
+        )
+    seen = set()
+    while engine.has_requests():
+        step = engine.step()
+        assert not step.failed
+        seen.update(r for r, _ in step.scheduled.new_reqs)
+    assert seen == {"first", "second"}
+
+
 def test_mamba_split_ignores_dense_retention() -> None:
     # Rule 9: FA400 + Mamba400 with a prefill checkpoint, dense retention: 2,002 tokens, one chunk.
     groups = [FullAttentionSpec(block_size=400), MambaSpec(block_size=400, prefill_checkpoint=True)]
