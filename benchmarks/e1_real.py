@@ -121,6 +121,29 @@ def kv_bytes_per_block(config: dict[str, Any], block_size: int) -> int:
     return vllm_layers_per_block(config) * page
 
 
+def vllm_min_blocks(
+    config: dict[str, Any], block_size: int, max_model_len: int, max_num_batched_tokens: int
+) -> int:
+    """The fewest blocks vLLM starts with: every KV group must hold one request of
+    `max_model_len` (its start-up check; a pool under it exits with "To serve at least one
+    request with the model's max seq len ..."). A full-attention group holds the whole length; a
+    sliding-window group the window plus a budget's chunk, and one block more (vLLM's
+    SlidingWindowSpec.max_memory_usage_bytes). Groups are `vllm_layers_per_block` layers."""
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or ["full_attention"] * layers
+    per_group = vllm_layers_per_block(config)
+    window = config.get("sliding_window")
+    total = 0
+    for kind, count in Counter(types).items():
+        if kind == "sliding_attention" and window:
+            tokens = min(int(window) - 1 + max_num_batched_tokens, max_model_len)
+            blocks = -(-tokens // block_size) + 1
+        else:
+            blocks = -(-max_model_len // block_size)
+        total += -(-count // per_group) * blocks
+    return total
+
+
 def pool_mapping(config: dict[str, Any], pool_tokens: int, block_size: int) -> dict[str, Any]:
     """The pool every server gets: blocks, tokens, and vLLM's settings for it."""
     if pool_tokens < 2 * block_size:
@@ -509,6 +532,17 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             setup["vllm_skipped"] = why_not
             args.servers = [s for s in args.servers if s != "vllm"]
             print(f"vllm skipped: {why_not}", file=sys.stderr, flush=True)
+    floor = vllm_min_blocks(
+        config, args.block_size, args.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
+    args.pool["vllm_min_blocks"] = floor
+    if "vllm" in args.servers and args.pool["num_blocks"] < floor:
+        raise SystemExit(
+            f"--pool-tokens {args.pool_tokens}: {args.pool['num_blocks']} blocks, and vLLM "
+            f"refuses to start {args.model} with fewer than {floor} at --max-model-len "
+            f"{args.max_model_len} (every KV group must hold one request of that length); "
+            f"use --pool-tokens {floor * args.block_size} or more, or a smaller --max-model-len"
+        )
     return setup
 
 

@@ -10,7 +10,16 @@ after each one, by the ratio of the target T to the measured duration d:
 * down when the step ran past T: P <- P * max(T / d, 1/2). A step costs about a + b * P (a the
   decodes' share), so this lands at (T - a) / b within a few steps, from either side;
 * up when it stayed under T and the budget bound (prefill work was left for later):
-  P <- P * min(T / d, 5/4);
+  P <- P * min(T / d, 5/4), at least one quantum more, but never to or past a budget predicted
+  past 11/10 of the aim. Growth measures what it bought: when a binding step follows one with a
+  smaller budget, their difference over the tokens between is a cost a prefill token, kept per
+  budget as a running average and forgotten `LEVEL_MEMORY_STEPS` updates after its last step;
+  a budget B' it was measured at is predicted at d + cost x (B' - P). A quantum of a hybrid
+  model's state block is hundreds of tokens: without this, a budget whose next quantum
+  overshoots the aim climbs to it after every step under T and back after every step over, so
+  every other mixed step runs past it. The cost is measured, not modelled: a long prompt's later
+  chunks cost more a token (their attention reads the chunks before them), and the decodes'
+  share, which moves with the batch, cancels out of the difference;
 * up by 5/4 per step, whatever the step time, while the oldest request still in its prefill
   (waiting, or a partial prefill) has waited past the queue limit W and the budget binds: when
   arrivals outgrow the prefill that T allows, the engine trades ITL for time to first token
@@ -42,6 +51,9 @@ MAX_STEP_UP = 1.25  # the most one step may grow the budget by
 MAX_STEP_DOWN = 0.5  # the most one step may shrink it by
 MIN_BUDGET_TOKENS = 256  # the floor, rounded down to whole quanta (at least one quantum)
 VALVE_CLOSE_FRACTION = 0.25  # an open valve closes when the oldest wait falls under W/4
+LEVEL_LIMIT = 1.1  # growth stops a quantum under a budget predicted past this x the aim
+LEVEL_WEIGHT = 0.25  # the weight of the newest measured cost a token in a budget's average
+LEVEL_MEMORY_STEPS = 200  # a budget's cost is forgotten this many updates after its last step
 CALM_RISE_FRACTION = 0.5  # a calm aim reaches T when the oldest wait reaches W/2
 
 
@@ -52,11 +64,14 @@ class AdaptiveBudget:
         "calm_target_s",
         "ceiling",
         "floor",
+        "last_binding",
+        "levels",
         "pressure_target_s",
         "quantum",
         "queue_limit_s",
         "target_s",
         "tokens_f",
+        "updates",
         "valve_open",
     )
 
@@ -70,6 +85,47 @@ class AdaptiveBudget:
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
         self.tokens_f = float(self.ceiling)
         self.valve_open = False  # set by the controller from the decision of each mixed step
+        # budget -> (running average of the measured cost a prefill token of growing to it,
+        # `updates` at its last step); the last binding step's (budget, duration, `updates`)
+        self.levels: dict[int, tuple[float, int]] = {}
+        self.last_binding: tuple[int, float, int] | None = None
+        self.updates = 0
+
+    def _record(self, budget: int, duration_s: float) -> None:
+        """A step that used its whole `budget` (within a quantum) ran `duration_s`. When the
+        update just before was such a step with a smaller budget (the same decodes, near
+        enough), their difference is a measured cost a prefill token: `budget`'s running
+        average of it. Averages not updated for LEVEL_MEMORY_STEPS updates are forgotten."""
+        last = self.last_binding
+        self.last_binding = (budget, duration_s, self.updates)
+        if last is None or last[2] != self.updates - 1 or last[0] >= budget:
+            return
+        per_token = (duration_s - last[1]) / (budget - last[0])
+        seen = self.levels.get(budget)
+        if seen is not None and self.updates - seen[1] <= LEVEL_MEMORY_STEPS:
+            per_token = seen[0] + LEVEL_WEIGHT * (per_token - seen[0])
+        self.levels[budget] = (per_token, self.updates)
+        if len(self.levels) > LEVEL_MEMORY_STEPS:  # at most one entry per update remembered
+            stale = self.updates - LEVEL_MEMORY_STEPS
+            self.levels = {b: seen for b, seen in self.levels.items() if seen[1] >= stale}
+
+    def _open_below(self, tokens: float, budget: int, duration_s: float, aim_s: float) -> float:
+        """`tokens`, or less: growth from `budget`, whose step just ran `duration_s`, stops a
+        quantum under the smallest larger budget predicted past LEVEL_LIMIT x `aim_s` (a larger
+        budget than that would run longer still), and never falls under `budget`. A budget
+        that growth reached recently is predicted from its measured cost a token."""
+        limit = LEVEL_LIMIT * aim_s
+        stale = self.updates - LEVEL_MEMORY_STEPS
+        closed = [
+            level
+            for level, (per_token, at) in self.levels.items()
+            if budget < level <= tokens
+            and at >= stale
+            and duration_s + per_token * (level - budget) > limit
+        ]
+        if not closed:
+            return tokens
+        return float(max(min(closed) - self.quantum, budget))
 
     def tokens(self) -> int:
         """The budget now: whole quanta, at least one, at most max_num_batched_tokens."""
@@ -110,18 +166,23 @@ class AdaptiveBudget:
         when the oldest request in prefill had waited `oldest_wait_s`."""
         if duration_s <= 0:
             return
+        self.updates += 1
         limited = pressure and self.pressure_target_s > 0
         if limited:  # the open valve under its step-time limit: the rules below, towards Tp
             pressure = False
         aim = self.pressure_target_s if limited else self.target(oldest_wait_s)
         ratio = aim / duration_s
         binds = prefill_tokens + self.quantum > budget
+        if binds:
+            self._record(budget, duration_s)
         if ratio < 1.0 and not pressure:
             tokens = budget * max(ratio, MAX_STEP_DOWN)
         elif binds and (pressure or ratio > 1.0):
             # From the budget the step had; at least a quantum more, so flooring never sticks.
             factor = MAX_STEP_UP if pressure else min(ratio, MAX_STEP_UP)
             tokens = max(budget * factor, float(budget + self.quantum))
+            if not pressure:  # growth towards a step time: not to a budget predicted past it
+                tokens = self._open_below(tokens, budget, duration_s, aim)
         else:
             return
         self.tokens_f = min(max(tokens, float(self.floor)), float(self.ceiling))

@@ -55,6 +55,63 @@ def test_the_budget_grows_back_when_the_load_gets_lighter() -> None:
     assert adaptive.tokens() == 8192  # 30 + 5 us x 8,192 = 71 ms: the whole budget fits
 
 
+def _mixed_steps_past(adaptive: AdaptiveBudget, steps: int, per_token_s: float) -> list[int]:
+    """Mixed steps of 60 ms of decodes plus `per_token_s` a prefill token, each using its whole
+    budget; the budgets of those that ran past 1.1 x the 88 ms target."""
+    over = []
+    for _ in range(steps):
+        tokens = adaptive.tokens()
+        duration = 0.060 + per_token_s * tokens
+        if duration > 1.1 * 0.088:
+            over.append(tokens)
+        adaptive.update(duration_s=duration, prefill_tokens=tokens, budget=tokens, pressure=False)
+    return over
+
+
+def test_the_budget_does_not_climb_back_into_a_quantum_whose_steps_ran_past_the_aim() -> None:
+    # Quanta of 544 tokens (a hybrid model's state block), 24 us a token: 1,088 tokens take
+    # 86.1 ms (under the 88 ms target), 1,632 take 99.2 ms (past 1.1 x 88 = 96.8). Growth from
+    # 1,088 is at least a quantum: without the memory every other mixed step would be 1,632.
+    adaptive = budget(544, adaptive_budget_itl_ms=88.0, max_num_batched_tokens=8192)
+    over = _mixed_steps_past(adaptive, 150, 24e-6)
+    assert adaptive.tokens() == 1088
+    # Learning down from vLLM's budget, then one growth to 1,632, measured and remembered.
+    assert over == [8160, 3808, 2176, 1632, 1632]
+    # Forgotten LEVEL_MEMORY_STEPS updates after its last step: tried once more, then again.
+    assert _mixed_steps_past(adaptive, 100, 24e-6).count(1632) == 1
+
+
+def test_a_budget_predicted_past_the_aim_stays_closed_and_thinner_decodes_reopen_it() -> None:
+    adaptive = budget(64, adaptive_budget_itl_ms=88.0, max_num_batched_tokens=8192)
+    adaptive.levels[1280] = (120e-6, 0)  # growing to 1,280 cost 120 us a token
+    adaptive.tokens_f = 1024.0
+    adaptive.update(duration_s=0.070, prefill_tokens=1024, budget=1024, pressure=False)
+    # 88 / 70 > 1.25: 1.25 x 1,024 = 1,280, predicted at 70 + 256 x 0.12 = 100.7 ms (past
+    # 1.1 x 88 = 96.8): a quantum under it.
+    assert adaptive.tokens() == 1216
+    # The decodes thin: 1,024 tokens take 60 ms, 1,280 is predicted at 90.7 ms and is open.
+    adaptive.last_binding = None
+    adaptive.tokens_f = 1024.0
+    adaptive.update(duration_s=0.060, prefill_tokens=1024, budget=1024, pressure=False)
+    assert adaptive.tokens() == 1280
+
+
+def test_an_open_valve_grows_past_budgets_that_ran_long() -> None:
+    adaptive = budget(544, adaptive_budget_itl_ms=88.0, adaptive_budget_queue_ms=2000.0)
+    adaptive.levels[1632] = (1e-3, 0)  # 544 tokens more cost 544 ms
+    adaptive.tokens_f = 1088.0
+    adaptive.update(duration_s=0.086, prefill_tokens=1088, budget=1088, pressure=True)
+    assert adaptive.tokens() == 1632  # the queue trades ITL for time to first token
+
+
+def test_the_step_time_memory_stays_bounded() -> None:
+    adaptive = budget(1, adaptive_budget_itl_ms=88.0, max_num_batched_tokens=20_000)
+    for step in range(2_000):
+        tokens = 1000 + step  # a new budget every step, each a growth from the one before
+        adaptive.update(duration_s=0.080, prefill_tokens=tokens, budget=tokens, pressure=False)
+    assert len(adaptive.levels) <= 201
+
+
 def test_a_budget_that_does_not_bind_does_not_grow() -> None:
     adaptive = budget(1, adaptive_budget_itl_ms=80.0, max_num_batched_tokens=8192)
     adaptive.tokens_f = 1000.0
