@@ -136,8 +136,13 @@ class BlockPool:
         """Whether `num` more blocks can be handed out now."""
         return self.growable or num <= self.free_queue.num_free
 
+    @property
+    def usable_blocks(self) -> int:
+        """The blocks a request may hold: all of them but the null block."""
+        return self.num_blocks - 1
+
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+        return 1.0 - self.num_free_blocks / self.usable_blocks
 
     def get_cached(self, key: bytes) -> Block | None:
         """Any one block registered under `key` (on the device, else a `HostBlock` of the host

@@ -887,8 +887,7 @@ class KVCacheManager:
 
     @property
     def usable_blocks(self) -> int:
-        """The pool's blocks, less the null block (every block a request may hold)."""
-        return self.pool.num_blocks - 1
+        return self.pool.usable_blocks
 
     def usage(self) -> float:
         return self.pool.usage()

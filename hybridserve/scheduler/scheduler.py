@@ -80,7 +80,7 @@ class Scheduler:
         self.tool_gaps = ToolGapModel(
             quantile=config.kv_pin_ttl_quantile, cap_s=config.kv_pin_max_ttl_s
         )
-        self.max_pinned_blocks = int(config.kv_pin_fraction * (cache.layout.num_blocks - 1))
+        self.max_pinned_blocks = int(config.kv_pin_fraction * cache.usable_blocks)
         # What the settings asked for that this layout cannot do, said once by the front end.
         self.notices: list[str] = []
         self.exact_tails = self.pinning and config.kv_pin_exact_tail
@@ -96,7 +96,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_pending: list[str] = []
-        self.refused: list[tuple[str, str]] = []  # this step's, emitted in its output
+        self._refused: list[tuple[str, str]] = []  # this step's, emitted in its output
         self.step_id = 0
         self.token_budget = config.max_num_batched_tokens
         self.hash_block_size = cache.layout.hash_block_size
@@ -138,10 +138,10 @@ class Scheduler:
         do not fit): it is reported in this step's output with `why`, and the waiters behind
         it go on. A preempted one the executor knows is finished there as any abort is."""
         self.abort(request.req_id)
-        self.refused.append((request.req_id, why))
+        self._refused.append((request.req_id, why))
 
     def _take_refused(self) -> tuple[tuple[str, str], ...]:
-        refused, self.refused = tuple(self.refused), []
+        refused, self._refused = tuple(self._refused), []
         return refused
 
     def abort(self, req_id: str) -> None:
