@@ -26,7 +26,10 @@ after each one, by the ratio of the target T to the measured duration d:
   instead of letting every waiter miss it, up to vLLM's whole token budget. W = 0 turns this
   valve off. With a pressure limit Tp (`adaptive_budget_pressure_itl_ms` > 0), the open valve
   instead moves P towards steps of Tp by the two rules above: the budget still grows for the
-  queue, but never past the step time the ITL SLO allows.
+  queue, but never past the step time the ITL SLO allows. Growth under that limit stops under
+  a budget predicted past PRESSURE_LEVEL_LIMIT x Tp, not 11/10 of it: Tp is already the SLO
+  less the margin its p99 needs, and the tolerance would spend that margin (the valve runs its
+  steps at Tp for minutes at a time, so the steps that growth mispredicts become the p99).
 
 With a calm target Tc (`adaptive_budget_calm_itl_ms` > 0), T is where the aim ends, not where
 it starts: steps aim for Tc while the oldest request in prefill has not waited, and for
@@ -52,6 +55,7 @@ MAX_STEP_DOWN = 0.5  # the most one step may shrink it by
 MIN_BUDGET_TOKENS = 256  # the floor, rounded down to whole quanta (at least one quantum)
 VALVE_CLOSE_FRACTION = 0.25  # an open valve closes when the oldest wait falls under W/4
 LEVEL_LIMIT = 1.1  # growth stops a quantum under a budget predicted past this x the aim
+PRESSURE_LEVEL_LIMIT = 1.025  # the same under the open valve's step-time limit Tp, x Tp
 LEVEL_WEIGHT = 0.25  # the weight of the newest measured cost a token in a budget's average
 LEVEL_MEMORY_STEPS = 200  # a budget's cost is forgotten this many updates after its last step
 CALM_RISE_FRACTION = 0.5  # a calm aim reaches T when the oldest wait reaches W/2
@@ -109,12 +113,11 @@ class AdaptiveBudget:
             stale = self.updates - LEVEL_MEMORY_STEPS
             self.levels = {b: seen for b, seen in self.levels.items() if seen[1] >= stale}
 
-    def _open_below(self, tokens: float, budget: int, duration_s: float, aim_s: float) -> float:
+    def _open_below(self, tokens: float, budget: int, duration_s: float, limit: float) -> float:
         """`tokens`, or less: growth from `budget`, whose step just ran `duration_s`, stops a
-        quantum under the smallest larger budget predicted past LEVEL_LIMIT x `aim_s` (a larger
+        quantum under the smallest larger budget predicted past `limit` seconds (a larger
         budget than that would run longer still), and never falls under `budget`. A budget
         that growth reached recently is predicted from its measured cost a token."""
-        limit = LEVEL_LIMIT * aim_s
         stale = self.updates - LEVEL_MEMORY_STEPS
         closed = [
             level
@@ -182,7 +185,8 @@ class AdaptiveBudget:
             factor = MAX_STEP_UP if pressure else min(ratio, MAX_STEP_UP)
             tokens = max(budget * factor, float(budget + self.quantum))
             if not pressure:  # growth towards a step time: not to a budget predicted past it
-                tokens = self._open_below(tokens, budget, duration_s, aim)
+                limit = (PRESSURE_LEVEL_LIMIT if limited else LEVEL_LIMIT) * aim
+                tokens = self._open_below(tokens, budget, duration_s, limit)
         else:
             return
         self.tokens_f = min(max(tokens, float(self.floor)), float(self.ceiling))
