@@ -72,6 +72,8 @@ class HybridRun:
     # Per request, as the StepResults reported them (generated ones trimmed to the output).
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Block id -> the cache groups the plans gave it to (the null block 0 left out).
+    block_groups: dict[int, set[int]] = field(default_factory=dict)
 
 
 def hybrid_generate(
@@ -137,6 +139,10 @@ def hybrid_generate(
             for req_id, hit in (*step.scheduled.new_reqs, *step.scheduled.resumed):
                 run.hit_tokens.setdefault(req_id, hit)
             for chunk in step.scheduled.plan.chunks:
+                for gid, ids in enumerate(chunk.block_ids):
+                    for block in ids:
+                        if block:
+                            run.block_groups.setdefault(block, set()).add(gid)
                 if chunk.num_draft_tokens:
                     run.num_drafted_steps += 1
                     accepted = len(step.result.sampled_token_ids.get(chunk.req_id, ())) - 1

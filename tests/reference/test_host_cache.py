@@ -100,13 +100,21 @@ def test_a_slot_saved_and_loaded_in_one_step_reads_what_was_saved(
         _assert_holds(_read(executor, gid, 4), newer)
 
 
-def test_only_the_copied_group_changes(executor: TorchExecutor) -> None:
-    if len(executor.groups.specs) < 2:
-        pytest.skip("one group")
-    before = _fill(executor, 1, 5)
+def test_only_the_copied_block_changes(executor: TorchExecutor) -> None:
+    """A block id belongs to one group at a time, and groups may share tensors (layer k of
+    every group): a load writes the loaded block of its group's layers and nothing else."""
+    last = len(executor.groups.specs) - 1
+    before = _fill(executor, last, 5)
     _fill(executor, 0, 6)
-    executor.execute(_plan(0, host_saves=(HostCopy(0, 6, 0),), host_loads=(HostCopy(0, 5, 0),)))
-    _assert_holds(_read(executor, 1, 5), before)
+    executor.execute(_plan(0, host_saves=(HostCopy(0, 6, 0),), host_loads=(HostCopy(0, 7, 0),)))
+    _assert_holds(_read(executor, last, 5), before)
+
+
+def test_a_slot_holds_the_bytes_of_one_block_id(executor: TorchExecutor) -> None:
+    """Host slots mirror the device storage: tensors shared by layers of different groups on
+    the device are shared in the slot too, so host memory is slots x block bytes."""
+    assert executor.host_cache is not None
+    assert executor.host_cache.allocated_bytes() == 2 * executor.block_bytes
 
 
 def test_the_token_ids_of_a_block_go_along() -> None:

@@ -38,7 +38,9 @@ BLOCK = 4
 FIRST_PROMPT, FIRST_ANSWER, NEW_TOKENS, NEXT_ANSWER = 18, 6, 5, 6
 NUM_FILLERS, FILLER_PROMPT = 3, 30
 # Small enough that the fillers evict every block of the first turn; the host keeps them all.
-SMALL_POOL, HOST_BLOCKS = 20, 96
+# A filler's prompt takes 8 blocks in every group while it prefills: Gemma 3's four groups of
+# one layer each need 36.
+SMALL_POOL, SMALL_POOL_PER_GROUP, HOST_BLOCKS = 20, 9, 96
 
 
 def _perturbed(config: Any) -> CausalLM:
@@ -56,9 +58,20 @@ def _perturbed(config: Any) -> CausalLM:
     return model
 
 
+def _gemma3_groups_of_two_config() -> Any:
+    """Gemma 3 with 4 sliding-window and 2 full layers: three cache groups of two layers
+    sharing their tensors by position, the last layer full. (With a group that holds only the
+    last layer, sliding, its promoted blocks lie outside the window of every sampled row, so
+    skipping its loads could not show.)"""
+    config = _gemma3_config()
+    config.num_hidden_layers = 6
+    config.layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    return config
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "full_attention": _llama_config,
-    "sliding_window": _gemma3_config,
+    "sliding_window": _gemma3_groups_of_two_config,
     "mamba2": _bamba_config,
     "gated_delta_net": _qwen3_5_config,
 }
@@ -134,9 +147,14 @@ def _next_turn(session: Session, *, fillers: int) -> Turn:
 def check_next_turn(model: CausalLM, *, write_through: bool = False) -> None:
     """The next turn resident, promoted from the host and recomputed: the same tokens, logits
     within 1e-5, and the host served the whole promoted hit."""
-    resident = _next_turn(Session(model, num_blocks=256), fillers=0)
+    resident_session = Session(model, num_blocks=256)
+    resident = _next_turn(resident_session, fillers=0)
+    num_groups = len(resident_session.executor.groups.specs)
     host_session = Session(
-        model, num_blocks=SMALL_POOL, host_blocks=HOST_BLOCKS, write_through=write_through
+        model,
+        num_blocks=max(SMALL_POOL, SMALL_POOL_PER_GROUP * num_groups),
+        host_blocks=HOST_BLOCKS,
+        write_through=write_through,
     )
     promoted = _next_turn(host_session, fillers=NUM_FILLERS)
     recomputed = _next_turn(Session(model, num_blocks=256, caching=False), fillers=0)

@@ -70,12 +70,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 # A 7-token budget splits blocks (4) and windows (8) at every offset; sliding-window groups
-# retain the window before the first prompt's end, so every group hits on a resume.
+# retain the window before the first prompt's end, so every group hits on a resume. 34 blocks
+# force preemption on both: Gemma 3's four groups of one layer each take their own blocks.
 CHECKS = GreedyChecks(
     single=(13, 10, 64),
     batch=((5, 11, 23, 37), 8, 7),
     resume_answer=8,
-    preempt=(16, 26),
+    preempt=(16, 34),
     ngram_answer=24,
 )
 check_single_request = CHECKS.single_request

@@ -1,15 +1,21 @@
 """DeviceCache: the tensors behind the cache groups (paged K/V and recurrent-state slots).
 
-Block ids are global (one pool for all groups, as in the KVCacheManager). An attention layer
-holds `[num_blocks * block_size, num_kv_heads, head_dim]` for K and for V; an MLA layer holds
+Block ids are global (one pool for all groups, as in the KVCacheManager), and a block id
+belongs to one group at a time. An attention layer's K and V are
+`[num_blocks * block_size, num_kv_heads, head_dim]`; an MLA layer holds
 `[num_blocks * block_size, 1, latent_dim]` latent rows in place of K and its indexer keys
-`[..., 1, max(index_dim, 1)]` in place of V; a state layer holds
-one state per block id plus `num_scratch_slots` executor-owned slots (after the block ids) for
-the states of unverified draft tokens.
+`[..., 1, max(index_dim, 1)]` in place of V. Layers at the same position k of different groups
+whose rows have the same shapes keep them in one pair of tensors (`kv_storage`), as vLLM's
+uniform-page layout does (its KVCacheTensor shared by layer k of every group): block b of the
+pair holds layer k of whichever group owns b. One block id then costs as many layers' pages as
+the largest group holds (3 on Gemma 3 270M's six groups of 3, not its 18 layers). A state layer
+holds one state per block id plus `num_scratch_slots` executor-owned slots (after the block ids)
+for the states of unverified draft tokens; it shares nothing.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +28,59 @@ from hybridserve.executor.torch.models.base import (
 )
 
 
+def kv_storage(
+    layers: Sequence[LayerCache], layer_group: Sequence[int] | None = None
+) -> list[int | None]:
+    """Per layer, the K/V storage (a pair of tensors) that holds its rows; None for a state
+    layer. The K/V layers of a group take positions 0, 1, ... in layer order, and layers at the
+    same position of different groups with the same row shapes share one storage. Without
+    `layer_group` (layer i's group id) every layer has its own."""
+    groups = [0] * len(layers) if layer_group is None else layer_group
+    positions: dict[int, int] = {}
+    storage: dict[tuple[int, _RowShapes], int] = {}
+    out: list[int | None] = []
+    for layer, group in zip(layers, groups, strict=True):
+        shapes = _row_shapes(layer)
+        if shapes is None:
+            out.append(None)
+            continue
+        position = positions.get(group, 0)
+        positions[group] = position + 1
+        out.append(storage.setdefault((position, shapes), len(storage)))
+    return out
+
+
+def kv_sharing(layers: Sequence[LayerCache], layer_group: Sequence[int] | None = None) -> float:
+    """The K/V elements a token takes over every K/V layer, over those it takes in the shared
+    storage of `kv_storage`: how many more block ids the same bytes hold than with a storage
+    per layer (1.0 without sharing, 6.0 on Gemma 3 270M's six groups of 3)."""
+    storage = kv_storage(layers, layer_group)
+    every = stored = 0
+    seen: set[int] = set()
+    for layer, sid in zip(layers, storage, strict=True):
+        shapes = _row_shapes(layer)
+        if shapes is None or sid is None:
+            continue
+        elements = sum(math.prod(shape) for shape in shapes)
+        every += elements
+        if sid not in seen:
+            seen.add(sid)
+            stored += elements
+    return every / stored if stored else 1.0
+
+
+_RowShapes = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _row_shapes(layer: LayerCache) -> _RowShapes | None:
+    """The shapes of one token's row in a layer's two K/V tensors; None for a state layer."""
+    if isinstance(layer, AttentionCache):
+        return (layer.num_kv_heads, layer.head_dim), (layer.num_kv_heads, layer.head_dim)
+    if isinstance(layer, LatentCache):
+        return (1, layer.latent_dim), (1, max(layer.index_dim, 1))
+    return None
+
+
 class DeviceCache:
     def __init__(
         self,
@@ -32,29 +91,50 @@ class DeviceCache:
         num_scratch_slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        layer_group: Sequence[int] | None = None,
     ) -> None:
+        """`layer_group[i]` is layer i's cache group: layers at the same position of different
+        groups share their K/V tensors (see `kv_storage`). Without it every layer has its
+        own."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_base = num_blocks
         self.num_scratch_slots = num_scratch_slots
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._state: list[dict[str, torch.Tensor] | None] = []
+        # Per layer, the first layer whose tensors it uses (itself unless it shares).
+        self._storage_layer: list[int] = []
         num_slots = num_blocks * block_size
-        for layer in layers:
-            if isinstance(layer, AttentionCache):
-                shape = (num_slots, layer.num_kv_heads, layer.head_dim)
-                k = torch.zeros(shape, dtype=dtype, device=device)
-                self._kv.append((k, torch.zeros_like(k)))
-                self._state.append(None)
-            elif isinstance(layer, LatentCache):
-                latent = torch.zeros((num_slots, 1, layer.latent_dim), dtype=dtype, device=device)
-                index_dim = max(layer.index_dim, 1)
-                index = torch.zeros((num_slots, 1, index_dim), dtype=dtype, device=device)
-                self._kv.append((latent, index))
-                self._state.append(None)
-            else:
+        first_layer: dict[int, int] = {}
+        for index, (layer, sid) in enumerate(
+            zip(layers, kv_storage(layers, layer_group), strict=True)
+        ):
+            if sid is None:
+                assert isinstance(layer, StateCache)
                 self._kv.append(None)
                 self._state.append(_state_tensors(layer, num_blocks + num_scratch_slots, device))
+                self._storage_layer.append(index)
+                continue
+            self._state.append(None)
+            owner = first_layer.setdefault(sid, index)
+            self._storage_layer.append(owner)
+            if owner != index:
+                self._kv.append(self._kv[owner])
+                continue
+            shapes = _row_shapes(layer)
+            assert shapes is not None
+            k_shape, v_shape = shapes
+            self._kv.append(
+                (
+                    torch.zeros((num_slots, *k_shape), dtype=dtype, device=device),
+                    torch.zeros((num_slots, *v_shape), dtype=dtype, device=device),
+                )
+            )
+
+    def storage_layer(self, layer_index: int) -> int:
+        """The first layer whose tensors `layer_index` keeps its pages in (itself when it
+        shares none): layers with the same storage layer alias."""
+        return self._storage_layer[layer_index]
 
     def kv(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self._kv[layer_index]
@@ -128,17 +208,30 @@ class DeviceCache:
         return self._state[layer_index] is not None
 
     def block_bytes(self) -> int:
-        """Bytes one block id holds over every layer (K/V rows or a state slot each)."""
+        """Bytes one block id holds: its K/V rows (or latent rows) in each storage, counted
+        once however many layers share it, and its state slot in each state layer."""
         return sum(
             view.numel() * view.element_size()
             for layer in range(len(self._kv))
+            if self._storage_layer[layer] == layer
             for view in self.block_views(layer, 0)
         )
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the cache allocated (state scratch slots included)."""
+        total = 0
+        for layer, kv in enumerate(self._kv):
+            if self._storage_layer[layer] == layer:
+                tensors = kv if kv is not None else tuple(self._states(layer).values())
+                total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
 
     def block_views(self, layer_index: int, block_id: int) -> list[torch.Tensor]:
         """Views of what block `block_id` holds in a layer: its `block_size` K and V (or
         latent and indexer) rows, or each tensor of its state slot. Writing them writes the
-        cache (the host tier's saves read them, its loads write them)."""
+        cache (the host tier's saves read them, its loads write them). Layers with the same
+        `storage_layer` get views of the same memory: what block `block_id` holds there
+        belongs to the layer of the group that owns the block."""
         states = self._state[layer_index]
         if states is not None:
             return [tensor[block_id] for tensor in states.values()]

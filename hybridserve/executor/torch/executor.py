@@ -1,9 +1,10 @@
 """TorchExecutor: runs a StepPlan through a model on CPU or CUDA (the same code).
 
-It owns the tensors (paged K/V per attention layer, state slots per recurrent layer), mirrors
-each running request's block tables from the plan's diffs, honours copy-on-write block copies,
-drops the tables of finished and preempted requests, samples, verifies drafts and proposes the
-next step's drafts (n-gram lookup, or a draft head).
+It owns the tensors (paged K/V per attention layer, shared by the layers at the same position
+of different cache groups; state slots per recurrent layer), mirrors each running request's
+block tables from the plan's diffs, honours copy-on-write block copies, drops the tables of
+finished and preempted requests, samples, verifies drafts and proposes the next step's drafts
+(n-gram lookup, or a draft head).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class TorchExecutor:
         packed_linears: bool = True,
         grammars: Grammars | None = None,
         host_blocks: int = 0,
+        uniform_pages: bool = True,
     ) -> None:
         """`packed_linears`: on the CPU, float32 linear layers read a oneDNN-packed copy of
         their weights (`layers.packed`; off, `F.linear`). `share_prefixes`: chunks whose block
@@ -92,7 +94,10 @@ class TorchExecutor:
         same plans (see `executor.torch.dcp`); full-attention and MLA KV is sharded by token,
         so one block id covers `block_size * dcp.world_size` tokens. `host_blocks`: slots of
         the host tier (`executor.torch.host_cache`; 0 = none), in pinned memory on CUDA; the
-        layout's `host_blocks` must not exceed it."""
+        layout's `host_blocks` must not exceed it. `uniform_pages`: the cache groups of a model
+        mixing full and sliding-window attention are vLLM's groups of equal size (see
+        `derive_cache_groups`); off, one group per layer kind. Either way layers at the same
+        position of different groups share their K/V tensors (`cache.kv_storage`)."""
         self.device = torch.device(device)
         self.dcp = dcp or DcpGroup()
         self.model = model.to(self.device).eval()
@@ -133,7 +138,9 @@ class TorchExecutor:
         if method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE):
             self.head = DraftHead(model, len(layers), seed=seed).to(self.device).eval()
             layers = [*layers, self.head.cache_spec()]
-        self.groups = derive_cache_groups(layers, block_size=block_size, mamba_mode=mamba_mode)
+        self.groups = derive_cache_groups(
+            layers, block_size=block_size, mamba_mode=mamba_mode, uniform_pages=uniform_pages
+        )
         self.num_packed_linears = 0
         if packed_linears:
             self.num_packed_linears = pack_linears(self.model)
@@ -147,6 +154,7 @@ class TorchExecutor:
             num_scratch_slots=max_num_seqs * (self.num_lookahead + 1) if has_state else 0,
             dtype=model.dtype,
             device=self.device,
+            layer_group=self.groups.layer_group,
         )
         self.num_blocks = num_blocks
         self.host_blocks = 0
@@ -242,7 +250,8 @@ class TorchExecutor:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block id in every layer: what one host slot holds."""
+        """Bytes one block id holds (its pages in the layers of the largest group, shared by
+        every group's; see `DeviceCache.block_bytes`): what one host slot holds."""
         return self.cache.block_bytes()
 
     def execute(self, plan: StepPlan) -> StepResult:

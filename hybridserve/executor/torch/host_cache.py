@@ -3,7 +3,11 @@
 A slot holds one block of one group: what that block holds in every layer of the group (the
 `block_size` K and V rows of an attention layer, the latent and indexer rows of an MLA layer,
 every tensor of the state slot of a recurrent layer) and the executor's per-token side tables
-of that group (the token ids that n-gram drafts read back, a draft head's next tokens).
+of that group (the token ids that n-gram drafts read back, a draft head's next tokens). Its
+tensors mirror the device cache's storage: layers that share device tensors (the same position
+of different groups, `DeviceCache.storage_layer`) share the slot's, so a slot is
+`DeviceCache.block_bytes()` bytes, and a save or load touches only the layers of the copy's
+group.
 
 On a CUDA device the slots are pinned and the copies run on a side stream with
 `non_blocking=True`: the side stream first waits for the compute stream (a block saved holds
@@ -44,16 +48,27 @@ class HostCache:
         for layer, group in enumerate(layer_group):
             self._layers.setdefault(group, []).append(layer)
         self.pinned = device.type == "cuda"
-        self._slots = [
-            [
-                torch.zeros((num_slots, *view.shape), dtype=view.dtype, pin_memory=self.pinned)
-                for view in cache.block_views(layer, 0)
-            ]
-            for layer in range(len(layer_group))
-        ]
+        self._slots: list[list[torch.Tensor]] = []
+        for layer in range(len(layer_group)):
+            owner = cache.storage_layer(layer)
+            if owner != layer:  # the slot's tensors of the layer it shares storage with
+                self._slots.append(self._slots[owner])
+                continue
+            self._slots.append(
+                [
+                    torch.zeros((num_slots, *view.shape), dtype=view.dtype, pin_memory=self.pinned)
+                    for view in cache.block_views(layer, 0)
+                ]
+            )
         # group -> (device-side table, its host copy, entries per block)
         self._tables: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._stream = torch.cuda.Stream(device) if self.pinned else None
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the slots' tensors, each counted once (`num_slots` x the cache's
+        `block_bytes()`)."""
+        unique = {id(t): t for tensors in self._slots for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     def add_table(self, group_id: int, table: torch.Tensor, unit: int) -> None:
         """Keep `table[block * unit : (block + 1) * unit]` (a CPU tensor the executor indexes

@@ -17,8 +17,9 @@ How to add an architecture
    * `LatentCache(latent_dim, index_dim)` for an MLA layer (sparse when `index_dim > 0`);
    * `StateCache(shapes={"conv": (...), "ssm": (...)}, dtype=...)` for a recurrent layer
      (Mamba2, gated delta net, short conv). Every tensor is one state of one request.
-   The executor groups layers of equal kind into cache groups (`derive_cache_groups`); the same
-   groups configure the real `KVCacheManager`, so cache hits and the tensors always agree.
+   The executor groups the layers into cache groups (`derive_cache_groups`: one per kind, or
+   vLLM's groups of equal size where full and sliding-window layers mix); the same groups
+   configure the real `KVCacheManager`, so cache hits and the tensors always agree.
 4. Implement `forward(input_ids, positions, ctx) -> hidden [num_tokens, hidden_size]` over the
    flat batch (all chunks of the step concatenated, in plan order) and `compute_logits(hidden)`.
    Inside a layer, the step's cache is reached only through `ctx: ForwardContext`:
@@ -130,30 +131,67 @@ def derive_cache_groups(
     *,
     block_size: int,
     mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+    uniform_pages: bool = True,
 ) -> CacheGroups:
-    """One group per distinct layer kind (full; MLA; sliding window W; state), in order of first
-    appearance. Every group uses `block_size` (state groups share the attention page)."""
-    keys: list[tuple[str, int]] = []
-    layer_group: list[int] = []
-    for layer in layers:
-        if isinstance(layer, AttentionCache):
-            key = ("full", 0) if layer.window is None else ("swa", layer.window)
-        elif isinstance(layer, LatentCache):
-            key = ("mla", 0)
-        else:
-            key = ("state", 0)
-        if key not in keys:
-            keys.append(key)
-        layer_group.append(keys.index(key))
+    """The cache groups of a model's layers. Every group uses `block_size` (state groups share
+    the attention page).
+
+    A layer's kind is full attention, sliding window of a given window, MLA or state. With one
+    group per kind (`uniform_pages=False`, and always for a model with MLA or state layers, or
+    with one kind) the groups come in order of first appearance.
+
+    Otherwise (two or more attention kinds: full and sliding windows) the layers are grouped as
+    vLLM's uniform-page grouping does (`kv_cache_utils._get_kv_cache_groups_uniform_page_size`):
+    g is the smallest kind's layer count, or the largest when that is under 1.5x the smallest;
+    each kind, in order of first appearance, is split into n = ceil(count / g) groups, group i
+    taking the kind's layers i, i + n, i + 2n, ... (at most g layers a group: a kind whose
+    count is no multiple of g gets smaller ones, which vLLM counts as padded to g). Gemma 3
+    270M (15 sliding-window layers, 3 full): 5 sliding-window groups of 3 (layers 0, 6, 12;
+    1, 7, 13; ...) and 1 full group (5, 11, 17). Each group allocates its own blocks from the
+    one pool, and since a block id belongs to one group at a time, layer k of every group
+    keeps its pages in one shared tensor (`DeviceCache`): a block id costs g layers' pages,
+    not every layer's.
+
+    A model with state layers (Mamba2, gated delta net) keeps one group per kind: a state
+    group's page is one state slot per block id, sized apart from the attention page (the
+    block size grows until a page holds a state), and splitting it is not done here. MLA
+    models have one kind, and keep their one group."""
+    layers = list(layers)
+    keys = [_kind(layer) for layer in layers]
+    kinds = list(dict.fromkeys(keys))
+    members = {kind: [i for i, key in enumerate(keys) if key == kind] for kind in kinds}
+    attention_only = all(kind[0] in ("full", "swa") for kind in kinds)
+    grouped: list[tuple[tuple[str, int], list[int]]] = []
+    if uniform_pages and attention_only and len(kinds) > 1:
+        counts = [len(members[kind]) for kind in kinds]
+        size = min(counts)
+        if max(counts) < size * 1.5:
+            size = max(counts)
+        for kind in kinds:
+            split = -(-len(members[kind]) // size)
+            grouped.extend((kind, members[kind][i::split]) for i in range(split))
+    else:
+        grouped = [(kind, members[kind]) for kind in kinds]
+    layer_group = [0] * len(layers)
     specs: list[GroupSpec] = []
-    for kind, window in keys:
-        if kind in ("full", "mla"):
-            specs.append(FullAttentionSpec(block_size=block_size, mla=kind == "mla"))
-        elif kind == "swa":
+    for gid, ((name, window), group_layers) in enumerate(grouped):
+        for layer in group_layers:
+            layer_group[layer] = gid
+        if name in ("full", "mla"):
+            specs.append(FullAttentionSpec(block_size=block_size, mla=name == "mla"))
+        elif name == "swa":
             specs.append(SlidingWindowSpec(block_size=block_size, window=window))
         else:
             specs.append(MambaSpec(block_size=block_size, mode=mamba_mode))
     return CacheGroups(tuple(specs), tuple(layer_group))
+
+
+def _kind(layer: LayerCache) -> tuple[str, int]:
+    if isinstance(layer, AttentionCache):
+        return ("full", 0) if layer.window is None else ("swa", layer.window)
+    if isinstance(layer, LatentCache):
+        return ("mla", 0)
+    return ("state", 0)
 
 
 class CausalLM(nn.Module):
