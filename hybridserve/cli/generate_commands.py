@@ -38,7 +38,7 @@ from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.offline import run_to_completion
 from hybridserve.engine.settings import SettingsSources
 from hybridserve.offline.runtime import (
-    blocks_for,
+    PoolFor,
     build_runtime,
     generation_progress,
     parse_speculation,
@@ -237,9 +237,8 @@ def _generate(model: str, source: Path, *, text: bool, settings: GenerateSetting
         raise fail(f"{source}: no prompts in the file")
     err.print(f"loading {path} ...", highlight=False)
     lengths = [len(t) * 2 for t in texts] if texts else [len(i) for i in ids or ()]
-    blocks = settings.num_blocks or blocks_for(
-        lengths, max_tokens=settings.max_tokens, block_size=settings.block_size, num_groups=2
-    )
+    # Room for every request at once in each of the model's cache groups (known once it loads).
+    blocks = settings.num_blocks or PoolFor(tuple(lengths), settings.max_tokens)
     if settings.dcp > 1:
         if ids is not None:
             check_token_ids(ids, config_vocab_size(path), source)
@@ -272,7 +271,7 @@ def _generate_local(
     ids: list[list[int]] | None,
     source: Path,
     sampling: SamplingParams,
-    blocks: int,
+    blocks: int | PoolFor,
     speculative: SpeculativeConfig,
     settings: GenerateSettings,
     sources: SettingsSources,
@@ -310,7 +309,7 @@ def _generate_dcp(
     raw: bool,
     as_json: bool,
     sampling: SamplingParams,
-    num_blocks: int,
+    num_blocks: int | PoolFor,
     block_size: int,
     device: str,
     sources: SettingsSources,

@@ -49,6 +49,15 @@ class TorchRuntime:
 
 
 @dataclass(frozen=True)
+class PoolFor:
+    """A pool sized once the model's cache groups are known: room for requests of `lengths`
+    prompt tokens and `max_tokens` more each, resident at once in every group (`blocks_for`)."""
+
+    lengths: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class DcpJob:
     """Offline generation on a DCP group: what every rank needs to build the same runtime.
 
@@ -57,7 +66,7 @@ class DcpJob:
 
     model_path: str
     waves: tuple[tuple[Request, ...], ...]
-    num_blocks: int
+    num_blocks: int | PoolFor
     block_size: int = 16
     device: str = "cpu"
     # The preset, the settings file and the scheduler flags, resolved on every rank alike.
@@ -204,7 +213,7 @@ def parse_speculation(text: str | None) -> SpeculativeConfig:
 def build_runtime(
     model_path: Path,
     *,
-    num_blocks: int,
+    num_blocks: int | PoolFor,
     block_size: int = 16,
     device: str = "cpu",
     speculative: SpeculativeConfig | None = None,
@@ -214,7 +223,8 @@ def build_runtime(
 ) -> TorchRuntime:
     """Load the model (and its tokenizer) and assemble scheduler, cache and executor, with the
     `settings` (preset, then file, then flags; the default preset when None) resolved over the
-    model's cache and configured by `resolve_engine_config`, as every engine is.
+    model's cache and configured by `resolve_engine_config`, as every engine is. `num_blocks`
+    is the pool, or `PoolFor` requests in every cache group of the model.
 
     With a `dcp` group of N > 1 ranks, the executor holds this rank's KV shard and, on rank 0,
     the engine drives the group through a `DcpDriver` (call `runtime.close()` when done)."""
@@ -229,6 +239,13 @@ def build_runtime(
     resolved = (settings or SettingsSources()).resolve(
         quantum=state_quantum(groups), max_model_len=GENERATE_MAX_MODEL_LEN
     )
+    if isinstance(num_blocks, PoolFor):
+        num_blocks = blocks_for(
+            list(num_blocks.lengths),
+            max_tokens=num_blocks.max_tokens,
+            block_size=block_size,
+            num_groups=len(groups),
+        )
     executor = TorchExecutor(
         loaded.model,
         num_blocks=num_blocks,

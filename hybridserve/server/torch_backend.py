@@ -95,8 +95,9 @@ class TorchServingBackend:
         starts ranks 1..N-1 as local processes (each loads the model) and makes this process
         rank 0: its engine drives the group; call `close()` after serving. `block_size` is the
         tokens per KV block of every cache group (the pool's and the prefix hits' unit);
-        `num_blocks` the pool the executor allocates (default: four requests at the longest
-        context, at least 256 blocks)."""
+        `num_blocks` the pool the executor allocates (default: the bytes of four requests at
+        the longest context in every K/V layer, at least 256 blocks' worth, in the executor's
+        block ids: `cache.default_pool_blocks`)."""
         from hybridserve.executor.torch.runtime import in_passing_thread, resolve_device
 
         path = Path(path)
@@ -125,6 +126,7 @@ class TorchServingBackend:
     ) -> None:
         """Load the checkpoint, its tokenizer and grammars, and build the executor (and the
         DCP ranks)."""
+        from hybridserve.executor.torch.cache import default_pool_blocks
         from hybridserve.executor.torch.runtime import load_checkpoint
 
         loaded = load_checkpoint(path)
@@ -135,9 +137,12 @@ class TorchServingBackend:
         self._tokenizer = TorchTokenizer(loaded.tokenizer, loaded.stop_token_ids)
         self._max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
         # Room for four requests at the longest context unless --num-blocks says; the cache
-        # groups come from the model itself, their block size from --block-size.
+        # groups come from the model itself, their block size from --block-size. Where the
+        # groups share K/V tensors (Gemma 3) the same bytes hold more block ids.
         self._block_size = block_size
-        self._num_blocks = num_blocks or max(256, 4 * -(-self._max_model_len // block_size))
+        self._num_blocks = num_blocks or default_pool_blocks(
+            loaded.model.layer_caches(), max_model_len=self._max_model_len, block_size=block_size
+        )
         self._ranks: LocalDcpRanks | None = None
         self._driver: DcpDriver | None = None
         self._grammars = _grammars(loaded.tokenizer, loaded.model, loaded.stop_token_ids)

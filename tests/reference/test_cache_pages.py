@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from hybridserve.executor.torch import cache as cache_module
-from hybridserve.executor.torch.cache import DeviceCache, kv_sharing, kv_storage
+from hybridserve.executor.torch.cache import (
+    DeviceCache,
+    default_pool_blocks,
+    kv_sharing,
+    kv_storage,
+)
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
     LatentCache,
@@ -156,6 +161,15 @@ def test_state_layers_share_nothing() -> None:
     state_bytes = (8 * 3 + 2 * 4 * 4) * 4
     assert cache.block_bytes() == PAGE + 3 * state_bytes
     assert cache.allocated_bytes() == 5 * cache.block_bytes()
+
+
+def test_the_default_pool_keeps_its_bytes_in_more_block_ids() -> None:
+    # Four requests at 8,192 tokens in 16-token blocks: 2,048 blocks' bytes with a page in
+    # every layer; Gemma 3 270M's block id holds 3 of its 18 layers, so 6 x as many ids.
+    assert default_pool_blocks(GEMMA3_270M, max_model_len=8192, block_size=16) == 12_288
+    assert default_pool_blocks([FULL] * 30, max_model_len=8192, block_size=16) == 2_048
+    state_model: list[LayerCache] = [STATE, FULL, STATE, STATE]
+    assert default_pool_blocks(state_model, max_model_len=256, block_size=32) == 256
 
 
 # ----- block ids passing between groups ------------------------------------------------------

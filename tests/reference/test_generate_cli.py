@@ -154,3 +154,33 @@ def test_generate_refuses_a_bad_settings_file_before_loading_the_model(
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "scheduler.max_num_seqz" in result.output and "loading" not in result.output
+
+
+def test_generate_sizes_its_pool_for_every_cache_group_of_the_model(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Gemma 3's four groups (three sliding-window, one full) each hold a 400-token prompt
+    while it prefills: the default pool gives every group room, and the output is
+    transformers'."""
+    from hybridserve.offline.runtime import PoolFor, blocks_for, build_runtime
+    from tests.reference.helpers import random_prompt
+    from tests.reference.test_reference_models import _gemma3_config
+
+    folder = tmp_path_factory.mktemp("cli-gemma3")
+    reference = make_checkpoint(_gemma3_config(), folder)
+    runtime = build_runtime(folder, num_blocks=PoolFor((400,), 4), load_tokenizer=False)
+    assert len(runtime.executor.groups.specs) == 4
+    assert runtime.executor.num_blocks == blocks_for(
+        [400], max_tokens=4, block_size=16, num_groups=4
+    )
+    prompt = random_prompt(400, seed=9)
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps(prompt) + "\n")
+    result = CliRunner().invoke(
+        app,
+        ["generate", "--model", str(folder), "--token-ids", str(source), "--max-tokens", "4",
+         "--json", "--device", "cpu"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    record = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    assert record["token_ids"] == transformers_greedy(reference, prompt, 4)[0]

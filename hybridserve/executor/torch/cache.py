@@ -25,6 +25,7 @@ from hybridserve.executor.torch.models.base import (
     LatentCache,
     LayerCache,
     StateCache,
+    derive_cache_groups,
 )
 
 
@@ -67,6 +68,20 @@ def kv_sharing(layers: Sequence[LayerCache], layer_group: Sequence[int] | None =
             seen.add(sid)
             stored += elements
     return every / stored if stored else 1.0
+
+
+def default_pool_blocks(
+    layers: Sequence[LayerCache], *, max_model_len: int, block_size: int
+) -> int:
+    """The pool a server allocates unless told: the bytes of four requests at the longest
+    context (at least 256 blocks) with a page in every K/V layer, in block ids of the shared
+    storage of the model's default cache groups (`kv_sharing` times as many ids: Gemma 3 270M
+    at 8,192 tokens and 16-token blocks gets 12,288, where one K/V tensor per layer held 2,048
+    in the same bytes). A model without sharing (one attention kind; state layers) gets
+    max(256, 4 x max_model_len / block_size) blocks."""
+    base = max(256, 4 * -(-max_model_len // block_size))
+    groups = derive_cache_groups(layers, block_size=block_size)
+    return int(base * kv_sharing(layers, groups.layer_group))
 
 
 _RowShapes = tuple[tuple[int, ...], tuple[int, ...]]
