@@ -21,9 +21,11 @@ a model with one attention type) x block size x K and V x KV heads x head dim x 
 (float32); for SmolLM2-135M (30 layers, 3 KV heads of 64) that is 1,474,560 bytes per 32-token
 block, so 1 GiB holds 728 blocks (23,296 tokens, as vLLM logs). `pool_mapping` computes it from
 `config.json`, and each vLLM run's log is parsed for the block count it used. Both engines hold
-one block back (the null block). On Gemma 3 the match is in blocks only: vLLM splits its 15
-sliding-window layers into 5 groups of 3 (each takes its own window blocks per request),
-hybridserve keeps them in one group.
+one block back (the null block). On Gemma 3 both split the 15 sliding-window layers into 5
+groups of 3 and the 3 full layers into one (each group takes its own blocks per request), and
+keep layer k of every group in one tensor, so a block is 3 layers' pages on both and equal
+blocks are equal bytes (196,608 bytes a 32-token block; hybridserve's `derive_cache_groups` and
+`DeviceCache`, checked against `kv_bytes_per_block` in tests/unit/test_e1_real.py).
 
 The scheduler: vLLM gets the `baseline` preset's limits (vLLM 0.33's 8,192-token budget and
 256 sequences; not vLLM-CPU's own serving defaults, 2,048 and 128), so that `baseline` and vLLM

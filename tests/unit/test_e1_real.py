@@ -82,6 +82,41 @@ def test_gemma3_pool_blocks_hold_one_layer_of_each_kind_group(e1: ModuleType) ->
     assert e1.vllm_layers_per_block({**GEMMA3_270M, "layer_types": ["a"] * 12 + ["b"] * 13}) == 13
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_equal_blocks_are_equal_bytes_on_the_torch_executor(e1: ModuleType, name: str) -> None:
+    """hybridserve's torch executor holds vLLM's bytes per block: on Gemma 3 both make six
+    groups of three layers and keep layer k of every group in one tensor. The built-in models'
+    attention geometry at a tiny vocabulary and MLP (the K/V pages do not depend on them)."""
+    torch = pytest.importorskip("torch", reason="the torch executor needs torch")
+    transformers = pytest.importorskip("transformers", reason="the configs come from it")
+    from hybridserve.executor.torch import TorchExecutor
+    from hybridserve.executor.torch.loader import build_model
+
+    torch.set_num_threads(1)
+    small = {"vocab_size": 64, "intermediate_size": 64}
+    if name == "smollm2":
+        config = transformers.LlamaConfig(
+            **SMOLLM2, **small, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]
+        )
+    else:
+        config = transformers.Gemma3TextConfig(
+            **GEMMA3_270M,
+            **small,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            architectures=["Gemma3ForCausalLM"],
+        )
+    torch.manual_seed(0)
+    executor = TorchExecutor(
+        build_model(config.to_dict()), num_blocks=4, block_size=32, packed_linears=False
+    )
+    per_block = e1.kv_bytes_per_block(config.to_dict(), 32)
+    assert executor.block_bytes == per_block
+    assert executor.cache.allocated_bytes() == 4 * per_block
+    # 30 layers x 32 tokens x K and V x 3 heads of 64; 3 layers x 32 x 2 x 1 head of 256.
+    assert per_block == {"smollm2": 1_474_560, "gemma3-270m": 196_608}[name]
+
+
 def test_the_vllm_floor_is_one_max_length_request_per_kv_group(e1: ModuleType) -> None:
     # SmolLM2: one full-attention group, 8,192 tokens = 256 blocks, and the null block.
     assert e1.vllm_min_blocks(SMOLLM2, 32, 8192, 8192) == 256 + 1
