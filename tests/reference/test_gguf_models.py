@@ -56,10 +56,11 @@ def test_gemma3_gguf_long_chunked_prompt_matches_transformers() -> None:
     path = _fetched("gemma3-270m")
     print(GEMMA_TERMS_NOTICE.format(terms=gemma_terms_path()))
     gen = torch.Generator().manual_seed(0)
-    # ~1,100 tokens: past the 512-token sliding window, prefilled in 256-token chunks.
+    # ~1,100 tokens: past the 512-token sliding window, prefilled in 256-token chunks. Six
+    # cache groups of 3 layers (vLLM's): 1,536 blocks, the bytes of 256 with a page per layer.
     prompt = [2, *torch.randint(1000, 200_000, (1099,), generator=gen).tolist()]
     run = hybrid_generate(
-        path, [prompt], max_tokens=4, block_size=16, max_num_batched_tokens=256, num_blocks=256
+        path, [prompt], max_tokens=4, block_size=16, max_num_batched_tokens=256, num_blocks=1536
     )
     reference = _transformers_model(path)
     with torch.no_grad():
