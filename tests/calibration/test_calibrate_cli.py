@@ -64,10 +64,12 @@ def test_simulate_prices_steps_with_the_calibration(
     decode = StepShape.decode(batch=2, context_tokens=136)
     expected_ms = setup.cost_model(calibration.efficiency).step_cost(decode).total_s * 1e3
     assert tpot_ms == pytest.approx(expected_ms, rel=0.02)
-    # Without the calibration the run would price the step on the default H200.
+    # Without the calibration the run would price the step on the default H200: the check
+    # above tells the two apart at its own tolerance (the measured CPU constants vary from run
+    # to run, and have come within 13% of the H200's price).
     h200 = replace(setup, gpu=get_gpu("H200"), dtype="fp8", kv_dtype="bf16")
     h200_ms = h200.cost_model(Efficiency()).step_cost(decode).total_s * 1e3
-    assert h200_ms != pytest.approx(expected_ms, rel=0.2)
+    assert h200_ms != pytest.approx(expected_ms, rel=0.02)
 
 
 @pytest.mark.parametrize(
