@@ -200,6 +200,12 @@ class SchedulerConfig:
     adaptive_budget_queue_ms: float = 0.0
     adaptive_budget_pressure_itl_ms: float = 0.0
     adaptive_budget_calm_itl_ms: float = 0.0
+    # With adaptive_budget_context_weight, a prefill token starting at context s takes
+    # 1 + s / S0 of the adaptive budget, S0 learned from the steps' times (the context at which
+    # a token's attention costs what the rest of it does): a long context's chunk is smaller.
+    # Needs the adaptive budget; beside a mixed-prefill cap or target_mixed_step_ms (which
+    # share the budget out their own way) it turns itself off, with a notice.
+    adaptive_budget_context_weight: bool = False
     # The first-token deadline of the waiting queue (scheduler/queue.py DeadlineQueue), 0 = off:
     # a request that has waited this long goes behind every request that has not (FCFS only).
     waiting_deadline_ms: float = 0.0
@@ -278,6 +284,12 @@ class SchedulerConfig:
 
     def _check_dependencies(self) -> None:
         """Controls that only mean something alongside another one."""
+        if self.adaptive_budget_context_weight and not self.adaptive_budget_itl_ms:
+            raise ConfigError(
+                "scheduler.adaptive_budget_context_weight",
+                True,
+                "the context weight belongs to the adaptive budget: set adaptive_budget_itl_ms > 0",
+            )
         if self.adaptive_budget_queue_ms > 0 and not self.adaptive_budget_itl_ms:
             raise ConfigError(
                 "scheduler.adaptive_budget_queue_ms",

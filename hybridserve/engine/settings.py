@@ -122,6 +122,7 @@ def preset(name: str, *, quantum: int, max_model_len: int) -> Preset:
             adaptive_budget_queue_ms=ADAPTIVE_QUEUE_MS,
             adaptive_budget_pressure_itl_ms=ADAPTIVE_PRESSURE_ITL_MS,
             adaptive_budget_calm_itl_ms=ADAPTIVE_CALM_ITL_MS,
+            adaptive_budget_context_weight=True,
             waiting_deadline_ms=WAITING_DEADLINE_MS,
             kv_pin_fraction=0.5,
             kv_pin_exact_tail=True,

@@ -48,6 +48,8 @@ block; SPEC.md 5.2). It starts at max_num_batched_tokens, vLLM's budget, and lea
 
 from __future__ import annotations
 
+import math
+
 from hybridserve.core.config import SchedulerConfig
 
 MAX_STEP_UP = 1.25  # the most one step may grow the budget by
@@ -58,6 +60,7 @@ LEVEL_LIMIT = 1.1  # growth stops a quantum under a budget predicted past this x
 PRESSURE_LEVEL_LIMIT = 1.025  # the same under the open valve's step-time limit Tp, x Tp
 LEVEL_WEIGHT = 0.25  # the weight of the newest measured cost a token in a budget's average
 LEVEL_MEMORY_STEPS = 200  # a budget's cost is forgotten this many updates after its last step
+CONTEXT_CEILING_FACTOR = 32  # the weighted budget's ceiling, x max_num_batched_tokens
 CALM_RISE_FRACTION = 0.5  # a calm aim reaches T when the oldest wait reaches W/2
 
 
@@ -85,7 +88,11 @@ class AdaptiveBudget:
         self.pressure_target_s = config.adaptive_budget_pressure_itl_ms / 1000.0
         self.calm_target_s = config.adaptive_budget_calm_itl_ms / 1000.0
         self.quantum = quantum
-        self.ceiling = config.max_num_batched_tokens
+        # Under the context weight the budget is in weighted tokens: a step of
+        # max_num_batched_tokens at a long context weighs many times that.
+        self.ceiling = config.max_num_batched_tokens * (
+            CONTEXT_CEILING_FACTOR if config.adaptive_budget_context_weight else 1
+        )
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
         self.tokens_f = float(self.ceiling)
         self.valve_open = False  # set by the controller from the decision of each mixed step
@@ -135,7 +142,7 @@ class AdaptiveBudget:
         whole = int(self.tokens_f) // self.quantum * self.quantum
         return min(max(whole, self.floor), self.ceiling)
 
-    def covers(self, room: int) -> bool:
+    def covers(self, room: float) -> bool:
         """The budget (before rounding to quanta) reaches `room`, a step's whole prefill room:
         it does not bind, and the step is vLLM's."""
         return self.tokens_f >= room
@@ -159,14 +166,16 @@ class AdaptiveBudget:
         self,
         *,
         duration_s: float,
-        prefill_tokens: int,
+        prefill_tokens: float,
         budget: int,
         pressure: bool,
         oldest_wait_s: float = 0.0,
+        unit: float = 1.0,
     ) -> None:
         """Move the budget by one step that carried decodes: it ran `duration_s`, took
-        `prefill_tokens` of its `budget` and was planned `pressure`d (the queue valve open)
-        when the oldest request in prefill had waited `oldest_wait_s`."""
+        `prefill_tokens` of its `budget` (weighted by context, see ContextWeight; a quantum more
+        would have taken `unit` quanta) and was planned `pressure`d (the queue valve open) when
+        the oldest request in prefill had waited `oldest_wait_s`."""
         if duration_s <= 0:
             return
         self.updates += 1
@@ -175,7 +184,7 @@ class AdaptiveBudget:
             pressure = False
         aim = self.pressure_target_s if limited else self.target(oldest_wait_s)
         ratio = aim / duration_s
-        binds = prefill_tokens + self.quantum > budget
+        binds = prefill_tokens + self.quantum * unit > budget
         if binds:
             self._record(budget, duration_s)
         if ratio < 1.0 and not pressure:
@@ -190,3 +199,136 @@ class AdaptiveBudget:
         else:
             return
         self.tokens_f = min(max(tokens, float(self.floor)), float(self.ceiling))
+
+
+# The context weight's step-time fit: features (1, decode tokens, decode context tokens, prefill
+# tokens, prefill (query, key) pairs), scaled to similar magnitudes.
+CONTEXT_SCALES = (1.0, 1e-2, 1e-6, 1e-3, 1e-8)
+CONTEXT_FORGETTING = 0.995  # each step's weight in the fit: about the last 200 steps
+CONTEXT_MIN_STEPS = 32  # prefill-carrying steps heard before the weight applies
+CONTEXT_REFIT_STEPS = 16  # S0 is solved again after this many steps
+CONTEXT_RIDGE = 1e-6  # x the mean diagonal: keeps a feature that did not move from blowing up
+MIN_CONTEXT_TOKENS = 1_024.0  # S0 is never taken under this (a weight of 2 at 1k tokens)
+
+
+class ContextWeight:
+    """The context weight: a prefill chunk of n tokens from position s takes
+    n + (n s + n (n + 1) / 2) / S0 of the adaptive budget (`prefill_work`).
+
+    Such a chunk attends n s + n (n + 1) / 2 (query, key) pairs: on a long agent context most
+    of its time is attention, and a token budget that learned its size on short contexts runs
+    far past its aim on a 100k-token one. Counting the pairs too, the budget is in tokens of
+    what they cost at context 0, whatever the context of the chunk it is spent on. S0 is the
+    context at which a token's attention costs what the rest of its prefill costs: the ratio of
+    two coefficients of a least-squares fit of the steps' times (every step that ran, forgotten
+    by CONTEXT_FORGETTING a step) on the decode tokens and their context, the prefill tokens
+    and their pairs. The fit keeps exponentially weighted sums and solves its normal equations
+    (with a small ridge) every CONTEXT_REFIT_STEPS steps. Until it has heard
+    CONTEXT_MIN_STEPS steps that carried prefill, or while it finds no positive cost for
+    either prefill term, S0 is unknown (0) and every weight is 1: the budget counts tokens.
+    """
+
+    __slots__ = ("_s0", "_since_fit", "_xtx", "_xty", "prefill_steps")
+
+    def __init__(self) -> None:
+        n = len(CONTEXT_SCALES)
+        self._xtx = [[0.0] * n for _ in range(n)]
+        self._xty = [0.0] * n
+        self.prefill_steps = 0
+        self._since_fit = 0
+        self._s0 = 0.0
+
+    def learn(
+        self,
+        *,
+        decode: int,
+        decode_kv: int,
+        prefill: int,
+        prefill_pairs: int,
+        duration_s: float,
+    ) -> None:
+        """Feed one step that ran `duration_s`."""
+        if duration_s <= 0:
+            return
+        raw = (1.0, decode, decode_kv, prefill, prefill_pairs)
+        z = [v * k for v, k in zip(raw, CONTEXT_SCALES, strict=True)]
+        lam = CONTEXT_FORGETTING
+        for i, zi in enumerate(z):
+            row = self._xtx[i]
+            for j, zj in enumerate(z):
+                row[j] = lam * row[j] + zi * zj
+            self._xty[i] = lam * self._xty[i] + zi * duration_s
+        if prefill:
+            self.prefill_steps += 1
+        self._since_fit += 1
+
+    def context_tokens(self) -> float:
+        """S0, or 0 while it is unknown (every weight is then 1)."""
+        if self.prefill_steps < CONTEXT_MIN_STEPS:
+            return 0.0
+        if self._since_fit >= CONTEXT_REFIT_STEPS or not self._s0:
+            self._since_fit = 0
+            self._s0 = self._fit()
+        return self._s0
+
+    def _fit(self) -> float:
+        theta = _solve_ridge(self._xtx, self._xty, CONTEXT_RIDGE)
+        if theta is None:
+            return 0.0
+        per_token = theta[3] * CONTEXT_SCALES[3]
+        per_pair = theta[4] * CONTEXT_SCALES[4]
+        if per_token <= 0 or per_pair <= 0:
+            return 0.0
+        return max(per_token / per_pair, MIN_CONTEXT_TOKENS)
+
+
+def _solve_ridge(xtx: list[list[float]], xty: list[float], ridge: float) -> list[float] | None:
+    """(XtX + ridge * mean diagonal * I)^-1 Xty by Gaussian elimination with partial pivoting;
+    None when the system is empty or singular."""
+    n = len(xty)
+    shift = ridge * sum(xtx[i][i] for i in range(n)) / n
+    if not shift > 0:
+        return None
+    a = [[*xtx[i][:i], xtx[i][i] + shift, *xtx[i][i + 1 :], xty[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-300:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        head = a[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / head[col]
+            if factor:
+                row = a[r]
+                for k in range(col, n + 1):
+                    row[k] -= factor * head[k]
+    theta = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        theta[i] = (a[i][n] - sum(a[i][k] * theta[k] for k in range(i + 1, n))) / a[i][i]
+    return theta if all(math.isfinite(v) for v in theta) else None
+
+
+def prefill_work(tokens: int, start: int, context_tokens: float) -> float:
+    """The budget a prefill chunk of `tokens` from position `start` takes under the context
+    weight S0 = `context_tokens`: its tokens plus its (query, key) pairs over S0, what the fit
+    predicts it costs in tokens at context 0. `tokens` itself when S0 is unknown (0)."""
+    if context_tokens <= 0 or tokens <= 0:
+        return float(max(tokens, 0))
+    return tokens + (tokens * start + tokens * (tokens + 1) / 2) / context_tokens
+
+
+def tokens_within(work: float, start: int, context_tokens: float) -> int:
+    """The most tokens a prefill from `start` may take within `work` (prefill_work's inverse,
+    rounded down); int(work) when S0 is unknown."""
+    if work <= 0:
+        return 0
+    if context_tokens <= 0:
+        return int(work)
+    # n^2 / (2 S0) + n (1 + (start + 1/2) / S0) = work
+    slope = 1.0 + (start + 0.5) / context_tokens
+    n = int(context_tokens * (math.sqrt(slope * slope + 2.0 * work / context_tokens) - slope))
+    while n > 0 and prefill_work(n, start, context_tokens) > work:
+        n -= 1
+    while prefill_work(n + 1, start, context_tokens) <= work:
+        n += 1
+    return n

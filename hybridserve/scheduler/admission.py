@@ -49,7 +49,7 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
             num_new = step.threshold
         if not config.enable_chunked_prefill and num_new > step.budget:
             break
-        num_new = prefill.admission_tokens(min(num_new, step.budget))
+        num_new = prefill.admission_tokens(min(num_new, step.budget), start)
         if num_new <= 0:
             break
         if scheduler.align_block:

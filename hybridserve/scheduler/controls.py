@@ -25,10 +25,16 @@ from typing import TYPE_CHECKING
 from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.request import Request
-from hybridserve.scheduler.adaptive import AdaptiveBudget
+from hybridserve.scheduler.adaptive import (
+    AdaptiveBudget,
+    ContextWeight,
+    prefill_work,
+    tokens_within,
+)
 from hybridserve.scheduler.step_model import StepTimeModel
 
 if TYPE_CHECKING:
+    from hybridserve.scheduler.output import SchedulerOutput
     from hybridserve.scheduler.step import StepState
 
 FALLBACK_ERROR = 0.25  # prediction error above which the adaptive grant falls back
@@ -71,6 +77,11 @@ class PrefillDecision:
     # The adaptive budget governs this mixed step, and `learn` moves it by the step's time
     # (grants stay None when it reaches the step's whole room: vLLM's own loop, unfloored).
     adaptive_step: bool = False
+    # The adaptive budget's context weight for this step (scheduler/adaptive.py ContextWeight):
+    # S0 (0: every prefill token takes 1 of the budget), and the tokens the step's first
+    # prefill may always take however long its context (the budget's floor).
+    context_tokens: float = 0.0
+    min_prefill_tokens: int = 0
 
     @property
     def unlimited(self) -> bool:
@@ -107,17 +118,30 @@ class PrefillAllowance:
     """One step's use of its decision: the tokens the head waiter may still take and the partial
     prefills this step's admissions started. Created per schedule() call; the decision is frozen."""
 
-    __slots__ = ("decision", "new_partials", "waiter_tokens")
+    __slots__ = ("decision", "new_partials", "start", "waiter_tokens")
 
     def __init__(self, decision: PrefillDecision) -> None:
         self.decision = decision
         self.waiter_tokens = decision.waiter_tokens
         self.new_partials = 0
+        self.start = 0  # where the prefill of the admission being sized starts
 
-    def admission_tokens(self, num_new: int) -> int:
-        """What the next admission may take of `num_new` (0 or less: admissions stop)."""
+    def admission_tokens(self, num_new: int, start: int = 0) -> int:
+        """What the next admission, whose prefill starts at `start`, may take of `num_new` (0
+        or less: admissions stop). Under the context weight its chunk takes its
+        `prefill_work` of what is left; the step's first prefill may always take the budget's
+        floor."""
         left = self.waiter_tokens
-        return num_new if left is None else min(num_new, left)
+        if left is None:
+            return num_new
+        decision = self.decision
+        self.start = start
+        if decision.context_tokens <= 0 or left <= 0:
+            return min(num_new, left)
+        fit = tokens_within(left, start, decision.context_tokens)
+        if left == decision.mixed_budget:  # nothing of the budget spent yet this step
+            fit = max(fit, min(decision.min_prefill_tokens, left))
+        return min(num_new, fit)
 
     def admits(self, *, completes: bool, running: Sequence[Request], step: StepState) -> bool:
         """Mp: a waiter may join only if the partial prefills left after the step stay <= Mp;
@@ -142,7 +166,8 @@ class PrefillAllowance:
     def charge(self, num_new: int, *, completes: bool) -> None:
         """An admission took `num_new` tokens; it is a new partial prefill unless it completes."""
         if self.waiter_tokens is not None:
-            self.waiter_tokens -= num_new
+            used = prefill_work(num_new, self.start, self.decision.context_tokens)
+            self.waiter_tokens -= math.ceil(used)
         if not completes:
             self.new_partials += 1
 
@@ -152,6 +177,7 @@ class PrefillAllowance:
         if self.decision.grants is None or not self.waiter_tokens:
             return
         left = self.waiter_tokens
+        context_tokens = self.decision.context_tokens
         for request in running:
             if left <= 0 or step.budget <= 0:
                 break
@@ -159,12 +185,14 @@ class PrefillAllowance:
                 continue
             already = step.scheduled.get(request.req_id, 0)
             remaining = request.num_tokens - request.num_computed_tokens
+            start = request.num_computed_tokens + already
+            fit = tokens_within(left, start, context_tokens)
             extra = take_more(
-                request, already, min(already + left, remaining, already + step.budget)
+                request, already, min(already + fit, remaining, already + step.budget)
             )
             if extra is None:
                 break
-            left -= extra
+            left -= math.ceil(prefill_work(extra, start, context_tokens))
         self.waiter_tokens = left
 
 
@@ -241,6 +269,9 @@ class PrefillController:
         self.adaptive = (
             AdaptiveBudget(config, quantum=quantum) if config.adaptive_budget_itl_ms > 0 else None
         )
+        # The context weight sizes the adaptive budget's own in-order grants only.
+        weighs = config.adaptive_budget_context_weight and not (self.cap or self.target_s)
+        self.context = ContextWeight() if weighs else None
         self.enabled = bool(
             self.cap
             or self.max_partials
@@ -296,18 +327,17 @@ class PrefillController:
         bound = self.max_partials
         if not decodes:  # nothing to protect: the full budget
             return PrefillDecision(max_partials=bound, pending=pending)
-        bypass = False
-        if self.min_decode_steps and pending and self.since < self.min_decode_steps:
-            if not (self.max_wait_s > 0 and _oldest_age(waiting, now) >= self.max_wait_s):
-                return PrefillDecision(
-                    allow_prefill=False, max_partials=bound, eligible_decode=True, pending=pending
-                )
-            bypass = True
+        burst, bypass = self._in_burst(now, waiting, pending)
+        if burst:
+            return PrefillDecision(
+                allow_prefill=False, max_partials=bound, eligible_decode=True, pending=pending
+            )
         decode_tokens = sum(r.num_tokens_with_drafts - r.num_computed_tokens for r in decodes)
         oldest, pressure = self._oldest_wait(now, waiting, partials, pending)
         room = token_budget - decode_tokens
-        budget, fallback = self._mixed_budget(room, decodes, partials)
-        if self._adaptive_alone_covers(room):
+        context_tokens = self.context.context_tokens() if self.context is not None else 0.0
+        budget, fallback = self._mixed_budget(room, decodes, partials, weighted=context_tokens > 0)
+        if self._adaptive_alone_covers(_room_work(room, partials, waiting, context_tokens)):
             # The adaptive budget at the whole room does not bind: vLLM's loop spends it (a
             # budget floored to quanta would take up to a quantum less than vLLM every step).
             return replace(
@@ -321,7 +351,7 @@ class PrefillController:
         if self.cap or self.target_s:
             grants, rotation, waiter_tokens = self._share(budget, partials, waiting, seq_slot_free)
         else:  # the adaptive budget alone: vLLM's order, the oldest prefill first
-            grants, waiter_tokens = self._in_order(budget, partials)
+            grants, waiter_tokens = self._in_order(budget, partials, context_tokens)
             rotation = None
         return PrefillDecision(
             grants=MappingProxyType(grants),
@@ -336,7 +366,17 @@ class PrefillController:
             queue_pressure=pressure,
             oldest_wait_s=oldest,
             adaptive_step=self.adaptive is not None,
+            context_tokens=context_tokens,
+            min_prefill_tokens=self.adaptive.floor if self.adaptive is not None else 0,
         )
+
+    def _in_burst(self, now: float, waiting: Sequence[Request], pending: bool) -> tuple[bool, bool]:
+        """(the step is a decode burst's, the oldest-waiter deadline bypasses the burst)."""
+        if not (self.min_decode_steps and pending and self.since < self.min_decode_steps):
+            return False, False
+        if self.max_wait_s > 0 and _oldest_age(waiting, now) >= self.max_wait_s:
+            return False, True
+        return True, False
 
     def _oldest_wait(
         self, now: float, waiting: Sequence[Request], partials: Sequence[Request], pending: bool
@@ -348,8 +388,9 @@ class PrefillController:
         oldest = max(_oldest_age(waiting, now), _oldest_age(partials, now))
         return oldest, self.adaptive.under_pressure(oldest)
 
-    def _adaptive_alone_covers(self, room: int) -> bool:
-        """Only the adaptive budget caps prefill, and it reaches the step's whole room."""
+    def _adaptive_alone_covers(self, room: float) -> bool:
+        """Only the adaptive budget caps prefill, and it reaches the step's whole room (under
+        the context weight, the room at the heaviest weight the step could meet)."""
         return (
             self.adaptive is not None
             and not (self.cap or self.target_s)
@@ -371,12 +412,21 @@ class PrefillController:
         self._last_decision = decision
 
     def _mixed_budget(
-        self, room: int, decodes: Sequence[Request], partials: Sequence[Request]
+        self,
+        room: int,
+        decodes: Sequence[Request],
+        partials: Sequence[Request],
+        *,
+        weighted: bool = False,
     ) -> tuple[int | None, bool]:
         """Bp (None: no cap is on), the token cap and/or the adaptive time grant floored to the
-        quantum; and whether the time grant fell back."""
+        quantum; and whether the time grant fell back. A `weighted` budget (the context weight,
+        the adaptive budget alone) is in weighted tokens: the step's room in tokens does not
+        bound it (the running loop and the admissions still stop at the room)."""
         if not self.cap and not self.target_s and self.adaptive is None:
             return None, False
+        if weighted and self.adaptive is not None:
+            return self.adaptive.tokens() // self.quantum * self.quantum, False
         limit = max(room, 0)
         if self.cap:
             limit = min(limit, self.cap)
@@ -431,18 +481,30 @@ class PrefillController:
         )
         return grants, rotation, reserve * self.quantum + unused // self.quantum * self.quantum
 
-    def _in_order(self, budget: int, partials: Sequence[Request]) -> tuple[dict[str, int], int]:
+    def _in_order(
+        self, budget: int, partials: Sequence[Request], context_tokens: float = 0.0
+    ) -> tuple[dict[str, int], int]:
         """Bp as vLLM's loop would spend it: the running partial prefills in running order, each
         as much as it needs (in whole quanta, unless it completes), then the waiters what is
-        left. (grants, waiter tokens)."""
+        left. Under the context weight (S0 = `context_tokens` > 0) a token of a prefill at
+        context s takes 1 + s / S0 of Bp, and the first prefill may always take the budget's
+        floor. (grants, waiter tokens)."""
         q = self.quantum
         left = budget
         grants = {}
         for request in partials:
             remaining = request.num_tokens - request.num_computed_tokens
-            grant = remaining if remaining <= left else left // q * q
+            if context_tokens > 0:
+                start = request.num_computed_tokens
+                fit = tokens_within(left, start, context_tokens)
+                if left == budget and self.adaptive is not None:
+                    fit = max(fit, min(self.adaptive.floor, budget))
+                grant = remaining if remaining <= fit else fit // q * q
+                left = max(left - math.ceil(prefill_work(grant, start, context_tokens)), 0)
+            else:
+                grant = remaining if remaining <= left else left // q * q
+                left -= grant
             grants[request.req_id] = grant
-            left -= grant
         return grants, left // q * q
 
     def _rotate(
@@ -483,20 +545,60 @@ class PrefillController:
             if decision.pending:
                 stats.decode_only_steps_while_pending += 1
 
-    def learn(self, *, decode: int, prefill: int, kv_tokens_read: int, duration_s: float) -> None:
-        """Feed a finished step's measured (or simulated) duration to the step-time model and
-        to the adaptive budget (a step that carried decodes under a token budget)."""
+    def learn(
+        self,
+        *,
+        decode: int,
+        prefill: int,
+        kv_tokens_read: int,
+        duration_s: float,
+        shape: SchedulerOutput | None = None,
+    ) -> None:
+        """Feed a finished step's measured (or simulated) duration to the step-time models and
+        to the adaptive budget (a step that carried decodes under a token budget). `shape` (the
+        step's output) carries what the context weight reads: the decodes' context, the prefill
+        chunks' starts and pairs."""
         if self.target_s and duration_s > 0:
             self.model.update(self.model.features(decode, prefill, kv_tokens_read), duration_s)
+        if self.context is not None and shape is not None:
+            self.context.learn(
+                decode=decode,
+                decode_kv=shape.decode_kv_tokens,
+                prefill=prefill,
+                prefill_pairs=shape.prefill_pairs,
+                duration_s=duration_s,
+            )
         decision, self._last_decision = self._last_decision, UNLIMITED
         if self.adaptive is not None and decode and decision.adaptive_step:
+            used, unit = float(prefill), 1.0
+            s0 = decision.context_tokens
+            if s0 > 0 and shape is not None:  # the budget it took, in weighted tokens
+                used += shape.prefill_pairs / s0
+                q = self.quantum
+                unit = prefill_work(q, shape.max_prefill_start, s0) / q
             self.adaptive.update(
                 duration_s=duration_s,
-                prefill_tokens=prefill,
+                prefill_tokens=used,
                 budget=decision.mixed_budget,
                 pressure=decision.queue_pressure,
                 oldest_wait_s=decision.oldest_wait_s,
+                unit=unit,
             )
+
+
+def _room_work(
+    room: int, partials: Sequence[Request], waiting: Sequence[Request], context_tokens: float
+) -> float:
+    """The step's whole room under the context weight, at the longest context a prefill of
+    this step could start from: a partial's computed tokens, a waiter's whole prompt (its hit
+    is not looked up yet). `room` itself when S0 is unknown."""
+    if context_tokens <= 0:
+        return float(room)
+    longest = max(
+        max((r.num_computed_tokens for r in partials), default=0),
+        max((r.num_tokens for r in waiting), default=0),
+    )
+    return prefill_work(room, longest, context_tokens)
 
 
 def _oldest_age(waiting: Sequence[Request], now: float) -> float:

@@ -81,16 +81,7 @@ class Scheduler:
             quantile=config.kv_pin_ttl_quantile, cap_s=config.kv_pin_max_ttl_s
         )
         self.max_pinned_blocks = int(config.kv_pin_fraction * cache.usable_blocks)
-        # What the settings asked for that this layout cannot do, said once by the front end.
-        self.notices: list[str] = []
         self.exact_tails = self.pinning and config.kv_pin_exact_tail
-        obstacle = cache.exact_tail_obstacle() if self.exact_tails else None
-        if obstacle is not None:
-            # A preset serves every layout: a control that cannot apply turns itself off.
-            self.exact_tails = False
-            self.notices.append(
-                f"kv_pin_exact_tail is off for this model ({obstacle}); pins stay on"
-            )
         self._now = 0.0
         self._step_end = 0.0
         self.running: list[Request] = []
@@ -107,6 +98,23 @@ class Scheduler:
         self.controls = PrefillController(
             config, quantum=self.align_block or 1, step_model=step_model
         )
+        # What the settings asked for that this layout cannot do, said once by the front end.
+        self.notices: list[str] = self._turn_off_what_cannot_apply()
+
+    def _turn_off_what_cannot_apply(self) -> list[str]:
+        """A preset serves every layout: a control that cannot apply turns itself off, and
+        says why (the notices)."""
+        notices = []
+        obstacle = self.cache.exact_tail_obstacle() if self.exact_tails else None
+        if obstacle is not None:
+            self.exact_tails = False
+            notices.append(f"kv_pin_exact_tail is off for this model ({obstacle}); pins stay on")
+        if self.config.adaptive_budget_context_weight and self.controls.context is None:
+            notices.append(
+                "adaptive_budget_context_weight is off: a mixed-prefill cap or "
+                "target_mixed_step_ms shares the prefill budget out"
+            )
+        return notices
 
     # ----- requests -----------------------------------------------------------------------
 
@@ -277,6 +285,10 @@ class Scheduler:
             num_prefill_tokens=num_prefill,
             num_decode_tokens=tally.num_decode_tokens,
             kv_tokens_read=tally.kv_tokens_read,
+            decode_kv_tokens=tally.decode_kv_tokens,
+            prefill_context_tokens=tally.prefill_context_tokens,
+            prefill_pairs=tally.prefill_pairs,
+            max_prefill_start=tally.max_prefill_start,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_usage=self.cache.usage(),
@@ -295,6 +307,7 @@ class Scheduler:
             prefill=output.num_prefill_tokens,
             kv_tokens_read=output.kv_tokens_read,
             duration_s=result.duration_s,
+            shape=output,
         )
         self._step_end = self._now + result.duration_s
         outputs: list[RequestOutput] = []

@@ -100,6 +100,7 @@ def test_hybridserve_preset_is_vllm_with_the_adaptive_budget_deadline_and_pinnin
         adaptive_budget_queue_ms=2000.0,
         adaptive_budget_pressure_itl_ms=88.0,
         adaptive_budget_calm_itl_ms=60.0,
+        adaptive_budget_context_weight=True,
         waiting_deadline_ms=12_000.0,
         kv_pin_fraction=0.5,
         kv_pin_exact_tail=True,
