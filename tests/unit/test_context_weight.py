@@ -217,3 +217,19 @@ def test_in_the_scheduler_chunks_after_a_long_prefix_shrink_and_mixed_steps_keep
     swings = [d for *_, d in plain[40:-1]]
     assert sum(1 for d in swings if d > 0.066) >= 10 and max(swings) > 0.075
     assert min(swings) < 0.035
+
+
+def test_a_steps_output_carries_what_the_fit_reads() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=1_000)
+    scheduler.add_request(make_request("a", 100, max_tokens=50))
+    first = scheduler.schedule(0.0)
+    scheduler.update(first, StepResult(first.plan.step_id, {"a": (7,)}, 0.01))
+    scheduler.add_request(make_request("long", 5_000, base=1_000))
+    for now in (0.01, 0.02):  # the second step continues "long" from 999
+        out = scheduler.schedule(now)
+        scheduler.update(out, StepResult(out.plan.step_id, {"a": (7,)}, 0.01))
+    # "a" decodes position 101 (it attends 102 tokens); "long" prefills 999 tokens from 999.
+    assert out.num_decode_tokens == 1 and out.decode_kv_tokens == 102
+    assert out.num_prefill_tokens == 999 and out.max_prefill_start == 999
+    assert out.prefill_context_tokens == 999 * 999
+    assert out.prefill_pairs == 999 * 999 + 999 * 1_000 // 2
