@@ -171,12 +171,25 @@ def agent_params(setup: dict[str, Any], load: int) -> AgentParams:
 
 
 def sim_config(
-    report: dict[str, Any], checkpoint: Path, engine: str, load: int, seed: int, calibration: Path
+    report: dict[str, Any],
+    checkpoint: Path,
+    engine: str,
+    load: int,
+    seed: int,
+    calibration: Path,
+    *,
+    before_context_weight: bool = False,
 ) -> SimConfig:
-    """The simulated twin of one real run: same workload and seed, same pool in the same blocks."""
+    """The simulated twin of one real run: same workload and seed, same pool in the same blocks.
+    `before_context_weight`: the shipped preset's runs were served before its context weight,
+    so their twins run without it."""
     setup, pool = report["setup"], report["pool"]
     cal = Calibration.load(calibration)
+    overrides: tuple[tuple[str, Any], ...] = ()
+    if before_context_weight and PRESETS[engine] == "hybridserve":
+        overrides = (("adaptive_budget_context_weight", False),)
     return SimConfig(
+        overrides=overrides,
         model=setup["model"],
         model_config=str(checkpoint / "config.json"),
         gpu=cal.device,
@@ -202,7 +215,12 @@ def _simulate(config: SimConfig) -> dict[str, float]:
 
 
 def simulate_all(
-    report: dict[str, Any], checkpoint: Path, calibrations: Path, workers: int
+    report: dict[str, Any],
+    checkpoint: Path,
+    calibrations: Path,
+    workers: int,
+    *,
+    before_context_weight: bool = False,
 ) -> dict[tuple[str, str, int, int], dict[str, float]]:
     """(engine, calibration, load, seed) -> the simulated summary, for every finished run."""
     jobs: dict[tuple[str, str, int, int], SimConfig] = {}
@@ -213,7 +231,13 @@ def simulate_all(
         for name in CALIBRATIONS[engine]:
             path = calibrations / f"{name}.json"
             jobs[(engine, name, load, seed)] = sim_config(
-                report, checkpoint, engine, load, seed, path
+                report,
+                checkpoint,
+                engine,
+                load,
+                seed,
+                path,
+                before_context_weight=before_context_weight,
             )
     print(f"simulating {len(jobs)} runs", file=sys.stderr, flush=True)
     with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -293,6 +317,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=len(os.sched_getaffinity(0)))
     add("--workers", type=int, default=2, help="simulations at once")
     add("--out", type=Path, default=None, help="also write the report here")
+    add(
+        "--before-context-weight",
+        action="store_true",
+        help="the report's hybridserve runs were served before the preset's context weight: "
+        "simulate them without it (the reports of docs/ before it)",
+    )
     return parser.parse_args(argv)
 
 
@@ -318,7 +348,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"--calibrations {args.calibrations}: no {', '.join(missing)}; run with --calibrate"
         )
-    simulated = simulate_all(report, checkpoint, args.calibrations, args.workers)
+    simulated = simulate_all(
+        report,
+        checkpoint,
+        args.calibrations,
+        args.workers,
+        before_context_weight=args.before_context_weight,
+    )
     rows = fidelity_rows(report, simulated)
     calibrations = {
         n: json.loads((args.calibrations / f"{n}.json").read_text())

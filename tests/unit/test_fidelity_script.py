@@ -98,6 +98,18 @@ def test_the_twin_has_the_runs_seed_pool_pages_and_scheduler(
         assert config.answers == "synthetic"  # as the load generator appends them
         assert (config.duration_s, config.warmup_s, config.max_model_len) == (210.0, 30.0, 8_192)
         assert config.calibrated_gpu.name == "cpu" and config.dtype == "fp32"
+        assert config.overrides == ()
+    # Runs served before the shipped preset's context weight get twins without it.
+    before = fid.sim_config(
+        report, checkpoint, "hybridserve", 4, 3, cal, before_context_weight=True
+    )
+    assert before.overrides == (("adaptive_budget_context_weight", False),)
+    assert (
+        fid.sim_config(
+            report, checkpoint, "baseline", 4, 3, cal, before_context_weight=True
+        ).overrides
+        == ()
+    )
 
 
 def _run(server: str, seed: int, **metrics: float) -> dict[str, Any]:
