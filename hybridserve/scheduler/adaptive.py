@@ -94,7 +94,9 @@ class AdaptiveBudget:
             CONTEXT_CEILING_FACTOR if config.adaptive_budget_context_weight else 1
         )
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
-        self.tokens_f = float(self.ceiling)
+        # It starts at vLLM's budget and learns down (under the context weight too: the
+        # ceiling above is room to grow into, not a start that takes more steps to leave).
+        self.tokens_f = float(config.max_num_batched_tokens)
         self.valve_open = False  # set by the controller from the decision of each mixed step
         # budget -> (running average of the measured cost a prefill token of growing to it,
         # `updates` at its last step); the last binding step's (budget, duration, `updates`)

@@ -233,3 +233,11 @@ def test_a_steps_output_carries_what_the_fit_reads() -> None:
     assert out.num_prefill_tokens == 999 and out.max_prefill_start == 999
     assert out.prefill_context_tokens == 999 * 999
     assert out.prefill_pairs == 999 * 999 + 999 * 1_000 // 2
+
+
+def test_under_the_context_weight_the_budget_starts_at_vllms_budget_with_room_above() -> None:
+    config = preset("hybridserve", quantum=64, max_model_len=131_072).scheduler
+    controller = PrefillController(config, quantum=64)
+    assert controller.adaptive is not None
+    assert controller.adaptive.tokens() == config.max_num_batched_tokens
+    assert controller.adaptive.ceiling == 32 * config.max_num_batched_tokens
