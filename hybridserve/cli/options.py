@@ -184,8 +184,9 @@ SCHEDULER_FLAG_HELP: dict[str, str] = {
     "while that queue valve is open (0 = none).",
     "adaptive_budget_calm_itl_ms": "Adaptive prefill budget: the step time in ms aimed for "
     "while no prefill waits, rising to the aim as the oldest wait nears the valve (0 = off).",
-    "adaptive_budget_context_weight": "Adaptive prefill budget: a prefill token at context s "
-    "takes 1 + s/S0 of it, S0 learned from the step times (long contexts get smaller chunks).",
+    "adaptive_budget_context_weight": "Adaptive prefill budget: a chunk takes its tokens plus "
+    "its attention pairs over S0 of it, S0 fitted from the step times (a chunk after a long "
+    "context gets fewer tokens).",
     "waiting_deadline_ms": "First-token deadline: a request that has waited this many ms goes "
     "behind every waiting request that has not (0 = off; fcfs only).",
     "kv_pin_fraction": "Tool-call pinning: the fraction of the pool finished turns' prefixes "

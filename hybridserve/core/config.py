@@ -200,9 +200,10 @@ class SchedulerConfig:
     adaptive_budget_queue_ms: float = 0.0
     adaptive_budget_pressure_itl_ms: float = 0.0
     adaptive_budget_calm_itl_ms: float = 0.0
-    # With adaptive_budget_context_weight, a prefill token starting at context s takes
-    # 1 + s / S0 of the adaptive budget, S0 learned from the steps' times (the context at which
-    # a token's attention costs what the rest of it does): a long context's chunk is smaller.
+    # With adaptive_budget_context_weight, a prefill chunk of n tokens from position s takes
+    # n + (n s + n (n + 1) / 2) / S0 of the adaptive budget (its tokens and its attention
+    # pairs), S0 fitted from the steps' times (the context at which a token's attention costs
+    # what the rest of it does): a chunk after a long context is smaller.
     # Needs the adaptive budget; beside a mixed-prefill cap or target_mixed_step_ms (which
     # share the budget out their own way) it turns itself off, with a notice.
     adaptive_budget_context_weight: bool = False

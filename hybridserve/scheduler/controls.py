@@ -390,7 +390,8 @@ class PrefillController:
 
     def _adaptive_alone_covers(self, room: float) -> bool:
         """Only the adaptive budget caps prefill, and it reaches the step's whole room (under
-        the context weight, the room at the heaviest weight the step could meet)."""
+        the context weight, the room's `prefill_work` at the longest context the step could
+        meet)."""
         return (
             self.adaptive is not None
             and not (self.cap or self.target_s)
@@ -486,9 +487,9 @@ class PrefillController:
     ) -> tuple[dict[str, int], int]:
         """Bp as vLLM's loop would spend it: the running partial prefills in running order, each
         as much as it needs (in whole quanta, unless it completes), then the waiters what is
-        left. Under the context weight (S0 = `context_tokens` > 0) a token of a prefill at
-        context s takes 1 + s / S0 of Bp, and the first prefill may always take the budget's
-        floor. (grants, waiter tokens)."""
+        left. Under the context weight (S0 = `context_tokens` > 0) a prefill's chunk takes its
+        `prefill_work` of Bp (its tokens plus its (query, key) pairs over S0), and the first
+        prefill may always take the budget's floor. (grants, waiter tokens)."""
         q = self.quantum
         left = budget
         grants = {}
