@@ -18,7 +18,6 @@ class ChunkTally(NamedTuple):
     num_decode_tokens: int
     kv_tokens_read: int  # context tokens the step attends over (the sum of chunk ends)
     decode_kv_tokens: int  # the same over decode chunks only
-    prefill_context_tokens: int  # sum over prefill chunks of tokens x start
     prefill_pairs: int  # (query, key) pairs the prefill chunks attend (causal)
     max_prefill_start: int  # the longest context a prefill chunk starts at
 
@@ -28,7 +27,7 @@ def cut_chunks(step: StepState, requests: dict[str, Request], cache: KVCacheMana
     chunk: its tokens (drafts last), its new blocks (all of them for an admission) and whether
     it samples (it reaches its last token). Every scheduled request uses up its drafts."""
     chunks = []
-    num_prefill = num_decode = kv_read = decode_kv = prefill_context = pairs = longest = 0
+    num_prefill = num_decode = kv_read = decode_kv = pairs = longest = 0
     admitted, allocations = step.admitted, step.allocations
     for req_id, num_new in step.scheduled.items():
         request = requests[req_id]
@@ -48,7 +47,6 @@ def cut_chunks(step: StepState, requests: dict[str, Request], cache: KVCacheMana
             request.draft_token_ids.clear()
         if start < request.prefill_end:
             num_prefill += num_new
-            prefill_context += num_new * start
             pairs += num_new * start + num_new * (num_new + 1) // 2
             longest = max(longest, start)
         else:
@@ -71,7 +69,6 @@ def cut_chunks(step: StepState, requests: dict[str, Request], cache: KVCacheMana
         num_decode,
         kv_read,
         decode_kv,
-        prefill_context,
         pairs,
         longest,
     )

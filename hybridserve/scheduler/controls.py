@@ -337,7 +337,7 @@ class PrefillController:
         room = token_budget - decode_tokens
         context_tokens = self.context.context_tokens() if self.context is not None else 0.0
         budget, fallback = self._mixed_budget(room, decodes, partials, weighted=context_tokens > 0)
-        if self._adaptive_alone_covers(_room_work(room, partials, waiting, context_tokens)):
+        if self._adaptive_alone_covers(room, partials, waiting, context_tokens):
             # The adaptive budget at the whole room does not bind: vLLM's loop spends it (a
             # budget floored to quanta would take up to a quantum less than vLLM every step).
             return replace(
@@ -388,15 +388,21 @@ class PrefillController:
         oldest = max(_oldest_age(waiting, now), _oldest_age(partials, now))
         return oldest, self.adaptive.under_pressure(oldest)
 
-    def _adaptive_alone_covers(self, room: float) -> bool:
+    def _adaptive_alone_covers(
+        self,
+        room: int,
+        partials: Sequence[Request],
+        waiting: Sequence[Request],
+        context_tokens: float,
+    ) -> bool:
         """Only the adaptive budget caps prefill, and it reaches the step's whole room (under
         the context weight, the room's `prefill_work` at the longest context the step could
-        meet)."""
-        return (
-            self.adaptive is not None
-            and not (self.cap or self.target_s)
-            and self.adaptive.covers(room)
-        )
+        meet: at least the room, so the queue is scanned only when the room is covered)."""
+        if self.adaptive is None or self.cap or self.target_s or not self.adaptive.covers(room):
+            return False
+        if context_tokens <= 0:
+            return True
+        return self.adaptive.covers(_room_work(room, partials, waiting, context_tokens))
 
     def commit(self, decision: PrefillDecision) -> None:
         """Advance the controller by a decision `decide` returned, for the step that runs it."""
@@ -590,11 +596,9 @@ class PrefillController:
 def _room_work(
     room: int, partials: Sequence[Request], waiting: Sequence[Request], context_tokens: float
 ) -> float:
-    """The step's whole room under the context weight, at the longest context a prefill of
-    this step could start from: a partial's computed tokens, a waiter's whole prompt (its hit
-    is not looked up yet). `room` itself when S0 is unknown."""
-    if context_tokens <= 0:
-        return float(room)
+    """The step's whole room under the context weight (S0 = `context_tokens` > 0), at the
+    longest context a prefill of this step could start from: a partial's computed tokens, a
+    waiter's whole prompt (its hit is not looked up yet)."""
     longest = max(
         max((r.num_computed_tokens for r in partials), default=0),
         max((r.num_tokens for r in waiting), default=0),

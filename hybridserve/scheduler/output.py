@@ -21,7 +21,6 @@ class SchedulerOutput:
     num_decode_tokens: int
     kv_tokens_read: int = 0  # context tokens the step attends over (sum of chunk ends)
     decode_kv_tokens: int = 0  # the same over decode chunks only
-    prefill_context_tokens: int = 0  # sum over prefill chunks of tokens x start
     prefill_pairs: int = 0  # (query, key) pairs the prefill chunks attend (causal)
     max_prefill_start: int = 0  # the longest context a prefill chunk starts at
     num_running: int = 0  # after scheduling

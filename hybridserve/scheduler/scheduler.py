@@ -286,7 +286,6 @@ class Scheduler:
             num_decode_tokens=tally.num_decode_tokens,
             kv_tokens_read=tally.kv_tokens_read,
             decode_kv_tokens=tally.decode_kv_tokens,
-            prefill_context_tokens=tally.prefill_context_tokens,
             prefill_pairs=tally.prefill_pairs,
             max_prefill_start=tally.max_prefill_start,
             num_running=len(self.running),

@@ -231,7 +231,6 @@ def test_a_steps_output_carries_what_the_fit_reads() -> None:
     # "a" decodes position 101 (it attends 102 tokens); "long" prefills 999 tokens from 999.
     assert out.num_decode_tokens == 1 and out.decode_kv_tokens == 102
     assert out.num_prefill_tokens == 999 and out.max_prefill_start == 999
-    assert out.prefill_context_tokens == 999 * 999
     assert out.prefill_pairs == 999 * 999 + 999 * 1_000 // 2
 
 
