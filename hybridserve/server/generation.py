@@ -150,7 +150,12 @@ async def generate(
             elif delivery.finished:
                 reason = delivery.finish_reason or "stop"
                 cut_short = delivery.error
-            if out or reason is not None:
+            # A piece for every delivery of tokens, even one whose text is held back (an
+            # incomplete UTF-8 character, a possible stop string's start): a client times each
+            # token from its event, as vLLM's streams allow (it skips only chunks with no new
+            # token). Without the empty pieces a stream of byte tokens arrived as one event every
+            # other step, and clients measured twice the inter-token latency.
+            if out or reason is not None or delivery.token_ids:
                 yield Piece(
                     out,
                     reason,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -104,3 +105,61 @@ def test_offset_decoder_flushes_an_incomplete_character_at_the_end() -> None:
     decoder = OffsetDecoder(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
     assert decoder.push([0x61, 0xE2, 0x82]) == ""
     assert decoder.flush() == "a\ufffd"
+
+
+def _pieces_of(deliveries: list[Any], stops: list[str]) -> list[tuple[str, int]]:
+    """(text, output tokens so far) of each piece `generate` yields for these deliveries."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hybridserve.core.request import Request, SamplingParams
+    from hybridserve.server.async_engine import RequestStream
+    from hybridserve.server.generation import generate
+
+    class Http:
+        async def receive(self) -> dict[str, str]:
+            await asyncio.Event().wait()  # the client never hangs up
+            return {"type": "http.disconnect"}
+
+    async def collect() -> list[tuple[str, int]]:
+        stream = RequestStream("r")
+
+        async def feed() -> None:  # one step's delivery at a time, as the engine posts them
+            for delivery in deliveries:
+                stream.queue.put_nowait(delivery)
+                while not stream.queue.empty():
+                    await asyncio.sleep(0.001)
+
+        feeder = asyncio.create_task(feed())
+        metrics = SimpleNamespace(
+            on_first_token=lambda s: None, on_gap=lambda s: None, on_finished=lambda **k: None
+        )
+        engine = SimpleNamespace(now=lambda: 0.0, abort=lambda req_id: None)
+        request = Request(req_id="r", prompt_token_ids=(1,), sampling=SamplingParams(max_tokens=9))
+        pieces = generate(
+            engine=engine, metrics=metrics, tokenizer=ByteTokenizer(), request=request,
+            stream=stream, stops=stops, http=Http(),
+        )  # type: ignore[arg-type]  # fmt: skip
+        out = [(p.text, p.num_output_tokens) async for p in pieces]
+        await feeder
+        return out
+
+    return asyncio.run(collect())
+
+
+def test_every_delivered_token_gets_a_piece_even_when_its_text_is_held_back() -> None:
+    """A client times each token from its own event (as vLLM streams: a chunk per step that
+    produced a token, its text possibly empty). A token whose text the decoder holds (a split
+    UTF-8 character) or the stop matcher holds (a stop string's possible start) still gets a
+    piece, so a stream of byte tokens does not arrive every other step."""
+    from hybridserve.server.async_engine import Delivery
+
+    euro = [Delivery((b,), False) for b in "€".encode()]
+    assert _pieces_of([*euro, Delivery((ord("a"),), True, "length")], []) == [
+        ("", 1), ("", 2), ("€", 3), ("a", 4),
+    ]  # fmt: skip
+    held = [Delivery((ord(c),), False) for c in "xS"] + [Delivery((ord("T"),), True, "length")]
+    assert _pieces_of(held, ["STOP"]) == [("", 1), ("", 2), ("xST", 3)]
+    # No piece for a delivery without tokens or text (the admission's cached-token count).
+    admitted = [Delivery((), False, num_cached_tokens=0), Delivery((ord("b"),), True, "length")]
+    assert _pieces_of(admitted, []) == [("b", 1)]
