@@ -74,12 +74,13 @@ GOALS = {
 CALIBRATION_POOL_BLOCKS = 2048  # the calibration servers' pool: 8 streams of 2k tokens fit
 # calibrate --url's shapes sized for a 2-core CPU (the quick grid's 16 streams of 8k tokens
 # would take an hour to prefill there): prefills of 256 and 1,024 tokens after 0 and 2,048
-# cached ones, 1 and 8 decodes at 256 and 2,048 tokens, two interleaved rounds.
+# cached ones, 1, 4 and 8 decodes at 256, 1,024 and 2,048 tokens (three batches at three
+# contexts, so the KV read rate is fitted apart from the weights'), two interleaved rounds.
 CPU_GRID = Grid(
     prefill_tokens=(256, 1024),
     prefill_context_tokens=(0, 2048),
-    decode_batches=(1, 8),
-    decode_context_tokens=(256, 2048),
+    decode_batches=(1, 4, 8),
+    decode_context_tokens=(256, 1024, 2048),
     rounds=2,
     repeats=1,
 )

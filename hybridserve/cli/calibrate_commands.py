@@ -116,6 +116,7 @@ def _summary_tables(calibration: Calibration) -> tuple[Table, Table]:
         ("gemm", f"{eff.gemm:.3f}"),
         ("attention", f"{eff.attention:.3f}"),
         ("hbm", f"{eff.hbm:.3f}"),
+        ("kv_hbm (KV reads)", f"{eff.kv_bandwidth:.3f}"),
         ("step_overhead", f"{eff.step_overhead_s * 1e3:.3f} ms"),
         ("in-sample |error|", _errors(calibration.in_sample)),
         (

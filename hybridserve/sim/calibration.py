@@ -115,7 +115,7 @@ class Calibration:
     device: str  # the --gpu-name: a catalog GPU, or any name for a measured device
     gpu: Gpu  # its peaks: the datasheet (catalog) or the microbenchmarks (measured)
     peaks: str  # "datasheet" or "measured"
-    efficiency: Efficiency  # fitted: gemm, attention, hbm, step_overhead_s
+    efficiency: Efficiency  # fitted: gemm, attention, hbm, kv_hbm, step_overhead_s
     model: str  # the checkpoint measured (its folder name)
     dtype: str  # weights and activations the model ran in ("fp32" on a CPU)
     kv_dtype: str
@@ -224,9 +224,16 @@ class Calibration:
 _EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
 # name is the calibration's device; the optional peaks may be null.
 _GPU_FIELDS = tuple(f.name for f in fields(Gpu) if f.name != "name")
-_OPTIONAL = ("fp8_flops", "fp4_flops", "fp32_flops", "reported_bytes")
+_OPTIONAL = ("fp8_flops", "fp4_flops", "fp32_flops", "reported_bytes", "kv_hbm")
 # Fields newer than some calibration files: a file without them keeps the defaults.
-_ADDED_LATER = ("reported_bytes", "moe_hbm", "recurrent_layer_s")
+_ADDED_LATER = (
+    "reported_bytes",
+    "moe_hbm",
+    "recurrent_layer_s",
+    "kv_hbm",
+    "host_link_bytes_per_s",
+    "host_link_latency_s",
+)
 
 
 @dataclass(frozen=True, slots=True)

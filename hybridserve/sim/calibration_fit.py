@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.calibration import ErrorSummary, SampleRow, describe
 from hybridserve.sim.cost_model import Efficiency, StepShape
-from hybridserve.sim.fit import DEFAULT_PARAMS, CostSetup, Sample, fit_efficiency
+from hybridserve.sim.fit import DEFAULT_PARAMS, CostSetup, FitResult, Sample, fit_efficiency
 from hybridserve.sim.gpus import Gpu
 
 
@@ -89,6 +89,27 @@ class CalibrationFit:
     held_out: ErrorSummary | None
 
 
+# A calibration fits the KV cache's read rate apart from the weights' (`Efficiency.kv_hbm`)
+# where its decode shapes can tell them apart (three batch sizes at three contexts or more):
+# an executor that gathers keys before attending pays its KV bytes more than once, and one
+# fraction for both priced E1's long-context decodes on the torch executor at 0.7x their time.
+# With fewer decode shapes (`calibrate --url`'s grids: two contexts) a fifth constant fits the
+# noise of a few HTTP timings instead, and KV is read at `hbm`'s rate.
+CALIBRATION_PARAMS = (*DEFAULT_PARAMS, "kv_hbm")
+KV_READ_MIN_SHAPES = 3  # distinct decode batch sizes, and distinct decode contexts
+
+
+def fitted_params(shapes: Sequence[StepShape]) -> tuple[str, ...]:
+    """The constants a fit on `shapes` can identify: `CALIBRATION_PARAMS`, or without kv_hbm
+    when the decodes span fewer than KV_READ_MIN_SHAPES batch sizes or contexts."""
+    decodes = [s for s in shapes if s.requests and all(r.is_decode for r in s.requests)]
+    batches = {len(s.requests) for s in decodes}
+    contexts = {s.requests[0].num_context_tokens for s in decodes}
+    if min(len(batches), len(contexts)) >= KV_READ_MIN_SHAPES:
+        return CALIBRATION_PARAMS
+    return DEFAULT_PARAMS
+
+
 FIT_STARTS = (
     Efficiency(),
     Efficiency(gemm=0.3, attention=0.3, hbm=0.3, step_overhead_s=1e-4),
@@ -118,8 +139,9 @@ def fit_measurements(
     seed: int,
     max_evaluations: int = 800,
 ) -> CalibrationFit:
-    """Fit gemm, attention, hbm and step_overhead_s on the measurements not held out (fractions
-    of `setup.gpu`'s peaks, at most 1), and report the errors of both parts."""
+    """Fit gemm, attention, hbm, step_overhead_s and (where the decodes identify it, see
+    `fitted_params`) kv_hbm on the measurements not held out (fractions of `setup.gpu`'s peaks,
+    at most 1), and report the errors of both parts."""
     shapes = [shape for shape, _ in measurements]
     held = holdout_split(shapes, fraction=holdout_fraction, seed=seed)
     train = [
@@ -127,21 +149,24 @@ def fit_measurements(
         for i, (shape, seconds) in enumerate(measurements)
         if i not in held
     ]
+
     # Nelder-Mead finds a local minimum; on CPU measurements the objective has more than one
-    # (weight reads against per-step overhead), so start from each corner and keep the best.
-    result = min(
-        (
-            fit_efficiency(
-                train,
-                params=DEFAULT_PARAMS,
-                start=start,
-                max_evaluations=max_evaluations,
-                tolerance=1e-9,
-            )
-            for start in FIT_STARTS
-        ),
-        key=lambda r: r.objective,
-    )
+    # (weight reads against per-step overhead), so start from each corner and keep the best,
+    # then restart once from it (a simplex that has collapsed along one of five constants
+    # stops short of the minimum).
+    params = fitted_params(shapes)
+
+    def fit(start: Efficiency) -> FitResult:
+        return fit_efficiency(
+            train,
+            params=params,
+            start=start,
+            max_evaluations=max_evaluations,
+            tolerance=1e-9,
+        )
+
+    best = min((fit(start) for start in FIT_STARTS), key=lambda r: r.objective)
+    result = min(best, fit(best.efficiency), key=lambda r: r.objective)
     model = setup.cost_model(result.efficiency)
     rows = tuple(
         SampleRow.of(

@@ -116,15 +116,29 @@ class Efficiency:
     # Mamba layer adds to a step (its conv, gating, recurrence and gated-norm kernels).
     moe_hbm: float = 0.38
     recurrent_layer_s: float = 11.4e-6
+    # Reads of the KV cache (full, sliding-window and latent attention): a fraction of HBM
+    # bandwidth of their own, or None for `hbm`'s. A GPU's paged-attention kernels read KV
+    # blocks at about the rate a GEMM reads weights (the published rows fit one fraction); an
+    # executor that gathers the keys into a contiguous copy before attending (the torch
+    # executor on a CPU) reads every KV byte twice and writes it once, so its KV bytes cost
+    # more than its weight bytes, and `calibrate` fits the two apart (docs/fidelity.md).
+    kv_hbm: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "attention", "hbm", "link", "moe_hbm"):
+        for name in ("gemm", "attention", "hbm", "link", "moe_hbm", "kv_hbm"):
             value = getattr(self, name)
+            if name == "kv_hbm" and value is None:
+                continue
             if not 0 < value <= 1:
                 raise ConfigError(f"efficiency.{name}", value, "use a fraction in (0, 1]")
         for name in ("collective_latency_s", "step_overhead_s", "recurrent_layer_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"efficiency.{name}", getattr(self, name), "use >= 0 seconds")
+
+    @property
+    def kv_bandwidth(self) -> float:
+        """The fraction of HBM bandwidth at which the KV cache is read."""
+        return self.hbm if self.kv_hbm is None else self.kv_hbm
 
 
 class CostModel(Protocol):
@@ -183,6 +197,7 @@ class RooflineCostModel:
         self._attn_flops = gpu.peak_flops(attn_dtype) * efficiency.attention
         self._hbm = gpu.hbm_bytes_per_s * efficiency.hbm
         self._hbm_moe = gpu.hbm_bytes_per_s * efficiency.moe_hbm
+        self._kv_read = gpu.hbm_bytes_per_s * efficiency.kv_bandwidth
 
     def step_cost(self, batch: StepShape) -> StepCost:
         """The modelled time of `batch`, by term. Does not mutate."""
@@ -204,9 +219,11 @@ class RooflineCostModel:
             scheduler_s=batch.scheduler_cpu_s,
         )
 
-    def _roofline(self, flops: float, num_bytes: float, *, gemm: bool) -> float:
+    def _roofline(self, flops: float, num_bytes: float, *, gemm: bool, kv: bool = False) -> float:
+        """Compute- or read-bound seconds: GEMM or attention FLOPs, and bytes read at the
+        streaming rate (`kv`: KV-cache bytes, at `Efficiency.kv_bandwidth`)."""
         peak = self._gemm_flops if gemm else self._attn_flops
-        return max(flops / peak, num_bytes / self._hbm)
+        return max(flops / peak, num_bytes / (self._kv_read if kv else self._hbm))
 
     def _linear(self, batch: StepShape) -> float:
         m, tp = self.model, self.tp
@@ -250,7 +267,9 @@ class RooflineCostModel:
         for r in batch.requests:
             flops = flops_per_pair * causal_pairs(r.num_context_tokens, r.num_new_tokens)
             read = (r.num_context_tokens + r.num_new_tokens) / self.dcp
-            seconds = self._roofline(flops, kv_token * (read + r.num_new_tokens), gemm=False)
+            seconds = self._roofline(
+                flops, kv_token * (read + r.num_new_tokens), gemm=False, kv=True
+            )
             if r.is_decode:
                 decode += seconds
             else:
@@ -269,7 +288,7 @@ class RooflineCostModel:
             pairs = causal_pairs(r.num_context_tokens, r.num_new_tokens, window)
             read = min(r.num_context_tokens, window - 1) + 2 * r.num_new_tokens
             flops = flops_per_pair * m.num_swa_layers * pairs
-            total += self._roofline(flops, kv_token * read, gemm=False)
+            total += self._roofline(flops, kv_token * read, gemm=False, kv=True)
         return total
 
     def _mla(self, batch: StepShape) -> float:
@@ -288,7 +307,7 @@ class RooflineCostModel:
             pairs = causal_pairs(r.num_context_tokens, r.num_new_tokens)
             flops = 2 * heads * dims * pairs * m.num_mla_layers  # DCP: as full attention
             read = (r.num_context_tokens + r.num_new_tokens) / self.dcp + r.num_new_tokens
-            total += self._roofline(flops, latent * read, gemm=False)
+            total += self._roofline(flops, latent * read, gemm=False, kv=True)
         return total
 
     def _state(self, batch: StepShape) -> float:
@@ -343,7 +362,7 @@ class RooflineCostModel:
         ] * (k - 1):
             total += self._roofline(2 * tokens * dense, dense * self.weight_bytes, gemm=True)
             total += self._moe(tokens, layers=1) if m.moe is not None else 0.0
-            total += self._roofline(attn * pairs, kv_token * kv, gemm=False)
+            total += self._roofline(attn * pairs, kv_token * kv, gemm=False, kv=True)
             total += self._lm_head(rows)
         return total
 

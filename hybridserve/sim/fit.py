@@ -18,7 +18,7 @@ from hybridserve.sim.cost_model import Efficiency, RooflineCostModel, StepShape
 from hybridserve.sim.gpus import Gpu
 from hybridserve.sim.model_profiles import ModelProfile
 
-FRACTIONS = ("gemm", "attention", "hbm", "link")
+FRACTIONS = ("gemm", "attention", "hbm", "link", "kv_hbm")
 LATENCIES = ("collective_latency_s", "step_overhead_s")
 DEFAULT_PARAMS = ("gemm", "attention", "hbm", "step_overhead_s")
 
@@ -82,7 +82,7 @@ def _encode(
 ) -> list[float]:
     point = []
     for name in params:
-        value = float(getattr(efficiency, name))
+        value = float(efficiency.kv_bandwidth if name == "kv_hbm" else getattr(efficiency, name))
         if name in FRACTIONS:
             share = min(value / upper.get(name, 1.0), 1 - 1e-6)
             point.append(math.log(share / (1 - share)))

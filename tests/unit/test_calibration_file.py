@@ -17,13 +17,15 @@ from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.calibration import Calibration, describe
 from hybridserve.sim.calibration_fit import (
+    CALIBRATION_PARAMS,
     Grid,
     fit_measurements,
+    fitted_params,
     holdout_split,
     measured_gpu,
 )
 from hybridserve.sim.cost_model import Efficiency, StepShape
-from hybridserve.sim.fit import CostSetup
+from hybridserve.sim.fit import DEFAULT_PARAMS, CostSetup
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.hf_config import profile_from_hf_config
 
@@ -68,6 +70,38 @@ def test_fit_on_exact_times_predicts_the_held_out_shapes() -> None:
     assert fit.held_out is not None and fit.held_out.num_samples == 5
     assert fit.held_out.max < 0.02 and fit.in_sample.max < 0.02
     assert fit.efficiency.gemm == pytest.approx(TRUE.gemm, rel=0.05)
+
+
+def test_fit_separates_the_kv_read_rate_where_the_decodes_identify_it() -> None:
+    """An executor that reads its KV at a third of its weights' rate (a gather before the
+    attention): the default grid (three batches at three contexts) recovers both rates; a
+    grid of two contexts keeps one rate (`calibrate --url`'s), and the fit is then worse."""
+    truth = replace(TRUE, kv_hbm=0.25)
+    fit = fit_measurements(_measurements(truth), setup=SETUP, holdout_fraction=0.25, seed=0)
+    assert fit.efficiency.kv_hbm == pytest.approx(0.25, rel=0.05)
+    assert fit.efficiency.hbm == pytest.approx(0.7, rel=0.05)
+    assert fit.held_out is not None and fit.held_out.max < 0.02
+    assert fitted_params(GRID.shapes()) == CALIBRATION_PARAMS
+    two_contexts = Grid(decode_batches=(1, 8, 32), decode_context_tokens=(256, 4096))
+    assert fitted_params(two_contexts.shapes()) == DEFAULT_PARAMS
+    model = SETUP.cost_model(truth)
+    timed = [(shape, model.step_cost(shape).total_s) for shape in two_contexts.shapes()]
+    one_rate = fit_measurements(timed, setup=SETUP, holdout_fraction=0.0, seed=0)
+    assert one_rate.efficiency.kv_hbm is None and one_rate.in_sample.max > 0.05
+
+
+def test_calibration_files_from_before_the_kv_rate_and_host_link_still_load(
+    tmp_path: Path,
+) -> None:
+    def strip(data: dict[str, Any]) -> None:
+        data["efficiency"].pop("kv_hbm")
+        for name in ("host_link_bytes_per_s", "host_link_latency_s"):
+            data["gpu"].pop(name)
+
+    loaded = Calibration.load(_write(tmp_path, strip))
+    assert loaded.efficiency.kv_hbm is None
+    assert loaded.efficiency.kv_bandwidth == loaded.efficiency.hbm
+    assert loaded.gpu.host_link_bytes_per_s == CPU.host_link_bytes_per_s
 
 
 def test_holdout_split_is_seeded_and_keeps_each_kind_in_the_fit() -> None:

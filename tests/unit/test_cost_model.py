@@ -287,6 +287,31 @@ def test_gpu_catalog_holds_datasheet_values() -> None:
 def test_efficiency_fractions_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"efficiency\.hbm"):
         Efficiency(hbm=1.5)
+    with pytest.raises(ConfigError, match=r"efficiency\.kv_hbm"):
+        Efficiency(kv_hbm=0.0)
+    with pytest.raises(ConfigError, match=r"efficiency\.step_overhead_s"):
+        Efficiency(step_overhead_s=-1e-3)
+
+
+def test_kv_reads_cost_at_their_own_rate_and_only_the_attention_terms_change() -> None:
+    """kv_hbm prices the bytes of the KV cache (full, sliding-window and latent attention)
+    apart from the weights: None is hbm's rate; a third of it triples a bandwidth-bound
+    decode's attention and leaves every other term as it was."""
+    gpu, shape = get_gpu("H200"), StepShape.decode(batch=32, context_tokens=8192)
+    for name in ("llama-3.1-8b", "gemma-3-27b", "deepseek-v3"):
+        model = get_model(name)
+        base = RooflineCostModel(gpu, model, efficiency=Efficiency(hbm=0.6))
+        same = RooflineCostModel(gpu, model, efficiency=Efficiency(hbm=0.6, kv_hbm=0.6))
+        slow = RooflineCostModel(gpu, model, efficiency=Efficiency(hbm=0.6, kv_hbm=0.2))
+        assert same.step_cost(shape) == base.step_cost(shape)
+        before, after = base.step_cost(shape).terms(), slow.step_cost(shape).terms()
+        kv_terms = ("attention_decode_s", "sliding_window_s", "mla_s")
+        assert any(before[t] > 0 for t in kv_terms)
+        for term, seconds in before.items():
+            if term in kv_terms:
+                assert after[term] == pytest.approx(3 * seconds, rel=1e-9)
+            else:
+                assert after[term] == seconds
 
 
 def test_cost_model_import_leaves_torch_and_numpy_out() -> None:
