@@ -296,7 +296,8 @@ def test_efficiency_fractions_are_validated() -> None:
 def test_kv_reads_cost_at_their_own_rate_and_only_the_attention_terms_change() -> None:
     """kv_hbm prices the bytes of the KV cache (full, sliding-window and latent attention)
     apart from the weights: None is hbm's rate; a third of it triples a bandwidth-bound
-    decode's attention and leaves every other term as it was."""
+    decode's attention (at most triples a term where some requests are compute-bound) and
+    leaves every other term as it was."""
     gpu, shape = get_gpu("H200"), StepShape.decode(batch=32, context_tokens=8192)
     for name in ("llama-3.1-8b", "gemma-3-27b", "deepseek-v3"):
         model = get_model(name)
@@ -308,10 +309,14 @@ def test_kv_reads_cost_at_their_own_rate_and_only_the_attention_terms_change() -
         kv_terms = ("attention_decode_s", "sliding_window_s", "mla_s")
         assert any(before[t] > 0 for t in kv_terms)
         for term, seconds in before.items():
-            if term in kv_terms:
-                assert after[term] == pytest.approx(3 * seconds, rel=1e-9)
-            else:
+            if term not in kv_terms:
                 assert after[term] == seconds
+            elif seconds > 0:
+                assert seconds < after[term] <= 3 * seconds * (1 + 1e-9)
+        if name == "llama-3.1-8b":  # grouped-query decode: bound by its KV reads
+            assert after["attention_decode_s"] == pytest.approx(
+                3 * before["attention_decode_s"], rel=1e-9
+            )
 
 
 def test_cost_model_import_leaves_torch_and_numpy_out() -> None:
