@@ -136,10 +136,11 @@ async def _measure_round(
     for index in order:
         shape = shapes[index]
         request = shape.requests[0]
-        primer = await prober.primer(request.num_context_tokens)
         if request.is_decode:
-            measured, seconds = await prober.decode(len(shape.requests), primer)
+            primers = await prober.primers(request.num_context_tokens, len(shape.requests))
+            measured, seconds = await prober.decode(primers)
         else:
+            primer = await prober.primer(request.num_context_tokens)
             measured, seconds = await prober.prefill(primer, request.num_new_tokens)
         samples.shapes.setdefault(index, measured)
         samples.seconds.setdefault(index, []).append(seconds * speed)

@@ -56,15 +56,24 @@ class Prober:
         # Token ids differ on every run: a second calibration of the same server must not hit
         # the first one's cached prompts.
         self._tokens = random.Random(secrets.randbits(64))
-        self._primers: dict[int, list[int]] = {}
+        self._primers: dict[tuple[int, int], list[int]] = {}
 
     async def primer(self, length: int) -> list[int]:
         """A prefix of `length` fresh tokens, sent once (untimed) so the server caches it."""
-        if length not in self._primers:
-            self._primers[length] = self.fresh(length)
-            if length:
-                await self.send(self._primers[length], 1)
-        return self._primers[length]
+        return (await self.primers(length, 1))[0]
+
+    async def primers(self, length: int, count: int) -> list[list[int]]:
+        """`count` different prefixes of `length` fresh tokens each, the ones not sent before
+        sent at once (untimed) so the server caches them: a decode batch's streams each get
+        their own, as requests of a real load share no more than a system prompt (with one
+        primer for all, a batch read the same KV: a server with shared-prefix attention ran
+        it as one call, any CPU read it from its caches, and the decodes timed short)."""
+        missing = [i for i in range(count) if (length, i) not in self._primers]
+        for i in missing:
+            self._primers[length, i] = self.fresh(length)
+        if length and missing:
+            await asyncio.gather(*(self.send(self._primers[length, i], 1) for i in missing))
+        return [self._primers[length, i] for i in range(count)]
 
     def fresh(self, count: int) -> list[int]:
         vocab = self.target.vocab_size
@@ -144,15 +153,13 @@ class Prober:
             "server's log and its --max-model-len",
         )
 
-    async def decode(self, batch: int, primer: list[int]) -> tuple[StepShape, float]:
-        """A step of `batch` decodes, each after `primer` (cached, so their prefills are a few
-        fresh tokens each and they start in one step) and a few fresh tokens: once every stream
-        has two tokens, each stream's mean gap over the next `decode_steps` tokens; the median
-        over the streams."""
-        steps = self.target.decode_steps
-        streams = [
-            self.watch([*primer, *self.fresh(_DECODE_FRESH)], 4 * steps) for _ in range(batch)
-        ]
+    async def decode(self, primers: list[list[int]]) -> tuple[StepShape, float]:
+        """A step of one decode per primer (of equal lengths), each after its primer (cached, so
+        their prefills are a few fresh tokens each and they start in one step) and a few fresh
+        tokens: once every stream has two tokens, each stream's mean gap over the next
+        `decode_steps` tokens; the median over the streams."""
+        steps, batch, primer = self.target.decode_steps, len(primers), primers[0]
+        streams = [self.watch([*p, *self.fresh(_DECODE_FRESH)], 4 * steps) for p in primers]
         try:
             for live, task in streams:
                 await self.until(live, task, 2)
