@@ -155,3 +155,24 @@ def test_a_steps_decodes_run_as_one_batch_and_its_prefill_alone(
     layers: tuple[torch.nn.Module, GatedDeltaNet],
 ) -> None:
     check_decodes_batched(layers[1], hidden_size=32)
+
+
+def test_decays_past_the_floor_equal_the_loop_and_leave_the_callers_state_unwritten() -> None:
+    """Every third token decays by e^-40 (a chunk's products fall far below the e^-80 floor the
+    chunked rule clamps at): the outputs and states still equal the loop's, all finite, and the
+    state passed in is not advanced in place."""
+    q, k, v, g, beta, state = random_rule_inputs(200, key_heads=2, value_heads=4)
+    g[::3] = -40.0
+    before = state.clone()
+    expected, expected_state, expected_saved = gated_delta_rule_recurrent(
+        q, k, v, g, beta, state, snapshots=(50, 64)
+    )
+    out, final, saved = gated_delta_rule_chunked(
+        q, k, v, g, beta, state, chunk_size=32, snapshots=(50, 64)
+    )
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+    for got, want in zip(saved, expected_saved, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(state, before, atol=0, rtol=0)

@@ -146,3 +146,22 @@ def test_a_steps_decodes_run_as_one_batch_and_its_prefill_alone(
     layers: tuple[torch.nn.Module, Mamba2Mixer],
 ) -> None:
     check_decodes_batched(layers[1], hidden_size=32)
+
+
+def test_decays_past_the_floor_equal_the_loop_and_leave_the_callers_state_unwritten() -> None:
+    """A = -100 and dt 0.05: every token decays by e^-5, so within a 32-token chunk the
+    products fall far below the e^-80 floor the chunked scan clamps at; the outputs and states
+    still equal the loop's, all finite, and the state passed in is not advanced in place."""
+    x, dt, a, b, c, state = random_scan_inputs(200, heads=4, groups=2)
+    a, dt = torch.full_like(a, -100.0), torch.full_like(dt, 0.05)
+    before = state.clone()
+    expected, expected_state, expected_saved = ssd_recurrent(
+        x, dt, a, b, c, state, snapshots=(50, 64)
+    )
+    out, final, saved = ssd_chunked(x, dt, a, b, c, state, chunk_size=32, snapshots=(50, 64))
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+    for got, want in zip(saved, expected_saved, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(state, before, atol=0, rtol=0)

@@ -12,7 +12,7 @@ Per token t and value head (q and k L2-normalised, q scaled by head_k_dim ** -0.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +22,17 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
     GATED_DELTA_LOOP_MAX_TOKENS,
-    SPAN_CHUNKS,
     State,
     causal_conv1d,
     check_snapshots,
     conv_step,
+    decay_exp,
     decay_within_chunks,
     decode_batch,
     in_spans,
+    pad_to_chunks,
     scan_chunk_size,
     snapshots_by_chunk,
-    to_chunks,
 )
 
 if TYPE_CHECKING:
@@ -58,13 +58,13 @@ def gated_delta_rule_recurrent(
     `[L, Hv, Dv]`, the final state and the states after each count in `snapshots`."""
     outputs, saved = [], []
     wanted = set(snapshots)
-    batched = state[None]  # one request: a batch of one for gated_delta_step
+    batched = state[None].clone()  # a batch of one for gated_delta_step, advanced in place
     for t in range(q.shape[0]):
         step = slice(t, t + 1)
         out, batched = gated_delta_step(q[step], k[step], v[step], g[step], beta[step], batched)
         outputs.append(out[0])
         if t + 1 in wanted:
-            saved.append(batched[0])
+            saved.append(batched[0].clone())
     return torch.stack(outputs), batched[0], saved
 
 
@@ -77,15 +77,16 @@ def gated_delta_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of `gated_delta_rule_recurrent` for each of B requests: q, k `[B, Hk, Dk]`,
-    v `[B, Hv, Dv]`, g and beta `[B, Hv]`, state `[B, Hv, Dk, Dv]`; returns `[B, Hv, Dv]` and
-    the new states."""
-    ratio = v.shape[1] // k.shape[1]
+    v `[B, Hv, Dv]`, g and beta `[B, Hv]`, state `[B, Hv, Dk, Dv]` (advanced in place: the
+    caller's own copy); returns `[B, Hv, Dv]` and the state."""
+    batch, heads, dim_v = v.shape
+    ratio = heads // k.shape[1]
     q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-    state = state * g.exp()[:, :, None, None]
-    predicted = torch.einsum("bhk,bhkv->bhv", k, state)
+    flat = state.mul_(g.exp()[:, :, None, None]).view(batch * heads, -1, dim_v)
+    predicted = torch.bmm(k.reshape(batch * heads, 1, -1), flat).view(batch, heads, dim_v)
     delta = (v - predicted) * beta[:, :, None]
-    state = state + k[:, :, :, None] * delta[:, :, None, :]
-    return torch.einsum("bhk,bhkv->bhv", q, state), state
+    state.addcmul_(k[:, :, :, None], delta[:, :, None, :])
+    return torch.bmm(q.reshape(batch * heads, 1, -1), flat).view(batch, heads, dim_v), state
 
 
 def gated_delta_rule_chunked(
@@ -105,22 +106,22 @@ def gated_delta_rule_chunked(
 
     Inside a chunk with cumulative log decay c_t, the written values u_t solve the unit lower
     triangular system u_t + beta_t sum_{s<t} e^{c_t - c_s} (k_t.k_s) u_s = beta_t (v_t - e^{c_t}
-    k_t^T S0), so u = T beta V - (T beta e^c K) S0 with T = (I + tril(diag(beta) K K^T * decay,
+    k_t^T S0), so u = T diag(beta) (V - e^c K S0) with T = (I + tril(diag(beta) K K^T * decay,
     -1))^-1 (the UT transform); then o_t = e^{c_t} q_t^T S0 + sum_{s<=t} e^{c_t - c_s} (q_t.k_s)
     u_s and the state after j tokens is e^{c_j} S0 + sum_{s<=j} e^{c_j - c_s} k_s u_s^T (j = C
-    carries to the next chunk; other j are the snapshots). Everything but the carry across
-    chunks is batched over all chunks; q.k and k.k are computed once per key head.
+    carries to the next chunk; other j are the snapshots). The C x C terms are batched over a
+    span's chunks (q.k and k.k once per key head); each chunk then reads its starting state with
+    q and k in one product and writes it back in place.
     """
     size = max(1, min(chunk_size, v.shape[0]))
 
     def scan(
-        tokens: slice, start: torch.Tensor, local: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        return _gated_delta_span(
-            q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], start, size, local
-        )
+        tokens: slice, start: torch.Tensor, local: tuple[int, ...], out: torch.Tensor
+    ) -> list[torch.Tensor]:
+        inputs = (q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens])
+        return _gated_delta_span(*inputs, start, size, local, out)
 
-    return in_spans(scan, v.shape[0], state, span=size * SPAN_CHUNKS, snapshots=snapshots)
+    return in_spans(scan, v, state, chunk_size=size, snapshots=snapshots)
 
 
 def _gated_delta_span(
@@ -132,52 +133,81 @@ def _gated_delta_span(
     state: torch.Tensor,
     size: int,
     snapshots: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """`gated_delta_rule_chunked` over one span of whole chunks of `size` tokens."""
-    length, num_heads, dim_v = v.shape
+    out: torch.Tensor,
+) -> list[torch.Tensor]:
+    """`gated_delta_rule_chunked` over one span: writes its outputs into `out` `[N * C, Hv, Dv]`,
+    advances `state` in place and returns the snapshots. The inputs stay token major; only q
+    and k are laid out by head (the C x C products and each chunk's state read need it)."""
     # Zero padding (k = 0, beta = 0, g = 0) leaves the state unchanged after the last token.
-    qc, kc, vc, gc, bc = to_chunks((q, k, v, g, beta), size)  # q, k: [N, Hk, C, Dk]
-    num_chunks, num_key_heads = kc.shape[:2]
+    q, k, v, g, beta = pad_to_chunks((q, k, v, g, beta), size)
+    num_chunks, (num_key_heads, dim_k), (num_heads, dim_v) = (
+        v.shape[0] // size,
+        k.shape[1:],
+        v.shape[1:],
+    )
     ratio = num_heads // num_key_heads
-
-    def by_key_head(x: torch.Tensor) -> torch.Tensor:  # [N, Hv, ...] -> [N, Hk, Hv / Hk, ...]
-        return x.view(num_chunks, num_key_heads, ratio, *x.shape[2:])
-
-    def by_value_head(x: torch.Tensor) -> torch.Tensor:  # [N, Hk, Hv / Hk, ...] -> [N, Hv, ...]
-        return x.reshape(num_chunks, num_heads, *x.shape[3:])
-
-    cum = gc.cumsum(dim=-1)  # [N, Hv, C]
-    decay = by_key_head(decay_within_chunks(cum))
-    kk = (kc @ kc.transpose(-1, -2))[:, :, None] * decay * by_key_head(bc)[..., :, None]
-    transform = unit_lower_inverse(by_value_head(kk).tril(-1))
-    values = transform @ (vc * bc[..., None])
-    k_scaled = kc[:, :, None] * by_key_head(bc * cum.exp())[..., None]
-    reads = transform @ by_value_head(k_scaled)
-    attn = by_value_head((qc @ kc.transpose(-1, -2))[:, :, None] * decay)
-    q_decayed = by_value_head(qc[:, :, None] * by_key_head(cum.exp())[..., None])
-    k_heads = by_value_head(kc[:, :, None].expand(-1, -1, ratio, -1, -1))
-    # The carry to the next chunk: S <- e^{c_C} S + (k e^{c_C - c})^T u.
-    k_to_end = (k_heads * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
+    qk = q.new_empty(num_chunks, num_key_heads, 2 * size, dim_k)  # q then k of each chunk
+    qk[:, :, :size].copy_(q.view(num_chunks, size, num_key_heads, dim_k).transpose(1, 2))
+    qk[:, :, size:].copy_(k.view(num_chunks, size, num_key_heads, dim_k).transpose(1, 2))
+    k_chunks = qk[:, :, size:]
+    terms = _chunk_terms(qk, g, beta, size, ratio)
+    values = v.view(num_chunks, size, num_heads, dim_v)
+    out_chunks = out.view(num_chunks, size, num_heads, dim_v)
+    by_key_head = state.view(num_key_heads, ratio, dim_k, dim_v)
     wanted = snapshots_by_chunk(snapshots, size)
-    out = torch.empty_like(vc)
     saved: list[torch.Tensor] = []
-    # Both reads of the chunk's starting state, k (for u) and q (for the output), in one
-    # batched product; the carry updates a private copy of the state in place.
-    from_state = torch.cat((reads, q_decayed), dim=2)  # [N, Hv, 2C, Dk]
-    k_to_end = k_to_end.contiguous()
-    state = state.clone()
     for n in range(num_chunks):
-        read = from_state[n] @ state
-        u = values[n] - read[:, :size]
-        torch.baddbmm(read[:, size:], attn[n], u, out=out[n])
+        # The chunk's starting state read by q and k at once: [Hv, 2C, Dv].
+        read = torch.matmul(qk[n][:, None], by_key_head).view(num_heads, 2 * size, dim_v)
+        written = terms.transform[n] @ (
+            values[n].transpose(0, 1) - terms.decay_in[n] * read[:, size:]
+        )
+        from_state = read[:, :size].mul_(terms.decay_in[n])
+        out_chunks[n].copy_(torch.baddbmm(from_state, terms.attn[n], written).transpose(0, 1))
         offsets = wanted.get(n, [])
         inside = [j for j in offsets if j < size]
-        saved.extend(_state_after(state, k_heads[n], cum[n], u, j) for j in inside)
-        state.mul_(chunk_decay[n]).baddbmm_(k_to_end[n], u)
+        saved.extend(_state_after(state, k_chunks[n], terms.cum[n], written, j) for j in inside)
+        to_end = (k_chunks[n].transpose(-1, -2)[:, None] * terms.to_end[n]).view(
+            num_heads, dim_k, size
+        )
+        state.mul_(terms.chunk_decay[n]).baddbmm_(to_end, written)
         if len(inside) < len(offsets):
             saved.append(state.clone())
-    return out.transpose(1, 2).reshape(-1, num_heads, dim_v)[:length], state, saved
+    return saved
+
+
+class _ChunkTerms(NamedTuple):
+    """The per-chunk terms of a span that do not depend on the state (N chunks of C tokens)."""
+
+    cum: torch.Tensor  # [N, Hv, C] cumulative log decay
+    decay_in: torch.Tensor  # [N, Hv, C, 1] e^{c_t}
+    to_end: torch.Tensor  # [N, Hk, Hv / Hk, 1, C] e^{c_C - c_s}
+    chunk_decay: torch.Tensor  # [N, Hv, 1, 1] e^{c_C}
+    transform: torch.Tensor  # [N, Hv, C, C] T diag(beta)
+    attn: torch.Tensor  # [N, Hv, C, C] (q_t.k_s) e^{c_t - c_s}, s <= t
+
+
+def _chunk_terms(
+    qk: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, size: int, ratio: int
+) -> _ChunkTerms:
+    """q.k and k.k once per key head (`qk` `[N, Hk, 2C, Dk]`, q above k), then the decays and
+    the UT transform per value head from the token-major g and beta `[N * C, Hv]`."""
+    num_chunks, num_key_heads = qk.shape[:2]
+    num_heads = num_key_heads * ratio
+    gram = qk @ qk[:, :, size:].transpose(-1, -2)  # [N, Hk, 2C, C]: q.k above k.k
+    cum = g.view(num_chunks, size, num_heads).transpose(1, 2).cumsum(dim=-1)
+    betas = beta.view(num_chunks, size, num_heads).transpose(1, 2)
+    decay = decay_within_chunks(cum).view(num_chunks, num_key_heads, ratio, size, size)
+    lower = gram[:, :, None, size:] * decay * betas.reshape(decay.shape[:-1] + (1,))
+    transform = unit_lower_inverse(lower.tril_(-1).view(num_chunks, num_heads, size, size))
+    return _ChunkTerms(
+        cum=cum,
+        decay_in=decay_exp(cum)[..., None],
+        to_end=decay_exp(cum[..., -1:] - cum).view(num_chunks, num_key_heads, ratio, 1, size),
+        chunk_decay=decay_exp(cum[..., -1])[..., None, None],
+        transform=transform.mul_(betas[..., None, :]),
+        attn=(gram[:, :, None, :size] * decay).view(num_chunks, num_heads, size, size),
+    )
 
 
 def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
@@ -208,12 +238,14 @@ def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
 def _state_after(
     state: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, u: torch.Tensor, j: int
 ) -> torch.Tensor:
-    """The delta-rule state after the first j tokens of a chunk that started from `state`:
-    e^{c_j} S0 + sum_{s<=j} e^{c_j - c_s} k_s u_s^T; k `[H, C, Dk]`, cum `[H, C]`, u `[H, C, Dv]`.
-    """
+    """The delta-rule state after the first j tokens of a chunk that started from `state`
+    `[Hv, Dk, Dv]`: e^{c_j} S0 + sum_{s<=j} e^{c_j - c_s} k_s u_s^T; k `[Hk, C, Dk]` (one per
+    key head), cum `[Hv, C]`, u `[Hv, C, Dv]`."""
+    num_heads, num_key_heads = state.shape[0], k.shape[0]
     end = cum[:, j - 1 : j]
-    k_to_j = k[:, :j] * (end - cum[:, :j]).exp()[..., None]
-    return torch.baddbmm(state * end.exp()[..., None], k_to_j.transpose(-1, -2), u[:, :j])
+    keys = k[:, None, :j].expand(num_key_heads, num_heads // num_key_heads, j, k.shape[-1])
+    k_to_j = keys.reshape(num_heads, j, -1) * decay_exp(end - cum[:, :j])[..., None]
+    return torch.baddbmm(state * decay_exp(end)[..., None], k_to_j.transpose(-1, -2), u[:, :j])
 
 
 class GatedRMSNorm(nn.Module):
@@ -339,6 +371,7 @@ class GatedDeltaNet(nn.Module):
         new states."""
         conv_out, conv_state = conv_step(mixed, state["conv"], self.conv1d.weight[:, 0], None)
         q, k, v, g, beta = self._inputs(self.act(conv_out), b, a)
+        # The loaded states are this step's copies (`load_states`): advanced in place.
         out, ssm = gated_delta_step(q, k, v, g, beta, state["ssm"].float())
         return out, {"conv": conv_state, "ssm": ssm}
 

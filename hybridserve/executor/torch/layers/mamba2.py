@@ -22,17 +22,17 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
     MAMBA2_LOOP_MAX_TOKENS,
-    SPAN_CHUNKS,
     State,
     causal_conv1d,
     check_snapshots,
     conv_step,
+    decay_exp,
     decay_within_chunks,
     decode_batch,
     in_spans,
+    pad_to_chunks,
     scan_chunk_size,
     snapshots_by_chunk,
-    to_chunks,
 )
 
 if TYPE_CHECKING:
@@ -122,13 +122,13 @@ def ssd_recurrent(
     skip), the final state and the states after each count in `snapshots`."""
     outputs, saved = [], []
     wanted = set(snapshots)
-    batched = state[None]  # one request: a batch of one for ssd_step
+    batched = state[None].clone()  # one request: a batch of one for ssd_step, advanced in place
     for t in range(x.shape[0]):
         step = slice(t, t + 1)
         y, batched = ssd_step(x[step], dt[step], a, b[step], c[step], batched)
         outputs.append(y[0])
         if t + 1 in wanted:
-            saved.append(batched[0])
+            saved.append(batched[0].clone())
     return torch.stack(outputs), batched[0], saved
 
 
@@ -141,12 +141,17 @@ def ssd_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of `ssd_recurrent` for each of B requests: x `[B, H, P]`, dt `[B, H]`, a `[H]`,
-    b and c `[B, G, N]`, state `[B, H, P, N]`; returns y `[B, H, P]` and the new states."""
-    ratio = x.shape[1] // b.shape[1]
+    b and c `[B, G, N]`, state `[B, H, P, N]` (advanced in place: the caller's own copy);
+    returns y `[B, H, P]` and the state. In place, a step allocates nothing state-sized."""
+    batch, heads, head_dim = x.shape
+    ratio = heads // b.shape[1]
     b, c = b.repeat_interleave(ratio, dim=1), c.repeat_interleave(ratio, dim=1)
-    decay = torch.exp(dt * a)[:, :, None, None]
-    state = state * decay + (dt[:, :, None] * x)[:, :, :, None] * b[:, :, None, :]
-    return torch.einsum("bhpn,bhn->bhp", state, c), state
+    state.mul_(torch.exp(dt * a)[:, :, None, None])
+    state.addcmul_((dt[:, :, None] * x)[:, :, :, None], b[:, :, None, :])
+    # y = S c as the row vector c times S^T: a [P, N] @ [N, 1] product per head took 6-8x as
+    # long on the CPU (1.07 against 0.15 ms at 8 x 32 heads of 64 x 128).
+    flat = state.view(batch * heads, head_dim, -1).transpose(1, 2)
+    return torch.bmm(c.reshape(batch * heads, 1, -1), flat).view(batch, heads, head_dim), state
 
 
 def ssd_chunked(
@@ -171,11 +176,12 @@ def ssd_chunked(
     size = max(1, min(chunk_size, x.shape[0]))
 
     def scan(
-        tokens: slice, start: torch.Tensor, local: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        return _ssd_span(x[tokens], dt[tokens], a, b[tokens], c[tokens], start, size, local)
+        tokens: slice, start: torch.Tensor, local: tuple[int, ...], out: torch.Tensor
+    ) -> list[torch.Tensor]:
+        inputs = (x[tokens], dt[tokens], a, b[tokens], c[tokens])
+        return _ssd_span(*inputs, start, size, local, out)
 
-    return in_spans(scan, x.shape[0], state, span=size * SPAN_CHUNKS, snapshots=snapshots)
+    return in_spans(scan, x, state, chunk_size=size, snapshots=snapshots)
 
 
 def _ssd_span(
@@ -187,34 +193,51 @@ def _ssd_span(
     state: torch.Tensor,
     size: int,
     snapshots: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """`ssd_chunked` over one span of whole chunks of `size` tokens."""
-    length, num_heads, head_dim = x.shape
-    groups, ratio = b.shape[1], num_heads // b.shape[1]
+    out: torch.Tensor,
+) -> list[torch.Tensor]:
+    """`ssd_chunked` over one span: writes y into `out` `[N * C, H, P]`, advances `state` in
+    place and returns the snapshots. x stays token major; dt x is laid out by head once (the
+    within-chunk product needs it), and the state's write reads x as it is."""
     # Zero padding (dt = 0) leaves the state unchanged after the last token.
-    xc, dtc, bc, cc = to_chunks((x, dt, b, c), size)  # b, c: [N, G, C, state size]
-    num_chunks = xc.shape[0]
-    cum = (dtc * a[:, None]).cumsum(dim=-1)  # [N, H, C]
-    scores = (cc @ bc.transpose(-1, -2))[:, :, None]  # [N, G, 1, C, C]
-    weights = decay_within_chunks(cum).view(num_chunks, groups, ratio, size, size) * scores
-    xdt = xc * dtc[..., None]  # [N, H, C, P]
-    out = (weights.view(num_chunks, num_heads, size, size) @ xdt).view(
-        num_chunks, groups, ratio, size, head_dim
+    x, dt, b, c = pad_to_chunks((x, dt, b, c), size)
+    num_chunks, (num_heads, head_dim), (groups, state_size) = (
+        x.shape[0] // size,
+        x.shape[1:],
+        b.shape[1:],
     )
+    ratio = num_heads // groups
+    steps = dt.view(num_chunks, size, num_heads).transpose(1, 2)  # [N, H, C]
+    tokens = x.view(num_chunks, size, num_heads, head_dim)
+    xdt = x.new_empty(num_chunks, num_heads, size, head_dim)
+    torch.mul(tokens.transpose(1, 2), steps[..., None], out=xdt)
+    bc, cc = (
+        t.view(num_chunks, size, groups, state_size).transpose(1, 2).contiguous() for t in (b, c)
+    )
+    cum = (steps * a[:, None]).cumsum(dim=-1)  # [N, H, C]
+    scores = (cc @ bc.transpose(-1, -2))[:, :, None]  # [N, G, 1, C, C], once per group
+    decay = decay_within_chunks(cum).view(num_chunks, groups, ratio, size, size)
+    weights = decay.mul_(scores).view(num_chunks, num_heads, size, size)
+    decay_in = decay_exp(cum).view(num_chunks, groups, ratio, size, 1)
+    # dt_r e^{s_C - s_r}: the weight of token r's write in the state the chunk carries.
+    to_end = (decay_exp(cum[..., -1:] - cum) * steps).transpose(1, 2)[..., None]  # [N, C, H, 1]
+    chunk_decay = decay_exp(cum[..., -1])[..., None, None]  # [N, H, 1, 1]
+    out_chunks = out.view(num_chunks, size, groups, ratio, head_dim).permute(0, 2, 3, 1, 4)
+    by_group = state.view(groups, ratio * head_dim, state_size)
     wanted = snapshots_by_chunk(snapshots, size)
-    saved = []
+    saved: list[torch.Tensor] = []
     for n in range(num_chunks):
+        within = torch.bmm(weights[n], xdt[n]).view(groups, ratio, size, head_dim)
         # C_t S_h^T for every head h of a group in one matmul: [C, N] @ [N, heads * P].
-        by_group = state.view(groups, ratio * head_dim, -1).transpose(-1, -2)
-        from_state = (cc[n] @ by_group).view(groups, size, ratio, head_dim).transpose(1, 2)
-        out[n] += from_state * cum[n].exp().view(groups, ratio, size, 1)
+        from_state = (cc[n] @ by_group.transpose(-1, -2)).view(groups, size, ratio, head_dim)
+        torch.addcmul(within, from_state.transpose(1, 2), decay_in[n], out=out_chunks[n])
         offsets = wanted.get(n, [])
-        states = [_state_after(state, xdt[n], bc[n], cum[n], j) for j in offsets]
-        saved.extend(states)
-        full = offsets and offsets[-1] == size
-        state = states[-1] if full else _state_after(state, xdt[n], bc[n], cum[n], size)
-    out_heads = out.view(num_chunks, num_heads, size, head_dim).transpose(1, 2)
-    return out_heads.reshape(-1, num_heads, head_dim)[:length], state, saved
+        saved.extend(_state_after(state, xdt[n], bc[n], cum[n], j) for j in offsets if j < size)
+        written = (tokens[n] * to_end[n]).view(size, groups, ratio * head_dim).transpose(0, 1)
+        state.mul_(chunk_decay[n])
+        by_group.baddbmm_(written.transpose(-1, -2), bc[n])
+        if offsets and offsets[-1] == size:
+            saved.append(state.clone())
+    return saved
 
 
 def _state_after(
@@ -225,9 +248,9 @@ def _state_after(
     cum `[H, C]`. The heads of a group share B: one [heads * P, j] @ [j, N] matmul per group."""
     groups, num_heads, head_dim = b.shape[0], state.shape[0], state.shape[1]
     end = cum[:, j - 1 : j]
-    x_to_j = (xdt[:, :j] * (end - cum[:, :j]).exp()[..., None]).transpose(-1, -2)  # [H, P, j]
+    x_to_j = (xdt[:, :j] * decay_exp(end - cum[:, :j])[..., None]).transpose(-1, -2)  # [H, P, j]
     written = x_to_j.reshape(groups, -1, j) @ b[:, :j]  # [G, heads * P, N]
-    return written.view(num_heads, head_dim, -1).add_(state * end.exp()[..., None])
+    return written.view(num_heads, head_dim, -1).add_(state * decay_exp(end)[..., None])
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -320,6 +343,7 @@ class Mamba2Mixer(nn.Module):
             xbc, state["conv"], self.conv1d.weight[:, 0], self.conv1d.bias
         )
         xs, dt, a, b, c = self._inputs(self.act(conv_out), dt_raw)
+        # The loaded states are this step's copies (`load_states`): advanced in place.
         y, ssm = ssd_step(xs, dt, a, b, c, state["ssm"].float())
         y = y + xs * self.D.float()[:, None]
         return y.reshape(xbc.shape[0], -1), {"conv": conv_state, "ssm": ssm}

@@ -21,12 +21,13 @@ if TYPE_CHECKING:
 State = dict[str, torch.Tensor]
 
 # Chunks of at most this many tokens run the token loop, longer ones the chunked scan: where the
-# loop was faster at real layer shapes on CPU, one thread (`benchmarks/recurrent_prefill.py
-# --threshold` times both at lengths 1..16). The gated delta rule's loop wins up to 3 tokens
-# (decode and short drafts; 0.46 against 0.86 ms at 1 token, 1.65 against 1.06 ms at 4 tokens
-# at Qwen3-Next's shape); Mamba2's chunked scan is already faster at 1 token at Nemotron-H's.
+# loop was faster at real layer shapes on CPU (`benchmarks/recurrent_prefill.py --threshold`
+# times both at lengths 1..16). The loops advance their state in place: the gated delta rule's
+# wins up to 3 tokens at Qwen3-Next's shape (1 thread: 0.29 against 0.82 ms at 1 token, 0.86
+# against 1.13 at 3, 0.99 against 0.69 at 4), Mamba2's up to 2 at Nemotron-H's (2 threads: 0.31
+# against 0.46 ms at 1 token, 0.52 against 0.58 at 2, 0.78 against 0.58 at 3; 1 thread ties at 3).
 GATED_DELTA_LOOP_MAX_TOKENS = 3
-MAMBA2_LOOP_MAX_TOKENS = 1
+MAMBA2_LOOP_MAX_TOKENS = 2
 
 
 def check_snapshots(snapshots: tuple[int, ...], num_tokens: int) -> None:
@@ -83,24 +84,32 @@ def decode_batch(chunks: Sequence[StateChunk]) -> tuple[list[StateChunk], list[S
     return decodes, others
 
 
-def to_chunks(tensors: Iterable[torch.Tensor], chunk_size: int) -> list[torch.Tensor]:
-    """Each `[L, H, ...]` tensor zero-padded to N whole chunks and laid out `[N, H, C, ...]`
-    (contiguous, so that one chunk's slice is too)."""
+def pad_to_chunks(tensors: Iterable[torch.Tensor], chunk_size: int) -> list[torch.Tensor]:
+    """Each `[L, ...]` tensor zero-padded to whole chunks of `chunk_size` tokens, still token
+    major (no copy when L already is whole chunks)."""
     out = []
     for x in tensors:
         pad = (-x.shape[0]) % chunk_size
-        padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
-        chunks = padded.reshape(padded.shape[0] // chunk_size, chunk_size, *x.shape[1:])
-        out.append(chunks.transpose(1, 2).contiguous())
+        out.append(F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x)
     return out
 
 
+# exp(-80) ~ 1.8e-35: a decay below it is zero for every float32 sum the scans form, and the
+# exponential of smaller numbers (underflowing to denormals) ran 6x slower on the CPU.
+LOG_DECAY_FLOOR = -80.0
+
+
+def decay_exp(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp of a log decay (<= 0), floored at `LOG_DECAY_FLOOR`."""
+    return log_decay.clamp(min=LOG_DECAY_FLOOR).exp_()
+
+
 def decay_within_chunks(cum: torch.Tensor) -> torch.Tensor:
-    """`[..., C, C]` with exp(cum_i - cum_j) for j <= i and 0 above the diagonal, from the
-    cumulative log decay `cum` `[..., C]` (masked before the exponential, so no overflow)."""
-    size = cum.shape[-1]
-    causal = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
-    return (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    """`[..., C, C]` with exp(cum_i - cum_j) for j <= i and exactly 0 above the diagonal, from
+    the cumulative log decay `cum` `[..., C]` (non-increasing, so the upper triangle's
+    differences, clamped to 0 before the exponential, cannot overflow)."""
+    diff = cum[..., :, None] - cum[..., None, :]
+    return diff.clamp_(LOG_DECAY_FLOOR, 0.0).exp_().tril_()
 
 
 def snapshots_by_chunk(snapshots: tuple[int, ...], chunk_size: int) -> dict[int, list[int]]:
@@ -122,21 +131,30 @@ def scan_chunk_size(device: torch.device) -> int:
 # many chunks, so the [chunks, heads, C, C] temporaries stay bounded (and in cache on CPU).
 SPAN_CHUNKS = 16
 
-Scan = Callable[
-    [slice, torch.Tensor, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
-]
+Scan = Callable[[slice, torch.Tensor, tuple[int, ...], torch.Tensor], list[torch.Tensor]]
 
 
 def in_spans(
-    scan: Scan, length: int, state: torch.Tensor, *, span: int, snapshots: tuple[int, ...]
+    scan: Scan,
+    like: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    chunk_size: int,
+    snapshots: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """`scan(tokens, state, snapshots)` over consecutive spans of `span` tokens, carrying the
-    state: the concatenated outputs, the final state and the states after each snapshot count."""
-    outs, saved = [], []
+    """`scan(tokens, state, snapshots, out)` over consecutive spans of `SPAN_CHUNKS` chunks of a
+    request's tokens: each span writes its outputs into `out` (its rows of one buffer shaped like
+    `like` `[L, ...]`, padded to whole chunks), advances `state` (a private copy) in place and
+    returns the states after its snapshot counts. Returns the outputs, the final state and the
+    snapshots."""
+    length = like.shape[0]
+    out = like.new_empty(length + (-length) % chunk_size, *like.shape[1:])
+    state = state.clone()
+    saved: list[torch.Tensor] = []
+    span = chunk_size * SPAN_CHUNKS
     for start in range(0, length, span):
         end = min(start + span, length)
         local = tuple(count - start for count in snapshots if start < count <= end)
-        out, state, states = scan(slice(start, end), state, local)
-        outs.append(out)
-        saved.extend(states)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)), state, saved
+        rows = slice(start, start + end - start + (start - end) % chunk_size)
+        saved.extend(scan(slice(start, end), state, local, out[rows]))
+    return out[:length], state, saved
