@@ -132,10 +132,15 @@ class RecurrentLayerChecks:
 
 
 class FakeStateContext:
-    """A ForwardContext's state side for one layer: slots in a dict, calls counted."""
+    """A ForwardContext's state side for one layer: slots in a dict, calls counted. With
+    `in_place`, decodes advance their SSM state where it lies (`state_views`), as the cache's
+    slots do when no chunk reads another's."""
 
-    def __init__(self, chunks: list, states: dict[int, dict[str, torch.Tensor]]) -> None:
+    def __init__(
+        self, chunks: list, states: dict[int, dict[str, torch.Tensor]], *, in_place: bool = False
+    ) -> None:
         self.chunks, self.states, self.calls = chunks, states, {"one": 0, "batch": 0}
+        self.in_place = in_place
 
     def state_chunks(self, layer_index: int) -> list:
         return self.chunks
@@ -147,14 +152,27 @@ class FakeStateContext:
     def save_state(self, layer_index: int, chunk, count: int, state) -> None:
         self.states[chunk.slots[chunk.snapshots.index(count)][0]] = state
 
-    def load_states(self, layer_index: int, chunks: list) -> dict[str, torch.Tensor]:
+    def load_states(self, layer_index: int, chunks: list, names=None) -> dict[str, torch.Tensor]:
         self.calls["batch"] += 1
-        names = self.states[chunks[0].read_slot]
+        names = names or list(self.states[chunks[0].read_slot])
         return {k: torch.stack([self.states[c.read_slot][k] for c in chunks]) for k in names}
 
     def save_states(self, layer_index: int, chunks: list, states) -> None:
         for i, chunk in enumerate(chunks):
-            self.states[chunk.slots[0][0]] = {k: v[i] for k, v in states.items()}
+            slot = self.states.setdefault(chunk.slots[0][0], {})
+            slot.update({k: v[i] for k, v in states.items()})
+
+    def state_views(self, layer_index: int, chunks: list, name: str) -> list | None:
+        if not self.in_place:
+            return None
+        views = []
+        for chunk in chunks:
+            start = self.states[chunk.read_slot][name].clone()
+            views.append(self.states.setdefault(chunk.slots[0][0], {}).setdefault(name, start))
+        return views
+
+    def copy_state_views(self, layer_index: int, chunks: list, name: str) -> None:
+        self.calls["views"] = self.calls.get("views", 0) + 1
 
 
 def check_decodes_batched(ours: torch.nn.Module, *, hidden_size: int) -> None:
@@ -168,11 +186,25 @@ def check_decodes_batched(ours: torch.nn.Module, *, hidden_size: int) -> None:
     # Rows 0-2: three decodes; rows 3-8: a 6-token prefill chunk saving after 6 tokens.
     chunks = [StateChunk(i, slice(i, i + 1), i + 1, (1,), ((10 + i,),)) for i in range(3)]
     chunks.append(StateChunk(3, slice(3, 9), 1, (6,), ((20,),)))
-    ctx = FakeStateContext(chunks, dict(start))
     x = torch.randn(9, hidden_size)
+    for in_place in (False, True):
+        ctx = FakeStateContext(chunks, dict(start), in_place=in_place)
+        with torch.no_grad():
+            y = ours.forward(x, ctx)  # type: ignore[arg-type]
+        views = {"views": 1} if in_place else {}
+        assert ctx.calls == {"one": 1, "batch": 1, **views}
+        check_decodes_alone(ours, x, start, ctx, y)
+
+
+def check_decodes_alone(
+    ours: torch.nn.Module,
+    x: torch.Tensor,
+    start: dict[int, dict[str, torch.Tensor]],
+    ctx: FakeStateContext,
+    y: torch.Tensor,
+) -> None:
+    """`check_decodes_batched`'s comparisons: each decode and the prefill chunk run alone."""
     with torch.no_grad():
-        y = ours.forward(x, ctx)  # type: ignore[arg-type]
-        assert ctx.calls == {"one": 1, "batch": 1}
         for i in range(3):
             alone, state, _ = ours.forward_sequence(x[i : i + 1], start[i + 1])
             torch.testing.assert_close(y[i], alone[0], atol=1e-6, rtol=0)

@@ -169,12 +169,20 @@ class DeviceCache:
             return {name: torch.zeros_like(t[0]) for name, t in states.items()}
         return {name: t[slot].clone() for name, t in states.items()}
 
-    def read_states(self, layer_index: int, slots: Sequence[int | None]) -> dict[str, torch.Tensor]:
-        """The states in `slots`, stacked `[B, ...]` (a copy; zeros for None)."""
+    def read_states(
+        self,
+        layer_index: int,
+        slots: Sequence[int | None],
+        names: Sequence[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The states in `slots`, stacked `[B, ...]` (a copy; zeros for None); only `names` of
+        them where given."""
         states = self._states(layer_index)
         present = [i for i, slot in enumerate(slots) if slot is not None]
         out = {}
         for name, tensor in states.items():
+            if names is not None and name not in names:
+                continue
             if len(present) == len(slots):
                 index = torch.tensor(slots, dtype=torch.long, device=tensor.device)
                 out[name] = tensor.index_select(0, index)
@@ -194,12 +202,19 @@ class DeviceCache:
         slots: Sequence[int],
         states: dict[str, torch.Tensor],
     ) -> None:
-        """Row `rows[i]` of each stacked state into slot `slots[i]` (slots distinct)."""
-        for name, tensor in self._states(layer_index).items():
-            source = states[name]
+        """Row `rows[i]` of each stacked state in `states` into slot `slots[i]` (slots
+        distinct)."""
+        tensors = self._states(layer_index)
+        for name, source in states.items():
+            tensor = tensors[name]
             index = torch.tensor(slots, dtype=torch.long, device=tensor.device)
-            picked = source.index_select(0, torch.tensor(rows, device=source.device))
-            tensor.index_copy_(0, index, picked.to(tensor.dtype))
+            if list(rows) != list(range(source.shape[0])):
+                source = source.index_select(0, torch.tensor(rows, device=source.device))
+            tensor.index_copy_(0, index, source.to(tensor.dtype))
+
+    def state_tensor(self, layer_index: int, name: str) -> torch.Tensor:
+        """Layer `layer_index`'s `name` state of every slot, `[slots, ...]` (the storage)."""
+        return self._states(layer_index)[name]
 
     def write_state(self, layer_index: int, slot: int, state: dict[str, torch.Tensor]) -> None:
         for name, tensor in self._states(layer_index).items():

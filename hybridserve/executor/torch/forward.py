@@ -685,22 +685,64 @@ class ForwardContext:
         return self.cache.read_state(layer_index, chunk.read_slot)
 
     def load_states(
-        self, layer_index: int, chunks: Sequence[StateChunk]
+        self,
+        layer_index: int,
+        chunks: Sequence[StateChunk],
+        names: Sequence[str] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The states `chunks` start from, stacked `[B, ...]` (zeros where a chunk has none)."""
-        return self.cache.read_states(layer_index, [c.read_slot for c in chunks])
+        """The states `chunks` start from, stacked `[B, ...]` (zeros where a chunk has none);
+        only `names` of them where given."""
+        return self.cache.read_states(layer_index, [c.read_slot for c in chunks], names)
 
     def save_states(
         self, layer_index: int, chunks: Sequence[StateChunk], states: dict[str, torch.Tensor]
     ) -> None:
-        """Store each single-snapshot chunk's state (row i of `states`, `[B, ...]`) in every
-        slot its snapshot asks for."""
+        """Store each single-snapshot chunk's state (row i of each of `states`, `[B, ...]`) in
+        every slot its snapshot asks for."""
         rows, slots = [], []
         for i, chunk in enumerate(chunks):
             for slot in chunk.slots[0]:
                 rows.append(i)
                 slots.append(slot)
         self.cache.write_states(layer_index, rows, slots, states)
+
+    def state_views(
+        self, layer_index: int, chunks: Sequence[StateChunk], name: str
+    ) -> list[torch.Tensor] | None:
+        """For decodes that advance their `name` state in place in the cache (a step then
+        copies no state in or out): per chunk, the float32 storage of the first slot its state
+        goes to, holding the state it starts from (copied from its read slot, or zeros); after
+        the step, `copy_state_views` fills the chunk's other slots. None where that would
+        change what another chunk reads (a chunk's slot is another's read slot, or two chunks
+        share one), a chunk keeps no state, or the storage is not float32: load and save."""
+        tensor = self.cache.state_tensor(layer_index, name)
+        if tensor.dtype != torch.float32 or not all(c.slots[0] for c in chunks):
+            return None
+        targets = [c.slots[0][0] for c in chunks]
+        readers: dict[int | None, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            readers.setdefault(chunk.read_slot, []).append(i)
+        if len(set(targets)) < len(targets) or any(
+            i != j for j, target in enumerate(targets) for i in readers.get(target, ())
+        ):
+            return None
+        views = []
+        for chunk, target in zip(chunks, targets, strict=True):
+            view = tensor[target]
+            if chunk.read_slot is None:
+                view.zero_()
+            elif chunk.read_slot != target:
+                view.copy_(tensor[chunk.read_slot])
+            views.append(view)
+        return views
+
+    def copy_state_views(self, layer_index: int, chunks: Sequence[StateChunk], name: str) -> None:
+        """After an in-place step (`state_views`): each chunk's state into its other slots."""
+        tensor = self.cache.state_tensor(layer_index, name)
+        for chunk in chunks:
+            first, *others = chunk.slots[0]
+            for slot in others:
+                tensor[slot].copy_(tensor[first])
 
     def save_state(
         self, layer_index: int, chunk: StateChunk, num_tokens: int, state: dict[str, torch.Tensor]

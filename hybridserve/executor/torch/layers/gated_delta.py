@@ -12,6 +12,7 @@ Per token t and value head (q and k L2-normalised, q scaled by head_k_dim ** -0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -87,6 +88,30 @@ def gated_delta_step(
     delta = (v - predicted) * beta[:, :, None]
     state.addcmul_(k[:, :, :, None], delta[:, :, None, :])
     return torch.bmm(q.reshape(batch * heads, 1, -1), flat).view(batch, heads, dim_v), state
+
+
+def gated_delta_step_in_place(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """`gated_delta_step` for B requests whose states `[Hv, Dk, Dv]` are B separate tensors (the
+    cache's own slots, advanced where they lie, so a step copies no state in or out); returns
+    `[B, Hv, Dv]`."""
+    ratio = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    decay = g.exp()[:, :, None, None]
+    out = v.new_empty(v.shape)
+    for i, state in enumerate(states):
+        keys = k[i][:, None, :]  # [Hv, 1, Dk]
+        predicted = torch.bmm(keys, state.mul_(decay[i]))  # [Hv, 1, Dv]
+        delta = (v[i][:, None, :] - predicted).mul_(beta[i][:, None, None])
+        state.addcmul_(keys.transpose(1, 2), delta)
+        torch.bmm(q[i][:, None, :], state, out=out[i][:, None, :])
+    return out
 
 
 def gated_delta_rule_chunked(
@@ -365,15 +390,24 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, g, beta
 
     def _decode(
-        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: State
+        self,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: State,
+        ssm_views: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, State]:
         """One token for each of B requests (states stacked `[B, ...]`): `[B, Hv, Dv]` and the
-        new states."""
+        new states. With `ssm_views` (each request's delta-rule state where it lies) those
+        advance in place and only the conv states come back."""
         conv_out, conv_state = conv_step(mixed, state["conv"], self.conv1d.weight[:, 0], None)
         q, k, v, g, beta = self._inputs(self.act(conv_out), b, a)
+        new: State = {"conv": conv_state}
+        if ssm_views is not None:
+            return gated_delta_step_in_place(q, k, v, g, beta, ssm_views), new
         # The loaded states are this step's copies (`load_states`): advanced in place.
-        out, ssm = gated_delta_step(q, k, v, g, beta, state["ssm"].float())
-        return out, {"conv": conv_state, "ssm": ssm}
+        out, new["ssm"] = gated_delta_step(q, k, v, g, beta, state["ssm"].float())
+        return out, new
 
     def _mix(
         self,
@@ -428,10 +462,14 @@ class GatedDeltaNet(nn.Module):
         decodes, others = decode_batch(ctx.state_chunks(self.layer_index))
         if decodes:
             index = torch.tensor([c.rows.start for c in decodes], device=x.device)
-            states = ctx.load_states(self.layer_index, decodes)
-            stepped, states = self._decode(mixed[index], b[index], a[index], states)
+            views = ctx.state_views(self.layer_index, decodes, "ssm")
+            names = None if views is None else ("conv",)
+            states = ctx.load_states(self.layer_index, decodes, names)
+            stepped, states = self._decode(mixed[index], b[index], a[index], states, views)
             out.index_copy_(0, index, stepped)
             ctx.save_states(self.layer_index, decodes, states)
+            if views is not None:
+                ctx.copy_state_views(self.layer_index, decodes, "ssm")
         for chunk in others:
             state = ctx.load_state(self.layer_index, chunk)
             rows = chunk.rows
