@@ -2,11 +2,12 @@
 row) the weight stored transposed.
 
 The projections of the two built-in models (SmolLM2-135M, Gemma 3 270M, their output heads
-included), at the row counts of decode batches and small prefill chunks. Each cell is the median
+included) and of the Granite 4.0-H-layout 0.4B hybrid, at the row counts of decode batches and
+prefill chunks. Each cell is the median
 of `--repeats` calls after two warm-up calls, interleaved (plain, packed) so that a load change
 on a shared machine hits both. Prints one JSON object: per shape and row count the milliseconds
 of each and `packed_speedup` (plain / packed), and whether `PackedLinear` takes the packed path
-there. This is what `hybridserve.executor.torch.layers.packed.PACKED_ROWS` and
+there. This is what `hybridserve.executor.torch.layers.packed.MIN_PACKED_ROWS` and
 `SINGLE_ROW_ELEMENTS` were chosen from.
 
     .venv/bin/python benchmarks/cpu_linears.py [--threads 2] [--repeats 15]
@@ -27,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.executor.torch.layers.packed import (
+    MIN_PACKED_ROWS,
     PACK_ROWS_HINT,
-    PACKED_ROWS,
     SINGLE_ROW_ELEMENTS,
     packing_available,
 )
@@ -44,6 +45,12 @@ SHAPES = (
     ("smollm2 down", 576, 1_536),
     ("smollm2 qkv", 960, 576),
     ("smollm2 o", 576, 576),
+    # The Granite 4.0-H-layout 0.4B hybrid (benchmarks/hybrid_checkpoint.py).
+    ("granite4h-0.4b mlp in", 8_192, 1_024),
+    ("granite4h-0.4b mamba in", 4_384, 1_024),
+    ("granite4h-0.4b mlp out", 1_024, 4_096),
+    ("granite4h-0.4b mamba out", 1_024, 2_048),
+    ("granite4h-0.4b q", 1_024, 1_024),
 )
 
 
@@ -63,7 +70,7 @@ def _median_ms(calls: list[Callable[[], torch.Tensor]], repeats: int) -> list[fl
 
 def _path(rows: int, elements: int) -> str:
     """The path `PackedLinear` takes for `rows` rows of a weight of `elements` elements."""
-    if rows in PACKED_ROWS or (rows == 1 and elements >= SINGLE_ROW_ELEMENTS):
+    if rows >= MIN_PACKED_ROWS or (rows == 1 and elements >= SINGLE_ROW_ELEMENTS):
         return "packed"
     return "plain"
 

@@ -18,7 +18,7 @@ from hybridserve.executor.torch.executor import compile_dense_layers
 from hybridserve.executor.torch.forward import GatherBuffers
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.packed import (
-    PACKED_ROWS,
+    MIN_PACKED_ROWS,
     SINGLE_ROW_ELEMENTS,
     PackedLinear,
     pack_linears,
@@ -97,7 +97,7 @@ def test_packed_linears_match_plain_linears_at_every_row_count() -> None:
         pytest.skip("this torch build has no oneDNN linear packing")
     assert pack_linears(holder) == 1
     assert isinstance(holder[0], PackedLinear) and holder[0].weight is packed.weight
-    for rows in (1, 3, *PACKED_ROWS[:2], 16, PACKED_ROWS[-1], PACKED_ROWS[-1] + 1):
+    for rows in (1, MIN_PACKED_ROWS, 3, 16, 128, 129, 600):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(holder(x), plain(x), atol=1e-5, rtol=0)
 
@@ -119,6 +119,7 @@ def test_one_row_reads_the_packed_weight_only_of_a_large_linear() -> None:
     assert pack_linears(small) == 1 and pack_linears(large) == 1
     assert _kernel_calls(small[0], 1, packed_kernel) == 0
     assert _kernel_calls(small[0], 2, packed_kernel) == 1
+    assert _kernel_calls(small[0], 600, packed_kernel) == 1  # a prefill chunk reads it too
     assert _kernel_calls(large[0], 1, packed_kernel) == 1
     for rows in (1, 2):
         x = torch.randn(rows, 512)
@@ -141,7 +142,7 @@ def test_executor_packs_cpu_float32_linears_unless_told_not_to(folder: Path) -> 
 
 
 def test_packed_and_plain_linears_give_the_same_tokens(folder: Path) -> None:
-    # The first step runs every prompt whole: 18 rows, inside PACKED_ROWS; decodes run 5.
+    # The first step runs every prompt whole: 18 rows, packed; decodes run 5.
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 4], [20, 21, 22, 23], [30, 31]]
     plain = hybrid_generate(load_model(folder), prompts, max_tokens=6, packed_linears=False)
     model = load_model(folder)

@@ -8,21 +8,25 @@ weight`), and its linear then reads that copy (`mkldnn._linear_pointwise`) for a
 vLLM's CPU backend does the same (`dispatch_cpu_unquantized_gemm`, a oneDNN handle created per
 linear at load time).
 
-Measured on a 2-core x86 machine with 2 threads (`benchmarks/cpu_linears.py`, median of 15
-interleaved calls, float32; docs/cpu_linears.json): at 2 rows the packed weight ran 1.2-3.8x
-faster than `F.linear` on every projection of SmolLM2-135M and Gemma 3 270M, the output heads
-included (Gemma 3's 262,144 x 640 head: 27.8 ms against 105.3); at 48-128 rows 1.1-1.8x on
-the large weights and 0.90-1.17x on the small projections; at 256 and 512 rows 0.88-1.25x. At
-one row it was faster on the weights of a million elements and more (Gemma 3's head 26.0 ms
-against 48.4, SmolLM2's gate+up 0.17 against 0.30; Gemma 3's MLP down 0.21 against 0.20) and
-up to 1.5x slower on the smaller ones, which a row reads from cache either way (SmolLM2's o,
-qkv and down, Gemma 3's q). So the packed weight serves 2-128 rows (`PACKED_ROWS`) and one row
-of a weight of `SINGLE_ROW_ELEMENTS` or more. The weight stored transposed (`[in, out]`) read
-one row of Gemma 3's head in 26.2 ms in an earlier run (packed 24.6), no faster than the packed
-copy, so no third copy is kept. The packed copy costs the weight's memory again (the plain
-weight stays: tied embeddings, draft heads and weight loaders read it). Results differ from
-`F.linear` by float32 rounding only (a different summation order); the reference tests hold
-them to transformers within 1e-4.
+Measured on a 2-core x86 machine with 2 threads (`benchmarks/cpu_linears.py`, median of 9
+interleaved calls, float32, 2026-12-06; docs/cpu_linears.json, 1,024 and 2,048 rows in
+docs/cpu_linears_1024_2048.json): the packed weight ran faster than `F.linear` at every row
+count from 2 to 2,048 on every projection of SmolLM2-135M, Gemma 3 270M and the Granite
+4.0-H-layout 0.4B hybrid, the output heads included: 1.27-2.52x at 32 rows, 1.17-1.88x at 128,
+1.06-1.57x at 256-2,048 (a 4,096-row prefill chunk of the hybrid's MLP input, 8,192 x 1,024:
+1.21x at 2,048 rows). An earlier run under load (load average 1.9) had put the small
+projections at 0.88-0.98x from 256 rows, and the packed weight served only 2-128 rows; a
+256-token prefill of the hybrid then took 1.42-1.59 s, 1.17-1.21 s packed (three alternating
+runs in one process). At one row it is faster on the weights of a million elements and more
+(Gemma 3's head 27.0 ms against 57.9, the hybrid's MLP input 1.43 against 2.37) and not on the
+smaller ones, which a row reads from cache either way (SmolLM2's o 0.040 against 0.033). So the
+packed weight serves every row count from 2 (`MIN_PACKED_ROWS`) and one row of a weight of
+`SINGLE_ROW_ELEMENTS` or more. The weight stored transposed (`[in, out]`) read one row of Gemma
+3's head in 26.2 ms in an earlier run (packed 24.6), no faster than the packed copy, so no third
+copy is kept. The packed copy costs the weight's memory again (the plain weight stays: tied
+embeddings, draft heads and weight loaders read it). Results differ from `F.linear` by float32
+rounding only (a different summation order); the reference tests hold them to transformers
+within 1e-4.
 """
 
 from __future__ import annotations
@@ -34,10 +38,9 @@ from torch import nn
 # The row count oneDNN is told to expect when it chooses the packed layout; the packed weight
 # serves every row count. vLLM's CPU backend passes 32 too.
 PACK_ROWS_HINT = 32
-# Row counts the packed weight serves: up to 128 rows it gained on the large weights and was
-# within 10% on the small ones; from 256 rows up to 1.13x slower on the smaller projections;
-# one row gains only on a large weight (see the module's docstring).
-PACKED_ROWS = range(2, 129)
+# The packed weight serves every row count from this one (faster at 2-2,048 rows on every
+# projection measured); one row gains only on a large weight (see the module's docstring).
+MIN_PACKED_ROWS = 2
 # One row reads the packed weight too when the weight has at least this many elements.
 SINGLE_ROW_ELEMENTS = 1_000_000
 
@@ -65,7 +68,7 @@ class PackedLinear(nn.Linear):
         rows = x.shape[0] if x.dim() == 2 else 0
         if torch.compiler.is_compiling() or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        if rows not in PACKED_ROWS and not (rows == 1 and self._single_row):
+        if rows < MIN_PACKED_ROWS and not (rows == 1 and self._single_row):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
