@@ -163,3 +163,38 @@ def test_unsupported_granite_config_values_name_the_field(
     with pytest.raises(ConfigError) as error:
         GraniteMoeHybridForCausalLM({**config, **change})
     assert error.value.field == field
+
+
+def _step_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "step_profile", Path(__file__).resolve().parents[2] / "benchmarks" / "step_profile.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = tmp_path / "bamba"
+    if not folder.exists():
+        make_checkpoint(_bamba_config(), folder)
+    common = ["--model", str(folder), "--threads", "1", "--block-size", "16", "--num-blocks", "64"]
+    old_argv = sys.argv
+    sys.argv = ["step_profile.py", *common, "--timed", "2", "--profiled", "1", *argv]
+    try:
+        module.main()
+    finally:
+        sys.argv = old_argv
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_step_profile_script_times_and_ranks_a_hybrids_decode_and_prefill_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    decode = _step_profile(tmp_path, capsys, "--requests", "3", "--prompt-tokens", "20")
+    prefill = _step_profile(tmp_path, capsys, "--mode", "prefill", "--prompt-tokens", "40")
+    for report, requests in ((decode, 3), (prefill, 1)):
+        assert report["requests"] == requests and report["step_ms_median"] > 0
+        ops = report["top_ops"]
+        assert ops and all(o["self_cpu_ms_per_step"] >= 0 for o in ops)
+        shares = [o["share"] for o in ops]
+        assert shares == sorted(shares, reverse=True) and sum(shares) <= 1.0001

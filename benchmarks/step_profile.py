@@ -1,0 +1,144 @@
+"""One engine step of the torch executor on CPU, timed and profiled: where a decode or a prefill
+step's time goes, by operator.
+
+`--mode decode`: `--requests` seeded random prompts of `--prompt-tokens` tokens are prefilled
+(steps not timed), then `--timed` decode steps are timed one by one (the median and the
+fastest), then `--profiled` more run under `torch.profiler`. `--mode prefill`: one prompt of
+`--prompt-tokens` tokens at a time (one chunk when the token budget holds it), a fresh prompt
+each time so nothing is cached; the first is a warm-up. Operators are ranked by self CPU time
+(the CPU time of the operator itself; a thread's time counts once per thread, so with 2
+threads a step's operators can sum to more than its wall time), each with its milliseconds and
+calls per profiled step and its input shapes where `--shapes` asks for them.
+
+Prints one JSON object on its last line.
+
+    .venv/bin/python benchmarks/step_profile.py --model DIR_OR_ALIAS [--mode decode]
+        [--requests 8] [--prompt-tokens 256] [--block-size 64] [--num-blocks 128]
+        [--threads 2] [--timed 12] [--profiled 5] [--top 15] [--shapes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.settings import SettingsSources
+from hybridserve.executor.torch.checkpoints import resolve_model
+from hybridserve.executor.torch.runtime import set_threads
+from hybridserve.offline.runtime import TorchRuntime, build_runtime
+
+
+def _prompt(rng: random.Random, tokens: int, vocab: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(min(100, vocab // 2), min(30_000, vocab)) for _ in range(tokens))
+
+
+def _add(runtime: TorchRuntime, rng: random.Random, name: str, tokens: int, new: int) -> None:
+    prompt = _prompt(rng, tokens, runtime.executor.model.vocab_size)
+    sampling = SamplingParams(max_tokens=new, ignore_eos=True)
+    runtime.engine.add_request(Request(req_id=name, prompt_token_ids=prompt, sampling=sampling))
+
+
+def _decode_steps(runtime: TorchRuntime, args: argparse.Namespace, rng: random.Random) -> Any:
+    """Prefill every request, then a callable running one decode step."""
+    engine, new = runtime.engine, args.timed + args.profiled + 8
+    for i in range(args.requests):
+        _add(runtime, rng, f"d{i}", args.prompt_tokens, new)
+    while engine.num_waiting or any(
+        len(engine.token_ids(r)) <= args.prompt_tokens for r in engine.request_ids()
+    ):
+        engine.step()
+    return engine.step
+
+
+def _prefill_steps(runtime: TorchRuntime, args: argparse.Namespace, rng: random.Random) -> Any:
+    """A callable running one whole prefill of a fresh prompt (and its one sampled token)."""
+    count = iter(range(1 << 30))
+
+    def one() -> None:
+        _add(runtime, rng, f"p{next(count)}", args.prompt_tokens, 1)
+        while runtime.engine.has_requests():
+            runtime.engine.step()
+
+    one()  # warm-up
+    return one
+
+
+def _top_ops(prof: Any, steps: int, top: int, shapes: bool) -> list[dict[str, Any]]:
+    events = prof.key_averages(group_by_input_shape=shapes)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    out = []
+    for e in ranked:
+        row: dict[str, Any] = {
+            "op": e.key,
+            "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
+            "calls_per_step": round(e.count / steps, 1),
+            "share": round(e.self_cpu_time_total / total, 4),
+        }
+        if shapes:
+            row["input_shapes"] = str(e.input_shapes)
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a checkpoint folder or a built-in alias")
+    parser.add_argument("--mode", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--num-blocks", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timed", type=int, default=12)
+    parser.add_argument("--profiled", type=int, default=5)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--shapes", action="store_true", help="rank by operator and shapes")
+    args = parser.parse_args()
+    for name in ("requests", "prompt_tokens", "timed", "profiled", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    set_threads(args.threads)
+    runtime = build_runtime(
+        resolve_model(args.model),
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        settings=SettingsSources(preset="baseline"),
+        load_tokenizer=False,
+    )
+    rng = random.Random(0)
+    maker = _decode_steps if args.mode == "decode" else _prefill_steps
+    step = maker(runtime, args, rng)
+    times = []
+    for _ in range(args.timed):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    with torch.profiler.profile(record_shapes=args.shapes) as prof:
+        for _ in range(args.profiled):
+            step()
+    report = {
+        "model": args.model,
+        "mode": args.mode,
+        "requests": args.requests if args.mode == "decode" else 1,
+        "prompt_tokens": args.prompt_tokens,
+        "threads": args.threads,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "step_ms_median": round(statistics.median(times) * 1000, 1),
+        "step_ms_min": round(min(times) * 1000, 1),
+        "profiled_steps": args.profiled,
+        "top_ops": _top_ops(prof, args.profiled, args.top, args.shapes),
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
