@@ -16,6 +16,11 @@ over those tokens. Times are the best of `--repeats` runs, in wall seconds and (
 process CPU seconds, which other processes' load on a shared machine inflates less.
 `--threshold` also times both paths at lengths 1..16, where the layers choose the loop.
 
+Beside each rate, `bound`: the chunked form's matrix-product FLOPs a token (`flops_per_token`),
+the rate of its main product at this shape (`product_gflops`, best of 30 calls), the tokens/s
+those allow (`chunked_bound_tokens_per_s`), the measured rate's fraction of it, and the most
+speedup over the loop the bound allows (`bound_speedup_vs_loop`).
+
 Prints one JSON object on its last line.
 
     .venv/bin/python benchmarks/recurrent_prefill.py [--tokens 4096] [--loop-tokens 512]
@@ -147,6 +152,56 @@ def compare(
     }
 
 
+def flops_per_token(name: str, shape: dict[str, int], size: int) -> float:
+    """Matrix-product FLOPs a token of the chunked form at chunk size `size` (the UT inverse's
+    log2(C) levels of small products are left out). Gated delta: per value head the state read
+    with q and with k and written (3 Dk Dv multiply-adds), T diag(beta) (V - ...) and attn @ u
+    (C Dv each); per key head q.k and k.k (C Dk each). Mamba2: per head the state read with C
+    and written (2 P N), the within-chunk product (C P); per group C.B (C N)."""
+    if name == "gated_delta":
+        hk, hv = shape["key_heads"], shape["value_heads"]
+        dk, dv = shape["head_k_dim"], shape["head_v_dim"]
+        return 2.0 * (hv * (3 * dk * dv + 2 * size * dv) + hk * 2 * size * dk)
+    h, p, g, n = shape["heads"], shape["head_dim"], shape["groups"], shape["state_size"]
+    return 2.0 * (h * (2 * p * n + size * p) + g * size * n)
+
+
+def product_gflops(name: str, shape: dict[str, int], size: int, calls: int = 30) -> float:
+    """GFLOP/s of the chunk loop's main product at this shape (each chunk's starting state read
+    by q and k, or by C), best of `calls`: the rate the FLOP bound is priced at."""
+    if name == "gated_delta":
+        a = torch.randn(shape["value_heads"], 2 * size, shape["head_k_dim"])
+        b = torch.randn(shape["value_heads"], shape["head_k_dim"], shape["head_v_dim"])
+    else:
+        g, per_group = shape["groups"], shape["heads"] // shape["groups"] * shape["head_dim"]
+        a, b = (
+            torch.randn(g, size, shape["state_size"]),
+            torch.randn(g, shape["state_size"], per_group),
+        )
+    flops = 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        torch.bmm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9
+
+
+def bound(name: str, row: dict[str, Any]) -> dict[str, float]:
+    """The chunked form's FLOP bound beside its measured rate: tokens/s at the main product's
+    rate, the measured rate's fraction of it, and the most speedup over the loop it allows."""
+    flops = flops_per_token(name, row["shape"], row["chunk_size"])
+    rate = product_gflops(name, row["shape"], row["chunk_size"])
+    tokens_per_s = rate * 1e9 / flops
+    return {
+        "flops_per_token": round(flops),
+        "product_gflops": round(rate, 1),
+        "chunked_bound_tokens_per_s": round(tokens_per_s, 1),
+        "chunked_of_bound": round(row["chunked_tokens_per_s"] / tokens_per_s, 3),
+        "bound_speedup_vs_loop": round(tokens_per_s / row["loop_tokens_per_s"], 2),
+    }
+
+
 def threshold(
     make: Callable[[int, torch.Generator], tuple[dict[str, int], Inputs]],
     kernels: tuple[Callable[..., Result], Callable[..., Result]],
@@ -193,6 +248,7 @@ def main() -> None:
     }
     for name, (make, pair, per_token) in kernels.items():
         result[name] = compare(make, pair, per_token, args)
+        result[name]["bound"] = bound(name, result[name])
         if args.threshold:
             result[name]["threshold"] = threshold(make, pair, args)
     print(json.dumps(result))
