@@ -131,6 +131,22 @@ class RecurrentLayerChecks:
         torch.testing.assert_close(final["ssm"], by_token[70]["ssm"], atol=1e-5, rtol=0)
 
 
+def check_chunked_equals_loop(chunked: Any, loop: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+    """`chunked(*inputs)` (32-token chunks) against `loop(*inputs)`, both saving the state after
+    50 and 64 tokens: outputs, final state and snapshots within 1e-5, all finite, and the state
+    passed in (the last input) not advanced in place."""
+    state = inputs[-1]
+    before = state.clone()
+    expected, expected_state, expected_saved = loop(*inputs, snapshots=(50, 64))
+    out, final, saved = chunked(*inputs, chunk_size=32, snapshots=(50, 64))
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
+    for got, want in zip(saved, expected_saved, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(state, before, atol=0, rtol=0)
+
+
 class FakeStateContext:
     """A ForwardContext's state side for one layer: slots in a dict, calls counted. With
     `in_place`, decodes advance their SSM state where it lies (`state_views`), as the cache's

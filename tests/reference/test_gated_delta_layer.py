@@ -14,6 +14,7 @@ from hybridserve.executor.torch.layers.gated_delta import (
 )
 from tests.reference.recurrent_layer import (
     RecurrentLayerChecks,
+    check_chunked_equals_loop,
     check_decodes_batched,
     inputs,
     perturb,
@@ -163,16 +164,6 @@ def test_decays_past_the_floor_equal_the_loop_and_leave_the_callers_state_unwrit
     state passed in is not advanced in place."""
     q, k, v, g, beta, state = random_rule_inputs(200, key_heads=2, value_heads=4)
     g[::3] = -40.0
-    before = state.clone()
-    expected, expected_state, expected_saved = gated_delta_rule_recurrent(
-        q, k, v, g, beta, state, snapshots=(50, 64)
+    check_chunked_equals_loop(
+        gated_delta_rule_chunked, gated_delta_rule_recurrent, (q, k, v, g, beta, state)
     )
-    out, final, saved = gated_delta_rule_chunked(
-        q, k, v, g, beta, state, chunk_size=32, snapshots=(50, 64)
-    )
-    assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
-    for got, want in zip(saved, expected_saved, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(state, before, atol=0, rtol=0)

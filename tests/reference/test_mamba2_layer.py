@@ -13,6 +13,7 @@ from hybridserve.executor.torch.layers.mamba2 import (
 )
 from tests.reference.recurrent_layer import (
     RecurrentLayerChecks,
+    check_chunked_equals_loop,
     check_decodes_batched,
     perturb,
     snapshot_counts,
@@ -154,14 +155,4 @@ def test_decays_past_the_floor_equal_the_loop_and_leave_the_callers_state_unwrit
     still equal the loop's, all finite, and the state passed in is not advanced in place."""
     x, dt, a, b, c, state = random_scan_inputs(200, heads=4, groups=2)
     a, dt = torch.full_like(a, -100.0), torch.full_like(dt, 0.05)
-    before = state.clone()
-    expected, expected_state, expected_saved = ssd_recurrent(
-        x, dt, a, b, c, state, snapshots=(50, 64)
-    )
-    out, final, saved = ssd_chunked(x, dt, a, b, c, state, chunk_size=32, snapshots=(50, 64))
-    assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(final, expected_state, atol=1e-5, rtol=0)
-    for got, want in zip(saved, expected_saved, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(state, before, atol=0, rtol=0)
+    check_chunked_equals_loop(ssd_chunked, ssd_recurrent, (x, dt, a, b, c, state))

@@ -79,15 +79,9 @@ def gated_delta_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of `gated_delta_rule_recurrent` for each of B requests: q, k `[B, Hk, Dk]`,
     v `[B, Hv, Dv]`, g and beta `[B, Hv]`, state `[B, Hv, Dk, Dv]` (advanced in place: the
-    caller's own copy); returns `[B, Hv, Dv]` and the state."""
-    batch, heads, dim_v = v.shape
-    ratio = heads // k.shape[1]
-    q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-    flat = state.mul_(g.exp()[:, :, None, None]).view(batch * heads, -1, dim_v)
-    predicted = torch.bmm(k.reshape(batch * heads, 1, -1), flat).view(batch, heads, dim_v)
-    delta = (v - predicted) * beta[:, :, None]
-    state.addcmul_(k[:, :, :, None], delta[:, :, None, :])
-    return torch.bmm(q.reshape(batch * heads, 1, -1), flat).view(batch, heads, dim_v), state
+    caller's own copy); returns `[B, Hv, Dv]` and the state (`gated_delta_step_in_place` over
+    its rows)."""
+    return gated_delta_step_in_place(q, k, v, g, beta, state.unbind(0)), state
 
 
 def gated_delta_step_in_place(
