@@ -13,7 +13,7 @@ calls per profiled step and its input shapes where `--shapes` asks for them.
 Prints one JSON object on its last line.
 
     .venv/bin/python benchmarks/step_profile.py --model DIR_OR_ALIAS [--mode decode]
-        [--requests 8] [--prompt-tokens 256] [--block-size 64] [--num-blocks 128]
+        [--requests 8] [--prompt-tokens 256] [--block-size 64] [--num-blocks N]
         [--threads 2] [--timed 12] [--profiled 5] [--top 15] [--shapes]
 """
 
@@ -33,7 +33,7 @@ from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.settings import SettingsSources
 from hybridserve.executor.torch.checkpoints import resolve_model
 from hybridserve.executor.torch.runtime import set_threads
-from hybridserve.offline.runtime import TorchRuntime, build_runtime
+from hybridserve.offline.runtime import PoolFor, TorchRuntime, build_runtime
 
 
 def _prompt(rng: random.Random, tokens: int, vocab: int) -> tuple[int, ...]:
@@ -55,6 +55,12 @@ def _decode_steps(runtime: TorchRuntime, args: argparse.Namespace, rng: random.R
         len(engine.token_ids(r)) <= args.prompt_tokens for r in engine.request_ids()
     ):
         engine.step()
+    if engine.num_running != args.requests:
+        raise SystemExit(
+            f"--num-blocks {args.num_blocks}: only {engine.num_running} of --requests "
+            f"{args.requests} decode together (the pool is too small); give more blocks, or "
+            "leave --num-blocks out to size the pool to the requests"
+        )
     return engine.step
 
 
@@ -96,7 +102,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--num-blocks", type=int, default=128)
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (default: enough for every request)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timed", type=int, default=12)
     parser.add_argument("--profiled", type=int, default=5)
@@ -109,7 +117,8 @@ def main() -> None:
     set_threads(args.threads)
     runtime = build_runtime(
         resolve_model(args.model),
-        num_blocks=args.num_blocks,
+        num_blocks=args.num_blocks
+        or PoolFor((args.prompt_tokens,) * args.requests, args.timed + args.profiled + 8),
         block_size=args.block_size,
         settings=SettingsSources(preset="baseline"),
         load_tokenizer=False,

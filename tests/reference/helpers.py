@@ -248,7 +248,10 @@ def drop_earlier_kv() -> Iterator[None]:
             if window is not None:
                 mask &= kp > qp - window
             calls.append(dataclasses.replace(call, mask=mask[:, None], causal=False))
-        return dataclasses.replace(meta, calls=tuple(calls), prefix_calls=())
+        decodes = meta.decodes
+        if decodes is not None:  # the paged kernel's decodes: their own token only
+            decodes = dataclasses.replace(decodes, lows=decodes.ends - 1)
+        return dataclasses.replace(meta, calls=tuple(calls), prefix_calls=(), decodes=decodes)
 
     executor_module.build_attention_meta = broken  # type: ignore[assignment]
     try:

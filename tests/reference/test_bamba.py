@@ -177,7 +177,7 @@ def _step_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str
     folder = tmp_path / "bamba"
     if not folder.exists():
         make_checkpoint(_bamba_config(), folder)
-    common = ["--model", str(folder), "--threads", "1", "--block-size", "16", "--num-blocks", "64"]
+    common = ["--model", str(folder), "--threads", "1", "--block-size", "16"]
     old_argv = sys.argv
     sys.argv = ["step_profile.py", *common, "--timed", "2", "--profiled", "1", *argv]
     try:
@@ -191,10 +191,23 @@ def test_step_profile_script_times_and_ranks_a_hybrids_decode_and_prefill_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     decode = _step_profile(tmp_path, capsys, "--requests", "3", "--prompt-tokens", "20")
-    prefill = _step_profile(tmp_path, capsys, "--mode", "prefill", "--prompt-tokens", "40")
+    prefill = _step_profile(
+        tmp_path, capsys, "--mode", "prefill", "--prompt-tokens", "40", "--num-blocks", "64"
+    )
     for report, requests in ((decode, 3), (prefill, 1)):
         assert report["requests"] == requests and report["step_ms_median"] > 0
         ops = report["top_ops"]
         assert ops and all(o["self_cpu_ms_per_step"] >= 0 for o in ops)
         shares = [o["share"] for o in ops]
         assert shares == sorted(shares, reverse=True) and sum(shares) <= 1.0001
+
+
+def test_step_profile_refuses_a_pool_too_small_for_its_decode_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 3 requests of 20 + 23 tokens need 3 blocks of 16 in each of Bamba's cache groups: with 7
+    # only one decodes at a time, and profiling that as a batch of 3 would report a batch of 1.
+    with pytest.raises(SystemExit, match="--num-blocks 7: only 1 of --requests 3"):
+        _step_profile(
+            tmp_path, capsys, "--requests", "3", "--prompt-tokens", "20", "--num-blocks", "7"
+        )

@@ -106,8 +106,14 @@ def _shared_prefix_run(folder: Path, *, share: bool, steps: int = 5, own: int = 
     """Request a prefills 300 tokens; b, c, d then hit its first 256 (16 blocks) and bring `own`
     tokens of their own; all four decode `steps` tokens. Returns tokens, logits and the keys
     gathered in the steps after a's prefill."""
+    # The gather path (CUDA, or the CPU without its paged decode kernel): on the CPU's kernel
+    # decodes gather nothing, shared prefix or not.
     executor = TorchExecutor(
-        load_model(folder), num_blocks=256, block_size=BLOCK, share_prefixes=share
+        load_model(folder),
+        num_blocks=256,
+        block_size=BLOCK,
+        share_prefixes=share,
+        cpu_kernels=False,
     )
     executor.record_logits = True
     blocks = _Blocks()

@@ -20,6 +20,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult, TokenLogprob
 from hybridserve.core.request import SamplingParams, keep_sampled
 from hybridserve.executor.grammar import Grammars
+from hybridserve.executor.torch import paged_kernel
 from hybridserve.executor.torch.cache import DeviceCache
 from hybridserve.executor.torch.constraints import Constraints, RuleRows, has_rules
 from hybridserve.executor.torch.draft_head import DraftHead, DraftHeadRunner
@@ -85,6 +86,7 @@ class TorchExecutor:
         grammars: Grammars | None = None,
         host_blocks: int = 0,
         uniform_pages: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         """`packed_linears`: on the CPU, float32 linear layers read a oneDNN-packed copy of
         their weights (`layers.packed`; off, `F.linear`). `share_prefixes`: chunks whose block
@@ -133,6 +135,12 @@ class TorchExecutor:
         self.block_size = block_size
         self.seed = seed
         self.share_prefixes = share_prefixes
+        self.paged_decodes = (
+            cpu_kernels
+            and self.device.type == "cpu"
+            and model.dtype == torch.float32
+            and paged_kernel.load() is not None
+        )
         layers = model.layer_caches()
         self.head = None
         if method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE):
@@ -560,6 +568,7 @@ class TorchExecutor:
                     window=window,
                     device=self.device,
                     share_prefixes=self.share_prefixes,
+                    paged_decodes=self.paged_decodes,
                 )
         ctx = ForwardContext(
             self.cache,

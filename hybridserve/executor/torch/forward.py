@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridserve.executor.torch import paged_kernel
 from hybridserve.executor.torch.cache import DeviceCache
 from hybridserve.parallel.attention import partial_attention_chunks, write_owned_slots
 from hybridserve.parallel.group import DcpGroup, all_gather_heads, merge_across_ranks
@@ -88,20 +89,44 @@ class PrefixCall:
 
 
 @dataclass(frozen=True, slots=True)
+class PagedDecodes:
+    """The step's one-query chunks, attended by the CPU paged kernel (`paged_kernel`) straight
+    from the cache: no gather, no call."""
+
+    rows: torch.Tensor  # [B]: row of the flat batch of each
+    first_row: int | None  # rows are first_row, first_row + 1, ... (a slice, no gather)
+    tables: torch.Tensor  # [B, W]: block tables, padded with 0
+    lows: torch.Tensor  # [B]: first position each attends to (after a window)
+    ends: torch.Tensor  # [B]: one past its query's position
+    order: torch.Tensor  # [B]: the chunks longest first (the kernel's job order)
+    num_keys: int  # keys attended, all of them together
+    block_size: int
+
+    @property
+    def computed(self) -> int:
+        return self.num_keys
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMeta:
     """One attention group's step: where the new K/V go, which cache slots to gather (one
-    `index_select` per layer), and the attention calls over the gathered keys."""
+    `index_select` per layer), the attention calls over the gathered keys, and the decodes the
+    paged kernel attends in place (`decodes`; then absent from the calls)."""
 
     slot_mapping: torch.Tensor  # [T]: flat cache slot of each new token
     key_slots: torch.Tensor  # [S]: cache slot of each gathered key, call regions in order
     calls: tuple[AttentionCall, ...]
     num_rows: int  # T
     prefix_calls: tuple[PrefixCall, ...] = ()
+    decodes: PagedDecodes | None = None
 
     @property
     def computed_elements(self) -> int:
         """Attention score elements per head and layer computed this step."""
-        return sum(c.computed for c in self.calls) + sum(c.computed for c in self.prefix_calls)
+        paged = self.decodes.computed if self.decodes is not None else 0
+        return (
+            sum(c.computed for c in self.calls) + sum(c.computed for c in self.prefix_calls) + paged
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,12 +242,15 @@ def build_attention_meta(
     window: int | None,
     device: torch.device,
     share_prefixes: bool = True,
+    paged_decodes: bool = False,
 ) -> AttentionMeta:
     """Gather indices and attention calls for the chunks of one group (`window=None`: full
     attention). Built with vectorised index ops: the cost grows with the tokens, not with a
     Python loop over them. With `share_prefixes`, chunks of full attention that begin with
     the same blocks attend to them in one `PrefixCall`. Under a window, chunks longer than it
-    attend in pieces of `window` queries, each gathering only its own window."""
+    attend in pieces of `window` queries, each gathering only its own window. With
+    `paged_decodes`, the one-query chunks go to `PagedDecodes` (the CPU paged kernel) and the
+    gathers and calls cover only the others."""
     if window is not None:
         spans = window_pieces(spans, window)
     tables = _padded_tables(spans)  # [N, W]
@@ -237,6 +265,15 @@ def build_attention_meta(
     row_starts = torch.tensor([s.row_start for s in spans], dtype=torch.long)
     positions = starts[owner] + torch.arange(num_rows) - row_starts[owner]
     slot_mapping = tables[owner, positions // block_size] * block_size + positions % block_size
+    decodes = None
+    if paged_decodes and bool((counts == 1).any()):
+        single = (counts == 1).nonzero().flatten()
+        decodes = _paged_decodes(spans, single, tables, lows, ends, block_size, device)
+        rest = [i for i in range(len(spans)) if spans[i].num_tokens != 1]
+        spans = [spans[i] for i in rest]
+        tables, starts, counts, ends, lows, row_starts = (
+            t[rest] for t in (tables, starts, counts, ends, lows, row_starts)
+        )
     shared = _shared_prefixes(spans, block_size) if share_prefixes and window is None else []
     partial = [False] * len(spans)
     for members, length in shared:
@@ -304,10 +341,40 @@ def build_attention_meta(
         offset += len(group) * longest
     return AttentionMeta(
         slot_mapping=to_device(slot_mapping, device),
-        key_slots=to_device(torch.cat(key_slots), device),
+        key_slots=to_device(
+            torch.cat(key_slots) if key_slots else torch.zeros(0, dtype=torch.long), device
+        ),
         calls=tuple(calls),
         num_rows=num_rows,
         prefix_calls=tuple(prefix_calls),
+        decodes=decodes,
+    )
+
+
+def _paged_decodes(
+    spans: Sequence[ChunkSpan],
+    single: torch.Tensor,
+    tables: torch.Tensor,
+    lows: torch.Tensor,
+    ends: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> PagedDecodes:
+    """The one-query chunks `single` (indices into `spans`) as the paged kernel reads them."""
+    rows = torch.tensor([spans[i].row_start for i in single.tolist()], dtype=torch.long)
+    first = int(rows[0])
+    contiguous = bool((rows == first + torch.arange(rows.numel())).all())
+    low, end = lows[single].contiguous(), ends[single].contiguous()
+    width = max(1, max(len(spans[i].table) for i in single.tolist()))
+    return PagedDecodes(
+        rows=to_device(rows, device),
+        first_row=first if contiguous else None,
+        tables=tables[single, :width].contiguous(),
+        lows=low,
+        ends=end,
+        order=torch.argsort(end - low, descending=True, stable=True),
+        num_keys=int((end - low).sum()),
+        block_size=block_size,
     )
 
 
@@ -524,6 +591,47 @@ def _attend_call(
     return out.transpose(1, 2).reshape(b * nq, heads, -1)
 
 
+def _put_rows(
+    result: torch.Tensor, rows: torch.Tensor, first_row: int | None, out: torch.Tensor
+) -> None:
+    if first_row is not None:
+        result.narrow(0, first_row, out.shape[0]).copy_(out)
+    else:
+        result.index_copy_(0, rows, out.to(result.dtype))
+
+
+def _attend_paged(
+    decodes: PagedDecodes,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The one-query chunks' attention by the paged kernel, `[B, H, Dv]` in their row order."""
+    kernel = paged_kernel.load()
+    if kernel is None:
+        raise RuntimeError(
+            "attention metadata asks for the CPU paged decode kernel, which is not loaded; "
+            "build the step with paged_decodes=False"
+        )
+    b = decodes.rows.numel()
+    qd = q.narrow(0, decodes.first_row, b) if decodes.first_row is not None else q[decodes.rows]
+    out = kernel(
+        qd,
+        k_cache,
+        v_cache,
+        decodes.tables,
+        decodes.lows,
+        decodes.ends,
+        decodes.order,
+        block_size=decodes.block_size,
+        scale=scale,
+        softcap=softcap,
+    )
+    return out.to(q.dtype)
+
+
 class ForwardContext:
     """Per step: attention metadata per group, state chunks per state group, and the cache."""
 
@@ -586,14 +694,41 @@ class ForwardContext:
         meta = self.attention_meta[group]
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        # One gather of every key the step's chunks attend to, per cache tensor.
+        self.attention_elements += meta.computed_elements * q.shape[1]
+        result = None
+        if meta.decodes is not None:
+            paged = _attend_paged(meta.decodes, q, k_cache, v_cache, scale, softcap)
+            if not meta.calls and not meta.prefix_calls and meta.decodes.first_row == 0:
+                return paged
+            result = q.new_empty(q.shape)
+            _put_rows(result, meta.decodes.rows, meta.decodes.first_row, paged)
+        if not meta.calls and result is not None:
+            return result
+        return self._attend_gathered(meta, q, k_cache, v_cache, scale, softcap, result)
+
+    def _attend_gathered(
+        self,
+        meta: AttentionMeta,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        softcap: float | None,
+        result: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The calls (and shared prefixes) of `meta` over one gather of the keys they read,
+        written into `result` (a new tensor where None)."""
         keys = self.buffers.gather("keys", k_cache, meta.key_slots).to(q.dtype)
         values = self.buffers.gather("values", v_cache, meta.key_slots).to(q.dtype)
-        self.attention_elements += meta.computed_elements * q.shape[1]
         self.gathered_keys += int(meta.key_slots.numel())
-        if len(meta.calls) == 1 and meta.calls[0].first_row == 0 and not meta.prefix_calls:
+        if (
+            result is None
+            and len(meta.calls) == 1
+            and meta.calls[0].first_row == 0
+            and not meta.prefix_calls
+        ):
             return _attend_call(meta.calls[0], q, keys, values, scale, softcap)
-        result = q.new_empty(q.shape)
+        result = q.new_empty(q.shape) if result is None else result
         row_lse = (
             torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
             if meta.prefix_calls
@@ -605,10 +740,7 @@ class ForwardContext:
                 row_lse.index_copy_(0, call.rows, call_lse)
             else:
                 out = _attend_call(call, q, keys, values, scale, softcap)
-            if call.first_row is not None:
-                result.narrow(0, call.first_row, out.shape[0]).copy_(out)
-            else:
-                result.index_copy_(0, call.rows, out)
+            _put_rows(result, call.rows, call.first_row, out)
         for prefix in meta.prefix_calls:
             assert row_lse is not None
             kb = _chunk_keys(keys, prefix.key_offset, 1, prefix.num_keys)

@@ -1,0 +1,190 @@
+"""The CPU paged decode kernel: against gather-and-softmax on random paged caches, through the
+attention metadata and ForwardContext against the gather path, and its build's fallbacks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridserve.executor.torch import paged_kernel
+from hybridserve.executor.torch.forward import ChunkSpan, ForwardContext, build_attention_meta
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> paged_kernel.PagedDecodeKernel:
+    loaded = paged_kernel.load()
+    if loaded is None:
+        pytest.skip("no C compiler here for the CPU paged decode kernel")
+    return loaded
+
+
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor,
+    lows: list[int],
+    ends: list[int],
+    block_size: int,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    out = []
+    group = q.shape[1] // k.shape[1]
+    for b, (low, end) in enumerate(zip(lows, ends, strict=True)):
+        pos = torch.arange(low, end)
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        kb = k[slots].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, K, D]
+        vb = v[slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.einsum("hd,hkd->hk", q[b].double(), kb.double()) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        out.append(torch.einsum("hk,hkd->hd", torch.softmax(scores, -1), vb.double()))
+    return torch.stack(out).float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 4, 9, 17]),
+    dim=st.sampled_from([8, 24, 64, 256]),
+    dim_v=st.sampled_from([None, 16]),
+    block_size=st.sampled_from([1, 5, 16]),
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=5),
+    window=st.sampled_from([None, 1, 7, 33]),
+    softcap=st.sampled_from([None, 5.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernel_equals_softmax_attention_over_the_gathered_keys(
+    kernel: paged_kernel.PagedDecodeKernel,
+    kv_heads: int,
+    group: int,
+    dim: int,
+    dim_v: int | None,
+    block_size: int,
+    lengths: list[int],
+    window: int | None,
+    softcap: float | None,
+    seed: int,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    per_request = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(per_request) + 3
+    # Blocks in a shuffled order (no request's blocks consecutive by chance), block 0 unused.
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width = max(per_request)
+    tables = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(per_request):
+        tables[b, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+    slots = num_blocks * block_size
+    # K and V are views into wider rows (the last dimension dense, the others strided).
+    k = torch.randn(slots, kv_heads + 1, dim, generator=gen)[:, 1:]
+    v = torch.randn(slots, kv_heads, dim_v or dim, generator=gen) * 3
+    q = torch.randn(len(lengths), kv_heads * group, dim, generator=gen)
+    ends = lengths
+    lows = [max(0, n - window) if window else 0 for n in lengths]
+    end_t, low_t = torch.tensor(ends), torch.tensor(lows)
+    order = torch.argsort(end_t - low_t, descending=True, stable=True)
+    scale = dim**-0.5 * 2
+    got = kernel(
+        q, k, v, tables, low_t, end_t, order, block_size=block_size, scale=scale, softcap=softcap
+    )
+    want = _reference(q, k, v, tables, lows, ends, block_size, scale, softcap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def _mixed_step(paged: bool, window: int | None) -> tuple[torch.Tensor, ForwardContext]:
+    """One step of two prefill chunks and three decodes (one past a block boundary, one of a
+    single token) over a paged cache holding their earlier tokens."""
+    gen = torch.Generator().manual_seed(3)
+    block, kv_heads, heads, dim = 4, 2, 6, 16
+    spans = [
+        ChunkSpan(0, 1, 9, (5, 2, 7)),
+        ChunkSpan(1, 6, 3, (3, 9)),
+        ChunkSpan(7, 1, 4, (1, 4)),
+        ChunkSpan(8, 5, 0, (6, 8)),
+        ChunkSpan(13, 1, 0, (10,)),
+    ]
+    meta = build_attention_meta(
+        spans, block_size=block, window=window, device=torch.device("cpu"), paged_decodes=paged
+    )
+
+    class Cache:
+        k = torch.randn(11 * block, kv_heads, dim, generator=gen)
+        v = torch.randn(11 * block, kv_heads, dim, generator=gen)
+
+        def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.k, self.v
+
+    ctx = ForwardContext(
+        Cache(),  # type: ignore[arg-type]
+        layer_group=[0],
+        attention={0: meta},
+        states={},
+        num_tokens=14,
+    )
+    q = torch.randn(14, heads, dim, generator=gen)
+    k = torch.randn(14, kv_heads, dim, generator=gen)
+    v = torch.randn(14, kv_heads, dim, generator=gen)
+    return ctx.attention(0, q, k, v, scale=0.25), ctx
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_decodes_attend_in_place_and_match_the_gather_path(
+    kernel: paged_kernel.PagedDecodeKernel, window: int | None
+) -> None:
+    paged, paged_ctx = _mixed_step(True, window)
+    gathered, gather_ctx = _mixed_step(False, window)
+    torch.testing.assert_close(paged, gathered, atol=1e-5, rtol=1e-5)
+    # The decodes gather nothing: only the two prefill chunks' keys are gathered.
+    meta = paged_ctx.attention_meta[0]
+    assert meta.decodes is not None and meta.decodes.rows.tolist() == [0, 7, 13]
+    assert all(c.num_queries > 1 for c in meta.calls)
+    assert paged_ctx.gathered_keys < gather_ctx.gathered_keys
+
+
+@pytest.fixture
+def fresh_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    paged_kernel.load.cache_clear()
+    yield
+    paged_kernel.load.cache_clear()
+
+
+def test_without_a_compiler_the_kernel_is_absent_and_says_why(
+    fresh_load: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING):
+        assert paged_kernel.load() is None
+    assert "no C compiler (/nonexistent/cc)" in caplog.text
+
+
+def test_a_failed_build_is_absent_and_reports_the_compiler_error(
+    fresh_load: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(paged_kernel, "COMPILE_FLAGS", ("-no-such-flag-at-all",))
+    with caplog.at_level(logging.WARNING):
+        assert paged_kernel.load() is None
+    assert "could not be built" in caplog.text and "no-such-flag-at-all" in caplog.text
+
+
+def test_the_switch_turns_the_kernel_off(fresh_load: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDSERVE_CPU_KERNELS", "0")
+    assert paged_kernel.load() is None
+
+
+def test_loading_the_kernel_keeps_denormal_floats(kernel: paged_kernel.PagedDecodeKernel) -> None:
+    # Linked with -ffast-math, the library would switch the CPU to flush denormals to zero for
+    # the whole process on load.
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0 and (tiny / 2).item() != 0.0
