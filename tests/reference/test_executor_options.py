@@ -173,6 +173,10 @@ def test_gathers_reuse_one_buffer_and_equal_index_select_head_major() -> None:
     assert other.data_ptr() != pointer  # each role has its own buffer
     grown = buffers.gather("keys", cache, torch.arange(40))
     torch.testing.assert_close(grown, cache[:40].transpose(0, 1))
+    # Grown with room to spare: a gather a few keys longer (a decode's next step) reuses it.
+    longer = buffers.gather("keys", cache, torch.arange(44))
+    assert longer.data_ptr() == grown.data_ptr()
+    torch.testing.assert_close(longer, cache[:44].transpose(0, 1))
 
 
 def test_serve_refuses_a_block_size_for_the_simulated_executor_or_below_one() -> None:

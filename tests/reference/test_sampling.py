@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from hybridserve.core.request import SamplingParams
-from hybridserve.executor.torch.sampler import position_seed, probabilities, verify
+from hybridserve.executor.torch.sampler import (
+    greedy_tokens,
+    position_seed,
+    probabilities,
+    verify,
+)
 from tests.reference.helpers import hybrid_generate, make_checkpoint
 
 
@@ -102,3 +107,14 @@ def test_importing_the_executor_package_and_cli_leaves_torch_out() -> None:
     code = "import sys, hybridserve.executor, hybridserve.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_greedy_tokens_are_argmax_with_its_ties_and_nans() -> None:
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(0))
+    logits[0, [17, 4000]] = 50.0  # tied maxima: the first
+    logits[1, 3] = float("nan")  # NaN ranks above every number
+    logits[1, 9] = 99.0
+    logits[2] = -1.0  # every entry tied
+    logits[3, [10, 20]] = float("inf")
+    assert greedy_tokens(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert greedy_tokens(logits).tolist()[:4] == [17, 3, 0, 10]

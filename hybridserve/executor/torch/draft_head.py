@@ -25,6 +25,7 @@ from hybridserve.executor.torch.forward import ChunkSpan, ForwardContext, build_
 from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.models.base import AttentionCache, CausalLM
 from hybridserve.executor.torch.models.llama import LlamaDecoderLayer
+from hybridserve.executor.torch.sampler import greedy_tokens
 
 
 class MissingDraftState(HybridServeError):
@@ -209,7 +210,7 @@ class DraftHeadRunner:
         current = [(item, state, item.positions[-1]) for item, state in drafting]
         for step in range(self.num_tokens):
             logits = self.target.compute_logits(torch.stack([s for _, s, _ in current]))
-            tokens = torch.argmax(logits, dim=-1).tolist()
+            tokens = greedy_tokens(logits).tolist()
             for (item, _, _), token in zip(current, tokens, strict=True):
                 drafts[item.req_id].append(int(token))
             if step == self.num_tokens - 1:

@@ -466,7 +466,7 @@ class GatherBuffers:
     step, was 2-4x faster than `index_select` allocating its output (a decode of 32 requests
     at 300 tokens of context, SmolLM2-135M). A layer's gathered keys live until its attention
     returns, so one buffer per role serves every layer. A buffer grows to the largest step's
-    gather and is kept at that size (one layer's keys, not all layers').
+    gather (and a quarter more) and is kept at that size (one layer's keys, not all layers').
 
     The keys come out head-major, `[KVH, S, D]`: each head's keys of a chunk are then one
     contiguous `[K, D]` matrix, which SDPA reads 1.4-1.7x faster than the cache's token-major
@@ -485,7 +485,10 @@ class GatherBuffers:
         key = (role, cache.dtype, cache.device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(max(numel, 1), dtype=cache.dtype, device=cache.device)
+            # Grown by a quarter at least: decodes' contexts grow a little every step, and a
+            # buffer grown to the exact size would be allocated (and faulted in) anew each time.
+            grown = numel + numel // 4 if buffer is not None else numel
+            buffer = torch.empty(max(grown, 1), dtype=cache.dtype, device=cache.device)
             self._buffers[key] = buffer
         out = buffer[:numel].view(shape)
         for head in range(num_heads):

