@@ -1,19 +1,22 @@
 """One engine step of the torch executor on CPU, timed and profiled: where a decode or a prefill
 step's time goes, by operator.
 
-`--mode decode`: `--requests` seeded random prompts of `--prompt-tokens` tokens are prefilled
-(steps not timed), then `--timed` decode steps are timed one by one (the median and the
-fastest), then `--profiled` more run under `torch.profiler`. `--mode prefill`: one prompt of
-`--prompt-tokens` tokens at a time (one chunk when the token budget holds it), a fresh prompt
-each time so nothing is cached; the first is a warm-up. Operators are ranked by self CPU time
-(the CPU time of the operator itself; a thread's time counts once per thread, so with 2
-threads a step's operators can sum to more than its wall time), each with its milliseconds and
-calls per profiled step and its input shapes where `--shapes` asks for them.
+`--mode decode`: `--requests` seeded random prompts of `--prompt-tokens` tokens (after
+`--shared-prefix` tokens every prompt starts with, cached by the first request before the
+others arrive) are prefilled (steps not timed), then `--timed` decode steps are timed one by
+one (the median and the fastest), then `--profiled` more run under `torch.profiler`.
+`--mode prefill`: one prompt of `--prompt-tokens` tokens at a time (one chunk when the token
+budget holds it), a fresh prompt each time so nothing is cached; the first is a warm-up.
+Operators are ranked by self CPU time (the CPU time of the operator itself; a thread's time
+counts once per thread, so with 2 threads a step's operators can sum to more than its wall
+time), each with its milliseconds and calls per profiled step and its input shapes where
+`--shapes` asks for them. The CPU paged decode kernel is one ctypes call: its time is in the
+step's, not among the operators.
 
 Prints one JSON object on its last line.
 
     .venv/bin/python benchmarks/step_profile.py --model DIR_OR_ALIAS [--mode decode]
-        [--requests 8] [--prompt-tokens 256] [--block-size 64] [--num-blocks N]
+        [--requests 8] [--prompt-tokens 256] [--shared-prefix 0] [--block-size 64] [--num-blocks N]
         [--threads 2] [--timed 12] [--profiled 5] [--top 15] [--shapes]
 """
 
@@ -40,8 +43,15 @@ def _prompt(rng: random.Random, tokens: int, vocab: int) -> tuple[int, ...]:
     return tuple(rng.randrange(min(100, vocab // 2), min(30_000, vocab)) for _ in range(tokens))
 
 
-def _add(runtime: TorchRuntime, rng: random.Random, name: str, tokens: int, new: int) -> None:
-    prompt = _prompt(rng, tokens, runtime.executor.model.vocab_size)
+def _add(
+    runtime: TorchRuntime,
+    rng: random.Random,
+    name: str,
+    tokens: int,
+    new: int,
+    prefix: tuple[int, ...] = (),
+) -> None:
+    prompt = prefix + _prompt(rng, tokens, runtime.executor.model.vocab_size)
     sampling = SamplingParams(max_tokens=new, ignore_eos=True)
     runtime.engine.add_request(Request(req_id=name, prompt_token_ids=prompt, sampling=sampling))
 
@@ -49,10 +59,15 @@ def _add(runtime: TorchRuntime, rng: random.Random, name: str, tokens: int, new:
 def _decode_steps(runtime: TorchRuntime, args: argparse.Namespace, rng: random.Random) -> Any:
     """Prefill every request, then a callable running one decode step."""
     engine, new = runtime.engine, args.timed + args.profiled + 8
+    prefix = _prompt(rng, args.shared_prefix, runtime.executor.model.vocab_size)
     for i in range(args.requests):
-        _add(runtime, rng, f"d{i}", args.prompt_tokens, new)
+        _add(runtime, rng, f"d{i}", args.prompt_tokens, new, prefix)
+        if i == 0 and prefix:  # cached before the others arrive: they share its blocks
+            while engine.num_waiting or len(engine.token_ids("d0")) <= len(prefix):
+                engine.step()
+    length = args.shared_prefix + args.prompt_tokens
     while engine.num_waiting or any(
-        len(engine.token_ids(r)) <= args.prompt_tokens for r in engine.request_ids()
+        len(engine.token_ids(r)) <= length for r in engine.request_ids()
     ):
         engine.step()
     if engine.num_running != args.requests:
@@ -101,6 +116,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0, help="decode: tokens every prompt starts with"
+    )
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks (default: enough for every request)"
@@ -118,7 +136,10 @@ def main() -> None:
     runtime = build_runtime(
         resolve_model(args.model),
         num_blocks=args.num_blocks
-        or PoolFor((args.prompt_tokens,) * args.requests, args.timed + args.profiled + 8),
+        or PoolFor(
+            (args.shared_prefix + args.prompt_tokens,) * args.requests,
+            args.timed + args.profiled + 8,
+        ),
         block_size=args.block_size,
         settings=SettingsSources(preset="baseline"),
         load_tokenizer=False,
@@ -139,11 +160,15 @@ def main() -> None:
         "mode": args.mode,
         "requests": args.requests if args.mode == "decode" else 1,
         "prompt_tokens": args.prompt_tokens,
+        "shared_prefix": args.shared_prefix,
         "threads": args.threads,
         "load_average_1min": round(os.getloadavg()[0], 2),
         "step_ms_median": round(statistics.median(times) * 1000, 1),
         "step_ms_min": round(min(times) * 1000, 1),
         "profiled_steps": args.profiled,
+        # Cache slots the last step gathered for attention, all layers (0 where the CPU paged
+        # kernel read every decode's keys in place).
+        "gathered_keys_last_step": runtime.executor.gathered_keys,
         "top_ops": _top_ops(prof, args.profiled, args.top, args.shapes),
     }
     print(json.dumps(report))
