@@ -99,12 +99,8 @@ class PagedDecodes:
     lows: torch.Tensor  # [B]: first position each attends to (after a window)
     ends: torch.Tensor  # [B]: one past its query's position
     order: torch.Tensor  # [B]: the chunks longest first (the kernel's job order)
-    num_keys: int  # keys attended, all of them together
+    num_keys: int  # keys attended, all of them together (the score elements per head)
     block_size: int
-
-    @property
-    def computed(self) -> int:
-        return self.num_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +119,7 @@ class AttentionMeta:
     @property
     def computed_elements(self) -> int:
         """Attention score elements per head and layer computed this step."""
-        paged = self.decodes.computed if self.decodes is not None else 0
+        paged = self.decodes.num_keys if self.decodes is not None else 0
         return (
             sum(c.computed for c in self.calls) + sum(c.computed for c in self.prefix_calls) + paged
         )
