@@ -5,8 +5,9 @@ step's time goes, by operator.
 `--shared-prefix` tokens every prompt starts with, cached by the first request before the
 others arrive) are prefilled (steps not timed), then `--timed` decode steps are timed one by
 one (the median and the fastest), then `--profiled` more run under `torch.profiler`.
-`--mode prefill`: one prompt of `--prompt-tokens` tokens at a time (one chunk when the token
-budget holds it), a fresh prompt each time so nothing is cached; the first is a warm-up.
+`--mode prefill`: `--requests` prompts (default 1) of `--prompt-tokens` tokens prefilled
+together (one step when the token budget holds them), fresh prompts each time so nothing is
+cached; the first round is a warm-up.
 Operators are ranked by self CPU time (the CPU time of the operator itself; a thread's time
 counts once per thread, so with 2 threads a step's operators can sum to more than its wall
 time), each with its milliseconds and calls per profiled step and its input shapes where
@@ -16,7 +17,7 @@ step's, not among the operators.
 Prints one JSON object on its last line.
 
     .venv/bin/python benchmarks/step_profile.py --model DIR_OR_ALIAS [--mode decode]
-        [--requests 8] [--prompt-tokens 256] [--shared-prefix 0] [--block-size 64] [--num-blocks N]
+        [--requests N] [--prompt-tokens 256] [--shared-prefix 0] [--block-size 64] [--num-blocks N]
         [--threads 2] [--timed 12] [--profiled 5] [--top 15] [--shapes]
 """
 
@@ -80,11 +81,13 @@ def _decode_steps(runtime: TorchRuntime, args: argparse.Namespace, rng: random.R
 
 
 def _prefill_steps(runtime: TorchRuntime, args: argparse.Namespace, rng: random.Random) -> Any:
-    """A callable running one whole prefill of a fresh prompt (and its one sampled token)."""
+    """A callable running one whole prefill of `--requests` fresh prompts together (and their
+    one sampled token each)."""
     count = iter(range(1 << 30))
 
     def one() -> None:
-        _add(runtime, rng, f"p{next(count)}", args.prompt_tokens, 1)
+        for _ in range(args.requests):
+            _add(runtime, rng, f"p{next(count)}", args.prompt_tokens, 1)
         while runtime.engine.has_requests():
             runtime.engine.step()
 
@@ -114,7 +117,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a checkpoint folder or a built-in alias")
     parser.add_argument("--mode", choices=("decode", "prefill"), default="decode")
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument(
+        "--requests", type=int, default=None, help="decode: 8 by default; prefill: 1"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument(
         "--shared-prefix", type=int, default=0, help="decode: tokens every prompt starts with"
@@ -129,6 +134,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--shapes", action="store_true", help="rank by operator and shapes")
     args = parser.parse_args()
+    if args.requests is None:
+        args.requests = 8 if args.mode == "decode" else 1
     for name in ("requests", "prompt_tokens", "timed", "profiled", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
@@ -158,7 +165,7 @@ def main() -> None:
     report = {
         "model": args.model,
         "mode": args.mode,
-        "requests": args.requests if args.mode == "decode" else 1,
+        "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,
         "shared_prefix": args.shared_prefix,
         "threads": args.threads,

@@ -167,3 +167,36 @@ def test_a_prefix_short_beside_the_chunks_own_keys_is_not_shared(folder: Path) -
     _, alone, _, alone_elements = _shared_prefix_run(folder, share=False, steps=2, own=600)
     assert shared == alone
     assert shared_elements == alone_elements
+
+
+def test_fresh_prompts_of_one_length_attend_in_one_causal_call_with_their_own_logits(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hybridserve.executor.torch.executor as executor_module
+
+    metas: list[Any] = []
+    original = executor_module.build_attention_meta
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        metas.append(original(*args, **kwargs))
+        return metas[-1]
+
+    monkeypatch.setattr(executor_module, "build_attention_meta", recording)
+    prompts = {f"r{i}": _prompt(37, seed=20 + i) for i in range(3)}
+
+    def run(together: bool) -> dict[str, Any]:
+        executor = TorchExecutor(load_model(folder), num_blocks=64, block_size=BLOCK)
+        executor.record_logits = True
+        blocks = _Blocks()
+        chunks = [_chunk(r, 0, p, blocks.take(len(p) + 1)) for r, p in prompts.items()]
+        steps = [tuple(chunks)] if together else [(c,) for c in chunks]
+        for i, step in enumerate(steps):
+            executor.execute(StepPlan(i, step))
+        return {r: torch.stack(v) for r, v in executor.recorded_logits.items()}
+
+    together = run(True)
+    (call,) = metas[0].calls  # one call: SDPA's causal mask serves all three, no mask tensor
+    assert call.num_seqs == 3 and call.causal and call.mask is None
+    apart = run(False)
+    for req_id in prompts:
+        torch.testing.assert_close(together[req_id], apart[req_id], atol=1e-5, rtol=1e-5)

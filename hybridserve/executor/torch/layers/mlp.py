@@ -1,4 +1,11 @@
-"""The gated MLP of Llama-family models: down(act(gate(x)) * up(x))."""
+"""The gated MLP of Llama-family models: down(act(gate(x)) * up(x)).
+
+The activation and the product run in place on the gate projection's output: two passes over
+one fresh tensor instead of two new tensors. A Gemma 3 prefill of 8 x 256 tokens spent 122 ms
+in `gelu` and 65 in the product before, 65 in `gelu_` and 14 in `mul_` after (18 layers of
+2,048 x 2,048, 2 threads; docs/step_profile_gemma3_prefill_8x256_*.json). Same operations,
+same results.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,22 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# In-place forms of the activations, for a tensor nothing else reads (a projection's output).
+_IN_PLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": lambda x: F.silu(x, inplace=True),
+    "gelu": lambda x: torch.ops.aten.gelu_(x),
+    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "relu": lambda x: F.relu(x, inplace=True),
+}
+
+
+def in_place_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation `name`, applied in place to (and returning) its argument."""
+    activation(name)  # a clear error for an unknown one
+    return _IN_PLACE[name]
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return _ACTIVATIONS[name]
@@ -32,7 +55,8 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act = activation(act)
+        self.act_in_place = in_place_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        hidden = self.act_in_place(self.gate_proj(x))
+        return self.down_proj(hidden.mul_(self.up_proj(x)))

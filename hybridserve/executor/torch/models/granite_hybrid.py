@@ -94,7 +94,7 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(self.act(gate) * up)
+        return self.output_linear(self.act(gate).mul_(up))
 
 
 class Router(nn.Module):
