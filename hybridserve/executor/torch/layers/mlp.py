@@ -1,8 +1,8 @@
 """The gated MLP of Llama-family models: down(act(gate(x)) * up(x)).
 
 The activation and the product run in place on the gate projection's output: two passes over
-one fresh tensor instead of two new tensors. A Gemma 3 prefill of 8 x 256 tokens spent 122 ms
-in `gelu` and 65 in the product before, 65 in `gelu_` and 14 in `mul_` after (18 layers of
+one fresh tensor instead of two new tensors. A Gemma 3 prefill of 8 x 256 tokens spent 128 ms
+in `gelu` and 73 in the product before, 76 in `gelu_` and 17 in `mul_` after (18 layers of
 2,048 x 2,048, 2 threads; docs/step_profile_gemma3_prefill_8x256_*.json). Same operations,
 same results.
 """
