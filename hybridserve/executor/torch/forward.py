@@ -581,18 +581,14 @@ def _attend_call(
         )
         return out.reshape(b, heads, -1)
     qb = qc.view(b, nq, heads, dim).transpose(1, 2)  # [B, H, Q, D]
-    if softcap is None and group > 1 and q.device.type == "cpu":
-        # The CPU kernels read each KV head for its G query heads: no repeated copy of K/V.
-        out = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=call.mask, is_causal=call.causal, scale=scale, enable_gqa=True
-        )
-        return out.transpose(1, 2).reshape(b * nq, heads, -1)
-    if group > 1:
+    # SDPA's CPU kernels read each KV head for its G query heads: no repeated copy of K/V.
+    gqa = softcap is None and group > 1 and q.device.type == "cpu"
+    if group > 1 and not gqa:
         kb = kb.repeat_interleave(group, dim=1)
         vb = vb.repeat_interleave(group, dim=1)
     if softcap is None:
         out = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=call.mask, is_causal=call.causal, scale=scale
+            qb, kb, vb, attn_mask=call.mask, is_causal=call.causal, scale=scale, enable_gqa=gqa
         )
     else:
         scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
