@@ -7,11 +7,12 @@ prefill chunks. Each cell is the median
 of `--repeats` calls after two warm-up calls, interleaved (plain, packed) so that a load change
 on a shared machine hits both. Prints one JSON object: per shape and row count the milliseconds
 of each and `packed_speedup` (plain / packed), and whether `PackedLinear` takes the packed path
-there. This is what `hybridserve.executor.torch.layers.packed.MIN_PACKED_ROWS` and
-`SINGLE_ROW_ELEMENTS` were chosen from.
+there on this machine's CPU. This is what `hybridserve.executor.torch.layers.packed.
+min_packed_rows` was chosen from (with `--cold`, each call reads its weight from memory, as a
+decode step's linears do: the head of the step before evicted them from the cache).
 
     .venv/bin/python benchmarks/cpu_linears.py [--threads 2] [--repeats 15]
-        [--rows 1,2,3,4,8,16,32,48,64,128,256,512]
+        [--rows 1,2,3,4,8,16,32,48,64,128,256,512] [--cold MB]
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.executor.torch.layers.packed import (
-    MIN_PACKED_ROWS,
     PACK_ROWS_HINT,
-    SINGLE_ROW_ELEMENTS,
+    cpu_vendor,
+    min_packed_rows,
     packing_available,
 )
 
@@ -54,14 +55,18 @@ SHAPES = (
 )
 
 
-def _median_ms(calls: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
-    """Each call's median wall milliseconds, the calls interleaved."""
+def _median_ms(
+    calls: list[Callable[[], torch.Tensor]], repeats: int, evict: Callable[[], object]
+) -> list[float]:
+    """Each call's median wall milliseconds, the calls interleaved, `evict` run (untimed)
+    before each."""
     for call in calls:
         call()
         call()
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats):
         for i, call in enumerate(calls):
+            evict()
             start = time.perf_counter()
             call()
             times[i].append(time.perf_counter() - start)
@@ -70,12 +75,17 @@ def _median_ms(calls: list[Callable[[], torch.Tensor]], repeats: int) -> list[fl
 
 def _path(rows: int, elements: int) -> str:
     """The path `PackedLinear` takes for `rows` rows of a weight of `elements` elements."""
-    if rows >= MIN_PACKED_ROWS or (rows == 1 and elements >= SINGLE_ROW_ELEMENTS):
-        return "packed"
-    return "plain"
+    return "packed" if rows >= min_packed_rows(elements, cpu_vendor()) else "plain"
 
 
-def measure(rows: list[int], repeats: int) -> list[dict[str, object]]:
+def measure(rows: list[int], repeats: int, cold_mb: int) -> list[dict[str, object]]:
+    """`cold_mb` > 0: before each call, read that many MB of other memory (the weight is then
+    read from memory, not from the cache)."""
+    filler = torch.ones(cold_mb * 2**20 // 4) if cold_mb > 0 else None
+
+    def evict() -> object:
+        return None if filler is None else filler.sum()
+
     results: list[dict[str, object]] = []
     for name, out_features, in_features in SHAPES:
         weight = torch.randn(out_features, in_features)
@@ -89,7 +99,7 @@ def measure(rows: list[int], repeats: int) -> list[dict[str, object]]:
             ]
             if count == 1:
                 calls.append(partial(torch.mm, x, columns))
-            times = _median_ms(calls, repeats)
+            times = _median_ms(calls, repeats, evict)
             row: dict[str, object] = {
                 "shape": name,
                 "out_features": out_features,
@@ -123,14 +133,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rows", default="1,2,3,4,8,16,32,48,64,128,256,512")
+    parser.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        metavar="MB",
+        help="read this many MB of other memory before each call (more than the last-level "
+        "cache, e.g. 1024): weights read from memory, as in a decode step",
+    )
     args = parser.parse_args()
     if not packing_available(torch.device("cpu"), torch.float32):
         raise SystemExit("this torch build has no oneDNN linear packing: nothing to compare")
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     started = time.perf_counter()
-    results = measure(rows, args.repeats)
+    results = measure(rows, args.repeats, args.cold)
     summary = {
+        "cpu_vendor": cpu_vendor(),
+        "cold_mb": args.cold,
         "threads": args.threads,
         "cpus": len(os.sched_getaffinity(0)),
         "load_average_1min": round(os.getloadavg()[0], 2),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.executor.torch import paged_kernel
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.models.bamba import BambaForCausalLM
 from hybridserve.executor.torch.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from tests.reference.helpers import make_checkpoint
@@ -195,7 +195,7 @@ def test_step_profile_script_times_and_ranks_a_hybrids_decode_and_prefill_steps(
     prefill = _step_profile(
         tmp_path, capsys, "--mode", "prefill", "--prompt-tokens", "40", "--num-blocks", "64"
     )
-    if paged_kernel.load() is not None:  # its decodes read their keys in place
+    if cpu_kernels.load() is not None:  # its decodes read their keys in place
         assert decode["gathered_keys_last_step"] == 0
     for report, requests in ((decode, 3), (prefill, 1)):
         assert report["requests"] == requests and report["step_ms_median"] > 0

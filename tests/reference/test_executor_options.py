@@ -18,6 +18,7 @@ from hybridserve.executor.torch.executor import compile_dense_layers
 from hybridserve.executor.torch.forward import GatherBuffers
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.packed import (
+    INTEL_MIN_PACKED_ROWS,
     MIN_PACKED_ROWS,
     SINGLE_ROW_ELEMENTS,
     PackedLinear,
@@ -111,12 +112,14 @@ def _kernel_calls(layer: torch.nn.Module, rows: int, kernel: str) -> int:
 
 
 def test_one_row_reads_the_packed_weight_only_of_a_large_linear() -> None:
+    # The rule for CPUs other than Intel's (their BLAS reads one row of a large weight slowly).
     if not packing_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN linear packing")
     packed_kernel = "mkldnn::_linear_pointwise"
     small = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
     large = torch.nn.Sequential(torch.nn.Linear(512, SINGLE_ROW_ELEMENTS // 512 + 1))
-    assert pack_linears(small) == 1 and pack_linears(large) == 1
+    amd = "AuthenticAMD"
+    assert pack_linears(small, vendor=amd) == 1 and pack_linears(large, vendor=amd) == 1
     assert _kernel_calls(small[0], 1, packed_kernel) == 0
     assert _kernel_calls(small[0], 2, packed_kernel) == 1
     assert _kernel_calls(small[0], 600, packed_kernel) == 1  # a prefill chunk reads it too
@@ -125,6 +128,16 @@ def test_one_row_reads_the_packed_weight_only_of_a_large_linear() -> None:
         x = torch.randn(rows, 512)
         plain = torch.nn.functional.linear(x, large[0].weight, large[0].bias)
         torch.testing.assert_close(large(x), plain, atol=1e-5, rtol=0)
+
+
+def test_on_intel_up_to_three_rows_read_the_plain_weight_of_any_size() -> None:
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    packed_kernel = "mkldnn::_linear_pointwise"
+    large = torch.nn.Sequential(torch.nn.Linear(512, SINGLE_ROW_ELEMENTS // 512 + 1))
+    assert pack_linears(large, vendor="GenuineIntel") == 1
+    calls = [_kernel_calls(large[0], rows, packed_kernel) for rows in (1, 2, 3, 4, 64)]
+    assert calls == [0, 0, 0, 1, 1] and INTEL_MIN_PACKED_ROWS == 4
 
 
 def test_executor_packs_cpu_float32_linears_unless_told_not_to(folder: Path) -> None:

@@ -113,7 +113,7 @@ def _shared_prefix_run(folder: Path, *, share: bool, steps: int = 5, own: int = 
         num_blocks=256,
         block_size=BLOCK,
         share_prefixes=share,
-        cpu_kernels=False,
+        paged_kernel=False,
     )
     executor.record_logits = True
     blocks = _Blocks()

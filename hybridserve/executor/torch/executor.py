@@ -20,7 +20,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan, StepResult, TokenLogprob
 from hybridserve.core.request import SamplingParams, keep_sampled
 from hybridserve.executor.grammar import Grammars
-from hybridserve.executor.torch import paged_kernel
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.cache import DeviceCache
 from hybridserve.executor.torch.constraints import Constraints, RuleRows, has_rules
 from hybridserve.executor.torch.draft_head import DraftHead, DraftHeadRunner
@@ -86,7 +86,7 @@ class TorchExecutor:
         grammars: Grammars | None = None,
         host_blocks: int = 0,
         uniform_pages: bool = True,
-        cpu_kernels: bool = True,
+        paged_kernel: bool = True,
     ) -> None:
         """`packed_linears`: on the CPU, float32 linear layers read a oneDNN-packed copy of
         their weights (`layers.packed`; off, `F.linear`). `share_prefixes`: chunks whose block
@@ -99,7 +99,9 @@ class TorchExecutor:
         layout's `host_blocks` must not exceed it. `uniform_pages`: the cache groups of a model
         mixing full and sliding-window attention are vLLM's groups of equal size (see
         `derive_cache_groups`); off, one group per layer kind. Either way layers at the same
-        position of different groups share their K/V tensors (`cache.kv_storage`)."""
+        position of different groups share their K/V tensors (`cache.kv_storage`).
+        `paged_kernel`: on the CPU, decodes attend through the paged decode kernel
+        (`cpu_kernels`) where it is built; off, through the gather path."""
         self.device = torch.device(device)
         self.dcp = dcp or DcpGroup()
         self.model = model.to(self.device).eval()
@@ -136,10 +138,10 @@ class TorchExecutor:
         self.seed = seed
         self.share_prefixes = share_prefixes
         self.paged_decodes = (
-            cpu_kernels
+            paged_kernel
             and self.device.type == "cpu"
             and model.dtype == torch.float32
-            and paged_kernel.load() is not None
+            and cpu_kernels.load() is not None
         )
         layers = model.layer_caches()
         self.head = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridserve.executor.torch import paged_kernel
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.cache import DeviceCache
 from hybridserve.parallel.attention import partial_attention_chunks, write_owned_slots
 from hybridserve.parallel.group import DcpGroup, all_gather_heads, merge_across_ranks
@@ -90,7 +90,7 @@ class PrefixCall:
 
 @dataclass(frozen=True, slots=True)
 class PagedDecodes:
-    """The step's one-query chunks, attended by the CPU paged kernel (`paged_kernel`) straight
+    """The step's one-query chunks, attended by the CPU paged kernel (`cpu_kernels`) straight
     from the cache: no gather, no call."""
 
     rows: torch.Tensor  # [B]: row of the flat batch of each
@@ -621,7 +621,7 @@ def _attend_paged(
     softcap: float | None,
 ) -> torch.Tensor:
     """The one-query chunks' attention by the paged kernel, `[B, H, Dv]` in their row order."""
-    kernel = paged_kernel.load()
+    kernel = cpu_kernels.load()
     if kernel is None:
         raise RuntimeError(
             "attention metadata asks for the CPU paged decode kernel, which is not loaded; "
@@ -629,7 +629,7 @@ def _attend_paged(
         )
     b = decodes.rows.numel()
     qd = q.narrow(0, decodes.first_row, b) if decodes.first_row is not None else q[decodes.rows]
-    out = kernel(
+    out = kernel.paged_decode(
         qd,
         k_cache,
         v_cache,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridserve.core.request import SamplingParams
+from hybridserve.executor.torch import cpu_kernels
 
 _GREEDY = SamplingParams()
 
@@ -144,9 +145,13 @@ def verify_batch(
     One cheap finiteness check covers the batch; only when it fails are the requests with a
     non-finite row found, and they get ()."""
     sizes = [len(drafts) + 1 for drafts, _, _ in requests]
-    unusable = _non_finite_requests(logits, sizes)
     greedy = [params is None or params.temperature == 0.0 for _, params, _ in requests]
-    targets: list[int] = greedy_tokens(logits).tolist() if any(greedy) else []
+    found = _clean_greedy_rows(logits) if all(greedy) else None
+    if found is not None:  # every row finite: one pass gave every argmax
+        unusable, targets = frozenset[int](), found
+    else:
+        unusable = _non_finite_requests(logits, sizes)
+        targets = greedy_tokens(logits).tolist() if any(greedy) else []
     host = logits if all(greedy) else logits.cpu()
     out: list[tuple[int, ...]] = []
     offset = 0
@@ -160,6 +165,15 @@ def verify_batch(
         else:
             out.append(_verify_finite(host[rows], drafts, params, first_position, default_seed))
     return out
+
+
+def _clean_greedy_rows(logits: torch.Tensor) -> list[int] | None:
+    """Every row's argmax from the CPU row kernel (one pass that also checks that each value is
+    finite), or None: not a float32 CPU tensor, no kernel, or some row not all finite."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    kernels = cpu_kernels.load()
+    return None if kernels is None else kernels.greedy_rows(logits)
 
 
 def _non_finite_requests(logits: torch.Tensor, sizes: Sequence[int]) -> frozenset[int]:

@@ -8,7 +8,7 @@ weight`), and its linear then reads that copy (`mkldnn._linear_pointwise`) for a
 vLLM's CPU backend does the same (`dispatch_cpu_unquantized_gemm`, a oneDNN handle created per
 linear at load time).
 
-Measured on a 2-core x86 machine with 2 threads (`benchmarks/cpu_linears.py`, median of 9
+Measured on a 2-core AMD EPYC host with 2 threads (`benchmarks/cpu_linears.py`, median of 9
 interleaved calls, float32, 2026-12-06; docs/cpu_linears.json, 1,024 and 2,048 rows in
 docs/cpu_linears_1024_2048.json): the packed weight ran faster than `F.linear` at every row
 count from 2 to 2,048 on every projection of SmolLM2-135M, Gemma 3 270M and the Granite
@@ -21,7 +21,18 @@ runs in one process). At one row it is faster on the weights of a million elemen
 (Gemma 3's head 27.0 ms against 57.9, the hybrid's MLP input 1.43 against 2.37) and not on the
 smaller ones, which a row reads from cache either way (SmolLM2's o 0.040 against 0.033). So the
 packed weight serves every row count from 2 (`MIN_PACKED_ROWS`) and one row of a weight of
-`SINGLE_ROW_ELEMENTS` or more. The weight stored transposed (`[in, out]`) read one row of Gemma
+`SINGLE_ROW_ELEMENTS` or more.
+
+On an Intel Xeon host (2 vCPUs, 2026-12-06) the rule differs, and it is chosen by the CPU's
+vendor (`min_packed_rows`): there `F.linear` (MKL) reads a weight from memory at the memory
+bound at one to three rows, and the packed weight does not. Measured with each call's weight
+evicted from the cache first, as in a decode step (`benchmarks/cpu_linears.py --cold 1024`,
+docs/cpu_linears_cold_xeon.json), plain / packed: Gemma 3's head 27.0 / 28.2 ms at one row,
+31.2 / 30.6 at three, 57.1 / 28.2 at four; its MLP up 0.35 / 0.53 ms at one row, 0.49 / 0.54 at
+four, 0.93 / 0.79 at 32. In whole decode steps of Gemma 3 270M (interleaved in one process):
+61.6-62.3 ms with the rule above, 56.0-56.5 with F.linear below 4 rows at one decode, 65.2-66.2
+against 60.5-61.4 at two, 72.0 against 69.1 at three (F.linear below 3 / 4 rows), and no
+difference from four. The weight stored transposed (`[in, out]`) read one row of Gemma
 3's head in 26.2 ms in an earlier run (packed 24.6), no faster than the packed copy, so no third
 copy is kept. The packed copy costs the weight's memory again (the plain weight stays: tied
 embeddings, draft heads and weight loaders read it). Results differ from `F.linear` by float32
@@ -30,6 +41,9 @@ within 1e-4.
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +57,30 @@ PACK_ROWS_HINT = 32
 MIN_PACKED_ROWS = 2
 # One row reads the packed weight too when the weight has at least this many elements.
 SINGLE_ROW_ELEMENTS = 1_000_000
+# On Intel CPUs fewer rows than this go through `F.linear` whatever the weight's size (see the
+# module's docstring).
+INTEL_MIN_PACKED_ROWS = 4
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor (`vendor_id` of /proc/cpuinfo, e.g. GenuineIntel, AuthenticAMD); ""
+    where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def min_packed_rows(elements: int, vendor: str) -> int:
+    """The fewest rows that read the packed copy of a weight of `elements` elements on a CPU of
+    `vendor` (fewer go through `F.linear`)."""
+    if vendor == "GenuineIntel":
+        return INTEL_MIN_PACKED_ROWS
+    return 1 if elements >= SINGLE_ROW_ELEMENTS else MIN_PACKED_ROWS
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,22 +99,24 @@ class PackedLinear(nn.Linear):
     weights and `state_dict` are unchanged)."""
 
     _packed: torch.Tensor
-    _single_row: bool  # one row reads the packed weight too (a large weight)
+    _min_rows: int  # fewer rows go through F.linear (`min_packed_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the compiler chooses the kernels (and the row count is symbolic).
         rows = x.shape[0] if x.dim() == 2 else 0
         if torch.compiler.is_compiling() or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        if rows < MIN_PACKED_ROWS and not (rows == 1 and self._single_row):
+        if rows < self._min_rows:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, vendor: str | None = None) -> int:
     """Pack the weight of every float32 CPU `nn.Linear` of `model` in place. Call it once the
-    weights are loaded and on their device: a weight changed afterwards is not seen. Returns how
-    many layers were packed (0 where the build cannot pack)."""
+    weights are loaded and on their device: a weight changed afterwards is not seen. `vendor`:
+    the CPU whose row rule applies (`min_packed_rows`; None: this machine's). Returns how many
+    layers were packed (0 where the build cannot pack)."""
+    vendor = cpu_vendor() if vendor is None else vendor
     count = 0
     for module in model.modules():
         if type(module) is not nn.Linear:
@@ -88,6 +128,6 @@ def pack_linears(model: nn.Module) -> int:
         module.__class__ = PackedLinear
         assert isinstance(module, PackedLinear)
         module._packed = packed
-        module._single_row = weight.numel() >= SINGLE_ROW_ELEMENTS
+        module._min_rows = min_packed_rows(weight.numel(), vendor)
         count += 1
     return count

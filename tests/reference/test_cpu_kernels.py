@@ -12,15 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridserve.executor.torch import paged_kernel
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.forward import ChunkSpan, ForwardContext, build_attention_meta
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def kernel() -> paged_kernel.PagedDecodeKernel:
-    loaded = paged_kernel.load()
+def kernel() -> cpu_kernels.CpuKernels:
+    loaded = cpu_kernels.load()
     if loaded is None:
         pytest.skip("no C compiler here for the CPU paged decode kernel")
     return loaded
@@ -64,7 +64,7 @@ def _reference(
     seed=st.integers(0, 2**16),
 )
 def test_the_kernel_equals_softmax_attention_over_the_gathered_keys(
-    kernel: paged_kernel.PagedDecodeKernel,
+    kernel: cpu_kernels.CpuKernels,
     kv_heads: int,
     group: int,
     dim: int,
@@ -95,10 +95,38 @@ def test_the_kernel_equals_softmax_attention_over_the_gathered_keys(
     end_t, low_t = torch.tensor(ends), torch.tensor(lows)
     order = torch.argsort(end_t - low_t, descending=True, stable=True)
     scale = dim**-0.5 * 2
-    got = kernel(
+    got = kernel.paged_decode(
         q, k, v, tables, low_t, end_t, order, block_size=block_size, scale=scale, softcap=softcap
     )
     want = _reference(q, k, v, tables, lows, ends, block_size, scale, softcap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("low", "end", "softcap"), [(0, 300, None), (37, 300, 5.0), (0, 127, None)]
+)
+def test_a_lone_decode_split_across_threads_equals_the_softmax_over_its_keys(
+    kernel: cpu_kernels.CpuKernels, low: int, end: int, softcap: float | None
+) -> None:
+    # One request with one KV head is one job: with two threads its positions are split in two
+    # parts whose partial softmaxes are merged (127 positions: too few to split).
+    gen = torch.Generator().manual_seed(5)
+    block_size, blocks = 16, 20
+    tables = (torch.randperm(blocks, generator=gen)).view(1, blocks)
+    k = torch.randn(blocks * block_size, 1, 64, generator=gen)
+    v = torch.randn(blocks * block_size, 1, 64, generator=gen)
+    q = torch.randn(1, 4, 64, generator=gen) * 3
+    lows, ends = torch.tensor([low]), torch.tensor([end])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kernel.paged_decode(
+            q, k, v, tables, lows, ends, torch.tensor([0]), block_size=16, scale=0.125,
+            softcap=softcap,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    want = _reference(q, k, v, tables, [low], [end], block_size, 0.125, softcap)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -140,7 +168,7 @@ def _mixed_step(paged: bool, window: int | None) -> tuple[torch.Tensor, ForwardC
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_decodes_attend_in_place_and_match_the_gather_path(
-    kernel: paged_kernel.PagedDecodeKernel, window: int | None
+    kernel: cpu_kernels.CpuKernels, window: int | None
 ) -> None:
     paged, paged_ctx = _mixed_step(True, window)
     gathered, gather_ctx = _mixed_step(False, window)
@@ -154,12 +182,115 @@ def test_decodes_attend_in_place_and_match_the_gather_path(
     assert paged_ctx.gathered_keys < gather_ctx.gathered_keys
 
 
+def _composite_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+) -> torch.Tensor:
+    h = x.double()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * ((1.0 + weight.double()) if offset else weight.double())).float()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 640), (3, 4, 256), (0, 8), (7, 1), (300, 576), (2, 5, 33)]),
+    offset=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_norm_kernel_equals_the_textbook_rms_norm(
+    kernel: cpu_kernels.CpuKernels,
+    shape: tuple[int, ...],
+    offset: bool,
+    strided: bool,
+    seed: int,
+) -> None:
+    # 300 x 576 runs its rows on the threads; a strided input is made contiguous first.
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape[:-1], shape[-1] * 2, generator=gen) * 3
+    x = x[..., ::2] if strided else x[..., : shape[-1]]
+    weight = torch.randn(shape[-1], generator=gen)
+    got = kernel.rms_norm(x, weight, 1e-6, offset)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, _composite_norm(x, weight, 1e-6, offset), atol=1e-5, rtol=1e-5)
+
+
+def test_the_norm_layer_runs_the_kernel_and_its_torch_form_agrees(
+    kernel: cpu_kernels.CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridserve.executor.torch.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6, offset=True)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(5, 64)
+    calls: list[int] = []
+    original = kernel.rms_norm
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel, "rms_norm", counted)
+    with torch.no_grad():
+        fast = norm(x)
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+        plain = norm(x)
+    assert calls == [1]
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_rows_give_the_first_maximum_of_each_row(kernel: cpu_kernels.CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(37, 262_144 // 8, generator=gen)
+    logits[3, 100] = logits[3, 9000] = 50.0  # a tie: the first wins
+    logits[5, -1] = 60.0  # the maximum at the last entry
+    got = kernel.greedy_rows(logits)
+    assert got == logits.max(dim=-1).indices.tolist() and got[3] == 100
+    assert kernel.greedy_rows(logits[:1]) == [int(logits[0].argmax())]  # one row, one thread
+
+
+def test_greedy_sampling_takes_its_argmax_from_the_kernel(
+    kernel: cpu_kernels.CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridserve.executor.torch.sampler import verify_batch
+
+    seen: list[int] = []
+    original = kernel.greedy_rows
+
+    def spy(logits: torch.Tensor) -> list[int] | None:
+        seen.append(logits.shape[0])
+        return original(logits)
+
+    monkeypatch.setattr(kernel, "greedy_rows", spy)
+    logits = torch.randn(5, 300)
+    logits[0, 7] = 9.0
+    out = verify_batch(logits, [((), None, 0), ((3, 4), None, 0), ((), None, 0)])
+    assert seen == [5] and out[0] == (7,)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_greedy_rows_leave_a_batch_with_a_non_finite_value_to_the_exact_path(
+    kernel: cpu_kernels.CpuKernels, value: float
+) -> None:
+    from hybridserve.executor.torch.sampler import verify_batch
+
+    logits = torch.randn(4, 1000)
+    logits[2, 17] = value
+    assert kernel.greedy_rows(logits) is None
+    # The batch's answers are the exact path's: a -inf (a masked token) leaves its row usable.
+    requests = [((), None, 0)] * 4
+    out = verify_batch(logits, requests)
+    want = logits.max(dim=-1).indices.tolist()
+    assert out[:2] == [(want[0],), (want[1],)] and out[3] == (want[3],)
+    assert out[2] == ((want[2],) if value == float("-inf") else ())
+
+
 @pytest.fixture
 def fresh_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    paged_kernel.load.cache_clear()
+    cpu_kernels.load.cache_clear()
     yield
-    paged_kernel.load.cache_clear()
+    cpu_kernels.load.cache_clear()
 
 
 def test_without_a_compiler_the_kernel_is_absent_and_says_why(
@@ -167,25 +298,25 @@ def test_without_a_compiler_the_kernel_is_absent_and_says_why(
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING):
-        assert paged_kernel.load() is None
+        assert cpu_kernels.load() is None
     assert "no C compiler (/nonexistent/cc)" in caplog.text
 
 
 def test_a_failed_build_is_absent_and_reports_the_compiler_error(
     fresh_load: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(paged_kernel, "COMPILE_FLAGS", ("-no-such-flag-at-all",))
+    monkeypatch.setattr(cpu_kernels, "COMPILE_FLAGS", ("-no-such-flag-at-all",))
     with caplog.at_level(logging.WARNING):
-        assert paged_kernel.load() is None
+        assert cpu_kernels.load() is None
     assert "could not be built" in caplog.text and "no-such-flag-at-all" in caplog.text
 
 
 def test_the_switch_turns_the_kernel_off(fresh_load: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYBRIDSERVE_CPU_KERNELS", "0")
-    assert paged_kernel.load() is None
+    assert cpu_kernels.load() is None
 
 
-def test_loading_the_kernel_keeps_denormal_floats(kernel: paged_kernel.PagedDecodeKernel) -> None:
+def test_loading_the_kernel_keeps_denormal_floats(kernel: cpu_kernels.CpuKernels) -> None:
     # Linked with -ffast-math, the library would switch the CPU to flush denormals to zero for
     # the whole process on load.
     tiny = torch.tensor([1e-39], dtype=torch.float32)

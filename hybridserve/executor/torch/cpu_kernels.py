@@ -1,4 +1,5 @@
-"""The CPU paged decode-attention kernel (`paged_decode.c`), compiled on first use.
+"""The CPU kernels, compiled on first use into one library: the paged decode-attention kernel
+(`paged_decode.c`) and row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax).
 
 On the CPU, decode attention through the gather path copies every key and value a decode reads
 into a contiguous buffer (`GatherBuffers`) and then runs SDPA over the copy: at 32 decodes of
@@ -7,13 +8,19 @@ keys in place from the paged cache, one job per (request, KV head) on OpenMP thr
 online softmax (see the C source). It covers float32 caches and any head sizes, grouping,
 sliding window (a per-request first position) and logit soft-capping.
 
-It is compiled with the system C compiler (`$CC`, else `cc`) the first time a process needs it,
-for this machine's CPU (`-march=native`), into `$XDG_CACHE_HOME/hybridserve/kernels` (else
-`~/.cache/...`) under a name hashed from the source, the flags and the CPU's features, so later
-processes load it without compiling. Where no compiler works, or `HYBRIDSERVE_CPU_KERNELS=0`,
-`load()` returns None (with one warning for a failed build) and attention takes the gather path.
+The row operations replace chains of torch operators that a decode step calls hundreds of times
+on a few rows each: `F.rms_norm` is composite on the CPU (six operators, each allocating its
+result) and greedy sampling read the logits twice (a sum to check that they are finite, then the
+maximum). At one decode of Gemma 3 270M a step calls the norm 109 times.
 
-The object is built with `-ffast-math` (vectorised reductions, `expf`) but linked without it:
+The library is compiled with the system C compiler (`$CC`, else `cc`) the first time a process
+needs it, for this machine's CPU (`-march=native`), into `$XDG_CACHE_HOME/hybridserve/kernels`
+(else `~/.cache/...`) under a name hashed from the sources, the flags and the CPU's features, so
+later processes load it without compiling. Where no compiler works, or `HYBRIDSERVE_CPU_KERNELS=0`,
+`load()` returns None (with one warning for a failed build): attention takes the gather path and
+the norms and greedy sampling their torch forms.
+
+The objects are built with `-ffast-math` (vectorised reductions, `expf`) but linked without it:
 linking with it would add `crtfastmath.o`, which flushes denormals to zero for the whole process.
 It links against `libgomp.so.1`, the OpenMP runtime torch itself loads, so both share one pool.
 """
@@ -35,7 +42,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("row_ops.c"))
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "HYBRIDSERVE_CPU_KERNELS"
@@ -58,33 +65,75 @@ def _cpu_features() -> str:
 
 
 def _build(compiler: str, target: Path) -> None:
-    """Compile and link the kernel into `target` (atomically: a finished file or none)."""
+    """Compile and link the library into `target` (atomically: a finished file or none)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "paged_decode.o", Path(tmp) / target.name
-        for argv in (
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
-        ):
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+        lib = Path(tmp) / target.name
+        steps = [
+            [compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj]
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        steps.append([compiler, *LINK_FLAGS, *objects, "-o", str(lib), "-lm"])
+        for argv in steps:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()[-800:]}")
         os.replace(lib, target)
 
 
-class PagedDecodeKernel:
-    """The loaded library and its one entry point."""
+class CpuKernels:
+    """The loaded library and its entry points."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
+        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         fn = self._lib.paged_decode_f32
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p] * 8 + [i64] * 11 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        fn.argtypes = [p] * 8 + [i64] * 11 + [f32, f32, i32]
+        fn.restype = i32
+        self._paged = fn
+        self._norm = self._lib.rms_norm_f32
+        self._norm.argtypes = [p, p, p, i64, i64, f32, i32, i32]
+        self._norm.restype = None
+        self._greedy = self._lib.greedy_rows_f32
+        self._greedy.argtypes = [p, i64, i64, p, p, i32]
+        self._greedy.restype = None
 
-    def __call__(
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+    ) -> torch.Tensor:
+        """`x / rms(x) * weight` over the last dimension (`offset`: `* (1 + weight)`), for a
+        float32 CPU `x` and `weight` of that dimension. A new tensor of `x`'s shape."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dim = x.shape[-1]
+        rows = x.numel() // dim if dim else 0
+        if rows:
+            self._norm(
+                x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps, int(offset),
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+    def greedy_rows(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row's argmax (the first of tied maxima) of a float32 CPU `[rows, vocab]`, in one
+        pass that also checks the values: None when some row holds an infinity or a NaN (the
+        caller then decides those rows exactly), else the indices."""
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        index = torch.empty(rows, dtype=torch.int64)
+        clean = torch.empty(rows, dtype=torch.uint8)
+        self._greedy(
+            logits.data_ptr(), rows, vocab, index.data_ptr(), clean.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if not bool(clean.all()):
+            return None
+        indices: list[int] = index.tolist()
+        return indices
+
+    def paged_decode(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -115,7 +164,7 @@ class PagedDecodeKernel:
             )
         q = q.contiguous()
         out = torch.empty(b, heads, dim_v, dtype=torch.float32)
-        failed = self._fn(
+        failed = self._paged(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -145,32 +194,35 @@ class PagedDecodeKernel:
 
 
 @functools.cache
-def load() -> PagedDecodeKernel | None:
-    """The kernel, compiled (once per machine and source) and loaded; None where it is switched
-    off (`HYBRIDSERVE_CPU_KERNELS=0`) or cannot be built, with one warning saying why."""
+def load() -> CpuKernels | None:
+    """The kernels, compiled (once per machine and source) and loaded; None where they are
+    switched off (`HYBRIDSERVE_CPU_KERNELS=0`) or cannot be built, with one warning saying why
+    (the callers then take their torch forms)."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
         log.warning(
-            "no C compiler (%s) for the CPU paged decode kernel: decode attention gathers "
-            "its keys (slower). Install one (e.g. gcc) or set CC.",
+            "no C compiler (%s) for the CPU kernels: decode attention gathers its keys and "
+            "norms and greedy sampling take their torch forms (slower). Install one (e.g. "
+            "gcc) or set CC.",
             os.environ.get("CC") or "cc",
         )
         return None
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((COMPILE_FLAGS, LINK_FLAGS)).encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), repr((COMPILE_FLAGS, LINK_FLAGS)).encode()):
         digest.update(part)
     digest.update(_cpu_features().encode())
-    target = _cache_dir() / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
             _build(compiler, target)
-        return PagedDecodeKernel(target)
+        return CpuKernels(target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning(
-            "the CPU paged decode kernel could not be built or loaded (%s): decode attention "
-            "gathers its keys (slower). Set %s=0 to skip trying.",
+            "the CPU kernels could not be built or loaded (%s): decode attention gathers its "
+            "keys and norms and greedy sampling take their torch forms (slower). Set %s=0 to "
+            "skip trying.",
             error,
             ENV_SWITCH,
         )

@@ -1,0 +1,67 @@
+/* Row-wise float32 operations on the CPU, one call each instead of a chain of torch operators:
+ * the RMS norm (Llama's `x * w`, Gemma's `x * (1 + w)`) and greedy sampling's argmax with its
+ * finiteness check, in one pass over the logits.
+ *
+ * Compiled and loaded at run time with the paged decode kernel by cpu_kernels.py.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+/* Rows run on OpenMP threads only when there is this much work (below it the threads' start
+ * costs more than the row). */
+#define PARALLEL_ELEMENTS 65536
+
+static void norm_row(const float *x, const float *w, int offset, float eps, int64_t dim,
+                     float *out) {
+    float squares = 0.0f;
+    for (int64_t d = 0; d < dim; d++) squares += x[d] * x[d];
+    float r = 1.0f / sqrtf(squares / (float)dim + eps);
+    if (offset)
+        for (int64_t d = 0; d < dim; d++) out[d] = x[d] * r * (1.0f + w[d]);
+    else
+        for (int64_t d = 0; d < dim; d++) out[d] = x[d] * r * w[d];
+}
+
+/* out[i] = x[i] / rms(x[i]) * w (offset: * (1 + w)) for rows i; x and out [rows, dim]
+ * contiguous (out may be x). */
+void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t dim,
+                  float eps, int offset, int threads) {
+    if (threads < 1) threads = 1;
+    int parallel = threads > 1 && rows > 1 && rows * dim >= PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(threads) if (parallel)
+    for (int64_t i = 0; i < rows; i++) norm_row(x + i * dim, w, offset, eps, dim, out + i * dim);
+}
+
+/* Whether v is an infinity or a NaN: its exponent bits all set (read from the bits, which
+ * -ffast-math cannot assume away). */
+static inline int non_finite(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return (bits & 0x7f800000u) == 0x7f800000u;
+}
+
+/* For each row of logits [rows, vocab] (contiguous): the index of its largest value (the first
+ * of tied maxima) into index[i], and clean[i] = 1 when every value is finite. A row with an
+ * infinity or a NaN gets clean[i] = 0 and an unspecified index: the caller decides those rows
+ * another way. */
+void greedy_rows_f32(const float *logits, int64_t rows, int64_t vocab, int64_t *index,
+                     uint8_t *clean, int threads) {
+    if (threads < 1) threads = 1;
+    int parallel = threads > 1 && rows > 1 && rows * vocab >= PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(threads) if (parallel)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = logits + i * vocab;
+        float top = row[0];
+        int bad = 0;
+        for (int64_t j = 0; j < vocab; j++) {
+            top = row[j] > top ? row[j] : top;
+            bad |= non_finite(row[j]);
+        }
+        int64_t at = 0;
+        if (!bad)
+            while (at < vocab && row[at] != top) at++;
+        index[i] = at < vocab ? at : 0;
+        clean[i] = (uint8_t)!bad;
+    }
+}
