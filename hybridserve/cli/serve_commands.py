@@ -188,6 +188,14 @@ StepTimeoutOpt = Annotated[
         "(/health 503, exit 1); 0 = no watchdog.",
     ),
 ]
+WarmUpOpt = Annotated[
+    int,
+    typer.Option(
+        help="Before its first step the engine runs one untimed step of this many prompt "
+        "tokens (at most the token budget), so that the first real prefill does not pay the "
+        "first touch of its memory; 0 = none.",
+    ),
+]
 ServeDcpOpt = Annotated[
     int,
     typer.Option(
@@ -291,6 +299,7 @@ class ServeFlags:
     sim_eos_probability: float
     shutdown_timeout: float
     step_timeout: float
+    warm_up_tokens: int
     dcp: int
     dcp_interleave: int
     served_model_name: list[str] | None
@@ -339,6 +348,7 @@ def serve_cmd(
     sim_eos_probability: EosProbabilityOpt = 1 / 256,
     shutdown_timeout: ShutdownOpt = 30.0,
     step_timeout: StepTimeoutOpt = 300.0,
+    warm_up_tokens: WarmUpOpt = 2048,
     dcp: ServeDcpOpt = 1,
     dcp_interleave: InterleaveOpt = 1,
     served_model_name: ServedNameOpt = None,
@@ -472,6 +482,8 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         raise fail(f"--shutdown-timeout={flags.shutdown_timeout}: use 0 or more seconds")
     if not 0 <= flags.step_timeout < math.inf:
         raise fail(f"--step-timeout={flags.step_timeout}: use 0 (no watchdog) or more seconds")
+    if flags.warm_up_tokens < 0:
+        raise fail(f"--warm-up-tokens={flags.warm_up_tokens}: use 0 (no warm-up) or more tokens")
     names = tuple(dict.fromkeys(flags.served_model_name or ()))
     if any(not name.strip() for name in names):
         raise fail("--served-model-name: give a non-empty name")
@@ -487,6 +499,7 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         max_failed_steps=flags.max_failed_steps,
         shutdown_timeout_s=flags.shutdown_timeout,
         step_timeout_s=flags.step_timeout,
+        warm_up_tokens=flags.warm_up_tokens,
         allow_origins=tuple(flags.allow_origin or ()),
         default_max_tokens=flags.default_max_tokens,
     )
@@ -570,7 +583,7 @@ def startup_banner(state: Any, *, host: str, port: int) -> str:
         f"max_request_bytes={settings.max_request_bytes}; "
         f"API key {'required' if settings.api_key else 'not required'}; "
         f"shutdown_timeout={settings.shutdown_timeout_s:g}s; "
-        f"step_timeout={settings.step_timeout_s:g}s",
+        f"step_timeout={settings.step_timeout_s:g}s; warm_up_tokens={settings.warm_up_tokens}",
         f"  try:       curl -s {base}/v1/completions -H 'Content-Type: application/json' "
         + ('-H "Authorization: Bearer $HYBRIDSERVE_API_KEY" ' if settings.api_key else "")
         + f"-d '{example}'",

@@ -201,3 +201,6 @@ class SimServingBackend:
 
     def pace_s(self, result: StepResult) -> float:
         return result.duration_s / self._sim_speed
+
+    def warm_up(self, num_tokens: int) -> int:
+        return 0  # simulated steps have no memory to touch

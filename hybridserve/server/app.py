@@ -112,6 +112,9 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # Metric names: "hybridserve" (hybridserve:...) or "vllm" (vLLM's own vllm:... names).
     metrics_names: str = "hybridserve"
+    # Before its first step the engine runs one untimed step of this many prompt tokens, at
+    # most the token budget (0: none; see ServingBackend.warm_up).
+    warm_up_tokens: int = 2048
 
 
 class ServerState:
@@ -143,6 +146,7 @@ class ServerState:
             retry_after_s=settings.retry_after_s,
             step_timeout_s=settings.step_timeout_s,
             snapshot=self._engine_samples,
+            warm_up=self._warm_up if settings.warm_up_tokens else None,
         )
         self.engine.on_dead = self._engine_died
         self.metrics.attach(lambda: list(self.engine.snapshot))
@@ -151,6 +155,11 @@ class ServerState:
         self.draining = False  # shutdown began: new requests get 503
         self.exit_code = 0  # what the process should exit with once the server stops
         self.request_exit: Callable[[], None] | None = None  # set by the server that runs us
+
+    def _warm_up(self) -> str:
+        budget = self.parts.scheduler.config.max_num_batched_tokens
+        tokens = self.backend.warm_up(min(self.settings.warm_up_tokens, budget))
+        return f"{tokens} prompt tokens in one step" if tokens else "nothing to warm"
 
     def _engine_samples(self) -> list[Sample]:
         """Scheduler and cache state for /metrics; the engine thread calls it, holding the

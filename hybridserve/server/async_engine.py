@@ -122,9 +122,12 @@ class AsyncEngine:
         retry_after_s: int = 1,
         step_timeout_s: float = 0.0,
         snapshot: Callable[[], Sequence[Any]] = tuple,
+        warm_up: Callable[[], object] | None = None,
     ) -> None:
         """`snapshot` reads the engine state /metrics shows (called with the engine lock
-        held); `step_timeout_s` is the watchdog's deadline for one step (0: no watchdog)."""
+        held); `step_timeout_s` is the watchdog's deadline for one step (0: no watchdog);
+        `warm_up` runs on the engine thread before its first step (requests that arrive
+        meanwhile wait; a failure is logged and serving goes on)."""
         if max_failed_steps < 1:
             raise ValueError(f"max_failed_steps={max_failed_steps}; use 1 or more")
         if not step_timeout_s >= 0:  # NaN too
@@ -154,6 +157,7 @@ class AsyncEngine:
         self.step_timeout_s = step_timeout_s
         self._step_began: float | None = None  # monotonic start of the step in flight
         self._read_snapshot = snapshot
+        self._warm_up = warm_up
         with self.lock:
             self.snapshot: Sequence[Any] = snapshot()  # replaced whole, never mutated
 
@@ -249,6 +253,13 @@ class AsyncEngine:
     # ----- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._warm_up is not None:
+            began = time.monotonic()
+            try:
+                done = self._warm_up()
+                logger.info("warm-up: %s (%.1f s)", done, time.monotonic() - began)
+            except Exception:
+                logger.exception("the warm-up step failed; serving without it")
         try:
             self._serve_steps()
         except Exception:

@@ -107,6 +107,12 @@ class ServingBackend(Protocol):
         sim speed for the simulator, 0 for an executor whose steps take real time."""
         ...
 
+    def warm_up(self, num_tokens: int) -> int:
+        """Run one untimed step of about `num_tokens` prompt tokens before serving (on the
+        engine thread, before its first step): the tokens run, 0 where there is nothing to
+        warm (the simulator)."""
+        ...
+
 
 def serve_settings(backend: ServingBackend, sources: SettingsSources) -> Preset:
     """The scheduler settings and retention `serve` runs with: the preset (the flag's, else the

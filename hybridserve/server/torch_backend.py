@@ -288,6 +288,11 @@ class TorchServingBackend:
     def pace_s(self, result: StepResult) -> float:
         return 0.0  # real steps take real time
 
+    def warm_up(self, num_tokens: int) -> int:
+        """One untimed step of `num_tokens` prompt tokens (`TorchExecutor.warm_up`), run on
+        the engine thread before its first step."""
+        return self._executor.warm_up(num_tokens)
+
     def close(self) -> None:
         """Release the DCP ranks, if any (call once the engine thread stopped). A rank that is
         already gone (killed from outside) is reported, not raised: shutdown goes on."""

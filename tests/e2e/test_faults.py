@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.executor.api import Executor
+from hybridserve.server.app import ServerSettings
 from tests.e2e.conftest import MODEL, LiveServer, start_server, wait_until_serving
 from tests.e2e.faulty_backend import FaultyBackend, always_fail
 
@@ -259,3 +262,60 @@ def test_an_engine_loop_bug_fails_every_request_and_stops_the_server_with_status
         assert cache.num_free_blocks == cache.layout.num_blocks - 1
     finally:
         server.stop()
+
+
+class _WarmingBackend(FaultyBackend):
+    """Records its warm-up (its thread and tokens), or fails it."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__(self._count)
+        self.fail = fail
+        self.steps = 0
+        self.warmed: list[tuple[str, int, int]] = []  # (thread, tokens, steps run before)
+
+    def _count(self, plan: StepPlan, inner: Executor) -> StepResult:
+        self.steps += 1
+        return inner.execute(plan)
+
+    def warm_up(self, num_tokens: int) -> int:
+        self.warmed.append((threading.current_thread().name, num_tokens, self.steps))
+        if self.fail:
+            raise RuntimeError("out of memory in the warm-up")
+        return num_tokens
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_engine_warms_up_on_its_thread_before_its_first_step_and_serves_either_way(
+    fail: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = _WarmingBackend(fail)
+    with caplog.at_level(logging.INFO):
+        server = start_server(
+            backend=backend,
+            settings=ServerSettings(warm_up_tokens=5000),
+            max_num_batched_tokens=1024,
+        )
+        try:
+            url = server.base_url + "/v1/completions"
+            done = server.client.post(url, json={"model": MODEL, "prompt": "hey", "max_tokens": 3})
+            assert done.json()["usage"]["completion_tokens"] == 3
+            _assert_clean(server)
+        finally:
+            server.stop()
+    # Once, on the engine thread, at most the token budget.
+    assert backend.warmed == [("hybridserve-engine", 1024, 0)]
+    if fail:
+        assert "the warm-up step failed; serving without it" in caplog.text
+    else:
+        assert "warm-up: 1024 prompt tokens in one step" in caplog.text
+
+
+def test_no_warm_up_when_it_is_off() -> None:
+    backend = _WarmingBackend(False)
+    server = start_server(backend=backend, settings=ServerSettings(warm_up_tokens=0))
+    try:
+        url = server.base_url + "/v1/completions"
+        assert server.client.post(url, json={"model": MODEL, "prompt": "x"}).status_code == 200
+    finally:
+        server.stop()
+    assert backend.warmed == []

@@ -91,6 +91,7 @@ def hybrid_generate(
     sampling: SamplingParams | None = None,
     layout_options: dict[str, Any] | None = None,
     packed_linears: bool = True,
+    warm_up_tokens: int = 0,
 ) -> HybridRun:
     """Generate for every prompt (`model_path` may also be a loaded model); `sequential=True`
     runs them one after another (so later prompts can hit the cache of earlier ones)."""
@@ -106,6 +107,8 @@ def hybrid_generate(
         max_num_seqs=max_num_seqs,
         packed_linears=packed_linears,
     )
+    if warm_up_tokens:
+        assert executor.warm_up(warm_up_tokens, prompt_tokens=7) > 0
     executor.record_logits = True
     config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,

@@ -214,3 +214,12 @@ def test_step_profile_refuses_a_pool_too_small_for_its_decode_batch(
         _step_profile(
             tmp_path, capsys, "--requests", "3", "--prompt-tokens", "20", "--num-blocks", "7"
         )
+
+
+def test_a_hybrid_model_skips_the_warm_up(tmp_path: Path) -> None:
+    from hybridserve.executor.torch import load_model
+    from hybridserve.executor.torch.executor import TorchExecutor
+
+    make_checkpoint(_bamba_config(), tmp_path)
+    executor = TorchExecutor(load_model(tmp_path), num_blocks=32, block_size=4)
+    assert executor.warm_up(64) == 0  # its state slots would need reserving

@@ -199,3 +199,27 @@ def test_serve_refuses_a_block_size_for_the_simulated_executor_or_below_one() ->
     result = CliRunner().invoke(app, ["serve", "--executor", "torch", "--block-size", "0"])
     assert result.exit_code != 0
     assert "--block-size=0" in result.output
+
+
+def test_a_warm_up_step_runs_its_tokens_and_changes_no_output(folder: Path) -> None:
+    from hybridserve.executor.torch.executor import TorchExecutor
+
+    executor = TorchExecutor(load_model(folder), num_blocks=16, block_size=4)
+    # 30 tokens as prompts of 8 (8 + 8 + 8 + 6), forgotten afterwards.
+    assert executor.warm_up(30, prompt_tokens=8) == 30
+    assert not executor._requests and not executor._sampling and not executor._prompt_lens
+    # The pool bounds it: 15 free blocks hold three 20-token prompts (5 blocks each).
+    assert executor.warm_up(100, prompt_tokens=20) == 60
+    assert executor.warm_up(0) == 0
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 4]]
+    cold = hybrid_generate(load_model(folder), prompts, max_tokens=5)
+    warm = hybrid_generate(load_model(folder), prompts, max_tokens=5, warm_up_tokens=40)
+    assert warm.tokens == cold.tokens
+    for req_id, logits in cold.logits.items():
+        torch.testing.assert_close(warm.logits[req_id], logits, atol=0, rtol=0)
+
+
+def test_serve_refuses_a_negative_warm_up() -> None:
+    result = CliRunner().invoke(app, ["serve", "--warm-up-tokens", "-1"])
+    assert result.exit_code != 0
+    assert "--warm-up-tokens=-1: use 0 (no warm-up) or more tokens" in result.output
