@@ -105,7 +105,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """`x / rms(x) * weight` over the last dimension (`offset`: `* (1 + weight)`), for a
         float32 CPU `x` and `weight` of that dimension. A new tensor of `x`'s shape."""
-        x = x.contiguous()
+        x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
         dim = x.shape[-1]
         rows = x.numel() // dim if dim else 0
@@ -122,6 +122,8 @@ class CpuKernels:
         caller then decides those rows exactly), else the indices."""
         logits = logits.contiguous()
         rows, vocab = logits.shape
+        if vocab == 0:
+            return None
         index = torch.empty(rows, dtype=torch.int64)
         clean = torch.empty(rows, dtype=torch.uint8)
         self._greedy(

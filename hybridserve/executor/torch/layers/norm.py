@@ -32,7 +32,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if x.device.type == "cpu" and (kernels := cpu_kernels.load()) is not None:
+            # Under torch.compile the compiler fuses the norm itself (a ctypes call would break
+            # its graph).
+            compiling = torch.compiler.is_compiling()
+            if x.device.type == "cpu" and not compiling and (kernels := cpu_kernels.load()):
                 return kernels.rms_norm(x, self.weight, self.eps, self.offset)
             weight = 1.0 + self.weight if self.offset else self.weight
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
