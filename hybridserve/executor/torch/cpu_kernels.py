@@ -53,15 +53,21 @@ def _cache_dir() -> Path:
     return Path(base) / "hybridserve" / "kernels"
 
 
-def _cpu_features() -> str:
-    """What `-march=native` depends on: the CPU's feature flags (Linux), else the machine."""
+def cpuinfo_line(*keys: str) -> str | None:
+    """The first line of /proc/cpuinfo starting with one of `keys` (None: none, or no such
+    file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return platform.machine() + platform.processor()
+    return None
+
+
+def _cpu_features() -> str:
+    """What `-march=native` depends on: the CPU's feature flags (Linux), else the machine."""
+    return cpuinfo_line("flags", "Features") or platform.machine() + platform.processor()
 
 
 def _build(compiler: str, target: Path) -> None:

@@ -43,11 +43,12 @@ within 1e-4.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridserve.executor.torch.cpu_kernels import cpuinfo_line
 
 # The row count oneDNN is told to expect when it chooses the packed layout; the packed weight
 # serves every row count. vLLM's CPU backend passes 32 too.
@@ -66,13 +67,8 @@ INTEL_MIN_PACKED_ROWS = 4
 def cpu_vendor() -> str:
     """The CPU's vendor (`vendor_id` of /proc/cpuinfo, e.g. GenuineIntel, AuthenticAMD); ""
     where it cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = cpuinfo_line("vendor_id")
+    return line.split(":", 1)[1].strip() if line and ":" in line else ""
 
 
 def min_packed_rows(elements: int, vendor: str) -> int:
