@@ -135,27 +135,54 @@ async def _drive(
         return stats, time.perf_counter() - start
 
 
+def _engine_counters(base_url: str) -> dict[str, float]:
+    """hybridserve's engine counters from `/metrics` (steps, wall and CPU seconds in
+    `Engine.step`); empty for a server that does not export them (vLLM)."""
+    names = {
+        "hybridserve:engine_steps_total": "steps",
+        "hybridserve:engine_step_seconds_total": "step_s",
+        "hybridserve:engine_step_cpu_seconds_total": "step_cpu_s",
+    }
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            counters[names[name]] = counters.get(names[name], 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
+
+
 def _model_name(base_url: str) -> str:
     return str(httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
 def _serve(
-    command: list[str], port: int, args: argparse.Namespace, workloads: dict[int, list[list[int]]]
+    command: list[str],
+    port: int,
+    args: argparse.Namespace,
+    workloads: dict[int, list[list[int]]],
+    warm_up: list[list[int]],
 ) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     try:
         wait_ready(base_url, process, args.start_timeout)
         model = _model_name(base_url)
-        # Warm-up: first-call costs of the model, the tokenizer and the HTTP stack.
-        asyncio.run(_drive(base_url, model, workloads[min(workloads)][:2], 2, 4))
+        # Warm-up: first-call costs of the model, the tokenizer and the HTTP stack, on prompts
+        # of their own (the measured prompts would otherwise start cached).
+        asyncio.run(_drive(base_url, model, warm_up, 2, 4))
         results: dict[str, Any] = {}
         for concurrency, prompts in workloads.items():
-            cpu_before = _tree_cpu_s(process.pid)
+            cpu_before, counters_before = _tree_cpu_s(process.pid), _engine_counters(base_url)
             stats, wall_s = asyncio.run(
                 _drive(base_url, model, prompts, concurrency, args.max_tokens)
             )
             cpu_s = _tree_cpu_s(process.pid) - cpu_before
+            counters = _engine_counters(base_url)
+            engine = {k: v - counters_before.get(k, 0.0) for k, v in counters.items()}
             results[str(concurrency)] = {
                 "completed": stats.completed,
                 "wall_s": round(wall_s, 2),
@@ -171,6 +198,13 @@ def _serve(
                 else None,
                 "_texts": stats.texts,
             }
+            if engine.get("steps"):  # where the wall time went: in engine steps, or between
+                results[str(concurrency)].update(
+                    engine_steps=int(engine["steps"]),
+                    engine_step_ms_mean=round(engine["step_s"] / engine["steps"] * 1e3, 2),
+                    engine_step_share_of_wall=round(engine["step_s"] / wall_s, 3),
+                    engine_step_cpu_s=round(engine.get("step_cpu_s", 0.0), 2),
+                )
         return results
     finally:
         process.terminate()
@@ -289,6 +323,9 @@ def main() -> None:
         ]
         for c in args.concurrency
     }
+    warm_up = [
+        [rng.randrange(100, args.vocab) for _ in range(args.prompt_tokens)] for _ in range(2)
+    ]
     threads = args.threads or len(os.sched_getaffinity(0))
 
     def ours_cmd(port: int) -> list[str]:
@@ -321,7 +358,7 @@ def main() -> None:
             print(f"round {index + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
             command = ours_cmd if side == "hybridserve" else _vllm_cmd(args)
             try:
-                runs[side] = _serve(command(port := free_port()), port, args, workloads)
+                runs[side] = _serve(command(port := free_port()), port, args, workloads, warm_up)
             except RuntimeError as exc:
                 runs[side] = {"skipped": f"{side} did not serve: {exc}"}
         rounds.append(runs)

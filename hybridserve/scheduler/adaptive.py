@@ -44,6 +44,15 @@ throughput below vLLM's whole budget, and every waiter pays W more.
 
 P stays within [floor, max_num_batched_tokens] and is handed out in whole quanta (q, the state
 block; SPEC.md 5.2). It starts at max_num_batched_tokens, vLLM's budget, and learns down.
+
+The budget stands aside while the decodes alone run past T: when the running average of the
+steps that carried decodes and no prefill (`observe_decode_only`) reaches T, no prefill budget
+can bring a mixed step under it, and shrinking the prefill only delays first tokens and splits
+prompts into smaller, costlier chunks. Steps are then vLLM's own (the budget at vLLM's, not
+updated) until that average falls under DECODE_ONLY_RELEASE x T. It happens where the engine is
+slow against the target (a CPU serving Gemma 3 270M to 8 streams decodes in 84 ms a step
+against T = 75: the budget fell to its floor, one 256-token prompt a 300 ms step, where vLLM
+prefills the queue in one 2,048-token step), not where T was chosen (the simulated H200).
 """
 
 from __future__ import annotations
@@ -62,6 +71,8 @@ LEVEL_WEIGHT = 0.25  # the weight of the newest measured cost a token in a budge
 LEVEL_MEMORY_STEPS = 200  # a budget's cost is forgotten this many updates after its last step
 CONTEXT_CEILING_FACTOR = 32  # the weighted budget's ceiling, x max_num_batched_tokens
 CALM_RISE_FRACTION = 0.5  # a calm aim reaches T when the oldest wait reaches W/2
+DECODE_ONLY_WEIGHT = 0.25  # the newest decode-only step's weight in their running average
+DECODE_ONLY_RELEASE = 0.9  # a budget standing aside resumes under this x T of decode-only steps
 
 
 class AdaptiveBudget:
@@ -70,12 +81,15 @@ class AdaptiveBudget:
     __slots__ = (
         "calm_target_s",
         "ceiling",
+        "decode_only_s",
         "floor",
         "last_binding",
         "levels",
         "pressure_target_s",
         "quantum",
         "queue_limit_s",
+        "stands_aside",
+        "start_tokens",
         "target_s",
         "tokens_f",
         "updates",
@@ -96,7 +110,11 @@ class AdaptiveBudget:
         self.floor = min(max(MIN_BUDGET_TOKENS // quantum, 1) * quantum, self.ceiling)
         # It starts at vLLM's budget and learns down (under the context weight too: the
         # ceiling above is room to grow into, not a start that takes more steps to leave).
-        self.tokens_f = float(config.max_num_batched_tokens)
+        self.start_tokens = float(config.max_num_batched_tokens)
+        self.tokens_f = self.start_tokens
+        # The running average of decode-only steps (0: none yet), and whether it is past T.
+        self.decode_only_s = 0.0
+        self.stands_aside = False
         self.valve_open = False  # set by the controller from the decision of each mixed step
         # budget -> (running average of the measured cost a prefill token of growing to it,
         # `updates` at its last step); the last binding step's (budget, duration, `updates`)
@@ -139,6 +157,23 @@ class AdaptiveBudget:
             return tokens
         return float(max(min(closed) - self.quantum, budget))
 
+    def observe_decode_only(self, duration_s: float) -> None:
+        """A step that carried decodes and no prefill ran `duration_s`: the budget stands aside
+        once their running average reaches T, and resumes (from vLLM's budget, learning down
+        again) once it falls under DECODE_ONLY_RELEASE x T."""
+        if duration_s <= 0:
+            return
+        seen = self.decode_only_s
+        self.decode_only_s = (
+            duration_s if seen <= 0 else seen + DECODE_ONLY_WEIGHT * (duration_s - seen)
+        )
+        if self.decode_only_s >= self.target_s:
+            if not self.stands_aside:
+                self.tokens_f = max(self.tokens_f, self.start_tokens)
+            self.stands_aside = True
+        elif self.decode_only_s < DECODE_ONLY_RELEASE * self.target_s:
+            self.stands_aside = False
+
     def tokens(self) -> int:
         """The budget now: whole quanta, at least one, at most max_num_batched_tokens."""
         whole = int(self.tokens_f) // self.quantum * self.quantum
@@ -178,7 +213,7 @@ class AdaptiveBudget:
         `prefill_tokens` of its `budget` (weighted by context, see ContextWeight; a quantum more
         would have taken `unit` quanta) and was planned `pressure`d (the queue valve open) when
         the oldest request in prefill had waited `oldest_wait_s`."""
-        if duration_s <= 0:
+        if duration_s <= 0 or self.stands_aside:
             return
         self.updates += 1
         limited = pressure and self.pressure_target_s > 0

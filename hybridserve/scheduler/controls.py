@@ -205,6 +205,8 @@ class ControlStats:
     deadline_bypasses: int = 0
     adaptive_fallbacks: int = 0
     queue_pressure_steps: int = 0  # mixed steps decided with the adaptive queue valve open
+    # mixed steps the adaptive budget stood aside for (decode-only steps ran past its target)
+    adaptive_stand_aside_steps: int = 0
     active_partial_prefills: int = 0  # gauge, after the last step
     last_grants: dict[str, int] = field(default_factory=dict)
 
@@ -236,6 +238,11 @@ class ControlStats:
                 "hybridserve:scheduler_queue_pressure_steps_total",
                 "counter",
                 self.queue_pressure_steps,
+            ),
+            (
+                "hybridserve:scheduler_adaptive_stand_aside_steps_total",
+                "counter",
+                self.adaptive_stand_aside_steps,
             ),
         ]
 
@@ -398,7 +405,11 @@ class PrefillController:
         """Only the adaptive budget caps prefill, and it reaches the step's whole room (under
         the context weight, the room's `prefill_work` at the longest context the step could
         meet: at least the room, so the queue is scanned only when the room is covered)."""
-        if self.adaptive is None or self.cap or self.target_s or not self.adaptive.covers(room):
+        if self.adaptive is None or self.cap or self.target_s:
+            return False
+        if self.adaptive.stands_aside:  # the decodes alone miss its target: vLLM's step
+            return True
+        if not self.adaptive.covers(room):
             return False
         if context_tokens <= 0:
             return True
@@ -416,6 +427,8 @@ class PrefillController:
             self.stats.queue_pressure_steps += 1
         if self.adaptive is not None and decision.adaptive_step:
             self.adaptive.valve_open = decision.queue_pressure
+            if self.adaptive.stands_aside and decision.pending:
+                self.stats.adaptive_stand_aside_steps += 1
         self._last_decision = decision
 
     def _mixed_budget(
@@ -437,7 +450,7 @@ class PrefillController:
         limit = max(room, 0)
         if self.cap:
             limit = min(limit, self.cap)
-        if self.adaptive is not None:
+        if self.adaptive is not None and not self.adaptive.stands_aside:
             limit = min(limit, self.adaptive.tokens())
         fallback = False
         if self.target_s:
@@ -576,6 +589,8 @@ class PrefillController:
                 duration_s=duration_s,
             )
         decision, self._last_decision = self._last_decision, UNLIMITED
+        if self.adaptive is not None and decode and not prefill:
+            self.adaptive.observe_decode_only(duration_s)
         if self.adaptive is not None and decode and decision.adaptive_step:
             used, unit = float(prefill), 1.0
             s0 = decision.context_tokens

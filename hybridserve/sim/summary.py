@@ -173,7 +173,8 @@ def pin_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
 
 def control_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
     """The adaptive budget's counters summed over the engines (none when it is off): the mixed
-    steps planned with its queue valve open, and the budget each engine ended on; with a
+    steps planned with its queue valve open, those it stood aside for (its decodes alone ran past
+    its target), and the budget each engine ended on; with a
     waiting deadline, the requests that waited past it."""
     out: dict[str, float] = {}
     for scheduler in schedulers:
@@ -181,6 +182,10 @@ def control_counters(schedulers: Sequence[Scheduler]) -> dict[str, float]:
         if adaptive is not None:
             for name, value in (
                 ("adaptive_queue_pressure_steps", scheduler.controls.stats.queue_pressure_steps),
+                (
+                    "adaptive_stand_aside_steps",
+                    scheduler.controls.stats.adaptive_stand_aside_steps,
+                ),
                 ("adaptive_budget_tokens_at_end", adaptive.tokens()),
             ):
                 out[name] = out.get(name, 0.0) + float(value)

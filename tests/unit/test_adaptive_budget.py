@@ -214,20 +214,33 @@ def test_a_queue_limit_without_the_budget_is_refused() -> None:
         SchedulerConfig(adaptive_budget_itl_ms=-1.0)
 
 
-def _run(scheduler_config: dict[str, Any], *, per_token_s: float) -> list[tuple[int, int]]:
-    """Two decodes beside one long prompt on a scheduler whose steps cost 20 ms plus
-    `per_token_s` per prefill token: (prefill tokens, decode tokens) of each step."""
+def _run(
+    scheduler_config: dict[str, Any],
+    *,
+    per_token_s: float,
+    base_s: float = 0.020,
+    long_at_step: int = 0,
+) -> list[tuple[int, int]]:
+    """Two decodes beside one long prompt (queued before step `long_at_step`) on a scheduler
+    whose steps cost `base_s` (20 ms) plus `per_token_s` per prefill token: (prefill tokens,
+    decode tokens) of each step."""
     scheduler = make_scheduler(**scheduler_config)  # type: ignore[arg-type]
-    for request in (
-        make_request("a", 8, max_tokens=400),
-        make_request("b", 8, max_tokens=400, base=100),
-        make_request("long", 20_000, max_tokens=2, base=10_000, arrival=0.01),
-    ):
-        scheduler.add_request(request)
+    return _run_on(scheduler, per_token_s=per_token_s, base_s=base_s, long_at_step=long_at_step)
+
+
+def _run_on(
+    scheduler: Any, *, per_token_s: float, base_s: float, long_at_step: int
+) -> list[tuple[int, int]]:
+    scheduler.add_request(make_request("a", 8, max_tokens=400))
+    scheduler.add_request(make_request("b", 8, max_tokens=400, base=100))
     shapes, now = [], 0.0
-    for _ in range(120):
+    for step in range(120):
+        if step == long_at_step:
+            scheduler.add_request(
+                make_request("long", 20_000, max_tokens=2, base=10_000, arrival=now + 0.01)
+            )
         out = scheduler.schedule(now)
-        duration = 0.020 + per_token_s * out.num_prefill_tokens
+        duration = base_s + per_token_s * out.num_prefill_tokens
         sampled = {c.req_id: (7,) for c in out.plan.chunks if c.sample}
         scheduler.update(out, StepResult(out.plan.step_id, sampled, duration))
         shapes.append((out.num_prefill_tokens, out.num_decode_tokens))
@@ -379,3 +392,45 @@ def test_in_the_scheduler_a_calm_target_keeps_mixed_steps_shorter_until_prefill_
     assert all(p <= 1500 for p in calm_mixed[3:6])  # near Tc's 1,000 while the wait is short
     assert calm_mixed[-2] > calm_mixed[4]  # and rising with the wait
     assert all(p <= 2000 + 16 for p in calm_mixed[6:])
+
+
+def test_decode_only_steps_past_the_target_make_the_budget_stand_aside_at_vllms_budget() -> None:
+    adaptive = budget(64, adaptive_budget_itl_ms=75.0, max_num_batched_tokens=8192)
+    for _ in range(20):  # mixed steps of 30 ms + 50 us a token learn down to (75 - 30) / 0.05
+        tokens = adaptive.tokens()
+        adaptive.update(
+            duration_s=0.030 + 50e-6 * tokens, prefill_tokens=tokens, budget=tokens, pressure=False
+        )
+    assert adaptive.tokens() <= 960 and not adaptive.stands_aside
+    adaptive.observe_decode_only(0.060)  # under T: nothing changes
+    assert not adaptive.stands_aside and adaptive.tokens() <= 960
+    for _ in range(3):  # the running average passes 75 ms on the third 90 ms step
+        adaptive.observe_decode_only(0.090)
+    assert adaptive.stands_aside and adaptive.tokens() == 8192
+    # Standing aside, a mixed step of any length moves nothing.
+    adaptive.update(duration_s=1.5, prefill_tokens=8192, budget=8192, pressure=False)
+    assert adaptive.tokens() == 8192
+    adaptive.observe_decode_only(0.070)  # 86 ms on average: still past 0.9 x 75
+    assert adaptive.stands_aside
+    for _ in range(6):
+        adaptive.observe_decode_only(0.040)
+    assert not adaptive.stands_aside  # under 67.5 ms: it learns down again from vLLM's budget
+    adaptive.update(duration_s=0.150, prefill_tokens=8192, budget=8192, pressure=False)
+    assert adaptive.tokens() == 4096
+
+
+def test_in_the_scheduler_decodes_slower_than_the_target_get_vllms_steps_and_are_counted() -> None:
+    # Decodes alone take 90 ms against T = 75: no prefill budget keeps a mixed step under it, so
+    # after the decode-only steps before the long prompt every mixed step is vLLM's, token for
+    # token.
+    config = {"adaptive_budget_itl_ms": 75.0, "max_num_batched_tokens": 4096}
+    slow = {"per_token_s": 100e-6, "base_s": 0.090, "long_at_step": 4}
+    scheduler = make_scheduler(**config)  # type: ignore[arg-type]
+    adaptive_run = _run_on(scheduler, **slow)  # type: ignore[arg-type]
+    vllm_run = _run({"max_num_batched_tokens": 4096}, **slow)  # type: ignore[arg-type]
+    assert adaptive_run == vllm_run
+    snapshot = scheduler.metrics_snapshot()
+    assert snapshot["hybridserve:scheduler_adaptive_stand_aside_steps_total"] >= 5
+    # The same load with 20 ms decodes: the budget governs (mixed steps far under vLLM's).
+    fast = _run(config, per_token_s=100e-6, long_at_step=4)
+    assert max(p for p, d in fast[10:] if d) <= 600 < max(p for p, d in vllm_run[4:] if d)
