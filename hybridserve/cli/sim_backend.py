@@ -202,5 +202,9 @@ class SimServingBackend:
     def pace_s(self, result: StepResult) -> float:
         return result.duration_s / self._sim_speed
 
+    @property
+    def default_max_num_batched_tokens(self) -> int | None:
+        return None  # the preset's: the simulated GPU's vLLM defaults
+
     def warm_up(self, num_tokens: int) -> int:
         return 0  # simulated steps have no memory to touch

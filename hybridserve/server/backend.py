@@ -16,7 +16,7 @@ decode-context-parallel ranks; it returns an object satisfying ServingBackend, w
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.plan import StepResult
@@ -107,6 +107,13 @@ class ServingBackend(Protocol):
         sim speed for the simulator, 0 for an executor whose steps take real time."""
         ...
 
+    @property
+    def default_max_num_batched_tokens(self) -> int | None:
+        """The token budget vLLM's own server defaults to on this backend's device, which
+        `serve` takes when neither a flag nor the settings file gives one (None: the preset's).
+        """
+        ...
+
     def warm_up(self, num_tokens: int) -> int:
         """Run one untimed step of about `num_tokens` prompt tokens before serving (on the
         engine thread, before its first step): the tokens run, 0 where there is nothing to
@@ -117,10 +124,22 @@ class ServingBackend(Protocol):
 def serve_settings(backend: ServingBackend, sources: SettingsSources) -> Preset:
     """The scheduler settings and retention `serve` runs with: the preset (the flag's, else the
     file's), then the file, then the flags (SchedulerConfig fields; None = not given). The
-    scheduler's `max_model_len` is the backend's unless `--max-model-len` says otherwise."""
-    if dict(sources.flags).get("max_model_len") is None:
-        flags = (*sources.flags, ("max_model_len", backend.max_model_len))
-        sources = replace(sources, flags=flags)
+    scheduler's `max_model_len` is the backend's unless `--max-model-len` says otherwise, and its
+    `max_num_batched_tokens` the backend's device default (vLLM's on a CPU: 2,048) where it has
+    one and neither `--max-num-batched-tokens` nor the file gives one."""
+    given = dict(sources.flags)
+    filed = dict(sources.file.scheduler) if sources.file is not None else {}
+    extra: list[tuple[str, Any]] = []
+    if given.get("max_model_len") is None:
+        extra.append(("max_model_len", backend.max_model_len))
+    budget = backend.default_max_num_batched_tokens
+    key = "max_num_batched_tokens"
+    if budget is not None and given.get(key) is None and key not in filed:
+        extra.append((key, budget))
+    if extra:
+        sources = replace(
+            sources, flags=(*((k, v) for k, v in sources.flags if k not in dict(extra)), *extra)
+        )
     return sources.resolve(
         quantum=state_quantum(backend.cache_groups()), max_model_len=backend.max_model_len
     )

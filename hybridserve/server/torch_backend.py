@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_MODEL_LEN = 8_192
 DEFAULT_BLOCK_SIZE = 16
+# vLLM's default token budget for its OpenAI server on a CPU (`EngineArgs` defaults by device:
+# 2,048 a step there, 8,192 on a GPU); `serve` takes it on a CPU unless told otherwise.
+CPU_MAX_NUM_BATCHED_TOKENS = 2_048
 logger = logging.getLogger(__name__)
 
 
@@ -287,6 +290,13 @@ class TorchServingBackend:
 
     def pace_s(self, result: StepResult) -> float:
         return 0.0  # real steps take real time
+
+    @property
+    def default_max_num_batched_tokens(self) -> int | None:
+        """On a CPU, vLLM's own CPU default for its server (2,048 tokens a step, against 8,192
+        on a GPU): a step of 8,192 prompt tokens costs 8% more a token than four of 2,048 here
+        (Gemma 3 270M, 2 threads: 960 against 888 us), its activations far past the caches."""
+        return CPU_MAX_NUM_BATCHED_TOKENS if self._executor.device.type == "cpu" else None
 
     def warm_up(self, num_tokens: int) -> int:
         """One untimed step of `num_tokens` prompt tokens (`TorchExecutor.warm_up`), run on

@@ -624,3 +624,26 @@ def test_the_backend_loads_its_model_in_a_thread_that_exits(
     _write_checkpoint(tmp_path)
     backend = TorchServingBackend(str(tmp_path), device="cpu", max_model_len=64)
     assert loads == [threading.current_thread().name] and backend.model_name == tmp_path.name
+
+
+def test_on_a_cpu_serve_takes_vllms_cpu_token_budget_unless_a_flag_or_the_file_gives_one(
+    tmp_path: Path,
+) -> None:
+    from hybridserve.engine.settings import SettingsSources, parse_settings
+    from hybridserve.server.backend import serve_settings
+    from hybridserve.server.torch_backend import CPU_MAX_NUM_BATCHED_TOKENS, TorchServingBackend
+
+    torch.set_num_threads(1)
+    _write_checkpoint(tmp_path)
+    backend = TorchServingBackend(str(tmp_path), device="cpu", max_model_len=256)
+    assert backend.default_max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 2048
+    for preset in ("hybridserve", "baseline"):
+        chosen = serve_settings(backend, SettingsSources(preset=preset))
+        assert chosen.scheduler.max_num_batched_tokens == 2048
+        assert chosen.scheduler.max_model_len == 256
+    flagged = SettingsSources(flags=(("max_num_batched_tokens", 8192),))
+    assert serve_settings(backend, flagged).scheduler.max_num_batched_tokens == 8192
+    filed = SettingsSources(file=parse_settings({"scheduler": {"max_num_batched_tokens": 4096}}))
+    assert serve_settings(backend, filed).scheduler.max_num_batched_tokens == 4096
+    not_given = SettingsSources(flags=(("max_num_batched_tokens", None),))
+    assert serve_settings(backend, not_given).scheduler.max_num_batched_tokens == 2048

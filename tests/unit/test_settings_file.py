@@ -221,3 +221,9 @@ def test_the_shipped_overload_file_is_the_tuned_vllm_setting_plus_the_agent_cont
     ours = preset("hybridserve", quantum=544, max_model_len=4096).scheduler
     agent = {"kv_pin_fraction": ours.kv_pin_fraction, "kv_pin_exact_tail": ours.kv_pin_exact_tail}
     assert dict(options["overrides"]) == {**dict(tuned.overrides), **agent}
+
+
+def test_the_simulated_backend_keeps_the_presets_token_budget() -> None:
+    backend = SimServingBackend(max_model_len=8192)
+    assert backend.default_max_num_batched_tokens is None
+    assert serve_settings(backend, SettingsSources()).scheduler.max_num_batched_tokens == 8192
