@@ -239,6 +239,63 @@ def test_the_norm_layer_runs_the_kernel_and_its_torch_form_agrees(
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.sampled_from([0, 1, 3, 40]),
+    inter=st.sampled_from([1, 17, 64, 2048]),
+    activation=st.sampled_from(["gelu_pytorch_tanh", "gelu_new", "silu"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_activation_product_kernel_equals_torchs_gate_activation_times_up(
+    kernel: cpu_kernels.CpuKernels, rows: int, inter: int, activation: str, seed: int
+) -> None:
+    from hybridserve.executor.torch.layers.mlp import activation as torch_activation
+
+    # 40 x 2048 runs its rows on the threads.
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(seed)) * 4
+    got = kernel.act_mul(gate_up, activation)
+    assert got is not None and got.shape == (rows, inter) and got.is_contiguous()
+    expected = torch_activation(activation)(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_activation_product_kernel_leaves_other_activations_to_torch(
+    kernel: cpu_kernels.CpuKernels,
+) -> None:
+    assert kernel.act_mul(torch.randn(2, 8), "gelu") is None  # the erf GELU: not in the kernel
+    assert kernel.act_mul(torch.randn(2, 8), "relu") is None
+
+
+def test_a_fused_mlp_runs_the_activation_kernel_and_its_torch_form_agrees(
+    kernel: cpu_kernels.CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridserve.executor.torch.layers.mlp import GatedMLP
+    from hybridserve.executor.torch.layers.packed import fused, pack_linears, packing_available
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 48, "gelu_pytorch_tanh").eval()
+    x = torch.randn(6, 32)
+    with torch.no_grad():
+        reference = mlp(x)  # separate projections, the in-place torch activation
+        assert pack_linears(mlp) == 3 and fused(mlp, "fused_gate_up") is not None
+        calls: list[int] = []
+        original = kernel.act_mul
+
+        def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
+            calls.append(1)
+            return original(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(kernel, "act_mul", counted)
+        fast = mlp(x)
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+        plain = mlp(x)
+    assert calls == [1]
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_greedy_rows_give_the_first_maximum_of_each_row(kernel: cpu_kernels.CpuKernels) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(37, 262_144 // 8, generator=gen)

@@ -154,6 +154,42 @@ def test_executor_packs_cpu_float32_linears_unless_told_not_to(folder: Path) -> 
     assert not any(isinstance(m, PackedLinear) for m in unpacked.model.modules())
 
 
+def test_packing_fuses_qkv_and_gate_up_into_one_product_over_shared_weights(
+    folder: Path,
+) -> None:
+    from hybridserve.executor.torch.executor import TorchExecutor
+    from hybridserve.executor.torch.layers.mlp import GatedMLP
+    from hybridserve.executor.torch.layers.packed import FusedProjection, fused
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear packing")
+    executor = TorchExecutor(load_model(folder), num_blocks=16, block_size=4)
+    modules = list(executor.model.modules())
+    attention = [m for m in modules if hasattr(m, "q_proj")]
+    mlps = [m for m in modules if isinstance(m, GatedMLP)]
+    assert len(attention) == len(mlps) == 2
+    torch.manual_seed(0)
+    for module, name, siblings in [
+        *((m, "fused_qkv", ("q_proj", "k_proj", "v_proj")) for m in attention),
+        *((m, "fused_gate_up", ("gate_proj", "up_proj")) for m in mlps),
+    ]:
+        projection = fused(module, name)
+        assert isinstance(projection, FusedProjection)
+        linears = [getattr(module, sibling) for sibling in siblings]
+        # The siblings stay plain linears whose weights are views into the fused one: no copy.
+        assert not any(isinstance(linear, PackedLinear) for linear in linears)
+        start = projection.weight.data_ptr()
+        end = start + projection.weight.numel() * projection.weight.element_size()
+        assert all(start <= linear.weight.data_ptr() < end for linear in linears)
+        for rows in (1, 3, 4, 64):  # F.linear under the row rule, the packed copy above it
+            x = torch.randn(rows, linears[0].in_features)
+            for part, linear in zip(projection(x), linears, strict=True):
+                expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+                torch.testing.assert_close(part, expected, atol=1e-5, rtol=0)
+    unpacked = TorchExecutor(load_model(folder), num_blocks=16, block_size=4, packed_linears=False)
+    assert not any(fused(m, "fused_qkv") for m in unpacked.model.modules())
+
+
 def test_packed_and_plain_linears_give_the_same_tokens(folder: Path) -> None:
     # The first step runs every prompt whole: 18 rows, packed; decodes run 5.
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 4], [20, 21, 22, 23], [30, 31]]

@@ -1,5 +1,6 @@
 """The CPU kernels, compiled on first use into one library: the paged decode-attention kernel
-(`paged_decode.c`) and row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax).
+(`paged_decode.c`) and row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax, the
+gated MLP's activation and product).
 
 On the CPU, decode attention through the gather path copies every key and value a decode reads
 into a contiguous buffer (`GatherBuffers`) and then runs SDPA over the copy: at 32 decodes of
@@ -46,6 +47,8 @@ SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name(
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "HYBRIDSERVE_CPU_KERNELS"
+# The activations `act_mul` computes (row_ops.c's `kind`), by their config names.
+ACT_MUL_KINDS = {"gelu_pytorch_tanh": 0, "gelu_new": 0, "silu": 1}
 
 
 def _cache_dir() -> Path:
@@ -105,6 +108,9 @@ class CpuKernels:
         self._greedy = self._lib.greedy_rows_f32
         self._greedy.argtypes = [p, i64, i64, p, p, i32]
         self._greedy.restype = None
+        self._act_mul = self._lib.act_mul_f32
+        self._act_mul.argtypes = [p, p, i64, i64, i32, i32]
+        self._act_mul.restype = None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
@@ -118,6 +124,23 @@ class CpuKernels:
         if rows:
             self._norm(
                 x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps, int(offset),
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """`act(gate) * up` of a float32 CPU `[rows, 2 * inter]` fused gate/up projection (the
+        gate first), in one pass into a new `[rows, inter]`; None for an activation the kernel
+        does not have (`ACT_MUL_KINDS`)."""
+        kind = ACT_MUL_KINDS.get(activation)
+        if kind is None:
+            return None
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=torch.float32)
+        if rows and width:
+            self._act_mul(
+                gate_up.data_ptr(), out.data_ptr(), rows, width // 2, kind,
                 torch.get_num_threads(),
             )  # fmt: skip
         return out

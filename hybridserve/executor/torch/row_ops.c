@@ -65,3 +65,29 @@ void greedy_rows_f32(const float *logits, int64_t rows, int64_t vocab, int64_t *
         clean[i] = (uint8_t)!bad;
     }
 }
+
+/* The gated MLP's activation and product in one pass over a fused gate/up projection:
+ * out[i, j] = act(y[i, j]) * y[i, inter + j] for y [rows, 2 * inter] and out [rows, inter]
+ * (both contiguous). kind 0: GELU, tanh approximation (Gemma's gelu_pytorch_tanh); 1: SiLU. */
+void act_mul_f32(const float *y, float *out, int64_t rows, int64_t inter, int kind,
+                 int threads) {
+    if (threads < 1) threads = 1;
+    int parallel = threads > 1 && rows * inter >= PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(threads) if (parallel)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *g = y + i * 2 * inter, *u = g + inter;
+        float *o = out + i * inter;
+        if (kind == 0) {
+            for (int64_t j = 0; j < inter; j++) {
+                float x = g[j];
+                float t = tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x));
+                o[j] = 0.5f * x * (1.0f + t) * u[j];
+            }
+        } else {
+            for (int64_t j = 0; j < inter; j++) {
+                float x = g[j];
+                o[j] = x / (1.0f + expf(-x)) * u[j];
+            }
+        }
+    }
+}

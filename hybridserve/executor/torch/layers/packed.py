@@ -107,15 +107,103 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
+class FusedProjection:
+    """Sibling linears that read the same input (q/k/v, gate/up) as one: one product of the
+    concatenated weight, its output split in the siblings' order. The siblings' weights become
+    views into the concatenated one (no second copy), and the product reads a packed copy of
+    it from `min_rows` rows (`F.linear` below, as `PackedLinear`). Made by `fuse_projections`;
+    not a module, so parameters and `state_dict` keep the siblings' names."""
+
+    def __init__(self, linears: list[nn.Linear], vendor: str) -> None:
+        weight = torch.cat([linear.weight.detach() for linear in linears]).contiguous()
+        self.splits = [linear.out_features for linear in linears]
+        self.weight = weight
+        self.bias = (
+            torch.cat([linear.bias.detach() for linear in linears])  # type: ignore[union-attr]
+            if linears[0].bias is not None
+            else None
+        )
+        start = 0
+        for linear, size in zip(linears, self.splits, strict=True):
+            linear.weight = nn.Parameter(weight[start : start + size], requires_grad=False)
+            if self.bias is not None:
+                linear.bias = nn.Parameter(self.bias[start : start + size], requires_grad=False)
+            start += size
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        self.min_rows = min_packed_rows(weight.numel(), vendor)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The concatenated output `[rows, sum of the siblings' outputs]`."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows < self.min_rows:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each sibling's output, in order (views into one product)."""
+        return tuple(self.product(x).split(self.splits, dim=-1))
+
+
+# The sibling linears fused, by the attribute a module keeps its FusedProjection under.
+FUSED_SIBLINGS = {
+    "fused_qkv": ("q_proj", "k_proj", "v_proj"),
+    "fused_gate_up": ("gate_proj", "up_proj"),
+}
+
+
+def fused(module: nn.Module, name: str) -> FusedProjection | None:
+    """`module`'s FusedProjection `name` (`FUSED_SIBLINGS`), None where it was not fused."""
+    found = module.__dict__.get(name)
+    return found if isinstance(found, FusedProjection) else None
+
+
+def project_qkv(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`module`'s q, k and v projections of `x`: one fused product where `pack_linears` fused
+    them (views into it), else its `q_proj`, `k_proj` and `v_proj`."""
+    qkv = fused(module, "fused_qkv")
+    if qkv is not None:
+        return qkv(x)
+    return module.q_proj(x), module.k_proj(x), module.v_proj(x)
+
+
+def _fusable(module: nn.Module, siblings: tuple[str, ...]) -> list[nn.Linear] | None:
+    """`module`'s `siblings`, when all are plain float32 CPU `nn.Linear`s this build can pack,
+    of one input size and dtype, with biases on all or none; else None."""
+    linears = [getattr(module, sibling, None) for sibling in siblings]
+    found = [linear for linear in linears if type(linear) is nn.Linear]
+    if len(found) != len(siblings):
+        return None
+    weight = found[0].weight
+    if (
+        not packing_available(weight.device, weight.dtype)
+        or len({linear.in_features for linear in found}) != 1
+        or len({linear.bias is None for linear in found}) != 1
+        or any(linear.weight.dtype != weight.dtype for linear in found)
+    ):
+        return None
+    return found
+
+
 def pack_linears(model: nn.Module, vendor: str | None = None) -> int:
-    """Pack the weight of every float32 CPU `nn.Linear` of `model` in place. Call it once the
-    weights are loaded and on their device: a weight changed afterwards is not seen. `vendor`:
-    the CPU whose row rule applies (`min_packed_rows`; None: this machine's). Returns how many
-    layers were packed (0 where the build cannot pack)."""
+    """Pack the weight of every float32 CPU `nn.Linear` of `model` in place: sibling linears
+    that read the same input (`FUSED_SIBLINGS`: q/k/v, gate/up) into one FusedProjection kept
+    on their module (the module's forward calls it: `fused`), every other one as a
+    PackedLinear. Call it once the weights are loaded and on their device: a weight changed
+    afterwards is not seen. `vendor`: the CPU whose row rule applies (`min_packed_rows`; None:
+    this machine's). Returns how many linears read a packed weight (0 where the build cannot
+    pack)."""
     vendor = cpu_vendor() if vendor is None else vendor
     count = 0
+    in_fusions: set[int] = set()
     for module in model.modules():
-        if type(module) is not nn.Linear:
+        for name, siblings in FUSED_SIBLINGS.items():
+            found = _fusable(module, siblings)
+            if found is not None and fused(module, name) is None:
+                module.__dict__[name] = FusedProjection(found, vendor)
+                in_fusions.update(id(linear) for linear in found)
+                count += len(found)
+    for module in model.modules():
+        if type(module) is not nn.Linear or id(module) in in_fusions:
             continue
         weight = module.weight
         if not packing_available(weight.device, weight.dtype):

@@ -16,6 +16,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.norm import RMSNorm
+from hybridserve.executor.torch.layers.packed import project_qkv
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
@@ -66,9 +67,10 @@ class BambaAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         n, rd = x.shape[0], self.rotary_dim
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q_rot, k_rot = self.rotary(positions, q[..., :rd], k[..., :rd])
         q = torch.cat([q_rot, q[..., rd:]], dim=-1)
         k = torch.cat([k_rot, k[..., rd:]], dim=-1)

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.norm import RMSNorm
+from hybridserve.executor.torch.layers.packed import project_qkv
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
@@ -68,9 +69,10 @@ class Gemma3Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = ctx.attention(self.layer_index, q, k, v, scale=self.scale, softcap=self.softcap)
         return self.o_proj(out.reshape(n, -1))

@@ -17,6 +17,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.norm import RMSNorm
+from hybridserve.executor.torch.layers.packed import project_qkv
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
@@ -74,9 +75,10 @@ class GraniteAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         out = ctx.attention(self.layer_index, q, k, v, scale=self.scale)

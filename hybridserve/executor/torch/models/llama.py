@@ -10,6 +10,7 @@ from torch import nn
 
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.norm import RMSNorm
+from hybridserve.executor.torch.layers.packed import project_qkv
 from hybridserve.executor.torch.layers.rotary import Rotary
 from hybridserve.executor.torch.models.base import (
     AttentionCache,
@@ -51,9 +52,10 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = ctx.attention(self.layer_index, q, k, v, scale=self.scale)
         return self.o_proj(out.reshape(n, -1))
