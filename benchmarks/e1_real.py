@@ -215,6 +215,8 @@ def hybridserve_command(args: argparse.Namespace, preset: str, port: int) -> lis
         "--served-model-name", args.model, "--port", str(port), "--threads", str(args.threads),
         "--preset", preset, "--block-size", str(args.block_size),
         "--num-blocks", str(args.pool["num_blocks"]), "--max-model-len", str(args.max_model_len),
+        # vLLM's budget given to both (on a CPU `serve` would otherwise take 2,048)
+        "--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
         "--shutdown-timeout", "5",
     ]  # fmt: skip
 

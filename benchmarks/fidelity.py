@@ -116,6 +116,8 @@ def calibration_server(args: argparse.Namespace, name: str, checkpoint: Path) ->
         command = [*_cli(), "serve", "--executor", "torch", "--model", str(checkpoint)]
         command += ["--device", "cpu", "--threads", str(args.threads), "--preset", "baseline"]
         command += ["--num-blocks", str(CALIBRATION_POOL_BLOCKS), "--shutdown-timeout", "5"]
+        # vLLM's budget, as vLLM below is given (on a CPU `serve` would otherwise take 2,048)
+        command += ["--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS)]
         return ServerProcess(name, command + common, log, port, env=_env())
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", str(checkpoint), "--host", "127.0.0.1", "--dtype", "float32"]
