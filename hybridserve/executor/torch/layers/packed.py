@@ -111,7 +111,7 @@ class FusedProjection:
     """Sibling linears that read the same input (q/k/v, gate/up) as one: one product of the
     concatenated weight, its output split in the siblings' order. The siblings' weights become
     views into the concatenated one (no second copy), and the product reads a packed copy of
-    it from `min_rows` rows (`F.linear` below, as `PackedLinear`). Made by `fuse_projections`;
+    it from `min_rows` rows (`F.linear` below, as `PackedLinear`). Made by `pack_linears`;
     not a module, so parameters and `state_dict` keep the siblings' names."""
 
     def __init__(self, linears: list[nn.Linear], vendor: str) -> None:
