@@ -124,6 +124,12 @@ def test_ctrl_c_during_sweep_writes_the_finished_trials_and_says_where(
     assert len(json.loads(written.read_text())["trials"]) == 1
 
 
+def _default_sigint() -> None:
+    # A suite started in the background of a non-interactive shell inherits SIGINT ignored,
+    # and so would the command (Python keeps an ignored SIGINT ignored): give it a terminal's.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(args: list[str], *, after_s: float, tmp_path: Path) -> tuple[int, str]:
     """Start the command in its own process group, Ctrl-C the whole group after `after_s`."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -135,6 +141,7 @@ def _interrupt(args: list[str], *, after_s: float, tmp_path: Path) -> tuple[int,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_default_sigint,
     )
     time.sleep(after_s)
     os.killpg(proc.pid, signal.SIGINT)
