@@ -71,7 +71,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_checkpoint import hf_checkpoint
-from server_process import ServerFailed, ServerProcess, free_port, vllm_version
+from server_process import (
+    ServerFailed,
+    ServerProcess,
+    engine_counters,
+    free_port,
+    vllm_version,
+)
 
 from hybridserve.core.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -189,23 +195,6 @@ def preemptions(metrics_text: str) -> float | None:
         if re.match(r"^(hybridserve|vllm):num_preemptions_total\b", line)
     ]
     return sum(values) if values else None
-
-
-ENGINE_COUNTERS = (  # hybridserve's engine counters, whole run (warm-up included)
-    "engine_steps", "engine_step_seconds", "engine_step_cpu_seconds",
-    "executor_step_duration_seconds", "prompt_tokens", "generation_tokens",
-)  # fmt: skip
-
-
-def engine_counters(metrics_text: str) -> dict[str, float]:
-    """hybridserve's step counters from its Prometheus page: steps, the wall and CPU seconds
-    inside Engine.step and the executor, prompt and generated tokens (vLLM has none of them)."""
-    found: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        match = re.match(r"^hybridserve:(\w+?)_total\{", line)
-        if match and match.group(1) in ENGINE_COUNTERS:
-            found[match.group(1)] = found.get(match.group(1), 0.0) + float(line.rsplit(None, 1)[1])
-    return found
 
 
 def hybridserve_command(args: argparse.Namespace, preset: str, port: int) -> list[str]:

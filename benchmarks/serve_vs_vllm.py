@@ -37,7 +37,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_checkpoint import hf_checkpoint
-from server_process import free_port, vllm_version, wait_ready
+from server_process import engine_counters, free_port, vllm_version, wait_ready
 
 
 @dataclass
@@ -136,23 +136,12 @@ async def _drive(
 
 
 def _engine_counters(base_url: str) -> dict[str, float]:
-    """hybridserve's engine counters from `/metrics` (steps, wall and CPU seconds in
-    `Engine.step`); empty for a server that does not export them (vLLM)."""
-    names = {
-        "hybridserve:engine_steps_total": "steps",
-        "hybridserve:engine_step_seconds_total": "step_s",
-        "hybridserve:engine_step_cpu_seconds_total": "step_cpu_s",
-    }
+    """hybridserve's engine counters from `/metrics` (`server_process.engine_counters`); empty
+    for a server that does not export them (vLLM) or does not answer."""
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        return engine_counters(httpx.get(f"{base_url}/metrics", timeout=10).text)
     except httpx.HTTPError:
         return {}
-    counters: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            counters[names[name]] = counters.get(names[name], 0.0) + float(line.rsplit(" ", 1)[1])
-    return counters
 
 
 def _model_name(base_url: str) -> str:
@@ -198,12 +187,14 @@ def _serve(
                 else None,
                 "_texts": stats.texts,
             }
-            if engine.get("steps"):  # where the wall time went: in engine steps, or between
+            if engine.get("engine_steps"):  # where the wall time went: in engine steps, or between
                 results[str(concurrency)].update(
-                    engine_steps=int(engine["steps"]),
-                    engine_step_ms_mean=round(engine["step_s"] / engine["steps"] * 1e3, 2),
-                    engine_step_share_of_wall=round(engine["step_s"] / wall_s, 3),
-                    engine_step_cpu_s=round(engine.get("step_cpu_s", 0.0), 2),
+                    engine_steps=int(engine["engine_steps"]),
+                    engine_step_ms_mean=round(
+                        engine["engine_step_seconds"] / engine["engine_steps"] * 1e3, 2
+                    ),
+                    engine_step_share_of_wall=round(engine["engine_step_seconds"] / wall_s, 3),
+                    engine_step_cpu_s=round(engine.get("engine_step_cpu_seconds", 0.0), 2),
                 )
         return results
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -135,3 +136,20 @@ def _reap_group(pgid: int) -> None:
     """SIGKILL what is left of the group (workers that outlived their parent)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+ENGINE_COUNTERS = (  # hybridserve's engine counters, whole run (warm-up included)
+    "engine_steps", "engine_step_seconds", "engine_step_cpu_seconds",
+    "executor_step_duration_seconds", "prompt_tokens", "generation_tokens",
+)  # fmt: skip
+
+
+def engine_counters(metrics_text: str) -> dict[str, float]:
+    """hybridserve's step counters from its Prometheus page: steps, the wall and CPU seconds
+    inside Engine.step and the executor, prompt and generated tokens (vLLM has none of them)."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        match = re.match(r"^hybridserve:(\w+?)_total\{", line)
+        if match and match.group(1) in ENGINE_COUNTERS:
+            found[match.group(1)] = found.get(match.group(1), 0.0) + float(line.rsplit(None, 1)[1])
+    return found

@@ -137,9 +137,9 @@ def serve_settings(backend: ServingBackend, sources: SettingsSources) -> Preset:
     if budget is not None and given.get(key) is None and key not in filed:
         extra.append((key, budget))
     if extra:
-        sources = replace(
-            sources, flags=(*((k, v) for k, v in sources.flags if k not in dict(extra)), *extra)
-        )
+        added = dict(extra)
+        kept = tuple((k, v) for k, v in sources.flags if k not in added)
+        sources = replace(sources, flags=(*kept, *extra))
     return sources.resolve(
         quantum=state_quantum(backend.cache_groups()), max_model_len=backend.max_model_len
     )
