@@ -97,7 +97,7 @@ def gated_delta_step_in_place(
     `[B, Hv, Dv]`."""
     ratio = v.shape[1] // k.shape[1]
     q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-    decay = g.exp()[:, :, None, None]
+    decay = decay_exp(g)[:, :, None, None]
     out = v.new_empty(v.shape)
     for i, state in enumerate(states):
         keys = k[i][:, None, :]  # [Hv, 1, Dk]
@@ -219,6 +219,9 @@ def _chunk_terms(
     decay = decay_within_chunks(cum).view(num_chunks, num_key_heads, ratio, size, size)
     lower = gram[:, :, None, size:] * decay * betas.reshape(decay.shape[:-1] + (1,))
     transform = unit_lower_inverse(lower.tril_(-1).view(num_chunks, num_heads, size, size))
+    # Entries whose decay is below the floor are zero (products of decays above it, each on a
+    # path of the inverse, can underflow there).
+    transform.masked_fill_(decay.view(num_chunks, num_heads, size, size) == 0, 0.0)
     return _ChunkTerms(
         cum=cum,
         decay_in=decay_exp(cum)[..., None],

@@ -160,7 +160,7 @@ def ssd_step_in_place(
     `[B, H, P]`. The inputs' arithmetic is batched, the state updates one request at a time."""
     ratio = x.shape[1] // b.shape[1]
     b, c = b.repeat_interleave(ratio, dim=1), c.repeat_interleave(ratio, dim=1)
-    decay = torch.exp(dt * a)[:, :, None, None]
+    decay = decay_exp(dt * a)[:, :, None, None]
     written = (dt[:, :, None] * x)[:, :, :, None]  # [B, H, P, 1]
     y = x.new_empty(x.shape)
     for i, state in enumerate(states):

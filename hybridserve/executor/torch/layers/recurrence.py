@@ -94,22 +94,30 @@ def pad_to_chunks(tensors: Iterable[torch.Tensor], chunk_size: int) -> list[torc
     return out
 
 
-# exp(-80) ~ 1.8e-35: a decay below it is zero for every float32 sum the scans form, and the
-# exponential of smaller numbers (underflowing to denormals) ran 6x slower on the CPU.
-LOG_DECAY_FLOOR = -80.0
+# A decay below exp(LOG_DECAY_FLOOR) is exactly zero. exp(-60) ~ 8.8e-27: against the term a
+# token writes with decay 1 its part is below float32's resolution by 19 orders of magnitude, so
+# zero changes no sum the scans form beyond rounding. Flooring (exp(-80) kept as it was) was not
+# enough: its products with small inputs underflow to subnormal floats, on which an x86 CPU
+# takes a slow path for every operation (a 256-token prefill of a Mamba2 hybrid whose decays
+# reach -100 a token ran 2.2x slower with them). The exponential of numbers below the floor is
+# never computed (it too underflows to subnormals, 6x slower).
+LOG_DECAY_FLOOR = -60.0
 
 
 def decay_exp(log_decay: torch.Tensor) -> torch.Tensor:
-    """exp of a log decay (<= 0), floored at `LOG_DECAY_FLOOR`."""
-    return log_decay.clamp(min=LOG_DECAY_FLOOR).exp_()
+    """exp of a log decay (<= 0), exactly 0 below `LOG_DECAY_FLOOR`."""
+    below = log_decay < LOG_DECAY_FLOOR
+    return log_decay.clamp(min=LOG_DECAY_FLOOR).exp_().masked_fill_(below, 0.0)
 
 
 def decay_within_chunks(cum: torch.Tensor) -> torch.Tensor:
-    """`[..., C, C]` with exp(cum_i - cum_j) for j <= i and exactly 0 above the diagonal, from
-    the cumulative log decay `cum` `[..., C]` (non-increasing, so the upper triangle's
-    differences, clamped to 0 before the exponential, cannot overflow)."""
+    """`[..., C, C]` with exp(cum_i - cum_j) for j <= i (exactly 0 below `LOG_DECAY_FLOOR`) and
+    exactly 0 above the diagonal, from the cumulative log decay `cum` `[..., C]`
+    (non-increasing, so the upper triangle's differences, clamped to 0 before the
+    exponential, cannot overflow)."""
     diff = cum[..., :, None] - cum[..., None, :]
-    return diff.clamp_(LOG_DECAY_FLOOR, 0.0).exp_().tril_()
+    below = diff < LOG_DECAY_FLOOR
+    return diff.clamp_(LOG_DECAY_FLOOR, 0.0).exp_().masked_fill_(below, 0.0).tril_()
 
 
 def snapshots_by_chunk(snapshots: tuple[int, ...], chunk_size: int) -> dict[int, list[int]]:
