@@ -296,6 +296,65 @@ def test_a_fused_mlp_runs_the_activation_kernel_and_its_torch_form_agrees(
     torch.testing.assert_close(plain, reference, atol=1e-5, rtol=1e-5)
 
 
+def _ssm_step_inputs(
+    batch: int, heads: int, groups: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    gen = torch.Generator().manual_seed(seed)
+    head_dim, state_size = 8, 16
+    x = torch.randn(batch, heads, head_dim, generator=gen)
+    dt = torch.rand(batch, heads, generator=gen) * 2.0
+    a = -torch.rand(heads, generator=gen) * 60.0  # some decays below the floor: exactly zero
+    b = torch.randn(batch, groups, state_size, generator=gen)
+    c = torch.randn(batch, groups, state_size, generator=gen)
+    states = [torch.randn(heads, head_dim, state_size, generator=gen) for _ in range(batch)]
+    return x, dt, a, b, c, states
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 9),
+    groups_and_ratio=st.sampled_from([(1, 1), (1, 4), (2, 2), (4, 1), (2, 16)]),
+    seed=st.integers(0, 1000),
+)
+def test_the_ssm_step_kernel_equals_the_torch_step(
+    kernel: cpu_kernels.CpuKernels, batch: int, groups_and_ratio: tuple[int, int], seed: int
+) -> None:
+    from hybridserve.executor.torch.layers import mamba2
+
+    groups, ratio = groups_and_ratio  # 2 x 16 heads x 8 requests runs on the threads
+    x, dt, a, b, c, states = _ssm_step_inputs(batch, groups * ratio, groups, seed)
+    fast_states = [s.clone() for s in states]
+    calls: list[int] = []
+    original = kernel.ssm_step
+
+    def counted(*args: object) -> torch.Tensor | None:
+        calls.append(1)
+        return original(*args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "ssm_step", counted)
+        fast = mamba2.ssd_step_in_place(x, dt, a, b, c, fast_states)
+        patch.setattr(cpu_kernels, "load", lambda: None)
+        plain = mamba2.ssd_step_in_place(x, dt, a, b, c, states)
+    assert calls == [1]
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    for got, want in zip(fast_states, states, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_ssm_step_kernel_leaves_states_it_cannot_read_to_torch(
+    kernel: cpu_kernels.CpuKernels,
+) -> None:
+    x, dt, a, b, c, states = _ssm_step_inputs(2, 4, 2, seed=0)
+    strided = [s.transpose(1, 2).contiguous().transpose(1, 2) for s in states]  # not dense
+    before = [s.clone() for s in strided]
+    decay, xdt = torch.exp(dt * a), dt[:, :, None] * x
+    assert kernel.ssm_step(strided, decay, xdt, b, c) is None
+    assert kernel.ssm_step([s.double() for s in states], decay, xdt, b, c) is None
+    assert kernel.ssm_step(states[:1], decay, xdt, b, c) is None  # one state for two requests
+    assert all(torch.equal(s, t) for s, t in zip(strided, before, strict=True))
+
+
 def test_greedy_rows_give_the_first_maximum_of_each_row(kernel: cpu_kernels.CpuKernels) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(37, 262_144 // 8, generator=gen)

@@ -1,6 +1,6 @@
 """The CPU kernels, compiled on first use into one library: the paged decode-attention kernel
 (`paged_decode.c`) and row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax, the
-gated MLP's activation and product).
+gated MLP's activation and product, the Mamba2 decode step's state update).
 
 On the CPU, decode attention through the gather path copies every key and value a decode reads
 into a contiguous buffer (`GatherBuffers`) and then runs SDPA over the copy: at 32 decodes of
@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -111,6 +112,9 @@ class CpuKernels:
         self._act_mul = self._lib.act_mul_f32
         self._act_mul.argtypes = [p, p, i64, i64, i32, i32]
         self._act_mul.restype = None
+        self._ssm_step = self._lib.ssm_step_f32
+        self._ssm_step.argtypes = [p] * 6 + [i64] * 5 + [i32]
+        self._ssm_step.restype = None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
@@ -144,6 +148,39 @@ class CpuKernels:
                 torch.get_num_threads(),
             )  # fmt: skip
         return out
+
+    def ssm_step(
+        self,
+        states: Sequence[torch.Tensor],
+        decay: torch.Tensor,
+        xdt: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """One Mamba2 decode token for B requests in one pass over each state: every state
+        `[H, P, N]` (B separate tensors) becomes `decay * state + xdt (x) b` in place; returns y
+        `[B, H, P]` with y[h, p] = state[h, p] . c. decay `[B, H]`, xdt `[B, H, P]`, b and c
+        `[B, G, N]` (head h reads group h // (H / G)). None (nothing changed) unless every
+        state is a dense float32 CPU `[H, P, N]`."""
+        batch, heads, head_dim = xdt.shape
+        groups, state_size = b.shape[1], b.shape[2]
+        shape = (heads, head_dim, state_size)
+        if len(states) != batch or heads % groups or not all(
+            s.dtype == torch.float32 and s.device.type == "cpu" and s.shape == shape
+            and s.is_contiguous()
+            for s in states
+        ):  # fmt: skip
+            return None
+        decay, xdt, b, c = (t.float().contiguous() for t in (decay, xdt, b, c))
+        pointers = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
+        y = torch.empty(batch, heads, head_dim, dtype=torch.float32)
+        if batch:
+            self._ssm_step(
+                pointers.data_ptr(), decay.data_ptr(), xdt.data_ptr(), b.data_ptr(),
+                c.data_ptr(), y.data_ptr(), batch, heads, head_dim, state_size, groups,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return y
 
     def greedy_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (the first of tied maxima) of a float32 CPU `[rows, vocab]`, in one

@@ -91,3 +91,38 @@ void act_mul_f32(const float *y, float *out, int64_t rows, int64_t inter, int ki
         }
     }
 }
+
+/* One decode token of the Mamba2 SSM for `batch` requests whose states `[heads, head_dim,
+ * state_size]` lie at separate addresses (`states[i]`, the cache's own slots): per state row,
+ * s = decay * s + xdt[p] * b, then y[p] = s . c, in one pass (the torch form reads the state
+ * three times: the decay, the write, the read-out). Head h reads group h / (heads / groups) of
+ * b and c `[batch, groups, state_size]`; decay `[batch, heads]`, xdt and y `[batch, heads,
+ * head_dim]`. One job per (request, head). */
+void ssm_step_f32(const int64_t *states, const float *decay, const float *xdt, const float *b,
+                  const float *c, float *y, int64_t batch, int64_t heads, int64_t head_dim,
+                  int64_t state_size, int64_t groups, int threads) {
+    if (threads < 1) threads = 1;
+    const int64_t ratio = heads / groups, jobs = batch * heads;
+    int parallel = threads > 1 && jobs > 1 && jobs * head_dim * state_size >= PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
+    for (int64_t job = 0; job < jobs; job++) {
+        const int64_t i = job / heads, h = job % heads, g = h / ratio;
+        float *s = (float *)(intptr_t)states[i] + h * head_dim * state_size;
+        const float d = decay[job];
+        const float *bg = b + (i * groups + g) * state_size;
+        const float *cg = c + (i * groups + g) * state_size;
+        const float *w = xdt + job * head_dim;
+        float *out = y + job * head_dim;
+        for (int64_t p = 0; p < head_dim; p++) {
+            float *row = s + p * state_size;
+            const float wp = w[p];
+            float acc = 0.0f;
+            for (int64_t n = 0; n < state_size; n++) {
+                const float v = row[n] * d + wp * bg[n];
+                row[n] = v;
+                acc += v * cg[n];
+            }
+            out[p] = acc;
+        }
+    }
+}

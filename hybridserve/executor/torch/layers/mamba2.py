@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
     MAMBA2_LOOP_MAX_TOKENS,
@@ -157,11 +158,20 @@ def ssd_step_in_place(
 ) -> torch.Tensor:
     """`ssd_step` for B requests whose states `[H, P, N]` are B separate tensors (the cache's
     own slots, advanced where they lie, so a step copies no state in or out); returns y
-    `[B, H, P]`. The inputs' arithmetic is batched, the state updates one request at a time."""
+    `[B, H, P]`. On the CPU, one call of the C kernel (`cpu_kernels.ssm_step`, one pass over
+    each state); else the inputs' arithmetic is batched, the state updates one request at a
+    time."""
+    log_decay, xdt = dt * a, dt[:, :, None] * x  # [B, H], [B, H, P]
+    kernels = None if torch.compiler.is_compiling() else cpu_kernels.load()
+    if kernels is not None and x.device.type == "cpu":
+        # One pass over each state (the loop below reads it three times).
+        y = kernels.ssm_step(states, decay_exp(log_decay), xdt, b, c)
+        if y is not None:
+            return y
     ratio = x.shape[1] // b.shape[1]
     b, c = b.repeat_interleave(ratio, dim=1), c.repeat_interleave(ratio, dim=1)
-    decay = decay_exp(dt * a)[:, :, None, None]
-    written = (dt[:, :, None] * x)[:, :, :, None]  # [B, H, P, 1]
+    decay = decay_exp(log_decay)[:, :, None, None]
+    written = xdt[:, :, :, None]  # [B, H, P, 1]
     y = x.new_empty(x.shape)
     for i, state in enumerate(states):
         state.mul_(decay[i]).addcmul_(written[i], b[i][:, None, :])
