@@ -30,7 +30,7 @@ import torch
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.settings import SettingsSources
 from hybridserve.executor.torch.checkpoints import builtin_path
-from hybridserve.executor.torch.runtime import set_threads
+from hybridserve.executor.torch.runtime import keep_freed_memory, set_threads
 from hybridserve.offline.runtime import blocks_for, build_runtime
 
 
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="use a tiny random Llama")
     args = parser.parse_args()
     set_threads(args.threads or None)
+    keep_freed_memory()  # as `serve` and `generate` do on a CPU
     with tempfile.TemporaryDirectory() as tmp:
         path = builtin_path("smollm2")
         if args.tiny or not path.is_file():

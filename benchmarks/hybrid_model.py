@@ -45,7 +45,7 @@ from hybrid_checkpoint import SHAPES, checkpoints, parameters
 
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.settings import SettingsSources
-from hybridserve.executor.torch.runtime import set_threads
+from hybridserve.executor.torch.runtime import keep_freed_memory, set_threads
 from hybridserve.offline.runtime import build_runtime
 
 # Blocks a request holds at once in a Mamba2 state group of `align` mode: the running state,
@@ -199,6 +199,7 @@ def main() -> None:
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads or None)
+    keep_freed_memory()  # as `serve` and `generate` do on a CPU
     folders = checkpoints(args.shape, tokenizer=args.tokenizer)
     vocab = SHAPES[args.shape].vocab_size
     result: dict[str, Any] = {

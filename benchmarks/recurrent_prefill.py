@@ -48,7 +48,7 @@ from hybridserve.executor.torch.layers.gated_delta import (
 )
 from hybridserve.executor.torch.layers.mamba2 import ssd_chunked, ssd_recurrent
 from hybridserve.executor.torch.layers.recurrence import scan_chunk_size
-from hybridserve.executor.torch.runtime import set_threads
+from hybridserve.executor.torch.runtime import keep_freed_memory, set_threads
 
 CONFIGS = Path(__file__).parent / "configs"
 Inputs = tuple[torch.Tensor, ...]
@@ -231,6 +231,7 @@ def main() -> None:
     parser.add_argument("--threshold", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
+    keep_freed_memory()  # as `serve` and `generate` do on a CPU
     if args.chunk is None:
         args.chunk = scan_chunk_size(torch.device("cpu"))
     kernels = {  # inputs, (chunked, loop), which inputs are per token

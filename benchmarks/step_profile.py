@@ -36,7 +36,7 @@ import torch
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.settings import SettingsSources
 from hybridserve.executor.torch.checkpoints import resolve_model
-from hybridserve.executor.torch.runtime import set_threads
+from hybridserve.executor.torch.runtime import keep_freed_memory, set_threads
 from hybridserve.offline.runtime import PoolFor, TorchRuntime, build_runtime
 
 
@@ -140,6 +140,7 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     set_threads(args.threads)
+    keep_freed_memory()  # as `serve` and `generate` do on a CPU
     runtime = build_runtime(
         resolve_model(args.model),
         num_blocks=args.num_blocks

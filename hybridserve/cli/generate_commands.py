@@ -278,9 +278,11 @@ def _generate_local(
 ) -> None:
     """One process: build the runtime, run every prompt to completion, print."""
     block_size, device = settings.block_size, settings.device
-    from hybridserve.executor.torch.runtime import set_threads
+    from hybridserve.executor.torch.runtime import keep_freed_memory, resolve_device, set_threads
 
     set_threads(settings.threads)
+    if resolve_device(device) == "cpu":
+        keep_freed_memory()
     runtime = build_runtime(
         path,
         num_blocks=blocks,

@@ -90,6 +90,8 @@ def _torch_loader(
 
     def load() -> ServingBackend:
         runtime.set_threads(threads)
+        if runtime.resolve_device(device) == "cpu":
+            runtime.keep_freed_memory()
         backend: ServingBackend = module.serving_backend(
             resolve_model(model),
             name=model if model in TORCH_MODEL_ALIASES else None,

@@ -6,6 +6,10 @@ Nothing here builds an Engine (that is `hybridserve.engine.assembly`, above this
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -24,6 +28,13 @@ from hybridserve.executor.torch.tokenizer import TextTokenizer, gguf_tokenizer
 from hybridserve.executor.torch.tokenizer import load_tokenizer as folder_tokenizer
 
 _T = TypeVar("_T")
+
+log = logging.getLogger(__name__)
+
+KEEP_FREED_MEMORY_SWITCH = "HYBRIDSERVE_KEEP_FREED_MEMORY"
+# glibc's mallopt parameters (malloc.h) and the trim threshold kept: 2 GiB (mallopt takes an int).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_KEPT_TOP_BYTES = 2**31 - 1
 
 
 def in_passing_thread(build: Callable[[], _T]) -> _T:
@@ -122,3 +133,36 @@ def set_threads(num_threads: int | None) -> int:
         raise ConfigError("--threads", num_threads, "use 1 or more (or leave it out: all cores)")
     torch.set_num_threads(num_threads)
     return num_threads
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Make this process's C allocator (glibc's malloc) keep the memory of freed tensors for
+    the next ones instead of handing it back to the system; True where that was done.
+
+    glibc serves every allocation of 32 MiB or more (a prefill's activations: 2,048 tokens of a
+    4,096-wide MLP are exactly that) with a fresh `mmap` and unmaps it when freed, so the next
+    step's tensor of the same size faults in every 4 KiB page again: an elementwise product of
+    two such tensors took 11.4 ms where 1.9 ms went to the arithmetic (the Intel Xeon host, 2
+    threads). With mmap off and the heap's top trimmed only past 2 GiB, freed blocks are reused:
+    a 2,048-token prefill step of the Granite-layout hybrid 8.2 -> 6.8 s, of Gemma 3 270M 2.08
+    -> 1.90 s. The price is that the process keeps its peak memory (as a caching allocator
+    does). Process-wide and once; not on other C libraries, nor with
+    `HYBRIDSERVE_KEEP_FREED_MEMORY=0`."""
+    if os.environ.get(KEEP_FREED_MEMORY_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        log.debug("no mallopt in the C library (%s): freed memory goes back as it does", name)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    kept = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEPT_TOP_BYTES))
+    log.info(
+        "malloc keeps freed memory for reuse%s (%s=0 turns this off)",
+        "" if kept else ": refused by the C library",
+        KEEP_FREED_MEMORY_SWITCH,
+    )
+    return kept
