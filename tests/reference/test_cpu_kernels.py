@@ -296,6 +296,35 @@ def test_a_fused_mlp_runs_the_activation_kernel_and_its_torch_form_agrees(
     torch.testing.assert_close(plain, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_granites_shared_mlp_runs_the_activation_kernel_and_its_torch_form_agrees(
+    kernel: cpu_kernels.CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridserve.executor.torch.models.granite_hybrid import SharedMLP
+
+    torch.manual_seed(0)
+    mlp = SharedMLP(32, 48, "silu").eval()
+    x = torch.randn(6, 32)
+    with torch.no_grad():
+        gate, up = torch.nn.functional.linear(x, mlp.input_linear.weight).chunk(2, dim=-1)
+        reference = torch.nn.functional.linear(
+            torch.nn.functional.silu(gate) * up, mlp.output_linear.weight
+        )
+        calls: list[int] = []
+        original = kernel.act_mul
+
+        def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
+            calls.append(1)
+            return original(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(kernel, "act_mul", counted)
+        fast = mlp(x)
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+        plain = mlp(x)
+    assert calls == [1]
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, reference, atol=1e-5, rtol=1e-5)
+
+
 def _ssm_step_inputs(
     batch: int, heads: int, groups: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list]:

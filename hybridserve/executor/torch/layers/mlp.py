@@ -8,7 +8,8 @@ same results.
 
 With packed weights (`layers/packed.py`) gate and up are one product of their concatenated
 weight (`fused_gate_up`), and on the CPU the activation and the product run in one pass of the
-row kernel (`cpu_kernels.act_mul`, tanh-GELU and SiLU) into a fresh `[rows, intermediate]`.
+row kernel (`cpu_kernels.act_mul`, tanh-GELU and SiLU) into a fresh `[rows, intermediate]`
+(`gated_product`; Granite 4.0-H's shared MLP, whose one projection stacks gate and up, too).
 """
 
 from __future__ import annotations
@@ -70,9 +71,18 @@ class GatedMLP(nn.Module):
             hidden = self.act_in_place(self.gate_proj(x))
             return self.down_proj(hidden.mul_(self.up_proj(x)))
         both = gate_up.product(x)  # [rows, 2 x intermediate], the gate first
+        return self.down_proj(gated_product(both, self.act_name))
+
+
+def gated_product(both: torch.Tensor, act: str) -> torch.Tensor:
+    """`act(gate) * up` of a fresh `[rows, 2 x intermediate]` projection, the gate first: one
+    pass of the row kernel on a float32 CPU tensor (a new `[rows, intermediate]`), else the
+    torch form in place on the gate's half (for an activation the kernel does not have, none
+    built, another device or dtype, or under torch.compile)."""
+    if both.device.type == "cpu" and both.dtype == torch.float32:
         kernels = None if torch.compiler.is_compiling() else cpu_kernels.load()
-        product = kernels.act_mul(both, self.act_name) if kernels is not None else None
-        if product is None:  # no kernel for this activation (or none built): the torch form
-            gate, up = both.split(gate_up.splits, dim=-1)
-            product = self.act_in_place(gate).mul_(up).contiguous()
-        return self.down_proj(product)
+        product = kernels.act_mul(both, act) if kernels is not None else None
+        if product is not None:
+            return product
+    gate, up = both.chunk(2, dim=-1)
+    return in_place_activation(act)(gate).mul_(up).contiguous()

@@ -15,7 +15,7 @@ from torch import nn
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch.layers.mamba2 import Mamba2Dims, Mamba2Mixer
-from hybridserve.executor.torch.layers.mlp import activation
+from hybridserve.executor.torch.layers.mlp import activation, gated_product
 from hybridserve.executor.torch.layers.norm import RMSNorm
 from hybridserve.executor.torch.layers.packed import project_qkv
 from hybridserve.executor.torch.layers.rotary import Rotary
@@ -92,11 +92,11 @@ class SharedMLP(nn.Module):
         super().__init__()
         self.input_linear = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.output_linear = nn.Linear(intermediate, hidden, bias=False)
-        self.act = activation(act)
+        self.act_name = act
+        activation(act)  # a clear error for an unknown one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(self.act(gate).mul_(up))
+        return self.output_linear(gated_product(self.input_linear(x), self.act_name))
 
 
 class Router(nn.Module):
