@@ -191,9 +191,12 @@ class FakeStateContext:
         self.calls["views"] = self.calls.get("views", 0) + 1
 
 
-def check_decodes_batched(ours: torch.nn.Module, *, hidden_size: int) -> None:
-    """A recurrent layer's forward runs a step's decodes as one batch (one batched state load)
-    and its prefill chunk alone, each equal to the request run by itself."""
+def check_decodes_batched(
+    ours: torch.nn.Module, *, hidden_size: int, in_place_states: int = 1
+) -> None:
+    """A recurrent layer's forward runs a step's decodes as one batch (one batched state load,
+    or, where the states advance where they lie, none for the `in_place_states` of them that
+    do) and its prefill chunk alone, each equal to the request run by itself."""
     from hybridserve.executor.torch.forward import StateChunk
 
     torch.manual_seed(4)
@@ -207,8 +210,12 @@ def check_decodes_batched(ours: torch.nn.Module, *, hidden_size: int) -> None:
         ctx = FakeStateContext(chunks, dict(start), in_place=in_place)
         with torch.no_grad():
             y = ours.forward(x, ctx)  # type: ignore[arg-type]
-        views = {"views": 1} if in_place else {}
-        assert ctx.calls == {"one": 1, "batch": 1, **views}
+        expected = {"one": 1, "batch": 1}
+        if in_place:
+            # Every state where it lies: no batched load at all.
+            batch = int(in_place_states < len(ours.state_shapes()))
+            expected = {"one": 1, "batch": batch, "views": in_place_states}
+        assert ctx.calls == expected
         check_decodes_alone(ours, x, start, ctx, y)
 
 
@@ -224,7 +231,9 @@ def check_decodes_alone(
         for i in range(3):
             alone, state, _ = ours.forward_sequence(x[i : i + 1], start[i + 1])
             torch.testing.assert_close(y[i], alone[0], atol=1e-6, rtol=0)
-            torch.testing.assert_close(ctx.states[10 + i]["ssm"], state["ssm"], atol=1e-6, rtol=0)
+            for name in state:
+                got = ctx.states[10 + i][name]
+                torch.testing.assert_close(got, state[name], atol=1e-6, rtol=0, msg=name)
         prefill, state, _ = ours.forward_sequence(x[3:9], start[1])
         torch.testing.assert_close(y[3:9], prefill, atol=1e-5, rtol=0)
         torch.testing.assert_close(ctx.states[20]["conv"], state["conv"])

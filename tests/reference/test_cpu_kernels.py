@@ -384,6 +384,54 @@ def test_the_ssm_step_kernel_leaves_states_it_cannot_read_to_torch(
     assert all(torch.equal(s, t) for s, t in zip(strided, before, strict=True))
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 9),
+    channels=st.sampled_from([1, 5, 64, 2304]),
+    width=st.integers(1, 5),
+    with_bias=st.booleans(),
+    act=st.sampled_from([None, "silu"]),
+    seed=st.integers(0, 1000),
+)
+def test_the_conv_step_kernel_equals_the_torch_conv_step(
+    kernel: cpu_kernels.CpuKernels,
+    batch: int,
+    channels: int,
+    width: int,
+    with_bias: bool,
+    act: str | None,
+    seed: int,
+) -> None:
+    from hybridserve.executor.torch.layers.recurrence import conv_step
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(batch, channels + 3, generator=gen)
+    x = rows[:, 2 : 2 + channels]  # rows of a wider projection, as the layer's are
+    weight = torch.randn(channels, width, generator=gen)
+    bias = torch.randn(channels, generator=gen) if with_bias else None
+    states = [torch.randn(channels, width - 1, generator=gen) for _ in range(batch)]
+    expected, expected_states = conv_step(x, torch.stack(states), weight, bias)
+    if act == "silu":
+        expected = torch.nn.functional.silu(expected)
+    got = kernel.conv_step(states, x, weight, bias, act)
+    assert got is not None
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(states), expected_states, atol=0, rtol=0)
+
+
+def test_the_conv_step_kernel_leaves_what_it_cannot_run_to_torch(
+    kernel: cpu_kernels.CpuKernels,
+) -> None:
+    x, weight = torch.randn(2, 6), torch.randn(6, 4)
+    states = [torch.randn(6, 3) for _ in range(2)]
+    before = [s.clone() for s in states]
+    assert kernel.conv_step(states, x, weight, None, "gelu") is None  # not in the kernel
+    assert kernel.conv_step(states, x.double(), weight, None, None) is None
+    assert kernel.conv_step([s.t().contiguous().t() for s in states], x, weight, None, None) is None
+    assert kernel.conv_step(states[:1], x, weight, None, None) is None
+    assert all(torch.equal(s, t) for s, t in zip(states, before, strict=True))
+
+
 def test_greedy_rows_give_the_first_maximum_of_each_row(kernel: cpu_kernels.CpuKernels) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(37, 262_144 // 8, generator=gen)

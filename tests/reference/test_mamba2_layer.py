@@ -146,7 +146,7 @@ def test_a_batch_of_decodes_equals_each_request_decoded_alone(
 def test_a_steps_decodes_run_as_one_batch_and_its_prefill_alone(
     layers: tuple[torch.nn.Module, Mamba2Mixer],
 ) -> None:
-    check_decodes_batched(layers[1], hidden_size=32)
+    check_decodes_batched(layers[1], hidden_size=32, in_place_states=2)  # conv and SSM
 
 
 def test_decays_past_the_floor_equal_the_loop_and_leave_the_callers_state_unwritten() -> None:

@@ -1,6 +1,6 @@
 """The CPU kernels, compiled on first use into one library: the paged decode-attention kernel
 (`paged_decode.c`) and row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax, the
-gated MLP's activation and product, the Mamba2 decode step's state update).
+gated MLP's activation and product, the Mamba2 decode step's conv and state updates).
 
 On the CPU, decode attention through the gather path copies every key and value a decode reads
 into a contiguous buffer (`GatherBuffers`) and then runs SDPA over the copy: at 32 decodes of
@@ -115,6 +115,9 @@ class CpuKernels:
         self._ssm_step = self._lib.ssm_step_f32
         self._ssm_step.argtypes = [p] * 6 + [i64] * 5 + [i32]
         self._ssm_step.restype = None
+        self._conv_step = self._lib.conv_step_f32
+        self._conv_step.argtypes = [p] * 5 + [i64] * 4 + [i32, i32]
+        self._conv_step.restype = None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
@@ -181,6 +184,45 @@ class CpuKernels:
                 torch.get_num_threads(),
             )  # fmt: skip
         return y
+
+    def conv_step(
+        self,
+        states: Sequence[torch.Tensor],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        activation: str | None,
+    ) -> torch.Tensor | None:
+        """One decode token of a depthwise causal conv1d for B requests, each conv state
+        `[C, K - 1]` (B separate tensors) shifted in place: returns `act(conv)` `[B, C]` for
+        `x` `[B, C]` (rows dense), `weight` `[C, K]`, `bias` `[C]` or None, `activation`
+        "silu" or None. None (nothing changed) for another activation, or unless every tensor
+        is float32 on the CPU and every state dense `[C, K - 1]`."""
+        if activation not in (None, "silu") or x.dim() != 2 or x.stride(1) != 1:
+            return None
+        batch, channels = x.shape
+        shape = (channels, weight.shape[1] - 1)
+        tensors = [x, weight, *(() if bias is None else (bias,))]
+        if len(states) != batch or weight.shape[0] != channels or not all(
+            t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors
+        ) or not all(
+            s.dtype == torch.float32 and s.device.type == "cpu" and s.shape == shape
+            and s.is_contiguous()
+            for s in states
+        ):  # fmt: skip
+            return None
+        weight = weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        pointers = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
+        out = torch.empty(batch, channels, dtype=torch.float32)
+        if batch:
+            self._conv_step(
+                pointers.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), batch, channels,
+                weight.shape[1], x.stride(0), int(activation == "silu"),
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
 
     def greedy_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (the first of tied maxima) of a float32 CPU `[rows, vocab]`, in one

@@ -126,3 +126,34 @@ void ssm_step_f32(const int64_t *states, const float *decay, const float *xdt, c
         }
     }
 }
+
+/* One decode token of a depthwise causal conv1d of width `width` for `batch` requests whose
+ * conv states `[channels, width - 1]` lie at separate addresses (`states[i]`, the cache's own
+ * slots): over the window (the state, then x[i, c]), out[i, c] = act(bias[c] + sum_k
+ * window[k] w[c, k]) (act: SiLU when `silu`, else none), and the state shifts by one token in
+ * place. x `[batch, channels]` with rows `x_stride` apart, w `[channels, width]`, bias (NULL:
+ * none) `[channels]`, out `[batch, channels]` contiguous. */
+void conv_step_f32(const int64_t *states, const float *x, const float *w, const float *bias,
+                   float *out, int64_t batch, int64_t channels, int64_t width, int64_t x_stride,
+                   int silu, int threads) {
+    if (threads < 1) threads = 1;
+    const int64_t keep = width - 1;
+    int parallel = threads > 1 && batch * channels * width >= PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
+    for (int64_t i = 0; i < batch; i++) {
+        float *state = (float *)(intptr_t)states[i];
+        const float *xi = x + i * x_stride;
+        float *o = out + i * channels;
+        for (int64_t c = 0; c < channels; c++) {
+            float *s = state + c * keep;
+            const float *wc = w + c * width;
+            const float xc = xi[c];
+            float acc = bias ? bias[c] : 0.0f;
+            for (int64_t k = 0; k < keep; k++) acc += s[k] * wc[k];
+            acc += xc * wc[keep];
+            for (int64_t k = 0; k + 1 < keep; k++) s[k] = s[k + 1];
+            if (keep > 0) s[keep - 1] = xc;
+            o[c] = silu ? acc / (1.0f + expf(-acc)) : acc;
+        }
+    }
+}

@@ -367,15 +367,28 @@ class Mamba2Mixer(nn.Module):
         dt_raw: torch.Tensor,
         state: State,
         ssm_views: Sequence[torch.Tensor] | None = None,
+        conv_views: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, State]:
         """One token for each of B requests (`xbc` `[B, conv_dim]`, states stacked `[B, ...]`):
         y `[B, inner]` and the new states. With `ssm_views` (each request's SSM state where
-        it lies, `[H, P, N]`) those advance in place and only the conv states come back."""
-        conv_out, conv_state = conv_step(
-            xbc, state["conv"], self.conv1d.weight[:, 0], self.conv1d.bias
-        )
-        xs, dt, a, b, c = self._inputs(self.act(conv_out), dt_raw)
-        new: State = {"conv": conv_state}
+        it lies, `[H, P, N]`) those advance in place and only the conv states come back; with
+        `conv_views` too, the conv states shift in place (the C kernel's conv and activation
+        in one call) and nothing comes back."""
+        weight, new = self.conv1d.weight[:, 0], {}
+        kernels = None if torch.compiler.is_compiling() else cpu_kernels.load()
+        activated = None
+        if conv_views is not None and kernels is not None:
+            activated = kernels.conv_step(conv_views, xbc, weight, self.conv1d.bias, self.dims.act)
+        if activated is None:
+            conv_state = state["conv"]
+            if conv_views is not None:  # the states where they lie, gathered
+                conv_state = torch.stack(list(conv_views))
+            conv_out, new["conv"] = conv_step(xbc, conv_state, weight, self.conv1d.bias)
+            if conv_views is not None:
+                for view, row in zip(conv_views, new.pop("conv"), strict=True):
+                    view.copy_(row)
+            activated = self.act(conv_out)
+        xs, dt, a, b, c = self._inputs(activated, dt_raw)
         if ssm_views is not None:
             y = ssd_step_in_place(xs, dt, a, b, c, ssm_views)
         else:
@@ -431,13 +444,20 @@ class Mamba2Mixer(nn.Module):
         if decodes:
             index = torch.tensor([c.rows.start for c in decodes], device=x.device)
             views = ctx.state_views(self.layer_index, decodes, "ssm")
+            conv_views = (
+                None if views is None else ctx.state_views(self.layer_index, decodes, "conv")
+            )
             names = None if views is None else ("conv",)
-            states = ctx.load_states(self.layer_index, decodes, names)
-            out, states = self._decode(xbc[index], dt[index], states, views)
+            states = (
+                {} if conv_views is not None else ctx.load_states(self.layer_index, decodes, names)
+            )
+            out, states = self._decode(xbc[index], dt[index], states, views, conv_views)
             y.index_copy_(0, index, out)
-            ctx.save_states(self.layer_index, decodes, states)
-            if views is not None:
-                ctx.copy_state_views(self.layer_index, decodes, "ssm")
+            if states:
+                ctx.save_states(self.layer_index, decodes, states)
+            for name, in_place in (("ssm", views), ("conv", conv_views)):
+                if in_place is not None:
+                    ctx.copy_state_views(self.layer_index, decodes, name)
         for chunk in others:
             state = ctx.load_state(self.layer_index, chunk)
             rows = chunk.rows
