@@ -221,7 +221,11 @@ def _calibrate_device(
 
     need_extra("models", *MODELS_EXTRA, what="hybridserve calibrate")
     from hybridserve.executor.torch.calibrate import measure_device
+    from hybridserve.executor.torch.runtime import keep_freed_memory
     from hybridserve.sim.calibration_run import run_calibration
+
+    if device == "cpu":
+        keep_freed_memory()  # the steps timed as `serve` runs them on a CPU
 
     columns = (
         TextColumn("{task.description}", markup=False),
