@@ -279,14 +279,26 @@ def test_a_fused_mlp_runs_the_activation_kernel_and_its_torch_form_agrees(
     x = torch.randn(6, 32)
     with torch.no_grad():
         reference = mlp(x)  # separate projections, the in-place torch activation
-        assert pack_linears(mlp) == 3 and fused(mlp, "fused_gate_up") is not None
-        calls: list[int] = []
-        original = kernel.act_mul
+    assert pack_linears(mlp) == 3 and fused(mlp, "fused_gate_up") is not None
+    _check_runs_the_activation_kernel_once(kernel, monkeypatch, mlp, x, reference)
 
-        def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
-            calls.append(1)
-            return original(*args, **kwargs)  # type: ignore[arg-type]
 
+def _check_runs_the_activation_kernel_once(
+    kernel: cpu_kernels.CpuKernels,
+    monkeypatch: pytest.MonkeyPatch,
+    mlp: torch.nn.Module,
+    x: torch.Tensor,
+    reference: torch.Tensor,
+) -> None:
+    """`mlp(x)` calls `act_mul` once, and it and the torch form (no kernels) equal `reference`."""
+    calls: list[int] = []
+    original = kernel.act_mul
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
+        calls.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    with torch.no_grad():
         monkeypatch.setattr(kernel, "act_mul", counted)
         fast = mlp(x)
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
@@ -309,20 +321,7 @@ def test_granites_shared_mlp_runs_the_activation_kernel_and_its_torch_form_agree
         reference = torch.nn.functional.linear(
             torch.nn.functional.silu(gate) * up, mlp.output_linear.weight
         )
-        calls: list[int] = []
-        original = kernel.act_mul
-
-        def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
-            calls.append(1)
-            return original(*args, **kwargs)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(kernel, "act_mul", counted)
-        fast = mlp(x)
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-        plain = mlp(x)
-    assert calls == [1]
-    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(plain, reference, atol=1e-5, rtol=1e-5)
+    _check_runs_the_activation_kernel_once(kernel, monkeypatch, mlp, x, reference)
 
 
 def _ssm_step_inputs(

@@ -121,9 +121,12 @@ def test_mamba2_scan_and_step_on_underflowing_decays_see_no_subnormal_float(
         steps = [s.clone() for s in (state, state)]
         ssd_step_in_place(x[:2], dt[:2], a, b[:2], c[:2], steps)
     assert watch.seen == {}
-    expected, expected_final, expected_saved = ssd_recurrent(
-        x, dt, a, b, c, state, snapshots=snapshots
-    )
+    _check_equal((out, final, saved), ssd_recurrent(x, dt, a, b, c, state, snapshots=snapshots))
+
+
+def _check_equal(chunked: tuple[Any, ...], loop: tuple[Any, ...]) -> None:
+    """A chunked scan's (outputs, final state, snapshots) equal the token loop's (1e-5)."""
+    (out, final, saved), (expected, expected_final, expected_saved) = chunked, loop
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(final, expected_final, atol=1e-5, rtol=0)
     for got, want in zip(saved, expected_saved, strict=True):
@@ -165,13 +168,8 @@ def test_gated_delta_rule_and_step_on_underflowing_decays_see_no_subnormal_float
         steps = [s.clone() for s in (state, state)]
         gated_delta_step_in_place(q[:2], k[:2], v[:2], g[:2], beta[:2], steps)
     assert watch.seen == {}
-    expected, expected_final, expected_saved = gated_delta_rule_recurrent(
-        q, k, v, g, beta, state, snapshots=snapshots
-    )
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(final, expected_final, atol=1e-5, rtol=0)
-    for got, want in zip(saved, expected_saved, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    loop = gated_delta_rule_recurrent(q, k, v, g, beta, state, snapshots=snapshots)
+    _check_equal((out, final, saved), loop)
 
 
 def test_the_watch_sees_a_subnormal_float() -> None:

@@ -167,15 +167,10 @@ class CpuKernels:
         state is a dense float32 CPU `[H, P, N]`."""
         batch, heads, head_dim = xdt.shape
         groups, state_size = b.shape[1], b.shape[2]
-        shape = (heads, head_dim, state_size)
-        if len(states) != batch or heads % groups or not all(
-            s.dtype == torch.float32 and s.device.type == "cpu" and s.shape == shape
-            and s.is_contiguous()
-            for s in states
-        ):  # fmt: skip
+        pointers = _state_pointers(states, batch, (heads, head_dim, state_size))
+        if pointers is None or heads % groups:
             return None
         decay, xdt, b, c = (t.float().contiguous() for t in (decay, xdt, b, c))
-        pointers = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
         y = torch.empty(batch, heads, head_dim, dtype=torch.float32)
         if batch:
             self._ssm_step(
@@ -201,19 +196,12 @@ class CpuKernels:
         if activation not in (None, "silu") or x.dim() != 2 or x.stride(1) != 1:
             return None
         batch, channels = x.shape
-        shape = (channels, weight.shape[1] - 1)
+        pointers = _state_pointers(states, batch, (channels, weight.shape[1] - 1))
         tensors = [x, weight, *(() if bias is None else (bias,))]
-        if len(states) != batch or weight.shape[0] != channels or not all(
-            t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors
-        ) or not all(
-            s.dtype == torch.float32 and s.device.type == "cpu" and s.shape == shape
-            and s.is_contiguous()
-            for s in states
-        ):  # fmt: skip
+        if pointers is None or weight.shape[0] != channels or not all(map(_float32_cpu, tensors)):
             return None
         weight = weight.contiguous()
         bias = None if bias is None else bias.contiguous()
-        pointers = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
         out = torch.empty(batch, channels, dtype=torch.float32)
         if batch:
             self._conv_step(
@@ -301,6 +289,22 @@ class CpuKernels:
         if failed:
             raise MemoryError("paged decode kernel: a thread could not allocate its work buffer")
         return out
+
+
+def _float32_cpu(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _state_pointers(
+    states: Sequence[torch.Tensor], count: int, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """The addresses of `count` states (int64), each a dense float32 CPU tensor of `shape` that
+    a kernel advances in place; None where one is not."""
+    if len(states) != count or not all(
+        _float32_cpu(s) and s.shape == shape and s.is_contiguous() for s in states
+    ):
+        return None
+    return torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
 
 
 @functools.cache
