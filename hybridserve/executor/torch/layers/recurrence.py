@@ -99,7 +99,7 @@ def pad_to_chunks(tensors: Iterable[torch.Tensor], chunk_size: int) -> list[torc
 # zero changes no sum the scans form beyond rounding. Flooring (exp(-80) kept as it was) was not
 # enough: its products with small inputs underflow to subnormal floats, on which an x86 CPU
 # takes a slow path for every operation (a 256-token prefill of a Mamba2 hybrid whose decays
-# reach -100 a token ran 2.2x slower with them). The exponential of numbers below the floor is
+# reach -100 a token ran 2.8x slower with them). The exponential of numbers below the floor is
 # never computed (it too underflows to subnormals, 6x slower).
 LOG_DECAY_FLOOR = -60.0
 
