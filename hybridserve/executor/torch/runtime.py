@@ -144,11 +144,12 @@ def keep_freed_memory() -> bool:
     MiB; a prefill's activations of 2,048 tokens of a 4,096-wide MLP are just above it) with a
     fresh `mmap` and unmaps it when freed, so the next step's tensor of the same size faults in
     every 4 KiB page again: an elementwise product into such a tensor took 11.4 ms where 1.9 ms
-    went to the arithmetic (the Intel Xeon host, 2 threads). With mmap off and the heap's top trimmed only past 2 GiB, freed blocks are reused:
-    a 2,048-token prefill step of the Granite-layout hybrid 8.2 -> 6.8 s, of Gemma 3 270M 2.08
-    -> 1.90 s. The price is that the process keeps its peak memory (as a caching allocator
-    does). Process-wide and once (`serve`, `generate` and `calibrate` call it on a CPU); not on
-    other C libraries, nor with `HYBRIDSERVE_KEEP_FREED_MEMORY=0`."""
+    went to the arithmetic (the Intel Xeon host, 2 threads). With mmap off and the heap's top
+    trimmed only past 2 GiB, freed blocks are reused: a 2,048-token prefill step of the
+    Granite-layout hybrid 8.2 -> 6.8 s, of Gemma 3 270M 2.08 -> 1.90 s. The price is that the
+    process keeps its peak memory (as a caching allocator does). Process-wide and once
+    (`serve`, `generate` and `calibrate` call it on a CPU); not on other C libraries, nor with
+    `HYBRIDSERVE_KEEP_FREED_MEMORY=0`."""
     if os.environ.get(KEEP_FREED_MEMORY_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     name = ctypes.util.find_library("c")
