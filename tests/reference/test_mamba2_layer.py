@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.mamba2 import (
     Mamba2Dims,
     Mamba2Mixer,
@@ -147,6 +148,14 @@ def test_a_steps_decodes_run_as_one_batch_and_its_prefill_alone(
     layers: tuple[torch.nn.Module, Mamba2Mixer],
 ) -> None:
     check_decodes_batched(layers[1], hidden_size=32, in_place_states=2)  # conv and SSM
+
+
+def test_decodes_without_the_cpu_kernels_still_advance_their_states_where_they_lie(
+    layers: tuple[torch.nn.Module, Mamba2Mixer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The torch forms of the conv and SSM steps on the same in-place state views.
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    check_decodes_batched(layers[1], hidden_size=32, in_place_states=2)
 
 
 def test_decays_past_the_floor_equal_the_loop_and_leave_the_callers_state_unwritten() -> None:

@@ -380,9 +380,8 @@ class Mamba2Mixer(nn.Module):
         if conv_views is not None and kernels is not None:
             activated = kernels.conv_step(conv_views, xbc, weight, self.conv1d.bias, self.dims.act)
         if activated is None:
-            conv_state = state["conv"]
-            if conv_views is not None:  # the states where they lie, gathered
-                conv_state = torch.stack(list(conv_views))
+            # The states where they lie, gathered, or the loaded ones.
+            conv_state = state["conv"] if conv_views is None else torch.stack(list(conv_views))
             conv_out, new["conv"] = conv_step(xbc, conv_state, weight, self.conv1d.bias)
             if conv_views is not None:
                 for view, row in zip(conv_views, new.pop("conv"), strict=True):
