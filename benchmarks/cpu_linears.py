@@ -1,15 +1,18 @@
-"""Float32 linears on the CPU by row count: `F.linear`, the oneDNN-packed weight, and (at one
+"""Float32 linears on the CPU by row count: `F.linear`, the oneDNN-packed weight, the few-row
+kernel (`cpu_kernels.few_rows_linear`, up to 16 rows, where this CPU has AVX-512) and (at one
 row) the weight stored transposed.
 
 The projections of the two built-in models (SmolLM2-135M, Gemma 3 270M, their output heads
 included) and of the Granite 4.0-H-layout 0.4B hybrid, at the row counts of decode batches and
 prefill chunks. Each cell is the median
 of `--repeats` calls after two warm-up calls, interleaved (plain, packed) so that a load change
-on a shared machine hits both. Prints one JSON object: per shape and row count the milliseconds
-of each and `packed_speedup` (plain / packed), and whether `PackedLinear` takes the packed path
-there on this machine's CPU. This is what `hybridserve.executor.torch.layers.packed.
-min_packed_rows` was chosen from (with `--cold`, each call reads its weight from memory, as a
-decode step's linears do: the head of the step before evicted them from the cache).
+on a shared machine hits all. Prints one JSON object: per shape and row count the milliseconds
+of each, `packed_speedup` and `few_rows_speedup` (plain / each), and the path `PackedLinear`
+takes there on this machine's CPU (`plain`, `packed` or `few_rows`), with the cells where that
+path is not the fastest measured. This is what `hybridserve.executor.torch.layers.packed.
+min_packed_rows` and `few_rows_limit` were chosen from (with `--cold`, each call reads its
+weight from memory, as a decode step's linears do: the head of the step before evicted them from
+the cache).
 
     .venv/bin/python benchmarks/cpu_linears.py [--threads 2] [--repeats 15]
         [--rows 1,2,3,4,8,16,32,48,64,128,256,512] [--cold MB]
@@ -28,12 +31,17 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.packed import (
     PACK_ROWS_HINT,
     cpu_vendor,
+    few_rows_limit,
     min_packed_rows,
     packing_available,
 )
+
+# The most rows the few-row kernel is measured at (it serves up to `few_rows_limit`).
+FEW_ROWS_MEASURED = 16
 
 # (name, out_features, in_features)
 SHAPES = (
@@ -52,6 +60,7 @@ SHAPES = (
     ("granite4h-0.4b mlp out", 1_024, 4_096),
     ("granite4h-0.4b mamba out", 1_024, 2_048),
     ("granite4h-0.4b q", 1_024, 1_024),
+    ("granite4h-0.4b lm_head", 49_152, 1_024),
 )
 
 
@@ -73,9 +82,18 @@ def _median_ms(
     return [round(statistics.median(t) * 1000, 4) for t in times]
 
 
-def _path(rows: int, elements: int) -> str:
-    """The path `PackedLinear` takes for `rows` rows of a weight of `elements` elements."""
+def _path(rows: int, elements: int, few_rows: bool) -> str:
+    """The path `PackedLinear` takes for `rows` rows of a weight of `elements` elements
+    (`few_rows`: the kernel is loaded and built here)."""
+    if few_rows and rows <= few_rows_limit(cpu_vendor()):
+        return "few_rows"
     return "packed" if rows >= min_packed_rows(elements, cpu_vendor()) else "plain"
+
+
+def _few_rows_kernel() -> cpu_kernels.CpuKernels | None:
+    """The loaded kernels where they have the few-row linear (AVX-512), else None."""
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and kernels.few_rows_built else None
 
 
 def measure(rows: list[int], repeats: int, cold_mb: int) -> list[dict[str, object]]:
@@ -86,6 +104,7 @@ def measure(rows: list[int], repeats: int, cold_mb: int) -> list[dict[str, objec
     def evict() -> object:
         return None if filler is None else filler.sum()
 
+    few = _few_rows_kernel()
     results: list[dict[str, object]] = []
     for name, out_features, in_features in SHAPES:
         weight = torch.randn(out_features, in_features)
@@ -97,6 +116,8 @@ def measure(rows: list[int], repeats: int, cold_mb: int) -> list[dict[str, objec
                 partial(F.linear, x, weight),
                 partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
             ]
+            if few is not None and count <= FEW_ROWS_MEASURED:
+                calls.append(partial(few.few_rows_linear, x, weight, None))  # type: ignore[arg-type]
             if count == 1:
                 calls.append(partial(torch.mm, x, columns))
             times = _median_ms(calls, repeats, evict)
@@ -108,23 +129,38 @@ def measure(rows: list[int], repeats: int, cold_mb: int) -> list[dict[str, objec
                 "plain_ms": times[0],
                 "packed_ms": times[1],
                 "packed_speedup": round(times[0] / times[1], 3),
-                "path": _path(count, weight.numel()),
+                "path": _path(count, weight.numel(), few is not None),
             }
+            at = 2
+            if few is not None and count <= FEW_ROWS_MEASURED:
+                row["few_rows_ms"] = times[at]
+                row["few_rows_speedup"] = round(times[0] / times[at], 3)
+                at += 1
             if count == 1:
-                row["columns_ms"] = times[2]
-                row["columns_speedup"] = round(times[0] / times[2], 3)
+                row["columns_ms"] = times[at]
+                row["columns_speedup"] = round(times[0] / times[at], 3)
             results.append(row)
             print(json.dumps(row), flush=True)
     return results
 
 
 def _slower_paths(results: list[dict[str, object]]) -> list[str]:
-    """Cells where the path taken is slower than `F.linear`."""
+    """Cells where the path taken is slower than another path measured there (the transposed
+    weight, which no path takes, aside)."""
     slower = []
     for r in results:
-        taken = {"plain": 1.0, "packed": r["packed_speedup"]}
-        if float(str(taken[str(r["path"])])) < 1:
-            slower.append(f"{r['shape']} x {r['rows']} ({r['path']})")
+        ms = {
+            path: float(str(r[key]))
+            for path, key in (
+                ("plain", "plain_ms"),
+                ("packed", "packed_ms"),
+                ("few_rows", "few_rows_ms"),
+            )
+            if key in r
+        }
+        fastest = min(ms, key=ms.__getitem__)
+        if fastest != r["path"]:
+            slower.append(f"{r['shape']} x {r['rows']} ({r['path']}; {fastest} faster)")
     return slower
 
 
@@ -156,7 +192,9 @@ def main() -> None:
         "load_average_1min": round(os.getloadavg()[0], 2),
         "repeats": args.repeats,
         "results": results,
-        "path_slower_than_plain": _slower_paths(results),
+        "few_rows_kernel": _few_rows_kernel() is not None,
+        "few_rows_limit": few_rows_limit(cpu_vendor()) if _few_rows_kernel() else 0,
+        "path_not_fastest": _slower_paths(results),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary))

@@ -431,6 +431,79 @@ def test_the_conv_step_kernel_leaves_what_it_cannot_run_to_torch(
     assert all(torch.equal(s, t) for s, t in zip(states, before, strict=True))
 
 
+@pytest.fixture(scope="module")
+def few_rows(kernel: cpu_kernels.CpuKernels) -> cpu_kernels.CpuKernels:
+    if not kernel.few_rows_built:
+        pytest.skip("this CPU has no AVX-512: the few-row linear kernel is not built")
+    return kernel
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 19),
+    in_features=st.integers(1, 80),
+    out_features=st.integers(1, 23),
+    with_bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_few_rows_linear_equals_torchs_linear(
+    few_rows: cpu_kernels.CpuKernels,
+    rows: int,
+    in_features: int,
+    out_features: int,
+    with_bias: bool,
+    threads: int,
+    seed: int,
+) -> None:
+    # Row counts past one block of 8, widths not a multiple of 16 (the masked columns), output
+    # counts not a multiple of the 4-row tile.
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    expected = torch.nn.functional.linear(
+        x.double(), weight.double(), None if bias is None else bias.double()
+    ).float()
+    torch.set_num_threads(threads)
+    try:
+        got = few_rows.few_rows_linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(1)
+    assert got is not None
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_the_few_rows_linear_splits_a_large_weight_across_threads(
+    few_rows: cpu_kernels.CpuKernels,
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(8, 1_000, generator=gen), torch.randn(1_030, 1_000, generator=gen)
+    expected = (x.double() @ weight.double().T).float()
+    torch.set_num_threads(2)
+    try:
+        got = few_rows.few_rows_linear(x, weight, None)
+    finally:
+        torch.set_num_threads(1)
+    assert got is not None
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
+
+
+def test_the_few_rows_linear_leaves_what_it_cannot_read_to_torch(
+    few_rows: cpu_kernels.CpuKernels,
+) -> None:
+    x, weight, bias = torch.randn(3, 32), torch.randn(20, 32), torch.randn(20)
+    assert few_rows.few_rows_linear(x.double(), weight, None) is None
+    assert few_rows.few_rows_linear(x, weight.t().contiguous().t(), None) is None  # strided
+    assert few_rows.few_rows_linear(x, weight, bias[:10]) is None
+    assert few_rows.few_rows_linear(x[:, :16], weight, None) is None  # widths differ
+    assert few_rows.few_rows_linear(x.unsqueeze(0), weight, None) is None
+    strided_rows = torch.randn(3, 64)[:, ::2]  # x is made contiguous, not refused
+    got = few_rows.few_rows_linear(strided_rows, weight, bias)
+    assert got is not None
+    torch.testing.assert_close(got, torch.nn.functional.linear(strided_rows, weight, bias))
+
+
 def test_greedy_rows_give_the_first_maximum_of_each_row(kernel: cpu_kernels.CpuKernels) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(37, 262_144 // 8, generator=gen)

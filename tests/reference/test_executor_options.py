@@ -16,14 +16,17 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import load_model
 from hybridserve.executor.torch.executor import compile_dense_layers
 from hybridserve.executor.torch.forward import GatherBuffers
+from hybridserve.executor.torch.layers import packed as packed_module
 from hybridserve.executor.torch.layers.mlp import GatedMLP
 from hybridserve.executor.torch.layers.packed import (
+    INTEL_FEW_ROWS,
     INTEL_MIN_PACKED_ROWS,
     MIN_PACKED_ROWS,
     SINGLE_ROW_ELEMENTS,
     PackedLinear,
     pack_linears,
     packing_available,
+    project_qkv,
 )
 from hybridserve.executor.torch.runtime import set_threads
 from tests.reference.helpers import hybrid_generate, make_checkpoint
@@ -130,14 +133,63 @@ def test_one_row_reads_the_packed_weight_only_of_a_large_linear() -> None:
         torch.testing.assert_close(large(x), plain, atol=1e-5, rtol=0)
 
 
-def test_on_intel_up_to_three_rows_read_the_plain_weight_of_any_size() -> None:
+def test_on_intel_without_the_few_row_kernel_up_to_three_rows_read_the_plain_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     if not packing_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN linear packing")
+    monkeypatch.setattr(packed_module.cpu_kernels, "load", lambda: None)
     packed_kernel = "mkldnn::_linear_pointwise"
     large = torch.nn.Sequential(torch.nn.Linear(512, SINGLE_ROW_ELEMENTS // 512 + 1))
     assert pack_linears(large, vendor="GenuineIntel") == 1
     calls = [_kernel_calls(large[0], rows, packed_kernel) for rows in (1, 2, 3, 4, 64)]
     assert calls == [0, 0, 0, 1, 1] and INTEL_MIN_PACKED_ROWS == 4
+
+
+class _CountingKernels:
+    """The loaded kernels with `few_rows_linear`'s row counts recorded."""
+
+    def __init__(self, kernels: object) -> None:
+        self.kernels, self.rows = kernels, []
+
+    def few_rows_linear(self, x: torch.Tensor, *rest: object) -> object:
+        self.rows.append(x.shape[0])
+        return self.kernels.few_rows_linear(x, *rest)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_on_intel_up_to_eight_rows_go_through_the_few_row_kernel(
+    monkeypatch: pytest.MonkeyPatch, vendor: str
+) -> None:
+    loaded = packed_module.cpu_kernels.load()
+    if not packing_available(torch.device("cpu"), torch.float32) or loaded is None:
+        pytest.skip("no oneDNN linear packing or no CPU kernels here")
+    if not loaded.few_rows_built:
+        pytest.skip("this CPU has no AVX-512: the few-row linear kernel is not built")
+    counting = _CountingKernels(loaded)
+    monkeypatch.setattr(packed_module.cpu_kernels, "load", lambda: counting)
+    torch.manual_seed(0)
+    head = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=True))
+    attention = torch.nn.Module()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attention, name, torch.nn.Linear(48, 16, bias=False))
+    linear = torch.nn.functional.linear
+    assert pack_linears(head, vendor=vendor) == 1 and pack_linears(attention, vendor=vendor) == 3
+    sizes = (1, 3, 8, 9, 64)
+    for rows in sizes:  # under inference mode, as the executor runs (no gradients)
+        x = torch.randn(rows, 48)
+        with torch.inference_mode():
+            got, fused_qkv = head(x), torch.cat(project_qkv(attention, x), dim=-1)
+        torch.testing.assert_close(got, linear(x, head[0].weight, head[0].bias), atol=1e-5, rtol=0)
+        unfused = torch.cat(
+            [linear(x, getattr(attention, n).weight) for n in ("q_proj", "k_proj", "v_proj")], -1
+        )
+        torch.testing.assert_close(fused_qkv, unfused, atol=1e-5, rtol=0)
+    expected = [r for r in sizes for _ in range(2) if r <= INTEL_FEW_ROWS]
+    assert counting.rows == (expected if vendor == "GenuineIntel" else [])
+    with torch.enable_grad():  # a product that needs gradients is left to torch
+        head(torch.randn(2, 48, requires_grad=True))
+    assert counting.rows == (expected if vendor == "GenuineIntel" else [])
 
 
 def test_executor_packs_cpu_float32_linears_unless_told_not_to(folder: Path) -> None:

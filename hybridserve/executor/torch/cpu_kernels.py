@@ -44,7 +44,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("row_ops.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_decode.c", "row_ops.c", "few_rows_linear.c")
+)
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "HYBRIDSERVE_CPU_KERNELS"
@@ -118,6 +120,10 @@ class CpuKernels:
         self._conv_step = self._lib.conv_step_f32
         self._conv_step.argtypes = [p] * 5 + [i64] * 4 + [i32, i32]
         self._conv_step.restype = None
+        self._few_rows = self._lib.few_rows_linear_f32
+        self._few_rows.argtypes = [p] * 4 + [i64] * 3 + [i32]
+        self._few_rows.restype = i32
+        self.few_rows_built = bool(self._lib.few_rows_linear_built())
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
@@ -211,6 +217,35 @@ class CpuKernels:
                 torch.get_num_threads(),
             )  # fmt: skip
         return out
+
+    def few_rows_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`x @ weight.T (+ bias)` for a float32 CPU `x` of `[rows, in]` and a contiguous
+        float32 `weight` `[out, in]` (`few_rows_linear.c`: at most a few rows, where it reads the
+        weight faster than the libraries); a new `[rows, out]`. None where this build has no
+        such kernel (no AVX-512) or the tensors are not of that kind: the caller takes its
+        torch form."""
+        if not (
+            self.few_rows_built
+            and x.dim() == 2
+            and _float32_cpu(x)
+            and _float32_cpu(weight)
+            and weight.is_contiguous()
+            and x.shape[1] == weight.shape[1]
+            and (bias is None or (_float32_cpu(bias) and bias.shape == weight.shape[:1]))
+        ):
+            return None
+        x = x.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        rows, out_features = x.shape[0], weight.shape[0]
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        if rows and out_features:
+            self._few_rows(
+                x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                y.data_ptr(), rows, x.shape[1], out_features, torch.get_num_threads(),
+            )  # fmt: skip
+        return y
 
     def greedy_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (the first of tied maxima) of a float32 CPU `[rows, vocab]`, in one

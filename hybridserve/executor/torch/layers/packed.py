@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.cpu_kernels import cpuinfo_line
 
 # The row count oneDNN is told to expect when it chooses the packed layout; the packed weight
@@ -61,6 +62,10 @@ SINGLE_ROW_ELEMENTS = 1_000_000
 # On Intel CPUs fewer rows than this go through `F.linear` whatever the weight's size (see the
 # module's docstring).
 INTEL_MIN_PACKED_ROWS = 4
+# On Intel CPUs with AVX-512, up to this many rows go through the few-row kernel
+# (`cpu_kernels.few_rows_linear`), which reads the plain weight faster than both (see the
+# module's docstring).
+INTEL_FEW_ROWS = 8
 
 
 @functools.cache
@@ -77,6 +82,25 @@ def min_packed_rows(elements: int, vendor: str) -> int:
     if vendor == "GenuineIntel":
         return INTEL_MIN_PACKED_ROWS
     return 1 if elements >= SINGLE_ROW_ELEMENTS else MIN_PACKED_ROWS
+
+
+def few_rows_limit(vendor: str) -> int:
+    """The most rows the few-row kernel serves on a CPU of `vendor` (0: none; where it was not
+    measured faster, the libraries serve every row count)."""
+    return INTEL_FEW_ROWS if vendor == "GenuineIntel" else 0
+
+
+def few_rows_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, limit: int
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` by the few-row kernel where `x` has at most `limit` rows, the
+    kernels are loaded and nothing needs gradients; else None."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= limit:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    kernels = cpu_kernels.load()
+    return None if kernels is None else kernels.few_rows_linear(x, weight, bias)
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -96,12 +120,16 @@ class PackedLinear(nn.Linear):
 
     _packed: torch.Tensor
     _min_rows: int  # fewer rows go through F.linear (`min_packed_rows`)
+    _few_rows: int  # at most this many go through the few-row kernel (`few_rows_limit`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the compiler chooses the kernels (and the row count is symbolic).
         rows = x.shape[0] if x.dim() == 2 else 0
         if torch.compiler.is_compiling() or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
+        few = few_rows_product(x, self.weight, self.bias, self._few_rows)
+        if few is not None:
+            return few
         if rows < self._min_rows:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -131,11 +159,17 @@ class FusedProjection:
             start += size
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
         self.min_rows = min_packed_rows(weight.numel(), vendor)
+        self.few_rows = few_rows_limit(vendor)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The concatenated output `[rows, sum of the siblings' outputs]`."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows < self.min_rows:
+        if torch.compiler.is_compiling() or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        few = few_rows_product(x, self.weight, self.bias, self.few_rows)
+        if few is not None:
+            return few
+        if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -213,5 +247,6 @@ def pack_linears(model: nn.Module, vendor: str | None = None) -> int:
         assert isinstance(module, PackedLinear)
         module._packed = packed
         module._min_rows = min_packed_rows(weight.numel(), vendor)
+        module._few_rows = few_rows_limit(vendor)
         count += 1
     return count
