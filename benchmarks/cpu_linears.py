@@ -85,9 +85,9 @@ def _median_ms(
 def _path(rows: int, elements: int, few_rows: bool) -> str:
     """The path `PackedLinear` takes for `rows` rows of a weight of `elements` elements
     (`few_rows`: the kernel is loaded and built here)."""
-    if few_rows and rows <= few_rows_limit(cpu_vendor()):
-        return "few_rows"
-    return "packed" if rows >= min_packed_rows(elements, cpu_vendor()) else "plain"
+    if rows < min_packed_rows(elements, cpu_vendor()):
+        return "plain"
+    return "few_rows" if few_rows and rows <= few_rows_limit(cpu_vendor()) else "packed"
 
 
 def _few_rows_kernel() -> cpu_kernels.CpuKernels | None:

@@ -158,7 +158,7 @@ class _CountingKernels:
 
 
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
-def test_on_intel_up_to_eight_rows_go_through_the_few_row_kernel(
+def test_on_intel_four_to_eight_rows_go_through_the_few_row_kernel(
     monkeypatch: pytest.MonkeyPatch, vendor: str
 ) -> None:
     loaded = packed_module.cpu_kernels.load()
@@ -175,7 +175,7 @@ def test_on_intel_up_to_eight_rows_go_through_the_few_row_kernel(
         setattr(attention, name, torch.nn.Linear(48, 16, bias=False))
     linear = torch.nn.functional.linear
     assert pack_linears(head, vendor=vendor) == 1 and pack_linears(attention, vendor=vendor) == 3
-    sizes = (1, 3, 8, 9, 64)
+    sizes = (1, 3, 4, 8, 9, 64)
     for rows in sizes:  # under inference mode, as the executor runs (no gradients)
         x = torch.randn(rows, 48)
         with torch.inference_mode():
@@ -185,10 +185,10 @@ def test_on_intel_up_to_eight_rows_go_through_the_few_row_kernel(
             [linear(x, getattr(attention, n).weight) for n in ("q_proj", "k_proj", "v_proj")], -1
         )
         torch.testing.assert_close(fused_qkv, unfused, atol=1e-5, rtol=0)
-    expected = [r for r in sizes for _ in range(2) if r <= INTEL_FEW_ROWS]
+    expected = [r for r in sizes for _ in range(2) if INTEL_MIN_PACKED_ROWS <= r <= INTEL_FEW_ROWS]
     assert counting.rows == (expected if vendor == "GenuineIntel" else [])
     with torch.enable_grad():  # a product that needs gradients is left to torch
-        head(torch.randn(2, 48, requires_grad=True))
+        head(torch.randn(5, 48, requires_grad=True))
     assert counting.rows == (expected if vendor == "GenuineIntel" else [])
 
 

@@ -62,9 +62,9 @@ SINGLE_ROW_ELEMENTS = 1_000_000
 # On Intel CPUs fewer rows than this go through `F.linear` whatever the weight's size (see the
 # module's docstring).
 INTEL_MIN_PACKED_ROWS = 4
-# On Intel CPUs with AVX-512, up to this many rows go through the few-row kernel
-# (`cpu_kernels.few_rows_linear`), which reads the plain weight faster than both (see the
-# module's docstring).
+# On Intel CPUs with AVX-512, from INTEL_MIN_PACKED_ROWS to this many rows go through the few-row
+# kernel (`cpu_kernels.few_rows_linear`), which reads the plain weight faster than the packed
+# copy there (see the module's docstring).
 INTEL_FEW_ROWS = 8
 
 
@@ -120,18 +120,18 @@ class PackedLinear(nn.Linear):
 
     _packed: torch.Tensor
     _min_rows: int  # fewer rows go through F.linear (`min_packed_rows`)
-    _few_rows: int  # at most this many go through the few-row kernel (`few_rows_limit`)
+    _few_rows: int  # from _min_rows to this many: the few-row kernel (`few_rows_limit`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the compiler chooses the kernels (and the row count is symbolic).
         rows = x.shape[0] if x.dim() == 2 else 0
         if torch.compiler.is_compiling() or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
+        if rows < self._min_rows:
+            return F.linear(x, self.weight, self.bias)
         few = few_rows_product(x, self.weight, self.bias, self._few_rows)
         if few is not None:
             return few
-        if rows < self._min_rows:
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
@@ -166,11 +166,11 @@ class FusedProjection:
         rows = x.shape[0] if x.dim() == 2 else 0
         if torch.compiler.is_compiling() or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
+        if rows < self.min_rows:
+            return F.linear(x, self.weight, self.bias)
         few = few_rows_product(x, self.weight, self.bias, self.few_rows)
         if few is not None:
             return few
-        if rows < self.min_rows:
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
