@@ -1,6 +1,8 @@
 """The CPU kernels, compiled on first use into one library: the paged decode-attention kernel
-(`paged_decode.c`) and row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax, the
-gated MLP's activation and product, the Mamba2 decode step's conv and state updates).
+(`paged_decode.c`), row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax, the
+gated MLP's activation and product, the Mamba2 decode step's conv and state updates) and the
+linear of a decode batch's few rows (`few_rows_linear.c`, AVX-512 only; `layers/packed.py` says
+where it serves).
 
 On the CPU, decode attention through the gather path copies every key and value a decode reads
 into a contiguous buffer (`GatherBuffers`) and then runs SDPA over the copy: at 32 decodes of
