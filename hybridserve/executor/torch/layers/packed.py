@@ -46,9 +46,11 @@ where the packed copy reaches 9-19 at 8 rows. Cold, 8 rows (docs/cpu_linears_few
 packed / kernel: the hybrid's MLP input 2.29 / 1.71 ms, its Mamba input 1.46 / 1.00, its MLP
 output 1.33 / 1.02, its head 10.6 / 8.6; Gemma 3's head 35.3 / 33.1, its MLP up 0.83 / 0.51.
 At 1-2 rows `F.linear` reads the small weights faster (its call costs less), so the row rule
-above still sends them there. From 12 rows the packed copy is faster on the heads of Gemma 3 and
-SmolLM2 (in 576-640) and the kernel on the rest; the kernel stops at 8, one block of its
-registers.
+above still sends them there. At 12-16 rows the cold calls were faster through the kernel too on
+every weight of 1,024 input features or more, but whole decode steps were not: serving those up
+to 16 rows made the hybrid's step at 12 requests 138.6-139.8 -> 152.4-155.3 ms and at 16
+156.3-156.9 -> 159.7-163.5 (docs/decode_steps_few_rows_wide_trial_xeon.json). The kernel stops at
+8, one block of its accumulators.
 """
 
 from __future__ import annotations
