@@ -438,6 +438,23 @@ def few_rows(kernel: cpu_kernels.CpuKernels) -> cpu_kernels.CpuKernels:
     return kernel
 
 
+def _few_rows_on(
+    threads: int,
+    kernels: cpu_kernels.CpuKernels,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The kernel's product on `threads` threads (the tests' one thread restored after)."""
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.few_rows_linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(1)
+    assert got is not None
+    return got
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(1, 19),
@@ -465,12 +482,7 @@ def test_the_few_rows_linear_equals_torchs_linear(
     expected = torch.nn.functional.linear(
         x.double(), weight.double(), None if bias is None else bias.double()
     ).float()
-    torch.set_num_threads(threads)
-    try:
-        got = few_rows.few_rows_linear(x, weight, bias)
-    finally:
-        torch.set_num_threads(1)
-    assert got is not None
+    got = _few_rows_on(threads, few_rows, x, weight, bias)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -480,12 +492,7 @@ def test_the_few_rows_linear_splits_a_large_weight_across_threads(
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(8, 1_000, generator=gen), torch.randn(1_030, 1_000, generator=gen)
     expected = (x.double() @ weight.double().T).float()
-    torch.set_num_threads(2)
-    try:
-        got = few_rows.few_rows_linear(x, weight, None)
-    finally:
-        torch.set_num_threads(1)
-    assert got is not None
+    got = _few_rows_on(2, few_rows, x, weight, None)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
 
 
