@@ -41,8 +41,9 @@ within 1e-4.
 
 On that Intel host, 4 to 8 rows (`INTEL_FEW_ROWS`) go through neither library but the few-row
 kernel (`cpu_kernels.few_rows_linear`, `few_rows_linear.c`, where the CPU has AVX-512): it
-streams the plain weight in tiles of 4 rows with a software prefetch and reads it at 15-24 GB/s
-where the packed copy reaches 9-19 at 8 rows. Cold, 8 rows (docs/cpu_linears_few_rows_xeon.json),
+streams the plain weight in tiles of 4 rows with a software prefetch, and at 8 rows reads the
+hybrid's projections of 8 MB and more and the three models' heads at 13.5-23.4 GB/s where the
+packed copy reaches 9.1-19.0. Cold, 8 rows (docs/cpu_linears_few_rows_xeon.json),
 packed / kernel: the hybrid's MLP input 2.29 / 1.71 ms, its Mamba input 1.46 / 1.00, its MLP
 output 1.33 / 1.02, its head 10.6 / 8.6; Gemma 3's head 35.3 / 33.1, its MLP up 0.83 / 0.51.
 At 1-2 rows `F.linear` reads the small weights faster (its call costs less), so the row rule
@@ -177,9 +178,7 @@ class FusedProjection:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The concatenated output `[rows, sum of the siblings' outputs]`."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if torch.compiler.is_compiling() or x.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        if rows < self.min_rows:
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
         few = few_rows_product(x, self.weight, self.bias, self.few_rows)
         if few is not None:
