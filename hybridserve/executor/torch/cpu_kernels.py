@@ -344,12 +344,18 @@ def _state_pointers(
     return torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
 
 
+def switched_off(variable: str) -> bool:
+    """Whether the environment variable `variable` turns its feature off (0, false, no, off;
+    unset means on)."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 @functools.cache
 def load() -> CpuKernels | None:
     """The kernels, compiled (once per machine and source) and loaded; None where they are
     switched off (`HYBRIDSERVE_CPU_KERNELS=0`) or cannot be built, with one warning saying why
     (the callers then take their torch forms)."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV_SWITCH):
         return None
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:

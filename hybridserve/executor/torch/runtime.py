@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.executor.torch.cpu_kernels import switched_off
 from hybridserve.executor.torch.gguf_file import GGUFFile
 from hybridserve.executor.torch.gguf_loader import load_gguf_model
 from hybridserve.executor.torch.loader import load_model
@@ -150,7 +151,7 @@ def keep_freed_memory() -> bool:
     process keeps its peak memory (as a caching allocator does). Process-wide and once
     (`serve`, `generate` and `calibrate` call it on a CPU); not on other C libraries, nor with
     `HYBRIDSERVE_KEEP_FREED_MEMORY=0`."""
-    if os.environ.get(KEEP_FREED_MEMORY_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(KEEP_FREED_MEMORY_SWITCH):
         return False
     name = ctypes.util.find_library("c")
     try:
