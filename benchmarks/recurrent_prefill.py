@@ -7,14 +7,16 @@ chunk of `--tokens` tokens from a nonzero starting state, with a state snapshot 
 `--block` tokens as the cache asks for block boundaries. Inputs are made as the layers make
 them (L2-normalised q and k per key head, decays from softplus'd time steps).
 
-Both paths run the same inputs: `gated_delta_rule_chunked` / `ssd_chunked` (what the layers
-run for prefill) and `gated_delta_rule_recurrent` / `ssd_recurrent` (the token loop, kept for
-decode). The loop runs `--loop-tokens` tokens (its cost per token does not depend on the
-length, so tokens/s is a per-token rate measured on fewer tokens when that is smaller than
-`--tokens`); `max_abs_diff` compares the loop's outputs and snapshots with the chunked run's
-over those tokens. Times are the best of `--repeats` runs, in wall seconds and (`*_cpu_*`) in
-process CPU seconds, which other processes' load on a shared machine inflates less.
-`--threshold` also times both paths at lengths 1..16, where the layers choose the loop.
+Both paths run the same inputs: `gated_delta_rule_chunked` / `ssd_chunked` (what the layers run
+for prefill: on a CPU with AVX-512 the gated delta rule's C kernel, its plain-torch chunked form
+measured beside it as `torch_form`; `form` says which ran) and `gated_delta_rule_recurrent` /
+`ssd_recurrent` (the token loop, kept for decode). The loop runs `--loop-tokens` tokens (its
+cost per token does not depend on the length, so tokens/s is a per-token rate measured on fewer
+tokens when that is smaller than `--tokens`); `max_abs_diff` compares the loop's outputs and
+snapshots with the chunked run's over those tokens. Times are the best of `--repeats` runs, in
+wall seconds and (`*_cpu_*`) in process CPU seconds, which other processes' load on a shared
+machine inflates less. `--threshold` also times both paths at lengths 1..16, where the layers
+choose the loop.
 
 Beside each rate, `bound`: the chunked form's matrix-product FLOPs a token (`flops_per_token`),
 the rate of its main product at this shape (`product_gflops`, best of 30 calls), the tokens/s
@@ -41,7 +43,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.gated_delta import (
+    KERNEL_CHUNK_SIZE,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
     l2_normalize,
@@ -116,6 +120,7 @@ def compare(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     chunked, loop = kernels
+    size = args.chunk_sizes[chunked.__name__]
     shape, inputs = make(args.tokens, torch.Generator().manual_seed(0))
     snaps = tuple(range(args.block, args.tokens + 1, args.block)) if args.block else ()
     loop_tokens = min(args.loop_tokens, args.tokens)
@@ -123,12 +128,12 @@ def compare(
     inside = tuple(n for n in snaps if n < loop_tokens)
     with torch.no_grad():
         chunk_s, chunk_cpu, (out, _, saved) = best_seconds(
-            lambda: chunked(*inputs, chunk_size=args.chunk, snapshots=snaps), args.repeats
+            lambda: chunked(*inputs, chunk_size=size, snapshots=snaps), args.repeats
         )
         loop_s, loop_cpu, (loop_out, loop_final, loop_saved) = best_seconds(
             lambda: loop(*loop_inputs, snapshots=inside), max(1, args.repeats - 1)
         )
-        _, _, (mid,) = chunked(*inputs, chunk_size=args.chunk, snapshots=(loop_tokens,))
+        _, _, (mid,) = chunked(*inputs, chunk_size=size, snapshots=(loop_tokens,))
     # Outputs, the snapshots inside the loop's tokens, and the state after its last token.
     pairs = [(out[:loop_tokens], loop_out), (mid, loop_final)]
     pairs += list(zip(saved[: len(inside)], loop_saved, strict=True))
@@ -139,7 +144,7 @@ def compare(
         "tokens": args.tokens,
         "loop_tokens": loop_tokens,
         "snapshots": len(snaps),
-        "chunk_size": args.chunk,
+        "chunk_size": size,
         "chunked_tokens_per_s": round(chunk_rate, 1),
         "loop_tokens_per_s": round(loop_rate, 1),
         "speedup_vs_loop": round(chunk_rate / loop_rate, 2),
@@ -202,6 +207,21 @@ def bound(name: str, row: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def torch_form(args: argparse.Namespace, size: int) -> dict[str, float]:
+    """The gated delta rule's plain-torch chunked form on the same inputs (where the C kernel
+    serves the layer): its tokens/s, best of `--repeats`."""
+    _, inputs = gated_delta_inputs(args.tokens, torch.Generator().manual_seed(0))
+    snaps = tuple(range(args.block, args.tokens + 1, args.block)) if args.block else ()
+    with torch.no_grad():
+        seconds, _, _ = best_seconds(
+            lambda: gated_delta_rule_chunked(
+                *inputs, chunk_size=size, snapshots=snaps, kernel=False
+            ),
+            args.repeats,
+        )
+    return {"chunk_size": size, "chunked_tokens_per_s": round(args.tokens / seconds, 1)}
+
+
 def threshold(
     make: Callable[[int, torch.Generator], tuple[dict[str, int], Inputs]],
     kernels: tuple[Callable[..., Result], Callable[..., Result]],
@@ -211,7 +231,9 @@ def threshold(
     out: dict[str, list[float]] = {"chunked_ms": [], "loop_ms": []}
     for length in range(1, 17):
         _, inputs = make(length, torch.Generator().manual_seed(0))
-        chunked = functools.partial(kernels[0], *inputs, chunk_size=args.chunk)
+        chunked = functools.partial(
+            kernels[0], *inputs, chunk_size=args.chunk_sizes[kernels[0].__name__]
+        )
         with torch.no_grad():
             chunk_s, _, _ = best_seconds(chunked, 5)
             loop_s, _, _ = best_seconds(functools.partial(kernels[1], *inputs), 5)
@@ -232,8 +254,13 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     keep_freed_memory()  # as `serve` and `generate` do on a CPU
-    if args.chunk is None:
-        args.chunk = scan_chunk_size(torch.device("cpu"))
+    loaded = cpu_kernels.load()
+    on_kernel = loaded is not None and loaded.gated_delta_built
+    torch_size = scan_chunk_size(torch.device("cpu"))
+    args.chunk_sizes = {  # the layers' own choice unless --chunk
+        "gated_delta_rule_chunked": args.chunk or (KERNEL_CHUNK_SIZE if on_kernel else torch_size),
+        "ssd_chunked": args.chunk or torch_size,
+    }
     kernels = {  # inputs, (chunked, loop), which inputs are per token
         "gated_delta": (
             gated_delta_inputs,
@@ -250,6 +277,12 @@ def main() -> None:
     for name, (make, pair, per_token) in kernels.items():
         result[name] = compare(make, pair, per_token, args)
         result[name]["bound"] = bound(name, result[name])
+        if name == "gated_delta":
+            result[name]["form"] = "c_kernel" if on_kernel else "torch"
+            if on_kernel:  # the torch form beside it, at its own chunk size
+                result[name]["torch_form"] = torch_form(args, torch_size)
+        else:
+            result[name]["form"] = "torch"
         if args.threshold:
             result[name]["threshold"] = threshold(make, pair, args)
     print(json.dumps(result))

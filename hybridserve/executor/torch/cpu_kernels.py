@@ -2,7 +2,8 @@
 (`paged_decode.c`), row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax, the
 gated MLP's activation and product, the Mamba2 decode step's conv and state updates) and the
 linear of a decode batch's few rows (`few_rows_linear.c`, AVX-512 only; `layers/packed.py` says
-where it serves).
+where it serves) and the chunked gated delta rule of a prefill (`gated_delta_chunked.c`, AVX-512
+only; `layers/gated_delta.py`).
 
 On the CPU, decode attention through the gather path copies every key and value a decode reads
 into a contiguous buffer (`GatherBuffers`) and then runs SDPA over the copy: at 32 decodes of
@@ -47,11 +48,14 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("paged_decode.c", "row_ops.c", "few_rows_linear.c")
+    Path(__file__).with_name(name)
+    for name in ("paged_decode.c", "row_ops.c", "few_rows_linear.c", "gated_delta_chunked.c")
 )
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "HYBRIDSERVE_CPU_KERNELS"
+# The longest chunk gated_delta_chunked.c takes (its MAX_CHUNK).
+GATED_DELTA_MAX_CHUNK = 64
 # The activations `act_mul` computes (row_ops.c's `kind`), by their config names.
 ACT_MUL_KINDS = {"gelu_pytorch_tanh": 0, "gelu_new": 0, "silu": 1}
 
@@ -126,6 +130,10 @@ class CpuKernels:
         self._few_rows.argtypes = [p] * 4 + [i64] * 3 + [i32]
         self._few_rows.restype = i32
         self.few_rows_built = bool(self._lib.few_rows_linear_built())
+        self._gated_delta = self._lib.gated_delta_chunked_f32
+        self._gated_delta.argtypes = [p] * 9 + [i64] * 7 + [i32]
+        self._gated_delta.restype = i32
+        self.gated_delta_built = bool(self._lib.gated_delta_chunked_built())
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
@@ -249,6 +257,57 @@ class CpuKernels:
             )  # fmt: skip
         return y
 
+    def gated_delta_chunked(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        chunk_size: int,
+        snapshots: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """`gated_delta_rule_chunked` in one pass per value head (`gated_delta_chunked.c`):
+        q, k `[L, Hk, Dk]`, v `[L, Hv, Dv]`, g, beta `[L, Hv]`, state `[Hv, Dk, Dv]` (not
+        changed). Returns (outputs, final state, the states after each of `snapshots` tokens),
+        or None where this build has no such kernel (no AVX-512) or the inputs are not float32
+        CPU tensors of a shape it takes (Dv a multiple of 16, chunks of at most 64 tokens): the
+        caller takes its torch form."""
+        length, key_heads, dim_k = q.shape
+        heads, dim_v = v.shape[1:]
+        tensors = (q, k, v, g, beta, state)
+        if not (
+            self.gated_delta_built
+            and all(map(_float32_cpu, tensors))
+            and length > 0
+            and dim_v % 16 == 0
+            and 1 <= chunk_size <= GATED_DELTA_MAX_CHUNK
+            and heads % key_heads == 0
+            and k.shape == q.shape
+            and state.shape == (heads, dim_k, dim_v)
+            and g.shape == beta.shape == (length, heads)
+            and all(0 < count <= length for count in snapshots)
+            and list(snapshots) == sorted(set(snapshots))
+        ):
+            return None
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        state = state.clone(memory_format=torch.contiguous_format)
+        out = torch.empty(length, heads, dim_v, dtype=torch.float32)
+        saved = torch.empty(len(snapshots), heads, dim_k, dim_v, dtype=torch.float32)
+        positions = torch.tensor(snapshots, dtype=torch.int64)
+        done = self._gated_delta(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+            state.data_ptr(), out.data_ptr(), saved.data_ptr(), positions.data_ptr(),
+            len(snapshots), length, key_heads, heads, dim_k, dim_v, chunk_size,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if done < 0:
+            raise MemoryError("gated delta kernel: a thread could not allocate its work buffers")
+        if done == 0:
+            return None
+        return out, state, list(saved.unbind(0))
+
     def greedy_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (the first of tied maxima) of a float32 CPU `[rows, vocab]`, in one
         pass that also checks the values: None when some row holds an infinity or a NaN (the
@@ -348,6 +407,14 @@ def switched_off(variable: str) -> bool:
     """Whether the environment variable `variable` turns its feature off (0, false, no, off;
     unset means on)."""
     return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def for_tensor(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels for work on `x`'s device: loaded (built on first use) only for a CPU
+    tensor, and not under torch.compile."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return load()
 
 
 @functools.cache

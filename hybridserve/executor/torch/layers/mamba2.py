@@ -148,14 +148,6 @@ def ssd_step(
     return ssd_step_in_place(x, dt, a, b, c, state.unbind(0)), state
 
 
-def _cpu_kernels(x: torch.Tensor) -> cpu_kernels.CpuKernels | None:
-    """The C kernels for a decode on `x`'s device: loaded (built on first use) only for a CPU
-    tensor, and not under torch.compile."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    return cpu_kernels.load()
-
-
 def ssd_step_in_place(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -170,7 +162,7 @@ def ssd_step_in_place(
     each state); else the inputs' arithmetic is batched, the state updates one request at a
     time."""
     log_decay, xdt = dt * a, dt[:, :, None] * x  # [B, H], [B, H, P]
-    kernels = _cpu_kernels(x)
+    kernels = cpu_kernels.for_tensor(x)
     if kernels is not None:
         # One pass over each state (the loop below reads it three times).
         y = kernels.ssm_step(states, decay_exp(log_decay), xdt, b, c)
@@ -383,7 +375,7 @@ class Mamba2Mixer(nn.Module):
         `conv_views` too, the conv states shift in place (the C kernel's conv and activation
         in one call) and nothing comes back."""
         weight, new = self.conv1d.weight[:, 0], {}
-        kernels = _cpu_kernels(xbc)
+        kernels = cpu_kernels.for_tensor(xbc)
         activated = None
         if conv_views is not None and kernels is not None:
             activated = kernels.conv_step(conv_views, xbc, weight, self.conv1d.bias, self.dims.act)
