@@ -8,8 +8,8 @@ chunk of `--tokens` tokens from a nonzero starting state, with a state snapshot 
 them (L2-normalised q and k per key head, decays from softplus'd time steps).
 
 Both paths run the same inputs: `gated_delta_rule_chunked` / `ssd_chunked` (what the layers run
-for prefill: on a CPU with AVX-512 the gated delta rule's C kernel, its plain-torch chunked form
-measured beside it as `torch_form`; `form` says which ran) and `gated_delta_rule_recurrent` /
+for prefill: on a CPU with AVX-512 their C kernels, the plain-torch chunked forms measured beside
+them as `torch_form`; `form` says which ran) and `gated_delta_rule_recurrent` /
 `ssd_recurrent` (the token loop, kept for decode). The loop runs `--loop-tokens` tokens (its
 cost per token does not depend on the length, so tokens/s is a per-token rate measured on fewer
 tokens when that is smaller than `--tokens`); `max_abs_diff` compares the loop's outputs and
@@ -45,13 +45,12 @@ import torch.nn.functional as F
 
 from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.gated_delta import (
-    KERNEL_CHUNK_SIZE,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
     l2_normalize,
 )
 from hybridserve.executor.torch.layers.mamba2 import ssd_chunked, ssd_recurrent
-from hybridserve.executor.torch.layers.recurrence import scan_chunk_size
+from hybridserve.executor.torch.layers.recurrence import KERNEL_CHUNK_SIZE, scan_chunk_size
 from hybridserve.executor.torch.runtime import keep_freed_memory, set_threads
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -131,7 +130,7 @@ def compare(
             lambda: chunked(*inputs, chunk_size=size, snapshots=snaps), args.repeats
         )
         loop_s, loop_cpu, (loop_out, loop_final, loop_saved) = best_seconds(
-            lambda: loop(*loop_inputs, snapshots=inside), max(1, args.repeats - 1)
+            lambda: loop(*loop_inputs, snapshots=inside), args.repeats
         )
         _, _, (mid,) = chunked(*inputs, chunk_size=size, snapshots=(loop_tokens,))
     # Outputs, the snapshots inside the loop's tokens, and the state after its last token.
@@ -207,16 +206,19 @@ def bound(name: str, row: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def torch_form(args: argparse.Namespace, size: int) -> dict[str, float]:
-    """The gated delta rule's plain-torch chunked form on the same inputs (where the C kernel
-    serves the layer): its tokens/s, best of `--repeats`."""
-    _, inputs = gated_delta_inputs(args.tokens, torch.Generator().manual_seed(0))
+def torch_form(
+    make: Callable[[int, torch.Generator], tuple[dict[str, int], Inputs]],
+    chunked: Callable[..., Result],
+    args: argparse.Namespace,
+    size: int,
+) -> dict[str, float]:
+    """The plain-torch chunked form on the same inputs (where a C kernel serves the layer): its
+    tokens/s, best of `--repeats`."""
+    _, inputs = make(args.tokens, torch.Generator().manual_seed(0))
     snaps = tuple(range(args.block, args.tokens + 1, args.block)) if args.block else ()
     with torch.no_grad():
         seconds, _, _ = best_seconds(
-            lambda: gated_delta_rule_chunked(
-                *inputs, chunk_size=size, snapshots=snaps, kernel=False
-            ),
+            lambda: chunked(*inputs, chunk_size=size, snapshots=snaps, kernel=False),
             args.repeats,
         )
     return {"chunk_size": size, "chunked_tokens_per_s": round(args.tokens / seconds, 1)}
@@ -255,11 +257,15 @@ def main() -> None:
     set_threads(args.threads)
     keep_freed_memory()  # as `serve` and `generate` do on a CPU
     loaded = cpu_kernels.load()
-    on_kernel = loaded is not None and loaded.gated_delta_built
+    on_kernel = {  # whether the C kernels serve the layers here
+        "gated_delta": loaded is not None and loaded.gated_delta_built,
+        "mamba2": loaded is not None and loaded.ssd_built,
+    }
     torch_size = scan_chunk_size(torch.device("cpu"))
     args.chunk_sizes = {  # the layers' own choice unless --chunk
-        "gated_delta_rule_chunked": args.chunk or (KERNEL_CHUNK_SIZE if on_kernel else torch_size),
-        "ssd_chunked": args.chunk or torch_size,
+        "gated_delta_rule_chunked": args.chunk
+        or (KERNEL_CHUNK_SIZE if on_kernel["gated_delta"] else torch_size),
+        "ssd_chunked": args.chunk or (KERNEL_CHUNK_SIZE if on_kernel["mamba2"] else torch_size),
     }
     kernels = {  # inputs, (chunked, loop), which inputs are per token
         "gated_delta": (
@@ -277,12 +283,9 @@ def main() -> None:
     for name, (make, pair, per_token) in kernels.items():
         result[name] = compare(make, pair, per_token, args)
         result[name]["bound"] = bound(name, result[name])
-        if name == "gated_delta":
-            result[name]["form"] = "c_kernel" if on_kernel else "torch"
-            if on_kernel:  # the torch form beside it, at its own chunk size
-                result[name]["torch_form"] = torch_form(args, torch_size)
-        else:
-            result[name]["form"] = "torch"
+        result[name]["form"] = "c_kernel" if on_kernel[name] else "torch"
+        if on_kernel[name]:  # the torch form beside it, at its own chunk size
+            result[name]["torch_form"] = torch_form(make, pair[0], args, torch_size)
         if args.threshold:
             result[name]["threshold"] = threshold(make, pair, args)
     print(json.dumps(result))

@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from hybridserve.executor.torch import cpu_kernels
+
 TOLERANCE = 1e-4
 
 
@@ -237,3 +239,29 @@ def check_decodes_alone(
         prefill, state, _ = ours.forward_sequence(x[3:9], start[1])
         torch.testing.assert_close(y[3:9], prefill, atol=1e-5, rtol=0)
         torch.testing.assert_close(ctx.states[20]["conv"], state["conv"])
+
+
+def check_scan_result(
+    got: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+    want: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+    counts: tuple[int, ...],
+) -> None:
+    """A chunked scan's (outputs, final state, snapshots) equal to another's within 1e-5."""
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    assert len(got[2]) == len(counts)
+    for count, a, b in zip(counts, got[2], want[2], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"state after {count}")
+
+
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """A list that grows by one at every call of `CpuKernels.<name>` (which still runs)."""
+    calls: list[int] = []
+    real = getattr(cpu_kernels.CpuKernels, name)
+
+    def counted(self: cpu_kernels.CpuKernels, *args: object) -> object:
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(cpu_kernels.CpuKernels, name, counted)
+    return calls

@@ -19,6 +19,8 @@ from tests.reference.recurrent_layer import (
     RecurrentLayerChecks,
     check_chunked_equals_loop,
     check_decodes_batched,
+    check_scan_result,
+    count_kernel_calls,
     inputs,
     perturb,
     snapshot_counts,
@@ -200,18 +202,6 @@ def kernel_inputs(
     return q * dk**-0.5, k, v, g, beta, state
 
 
-def _check_rule(
-    got: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
-    want: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
-    counts: tuple[int, ...],
-) -> None:
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
-    assert len(got[2]) == len(counts)
-    for count, a, b in zip(counts, got[2], want[2], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"state after {count}")
-
-
 @pytest.mark.parametrize("length", [1, 7, 64, 544, 4096])
 @pytest.mark.parametrize("start", ["zero", "carried"])
 def test_the_c_kernel_rule_with_snapshots_equals_token_loop(
@@ -227,7 +217,7 @@ def test_the_c_kernel_rule_with_snapshots_equals_token_loop(
     for chunk_size in (1, 7, 32, 64):
         got = rule_kernel.gated_delta_chunked(q, k, v, g, beta, state, chunk_size, counts)
         assert got is not None, "the kernel refused a shape it takes"
-        _check_rule(got, loop, counts)
+        check_scan_result(got, loop, counts)
     assert torch.equal(state, before)  # the caller's state is not advanced
 
 
@@ -265,7 +255,7 @@ def test_the_c_kernel_rule_equals_the_torch_form(
     finally:
         torch.set_num_threads(previous)
     assert got is not None
-    _check_rule(got, want, counts)
+    check_scan_result(got, want, counts)
 
 
 def test_the_c_kernel_rule_leaves_strong_decays_exact(
@@ -279,7 +269,8 @@ def test_the_c_kernel_rule_leaves_strong_decays_exact(
     counts = (7, 64, 100)
     got = rule_kernel.gated_delta_chunked(q, k, v, g, beta, state, 32, counts)
     assert got is not None
-    _check_rule(got, gated_delta_rule_recurrent(q, k, v, g, beta, state, snapshots=counts), counts)
+    loop = gated_delta_rule_recurrent(q, k, v, g, beta, state, snapshots=counts)
+    check_scan_result(got, loop, counts)
 
 
 def test_the_c_kernel_rule_refuses_what_it_does_not_take(
@@ -302,14 +293,7 @@ def test_the_rule_takes_the_c_kernel_on_the_cpu(
 ) -> None:
     """`gated_delta_rule_chunked` calls the kernel for float32 CPU inputs, and its torch form
     with `kernel=False` or on inputs that require gradients (the kernel has no backward)."""
-    calls: list[int] = []
-    real = cpu_kernels.CpuKernels.gated_delta_chunked
-
-    def counted(self: cpu_kernels.CpuKernels, *args: object) -> object:
-        calls.append(1)
-        return real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_kernels.CpuKernels, "gated_delta_chunked", counted)
+    calls = count_kernel_calls(monkeypatch, "gated_delta_chunked")
     inputs = kernel_inputs(40, key_heads=1, value_heads=2)
     gated_delta_rule_chunked(*inputs, chunk_size=32)
     assert len(calls) == 1

@@ -2,8 +2,9 @@
 (`paged_decode.c`), row operations (`row_ops.c`: the RMS norm, greedy sampling's argmax, the
 gated MLP's activation and product, the Mamba2 decode step's conv and state updates) and the
 linear of a decode batch's few rows (`few_rows_linear.c`, AVX-512 only; `layers/packed.py` says
-where it serves) and the chunked gated delta rule of a prefill (`gated_delta_chunked.c`, AVX-512
-only; `layers/gated_delta.py`).
+where it serves) and the chunked scans of a prefill: the gated delta rule
+(`gated_delta_chunked.c`) and Mamba2's SSD (`ssd_chunked.c`), AVX-512 only, sharing
+`chunk_gemm.h`.
 
 On the CPU, decode attention through the gather path copies every key and value a decode reads
 into a contiguous buffer (`GatherBuffers`) and then runs SDPA over the copy: at 32 decodes of
@@ -40,7 +41,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -49,13 +50,21 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_decode.c", "row_ops.c", "few_rows_linear.c", "gated_delta_chunked.c")
+    for name in (
+        "paged_decode.c",
+        "row_ops.c",
+        "few_rows_linear.c",
+        "gated_delta_chunked.c",
+        "ssd_chunked.c",
+    )
 )
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "HYBRIDSERVE_CPU_KERNELS"
-# The longest chunk gated_delta_chunked.c takes (its MAX_CHUNK).
-GATED_DELTA_MAX_CHUNK = 64
+# Headers the sources include (hashed with them).
+HEADERS = (Path(__file__).with_name("chunk_gemm.h"),)
+# The longest chunk the chunked scans take (MAX_CHUNK of gated_delta_chunked.c, ssd_chunked.c).
+SCAN_MAX_CHUNK = 64
 # The activations `act_mul` computes (row_ops.c's `kind`), by their config names.
 ACT_MUL_KINDS = {"gelu_pytorch_tanh": 0, "gelu_new": 0, "silu": 1}
 
@@ -134,6 +143,10 @@ class CpuKernels:
         self._gated_delta.argtypes = [p] * 9 + [i64] * 7 + [i32]
         self._gated_delta.restype = i32
         self.gated_delta_built = bool(self._lib.gated_delta_chunked_built())
+        self._ssd = self._lib.ssd_chunked_f32
+        self._ssd.argtypes = [p] * 9 + [i64] * 7 + [i32]
+        self._ssd.restype = i32
+        self.ssd_built = bool(self._lib.ssd_chunked_built())
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
@@ -282,31 +295,54 @@ class CpuKernels:
             and all(map(_float32_cpu, tensors))
             and length > 0
             and dim_v % 16 == 0
-            and 1 <= chunk_size <= GATED_DELTA_MAX_CHUNK
+            and 1 <= chunk_size <= SCAN_MAX_CHUNK
             and heads % key_heads == 0
             and k.shape == q.shape
             and state.shape == (heads, dim_k, dim_v)
             and g.shape == beta.shape == (length, heads)
-            and all(0 < count <= length for count in snapshots)
-            and list(snapshots) == sorted(set(snapshots))
+            and _ascending_within(snapshots, length)
         ):
             return None
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        state = state.clone(memory_format=torch.contiguous_format)
-        out = torch.empty(length, heads, dim_v, dtype=torch.float32)
-        saved = torch.empty(len(snapshots), heads, dim_k, dim_v, dtype=torch.float32)
-        positions = torch.tensor(snapshots, dtype=torch.int64)
-        done = self._gated_delta(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-            state.data_ptr(), out.data_ptr(), saved.data_ptr(), positions.data_ptr(),
-            len(snapshots), length, key_heads, heads, dim_k, dim_v, chunk_size,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if done < 0:
-            raise MemoryError("gated delta kernel: a thread could not allocate its work buffers")
-        if done == 0:
+        sizes = (key_heads, heads, dim_k, dim_v)
+        return _scan(
+            self._gated_delta, (q, k, v, g, beta), state, v.shape, sizes, chunk_size, snapshots
+        )
+
+    def ssd_chunked(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        state: torch.Tensor,
+        chunk_size: int,
+        snapshots: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """Mamba2's `ssd_chunked` with each head's chunk in one pass (`ssd_chunked.c`): x
+        `[L, H, P]`, dt `[L, H]`, a `[H]`, b, c `[L, G, N]`, state `[H, P, N]` (not changed).
+        Returns (y, final state, the states after each of `snapshots` tokens), or None where
+        this build has no such kernel (no AVX-512) or the inputs are not float32 CPU tensors of a
+        shape it takes (P a multiple of 16, chunks of at most 64 tokens): the caller takes its
+        torch form."""
+        length, heads, head_dim = x.shape
+        groups, state_size = b.shape[1:]
+        if not (
+            self.ssd_built
+            and all(map(_float32_cpu, (x, dt, a, b, c, state)))
+            and length > 0
+            and head_dim % 16 == 0
+            and 1 <= chunk_size <= SCAN_MAX_CHUNK
+            and heads % groups == 0
+            and dt.shape == (length, heads)
+            and a.shape == (heads,)
+            and c.shape == b.shape == (length, groups, state_size)
+            and state.shape == (heads, head_dim, state_size)
+            and _ascending_within(snapshots, length)
+        ):
             return None
-        return out, state, list(saved.unbind(0))
+        sizes = (heads, head_dim, groups, state_size)
+        return _scan(self._ssd, (x, dt, a, b, c), state, x.shape, sizes, chunk_size, snapshots)
 
     def greedy_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (the first of tied maxima) of a float32 CPU `[rows, vocab]`, in one
@@ -387,6 +423,41 @@ class CpuKernels:
         return out
 
 
+def _scan(
+    entry: Callable[..., int],
+    inputs: tuple[torch.Tensor, ...],
+    state: torch.Tensor,
+    out_shape: torch.Size,
+    sizes: tuple[int, ...],
+    chunk_size: int,
+    snapshots: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+    """Call a chunked scan's entry point (`gated_delta_chunked_f32`, `ssd_chunked_f32`: the five
+    inputs, the state advanced in place, the output, the snapshots and their positions, then
+    the length, `sizes`, the chunk and the threads) on contiguous copies, the caller's state
+    untouched. None where it refuses the shapes."""
+    inputs = tuple(t.contiguous() for t in inputs)
+    state = state.clone(memory_format=torch.contiguous_format)
+    out = torch.empty(out_shape, dtype=torch.float32)
+    saved = torch.empty(len(snapshots), *state.shape, dtype=torch.float32)
+    positions = torch.tensor(snapshots, dtype=torch.int64)
+    done = entry(
+        *(t.data_ptr() for t in inputs), state.data_ptr(), out.data_ptr(), saved.data_ptr(),
+        positions.data_ptr(), len(snapshots), out_shape[0], *sizes, chunk_size,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if done < 0:
+        raise MemoryError("a chunked scan kernel's thread could not allocate its work buffers")
+    if done == 0:
+        return None
+    return out, state, list(saved.unbind(0))
+
+
+def _ascending_within(counts: tuple[int, ...], length: int) -> bool:
+    """Whether `counts` are distinct, ascending and each in 1..length."""
+    return all(0 < n <= length for n in counts) and list(counts) == sorted(set(counts))
+
+
 def _float32_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
 
@@ -434,7 +505,8 @@ def load() -> CpuKernels | None:
         )
         return None
     digest = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), repr((COMPILE_FLAGS, LINK_FLAGS)).encode()):
+    sources = (*SOURCES, *HEADERS)
+    for part in (*(s.read_bytes() for s in sources), repr((COMPILE_FLAGS, LINK_FLAGS)).encode()):
         digest.update(part)
     digest.update(_cpu_features().encode())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"

@@ -6,9 +6,9 @@
  * product after another: each product is a library call on a few hundred KiB, and the operands
  * cross memory between them (the head-major copies of q and k, the transposed output): 210-260
  * ms for 4,096 tokens at Qwen3-Next's layer shape on the Intel Xeon host, 2 threads. Here the
- * chunks run one after another, each chunk's heads on the OpenMP threads: a work item is a key
- * head (its q.k and k.k formed once, then each of its value heads) or, with fewer key heads than
- * threads, one value head. Per value head and chunk: the decays and the UT transform (forward
+ * chunks run a few at a time, their heads on the OpenMP threads: a work item is a key head (its
+ * q.k and k.k formed once a chunk, then each of its value heads) or, with fewer key heads than
+ * threads, part of one. Per value head and chunk: the decays and the UT transform (forward
  * substitution), the state read by q and k in one product, the written values u, the outputs
  * straight into the token-major `out`, and the state advanced in place. A static schedule gives
  * a thread the same heads in every chunk, so their states stay in its cache, and a chunk's rows
@@ -23,107 +23,11 @@
  * Compiled and loaded at run time with the other kernels by cpu_kernels.py. Without AVX-512
  * the entry point does nothing and returns 0 (the caller takes its torch form); it also returns
  * 0 for shapes it does not take (value head size not a multiple of 16, chunk over MAX_CHUNK). */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
-#define LOG_DECAY_FLOOR (-60.0f)
-#define MAX_CHUNK 64
-
-static inline float decay_exp(float x) { return x < LOG_DECAY_FLOOR ? 0.0f : expf(x); }
+#include "chunk_gemm.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* c[i, j] = w_i init[i * ldi + j] + sum_p a[i * ar + p * ac] * b[p * ldb + j] for i < MR rows
- * (mr of them real), j < 16 * NV, with w_i = rs[i] (rs given) or us; no init: the sum alone.
- * `init` may be `c` itself. */
-#define KERNEL(MR, NV)                                                                          \
-    static inline __attribute__((always_inline)) void kernel_##MR##_##NV(                       \
-        int mr, int k, const float *a, int64_t ar, int64_t ac, const float *b, int64_t ldb,      \
-        float *c, int64_t ldc, const float *init, int64_t ldi, const float *rs, float us) {      \
-        __m512 s[MR][NV];                                                                        \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                  \
-            if (i < mr && init) {                                                                \
-                const __m512 w = _mm512_set1_ps(rs ? rs[i] : us);                                \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                            \
-                    s[i][v] = _mm512_mul_ps(w, _mm512_loadu_ps(init + i * ldi + 16 * v));        \
-            } else {                                                                             \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) s[i][v] =                  \
-                    _mm512_setzero_ps();                                                         \
-            }                                                                                    \
-        }                                                                                        \
-        for (int p = 0; p < k; p++) {                                                            \
-            __m512 bv[NV];                                                                       \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                \
-                bv[v] = _mm512_loadu_ps(b + p * ldb + 16 * v);                                  \
-            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                              \
-                if (i < mr) {                                                                    \
-                    const __m512 av = _mm512_set1_ps(a[i * ar + p * ac]);                        \
-                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                        \
-                        s[i][v] = _mm512_fmadd_ps(av, bv[v], s[i][v]);                           \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                  \
-            if (i < mr) {                                                                        \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                            \
-                    _mm512_storeu_ps(c + i * ldc + 16 * v, s[i][v]);                             \
-            }                                                                                    \
-        }                                                                                        \
-    }
-
-/* Rows of the widest kernel (6 x 4 vectors: 24 accumulators, 4 loads of b and 6 broadcasts a
- * step; 4 x 4 measured the same). */
-#define BIG_MR 6
-KERNEL(6, 4)
-KERNEL(4, 4)
-KERNEL(4, 2)
-KERNEL(4, 1)
-
-/* C [m, n] = (w init +) A [m, k] B [k, n] as the kernels above: A's element (i, p) at
- * a[i * ar + p * ac], B and C row major with row strides ldb and ldc, n a multiple of 16.
- * Whole blocks of 4 rows call the kernels with a constant row count (their row guards vanish);
- * the last rows take the guarded form. */
-#define COLUMNS_(MR, NV)                                                                         \
-    for (; j + 16 * NV <= n; j += 16 * NV) {                                                    \
-        int i = 0;                                                                               \
-        for (; i + MR <= m; i += MR) {                                                           \
-            kernel_##MR##_##NV(MR, k, a + i * ar, ar, ac, b + j, ldb, c + i * ldc + j, ldc,      \
-                               init ? init + i * ldi + j : NULL, ldi, rs ? rs + i : NULL, us);   \
-        }                                                                                        \
-        if (i < m)                                                                               \
-            kernel_##MR##_##NV(m - i, k, a + i * ar, ar, ac, b + j, ldb, c + i * ldc + j, ldc,   \
-                               init ? init + i * ldi + j : NULL, ldi, rs ? rs + i : NULL, us);   \
-    }
-
-#define COLUMNS(MR, NV) COLUMNS_(MR, NV) /* MR expanded before it is pasted */
-
-static void gemm_init(int m, int n, int k, const float *a, int64_t ar, int64_t ac,
-                      const float *b, int64_t ldb, float *c, int64_t ldc, const float *init,
-                      int64_t ldi, const float *rs, float us) {
-    int j = 0;
-    COLUMNS(BIG_MR, 4)
-    COLUMNS(4, 2)
-    COLUMNS(4, 1)
-}
-
-static inline void gemm(int m, int n, int k, const float *a, int64_t ar, int64_t ac,
-                        const float *b, int64_t ldb, float *c, int64_t ldc) {
-    gemm_init(m, n, k, a, ar, ac, b, ldb, c, ldc, NULL, 0, NULL, 1.0f);
-}
-
-/* y[j] = x[j] * s for a row of n floats, in place when y == x (a masked tail past the last 16). */
-static inline void scale_row(float *y, const float *x, float s, int n) {
-    const __m512 sv = _mm512_set1_ps(s);
-    int j = 0;
-    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, _mm512_mul_ps(_mm512_loadu_ps(x + j), sv));
-    if (j < n) {
-        const __mmask16 mask = (__mmask16)((1u << (n - j)) - 1u);
-        _mm512_mask_storeu_ps(y + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + j), sv));
-    }
-}
 
 typedef struct {
     float *qk;     /* [2C, Dk]: q then k of the chunk's len tokens (rows 0..len, len..2 len) */
@@ -138,6 +42,10 @@ typedef struct {
     float cum[MAX_CHUNK], din[MAX_CHUNK];
 } Scratch;
 
+/* The scratch buffers, in the order of their sizes in scratch_init. */
+#define SLOTS(w)                                                                                 \
+        &(w)->qk, &(w)->kt, &(w)->gram, &(w)->decay, &(w)->tr, &(w)->attn, &(w)->read, &(w)->u, \
+        &(w)->ks
 #define SCRATCH_SLOTS 9
 
 static int scratch_init(Scratch *w, int64_t dk, int64_t dv, int c16) {
@@ -145,21 +53,13 @@ static int scratch_init(Scratch *w, int64_t dk, int64_t dv, int c16) {
         (size_t)2 * MAX_CHUNK * dk, (size_t)dk * c16,       (size_t)2 * MAX_CHUNK * c16,
         (size_t)MAX_CHUNK * c16,    (size_t)MAX_CHUNK * c16, (size_t)MAX_CHUNK * c16,
         (size_t)2 * MAX_CHUNK * dv, (size_t)MAX_CHUNK * dv,  (size_t)MAX_CHUNK * dk};
-    float **slots[SCRATCH_SLOTS] = {&w->qk,   &w->kt,   &w->gram, &w->decay, &w->tr,
-                                    &w->attn, &w->read, &w->u,    &w->ks};
-    int ok = 1;
-    for (int i = 0; i < SCRATCH_SLOTS; i++) {
-        *slots[i] = aligned_alloc(64, ((sizes[i] * sizeof(float) + 63) / 64) * 64);
-        if (!*slots[i]) ok = 0;
-        else memset(*slots[i], 0, sizes[i] * sizeof(float));
-    }
-    return ok;
+    float **slots[SCRATCH_SLOTS] = {SLOTS(w)};
+    return scratch_alloc(slots, sizes, SCRATCH_SLOTS);
 }
 
 static void scratch_free(Scratch *w) {
-    float *slots[SCRATCH_SLOTS] = {w->qk, w->kt, w->gram, w->decay, w->tr,
-                                   w->attn, w->read, w->u, w->ks};
-    for (int i = 0; i < SCRATCH_SLOTS; i++) free(slots[i]);
+    float **slots[SCRATCH_SLOTS] = {SLOTS(w)};
+    scratch_release(slots, SCRATCH_SLOTS);
 }
 
 /* ks [j, Dk] = k_s e^{c_end - c_s} for s < j (k from the qk scratch's k rows). */
@@ -187,20 +87,10 @@ static void value_head_chunk(const float *v, const float *g, const float *beta, 
         w->cum[t] = run;
         w->din[t] = decay_exp(run);
     }
-    /* Decays (vectorised exponentials, then the floor), the attention, and the UT transform
+    /* Decays, the attention, and the UT transform
      * by forward substitution: T = (I + L)^-1 with L[t][s] = beta_t (k_t.k_s) e^{c_t - c_s}
      * for s < t; row t: T[t][s] = delta_ts - sum_{s <= r < t} L[t][r] T[r][s]. */
-    for (int t = 0; t < len; t++) {
-        float *dec = w->decay + t * c16;
-        const float ct = w->cum[t];
-        for (int s = 0; s <= t; s++) {
-            const float diff = ct - w->cum[s];
-            dec[s] = expf(diff > 0.0f ? 0.0f : (diff < LOG_DECAY_FLOOR ? LOG_DECAY_FLOOR : diff));
-        }
-        for (int s = 0; s <= t; s++)
-            if (ct - w->cum[s] < LOG_DECAY_FLOOR) dec[s] = 0.0f;
-        for (int s = t + 1; s < c16; s++) dec[s] = 0.0f;
-    }
+    for (int t = 0; t < len; t++) decay_row(w->decay + t * c16, w->cum, t, c16);
     for (int t = 0; t < len; t++) {
         const float *dec = w->decay + t * c16;
         const float bt = beta[(start + t) * hv + h];
@@ -306,34 +196,35 @@ int gated_delta_chunked_f32(const float *q, const float *k, const float *v, cons
     if (dv % 16 || chunk < 1 || chunk > MAX_CHUNK || hk < 1 || hv % hk || length < 1) return 0;
     const int c16 = (int)((chunk + 15) / 16 * 16);
     const int64_t ratio = hv / hk, nthreads = threads > 0 ? threads : 1;
-    const int shared = hk >= nthreads;
-    const int64_t items = shared ? hk : hv;
+    const int64_t parts = scan_parts(hk, ratio, nthreads), items = hk * parts;
     int64_t *next_snap = calloc((size_t)hv, sizeof(int64_t)); /* per value head */
     if (!next_snap) return -1;
     int failed = 0;
-    /* Chunk after chunk, the heads of each on the threads: work items are whole key heads
-     * (their products shared by their value heads) when there are enough of them for the
-     * threads, else single value heads. The static schedule gives a thread the same items in
-     * every chunk, so their states stay in its cache; a chunk's rows of v and of the output
-     * are read and written while they are near each other in memory. */
+    /* RUN_CHUNKS chunks at a time, their heads on the threads: a work item is a key head (its
+     * products shared by its value heads) or, with fewer key heads than threads, part of one
+     * (chunk_gemm.h's ScanItem). The static schedule gives a thread the same items every time,
+     * so their states stay in its cache, and a chunk's rows of v and of the output are read
+     * and written while they are near each other in memory. */
 #pragma omp parallel num_threads((int)nthreads) reduction(| : failed)
     {
         Scratch w;
         const int ready = scratch_init(&w, dk, dv, c16);
-        for (int64_t start = 0; start < length; start += chunk) {
-            const int len = (int)(length - start < chunk ? length - start : chunk);
+        for (int64_t first = 0; first < length; first += RUN_CHUNKS * chunk) {
+            const int64_t last = first + RUN_CHUNKS * chunk < length ? first + RUN_CHUNKS * chunk
+                                                                   : length;
             /* Every thread meets each loop (a worksharing loop must be met by all or none);
              * one without its scratch computes nothing and the call fails as a whole. */
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < items; item++) {
-                const int64_t h0 = shared ? item * ratio : item;
-                const int64_t h1 = shared ? h0 + ratio : h0 + 1;
-                if (ready)
+                const ScanItem it = scan_item(item, parts, ratio);
+                for (int64_t start = first; start < last && ready && it.h0 < it.h1;
+                     start += chunk) {
+                    const int len = (int)(last - start < chunk ? last - start : chunk);
                     group_chunk(q, k, v, g, beta, state, out, snaps, snap_pos, num_snaps,
-                                next_snap, start, len, hk, hv, dk, dv, h0 / ratio, h0,
-                                h1, &w);
-                else
-                    failed = 1;
+                                next_snap, start, len, hk, hv, dk, dv, it.group, it.h0, it.h1,
+                                &w);
+                }
+                if (!ready) failed = 1;
             }
         }
         scratch_free(&w);

@@ -24,6 +24,7 @@ from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
     GATED_DELTA_LOOP_MAX_TOKENS,
+    KERNEL_CHUNK_SIZE,
     State,
     causal_conv1d,
     check_snapshots,
@@ -107,12 +108,6 @@ def gated_delta_step_in_place(
         state.addcmul_(keys.transpose(1, 2), delta)
         torch.bmm(q[i][:, None, :], state, out=out[i][:, None, :])
     return out
-
-
-# Tokens per chunk of the C kernel: on the Intel Xeon host at Qwen3-Next's layer shape (4,096
-# tokens, 2 threads) 16 took 70-73 ms, 24 72-74, 32 79-82 and 8 76: its per-chunk costs are small
-# and the C x C work grows with the chunk.
-KERNEL_CHUNK_SIZE = 16
 
 
 def gated_delta_rule_chunked(

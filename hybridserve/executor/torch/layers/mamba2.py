@@ -23,6 +23,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
+    KERNEL_CHUNK_SIZE,
     MAMBA2_LOOP_MAX_TOKENS,
     State,
     causal_conv1d,
@@ -189,8 +190,9 @@ def ssd_chunked(
     c: torch.Tensor,
     state: torch.Tensor,
     *,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     snapshots: tuple[int, ...] = (),
+    kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The same result as `ssd_recurrent`, `chunk_size` tokens per matmul: the chunked scan of
     state space duality (Dao and Gu, "Transformers are SSMs", 2024, the SSD algorithm).
@@ -199,8 +201,24 @@ def ssd_chunked(
     y_t = e^{s_t} S0 C_t + sum_{r<=t} e^{s_t - s_r} (C_t.B_r) dt_r x_r, and the state after j
     tokens is e^{s_j} S0 + sum_{r<=j} e^{s_j - s_r} dt_r x_r B_r^T (j = C carries to the next
     chunk; other j are the snapshots). C_t.B_r is computed once per group, not per head.
+
+    On the CPU (`kernel`, float32, no autograd) one call of the C kernel
+    (`cpu_kernels.ssd_chunked`) does the same chunk after chunk, each head's work on a chunk in
+    one pass with its operands in cache; elsewhere, or where it does not take the shapes, plain
+    torch. `chunk_size` None: `KERNEL_CHUNK_SIZE` for the kernel, else `scan_chunk_size` of the
+    device (the result does not depend on it beyond rounding).
     """
-    size = max(1, min(chunk_size, x.shape[0]))
+    tensors = (x, dt, a, b, c, state)
+    if (
+        kernel
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and (kernels := cpu_kernels.for_tensor(x)) is not None
+    ):
+        size = max(1, min(KERNEL_CHUNK_SIZE if chunk_size is None else chunk_size, x.shape[0]))
+        if (done := kernels.ssd_chunked(*tensors, size, snapshots)) is not None:
+            return done
+    size = scan_chunk_size(x.device) if chunk_size is None else chunk_size
+    size = max(1, min(size, x.shape[0]))
 
     def scan(
         tokens: slice, start: torch.Tensor, local: tuple[int, ...], out: torch.Tensor
@@ -301,8 +319,8 @@ class Mamba2Mixer(nn.Module):
     """Parameter names follow the Bamba checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`,
     `D`, `norm.weight`, `out_proj`).
 
-    `scan_chunk_size` is the tokens per matmul of the chunked scan (None: by device, see
-    `scan_chunk_size()`); the result does not depend on it. The checkpoint's `mamba_chunk_size`
+    `scan_chunk_size` is the tokens per matmul of the chunked scan (None: by device and form, see
+    `ssd_chunked`); the result does not depend on it. The checkpoint's `mamba_chunk_size`
     is the size its GPU kernels use; plain torch runs faster with smaller chunks.
     """
 
@@ -412,15 +430,11 @@ class Mamba2Mixer(nn.Module):
             y, ssm, ssm_saved = ssd_recurrent(xs, dt, a, b, c, ssm, snapshots=snapshots)
         else:
             y, ssm, ssm_saved = ssd_chunked(
-                xs, dt, a, b, c, ssm, chunk_size=self._chunk_size(xs.device), snapshots=snapshots
+                xs, dt, a, b, c, ssm, chunk_size=self.scan_chunk_size, snapshots=snapshots
             )
         y = y + xs * self.D.float()[:, None]
         saved = [{"conv": cs, "ssm": s} for cs, s in zip(conv_saved, ssm_saved, strict=True)]
         return y.reshape(n, -1), {"conv": conv_state, "ssm": ssm}, saved
-
-    def _chunk_size(self, device: torch.device) -> int:
-        size = self.scan_chunk_size
-        return size if size is not None else scan_chunk_size(device)
 
     def _finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.norm(y.to(z.dtype), z))

@@ -128,6 +128,13 @@ def snapshots_by_chunk(snapshots: tuple[int, ...], chunk_size: int) -> dict[int,
     return out
 
 
+# Tokens per chunk of the chunked scans' C kernels (gated_delta_chunked.c, ssd_chunked.c): their
+# per-chunk costs are small and the C x C work grows with the chunk. On the Intel Xeon host at
+# real layer shapes (4,096 tokens, 2 threads): the gated delta rule 70-73 ms at 16, 72-74 at 24,
+# 79-82 at 32, 76 at 8; the SSD scan 95-105 ms at 16 and at 32, 111-120 at 64.
+KERNEL_CHUNK_SIZE = 16
+
+
 def scan_chunk_size(device: torch.device) -> int:
     """Tokens per chunk of the chunked scans in plain torch: 64 on GPUs (the size the field's
     kernels use), 32 on CPU (measured faster there for both layers at real layer shapes: the
