@@ -119,8 +119,8 @@ static inline void scratch_release(float **const *slots, int count) {
 #define BIG_MR 6
 KERNEL(6, 4)
 KERNEL(4, 4)
-KERNEL(4, 2)
-KERNEL(4, 1)
+KERNEL(8, 2)
+KERNEL(8, 1)
 
 /* C [m, n] = (w init +) A [m, k] B [k, n] as the kernels above: A's element (i, p) at
  * a[i * ar + p * ac], B and C row major with row strides ldb and ldc, n a multiple of 16.
@@ -149,8 +149,8 @@ static void gemm_init(int m, int n, int k, const float *a, int64_t ar, int64_t a
     } else {
         COLUMNS(BIG_MR, 4)
     }
-    COLUMNS(4, 2)
-    COLUMNS(4, 1)
+    COLUMNS(8, 2) /* narrow products (C x C, q.k): more rows for independent accumulators */
+    COLUMNS(8, 1)
 }
 
 static inline void gemm(int m, int n, int k, const float *a, int64_t ar, int64_t ac,

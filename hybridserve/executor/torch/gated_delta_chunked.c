@@ -103,11 +103,14 @@ static void value_head_chunk(const float *v, const float *g, const float *beta, 
         }
         for (int s = 0; s < t; s++) lower[s] = bt * kk_row[s] * dec[s];
         tt[t] = 1.0f;
-        for (int r = 0; r < t; r++) {
+        for (int r = 0; r < t; r++) { /* row r of T is zero past column r */
             const float l = lower[r];
             if (l == 0.0f) continue;
             const float *tr_r = w->tr + r * c16;
-            for (int s = 0; s <= r; s++) tt[s] -= l * tr_r[s];
+            const __m512 lv = _mm512_set1_ps(l);
+            for (int j = 0; j <= r; j += 16)
+                _mm512_storeu_ps(tt + j, _mm512_fnmadd_ps(lv, _mm512_loadu_ps(tr_r + j),
+                                                          _mm512_loadu_ps(tt + j)));
         }
     }
     /* Mask entries whose decay is zero, then scale column s by beta_s. */
