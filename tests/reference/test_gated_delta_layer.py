@@ -95,11 +95,11 @@ def test_chunked_rule_equals_token_by_token_rule(chunk_size: int) -> None:
 
 
 def random_rule_inputs(
-    length: int, *, key_heads: int, value_heads: int, seed: int = 5
+    length: int, *, key_heads: int, value_heads: int, dk: int = 8, dv: int = 6, seed: int = 5
 ) -> tuple[torch.Tensor, ...]:
-    """q, k (per key head), v, g, beta and a starting state shaped as the layer makes them."""
+    """q, k (per key head), v, g, beta and a starting state shaped as the layer makes them (the
+    C kernel takes value heads that are multiples of 16)."""
     generator = torch.Generator().manual_seed(seed)
-    dk, dv = 8, 6
     q = torch.nn.functional.normalize(
         torch.randn(length, key_heads, dk, generator=generator), dim=-1
     )
@@ -184,31 +184,15 @@ def rule_kernel() -> cpu_kernels.CpuKernels:
     return kernels
 
 
-def kernel_inputs(
-    length: int, *, key_heads: int, value_heads: int, dk: int = 8, dv: int = 16, seed: int = 5
-) -> tuple[torch.Tensor, ...]:
-    """`random_rule_inputs` at a value head size the kernel takes (a multiple of 16)."""
-    generator = torch.Generator().manual_seed(seed)
-    q, k = (
-        torch.nn.functional.normalize(
-            torch.randn(length, key_heads, dk, generator=generator), dim=-1
-        )
-        for _ in range(2)
-    )
-    v = torch.randn(length, value_heads, dv, generator=generator)
-    g = -torch.rand(length, value_heads, generator=generator) * 0.3
-    beta = torch.rand(length, value_heads, generator=generator)
-    state = torch.randn(value_heads, dk, dv, generator=generator)
-    return q * dk**-0.5, k, v, g, beta, state
-
-
 @pytest.mark.parametrize("length", [1, 7, 64, 544, 4096])
 @pytest.mark.parametrize("start", ["zero", "carried"])
 def test_the_c_kernel_rule_with_snapshots_equals_token_loop(
     rule_kernel: cpu_kernels.CpuKernels, length: int, start: str
 ) -> None:
     heads = (1, 2) if length == 4096 else (2, 4)
-    q, k, v, g, beta, state = kernel_inputs(length, key_heads=heads[0], value_heads=heads[1])
+    q, k, v, g, beta, state = random_rule_inputs(
+        length, key_heads=heads[0], value_heads=heads[1], dv=16
+    )
     if start == "zero":
         state = torch.zeros_like(state)
     counts = snapshot_counts(length)
@@ -245,7 +229,9 @@ def test_the_c_kernel_rule_equals_the_torch_form(
 ) -> None:
     """Any head grouping, head sizes, chunk (whole or not) and thread count (work split by key
     heads or by value heads), with snapshots anywhere."""
-    inputs = kernel_inputs(length, key_heads=key_heads, value_heads=key_heads * ratio, dk=dk, dv=dv)
+    inputs = random_rule_inputs(
+        length, key_heads=key_heads, value_heads=key_heads * ratio, dk=dk, dv=dv
+    )
     counts = tuple(sorted(data.draw(st.sets(st.integers(1, length), max_size=4))))
     want = gated_delta_rule_chunked(*inputs, chunk_size=chunk_size, snapshots=counts, kernel=False)
     previous = torch.get_num_threads()
@@ -263,7 +249,7 @@ def test_the_c_kernel_rule_leaves_strong_decays_exact(
 ) -> None:
     """Log decays that cross the floor inside a chunk (a random checkpoint's) give the loop's
     result: entries below the floor are zero, as in the torch form."""
-    q, k, v, _, beta, state = kernel_inputs(200, key_heads=2, value_heads=4)
+    q, k, v, _, beta, state = random_rule_inputs(200, key_heads=2, value_heads=4, dv=16)
     rates = torch.tensor([1.0, 16.0, 200.0, 1000.0])
     g = -(torch.rand(200, 4, generator=torch.Generator().manual_seed(1)) * 0.05 + 0.05) * rates
     counts = (7, 64, 100)
@@ -278,12 +264,12 @@ def test_the_c_kernel_rule_refuses_what_it_does_not_take(
 ) -> None:
     """None (the caller takes the torch form) for a value head that is not a multiple of 16, a
     chunk past 64 tokens, snapshots out of order or past the end, and float64 inputs."""
-    inputs = kernel_inputs(20, key_heads=1, value_heads=2)
+    inputs = random_rule_inputs(20, key_heads=1, value_heads=2, dv=16)
     assert rule_kernel.gated_delta_chunked(*inputs, 65, ()) is None
     assert rule_kernel.gated_delta_chunked(*inputs, 32, (5, 3)) is None
     assert rule_kernel.gated_delta_chunked(*inputs, 32, (21,)) is None
     assert rule_kernel.gated_delta_chunked(*(t.double() for t in inputs), 32, ()) is None
-    narrow = kernel_inputs(20, key_heads=1, value_heads=2, dv=6)
+    narrow = random_rule_inputs(20, key_heads=1, value_heads=2, dv=6)
     assert rule_kernel.gated_delta_chunked(*narrow, 32, ()) is None
     assert rule_kernel.gated_delta_chunked(*inputs, 32, (3, 20)) is not None
 
@@ -294,7 +280,7 @@ def test_the_rule_takes_the_c_kernel_on_the_cpu(
     """`gated_delta_rule_chunked` calls the kernel for float32 CPU inputs, and its torch form
     with `kernel=False` or on inputs that require gradients (the kernel has no backward)."""
     calls = count_kernel_calls(monkeypatch, "gated_delta_chunked")
-    inputs = kernel_inputs(40, key_heads=1, value_heads=2)
+    inputs = random_rule_inputs(40, key_heads=1, value_heads=2, dv=16)
     gated_delta_rule_chunked(*inputs, chunk_size=32)
     assert len(calls) == 1
     gated_delta_rule_chunked(*inputs, chunk_size=32, kernel=False)
