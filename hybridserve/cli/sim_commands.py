@@ -244,9 +244,18 @@ def _warn_about_run(run: SimRun) -> None:
             for rid, length, _ in run.rejected[:3]
         )
         more = f" and {len(run.rejected) - 3} more" if len(run.rejected) > 3 else ""
+        reason = run.rejected[0][2]
+        fix = " Raise --max-model-len to keep them." if "max_model_len" in reason else ""
+        failed = int(run.summary.get("jobs_failed", 0))
+        jobs = (
+            f" {failed} agent jobs failed for them (each went on with its drawn answers and "
+            "is out of job goodput)."
+            if failed
+            else ""
+        )
         err.print(
             f"warning: {len(run.rejected)} requests were rejected, not run: {shown}{more}; "
-            f"{run.rejected[0][2]}. Raise --max-model-len to keep them.",
+            f"{reason}.{fix}{jobs}",
             soft_wrap=True,
         )
     s = run.summary
@@ -566,6 +575,8 @@ def _report_simulation(
         table.add_row(key, "-" if math.isnan(value) else f"{value:,.3f}")
     if summary["requests_rejected"]:
         table.add_row("requests_rejected", f"{summary['requests_rejected']:,.0f}")
+    if summary.get("jobs_failed"):
+        table.add_row("jobs_failed", f"{summary['jobs_failed']:,.0f}")
     console.print(table)
     if fleet_report is not None:
         console.print(fleet_table(fleet_report))

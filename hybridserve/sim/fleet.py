@@ -287,6 +287,8 @@ class FleetSimulation:
             )
             for req_id, hit in scheduled.new_reqs:
                 recorder.on_admitted(req_id, hit)
+            for req_id, why in step.failed:  # waiters this replica refused: they end here
+                self._drop_failed(index, req_id, why)
             others = sum(r.scheduler.num_waiting for i, r in enumerate(self.replicas) if i != index)
             self.queue.on_step(step.now, scheduled.num_waiting + others)
             if self.progress is not None and self.steps % 256 == 0:
@@ -324,6 +326,15 @@ class FleetSimulation:
                 computed = (*flight.tokens, *answer[:-1])
                 self._seen.update(self.hasher.extend(list(flight.hashes), computed))
                 sim.finished(req_id, end, answer)
+
+    def _drop_failed(self, index: int, req_id: str, why: str) -> None:
+        """A request replica `index` refused (it can never start there): its outstanding
+        tokens leave the replica's load, and the workload counts it and goes on."""
+        flight = self._inflight.pop(req_id, None)
+        if flight is not None:
+            self._change_load(index, -(flight.prompt + flight.output))
+        record = self.recorder.requests.get(req_id)
+        self.sim.fail(req_id, record.prompt_tokens if record is not None else 0, why)
 
     def _hand_off(self, req_id: str, flight: _InFlight, end: float) -> None:
         """The prefill replica answered the first token: move the KV and state not already on

@@ -55,6 +55,8 @@ class Simulation:
         # Arrivals the engine refused (a prompt longer than max_model_len, ...): id, length and
         # the reason. They are counted and reported; the run goes on without them.
         self.rejected: list[tuple[str, int, str]] = []
+        # Agent jobs that ended with a turn refused (out of job goodput).
+        self.jobs_failed = 0
 
     def schedule_arrival(
         self, time_s: float, req_id: str, prompt: list[int], max_tokens: int, job_id: str | None
@@ -114,7 +116,7 @@ class Simulation:
         try:
             engine.add_request(self.request_for(arrival, max_tokens=max_tokens))
         except RequestError as exc:
-            self.reject(arrival.req_id, len(arrival.prompt), str(exc))
+            self.fail(arrival.req_id, len(arrival.prompt), str(exc))
             return False
         self._answers[arrival.req_id] = []
         self.recorder.on_arrival(
@@ -124,6 +126,16 @@ class Simulation:
 
     def reject(self, req_id: str, num_tokens: int, reason: str) -> None:
         self.rejected.append((req_id, num_tokens, reason))
+
+    def fail(self, req_id: str, num_tokens: int, reason: str) -> None:
+        """The engine refused `req_id` (at admission or as a waiter that can never start):
+        counted in `rejected`, forgotten, and its sender told (`request_failed`)."""
+        self._answers.pop(req_id, None)
+        self.reject(req_id, num_tokens, reason)
+        self.request_failed(req_id)
+
+    def request_failed(self, req_id: str) -> None:
+        """A request ended without an answer; what sent it goes on (AgentSimulation)."""
 
     def answer(self, req_id: str) -> list[int]:
         """The output tokens delivered so far to `req_id` (the live list: extend it)."""
@@ -164,9 +176,8 @@ class Simulation:
         for req_id, hit in step.scheduled.new_reqs:
             recorder.on_admitted(req_id, hit)
         for req_id, why in step.failed:  # waiters the engine refused: they could never start
-            self._answers.pop(req_id, None)
             record = recorder.requests.get(req_id)
-            self.reject(req_id, record.prompt_tokens if record is not None else 0, why)
+            self.fail(req_id, record.prompt_tokens if record is not None else 0, why)
         for output in step.outputs:
             recorder.on_delivery(output.req_id, end, len(output.new_token_ids))
             self._answers[output.req_id].extend(output.new_token_ids)
@@ -208,6 +219,9 @@ class AgentSimulation(Simulation):
         # The load generator's answers (`agents --url`): fresh tokens, not the engine's, so no
         # turn reuses the KV of the answer before it.
         self._synthetic = SyntheticAnswers(positive=True) if synthetic_answers else None
+        # The answers of turns the engine refused: drawn, as the load generator's are.
+        self._stand_in = self._synthetic or SyntheticAnswers(positive=True)
+        self._failed_jobs: set[str] = set()
         self._jobs: dict[str, Job] = {}
         self._turn_of: dict[str, Turn] = {}
         # Tokens of each job whose KV exists (its last prompt and answer, less the last sampled
@@ -240,8 +254,31 @@ class AgentSimulation(Simulation):
         self.schedule_arrival(time_s, req_id, turn.prompt, turn.max_tokens, turn.job_id)
 
     def _end_job(self, job: Job, time_s: float) -> None:
-        self.recorder.on_job_finish(job.job_id, time_s)
+        if job.job_id in self._failed_jobs:
+            self._failed_jobs.discard(job.job_id)
+            self.jobs_failed += 1  # not a finished job: out of job goodput
+        else:
+            self.recorder.on_job_finish(job.job_id, time_s)
         self._start_job(job.agent, time_s)  # the agent starts its next job at once
+
+    def request_failed(self, req_id: str) -> None:
+        """A turn the engine refused: as `agents --url` does with a failed request, the job
+        goes on with an answer of the drawn length (so the turns that follow are the ones a
+        served turn would have led to) and counts as failed when it ends. Without this the
+        agent would wait for the answer forever and the run would lose it."""
+        turn = self._turn_of.pop(req_id, None)
+        if turn is None:  # not a turn of ours (a RAG tenant's request, say)
+            return
+        job = self._jobs[turn.job_id]
+        self._failed_jobs.add(job.job_id)
+        answer = self._stand_in.take(job.agent, turn.max_tokens)
+        tool_time = self.workload.after_answer(job, answer)
+        if self.workload.is_over(job):
+            self._computed.pop(job.job_id, None)
+            self._jobs.pop(job.job_id, None)
+            self._end_job(job, self.now)
+        else:
+            self._next_turn(job, self.now + tool_time)
 
     def finished(self, req_id: str, time_s: float, answer: list[int]) -> None:
         turn = self._turn_of.pop(req_id)

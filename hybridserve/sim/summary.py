@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +62,15 @@ class QueueTrace:
         if now >= self.window_start_s:
             self.samples.append((now, num_waiting))
 
-    def summary(self, end_s: float, recorder: MetricsRecorder | None = None) -> dict[str, float]:
+    def summary(
+        self,
+        end_s: float,
+        recorder: MetricsRecorder | None = None,
+        refused: Collection[str] = (),
+    ) -> dict[str, float]:
         """The queue's first and last quarter means and whether it never drains; with the
-        run's `recorder`, also the window's arrival and service rates (requests per second)."""
+        run's `recorder`, also the window's arrival and service rates (requests per second),
+        leaving out the `refused` requests (they left the queue unserved, at once)."""
         span = end_s - self.window_start_s
         first = [w for t, w in self.samples if t < self.window_start_s + span / 4]
         last = [w for t, w in self.samples if self.window_start_s + 3 * span / 4 <= t <= end_s]
@@ -73,7 +79,7 @@ class QueueTrace:
         growing = last_mean > self.GROWTH * first_mean + self.MIN_WAITING
         out = {"waiting_first_quarter": first_mean, "waiting_last_quarter": last_mean}
         if recorder is not None:
-            rates, backlog = self._rates(recorder, end_s)
+            rates, backlog = self._rates(recorder, end_s, refused)
             out.update(rates)
             if rates and backlog >= self.MIN_WAITING:
                 growing = growing or (
@@ -82,12 +88,19 @@ class QueueTrace:
         out["never_drains"] = 1.0 if growing else 0.0
         return out
 
-    def _rates(self, recorder: MetricsRecorder, end_s: float) -> tuple[dict[str, float], int]:
+    def _rates(
+        self, recorder: MetricsRecorder, end_s: float, refused: Collection[str]
+    ) -> tuple[dict[str, float], int]:
         """The arrival and service rates (requests per second) over the window until its last
         arrival, and the requests left behind then: a finite trace that drains after its
         arrivals end is judged up to its last arrival, not its drain. ({}, 0): too few."""
         start = self.window_start_s
-        arrived = [r.arrival_s for r in recorder.requests.values() if start <= r.arrival_s <= end_s]
+        skip = set(refused)
+        arrived = [
+            r.arrival_s
+            for r in recorder.requests.values()
+            if start <= r.arrival_s <= end_s and r.req_id not in skip
+        ]
         last = max(arrived, default=start)
         if len(arrived) < 2 or last <= start:
             return {}, 0
@@ -113,20 +126,23 @@ def window_summary(
     end_s: float,
     ran_until_s: float,
     steps: int,
-    rejected: int,
+    rejected: Sequence[tuple[str, int, str]],
+    jobs_failed: int,
     queue: QueueTrace,
     gpu_seconds: Mapping[str, float],
     ideal_prefix: Mapping[str, int],
 ) -> dict[str, float]:
     """A finished loop's summary over [warmup, end_s]: the recorder's metrics, the steps, the
-    simulated time, the arrivals refused, the waiting queue's trace and where the time went
-    (`time_breakdown`). Raises ConfigError when no request finished in the window."""
+    simulated time, the arrivals refused (and the agent jobs they failed), the waiting queue's
+    trace and where the time went (`time_breakdown`). Raises ConfigError when no request
+    finished in the window."""
     summary = recorder.summary(window_start_s=config.warmup_s, window_end_s=end_s)
     require_completed(summary, config, end_s=end_s, ran_until_s=ran_until_s)
     summary["steps"] = float(steps)
     summary["simulated_s"] = ran_until_s
-    summary["requests_rejected"] = float(rejected)
-    summary.update(queue.summary(end_s, recorder))
+    summary["requests_rejected"] = float(len(rejected))
+    summary["jobs_failed"] = float(jobs_failed)
+    summary.update(queue.summary(end_s, recorder, [req_id for req_id, _, _ in rejected]))
     summary.update(time_breakdown(recorder, gpu_seconds, ideal_prefix, config.warmup_s, end_s))
     return summary
 
