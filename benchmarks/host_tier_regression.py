@@ -5,6 +5,9 @@ rows) or SLO request goodput (trace rows), output tokens/s and p99 ITL, with 95%
 
     python benchmarks/host_tier_regression.py --seeds 3 --host-memory-gib 256 --workers 2 \\
         --out docs/host_tier_regression.json
+
+`--rows suite` (or `suite:SPEC`, SPEC as `hybridserve suite --rows` takes it) runs the workload
+suite's rows at its screen settings instead (docs/suite.md), each with and without the tier.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.experiment import run_configs
 from hybridserve.sim.stats import mean_ci95, paired_ratio
+from hybridserve.sim.suite import pick_rows
 from hybridserve.sim.workload import AgentParams
 
 # name -> SimConfig fields: agents at 20 and 40 (the pool holds their contexts) and the
@@ -47,11 +52,18 @@ def main() -> None:
         parser.error("--seeds: a paired interval needs at least 2 seeds")
     started = time.perf_counter()
     configs: dict[str, SimConfig] = {}
-    names = [n.strip() for n in args.rows.split(",") if n.strip()]
-    for name in names:
-        fields = ROWS[name]
-        configs[f"{name}/off"] = SimConfig(**fields)
-        configs[f"{name}/tier"] = SimConfig(**fields, host_memory_gib=args.host_memory_gib)
+    if args.rows == "suite" or args.rows.startswith("suite:"):
+        spec = args.rows.partition(":")[2] or "all"
+        bases = {row.name: row.config(SimConfig(), "screen") for row in pick_rows(spec)}
+    else:
+        unknown = [n for n in args.rows.split(",") if n.strip() and n.strip() not in ROWS]
+        if unknown:
+            parser.error(f"--rows: unknown {unknown}; use {list(ROWS)}, suite or suite:SPEC")
+        bases = {n.strip(): SimConfig(**ROWS[n.strip()]) for n in args.rows.split(",") if n.strip()}
+    names = list(bases)
+    for name, base in bases.items():
+        configs[f"{name}/off"] = base
+        configs[f"{name}/tier"] = replace(base, host_memory_gib=args.host_memory_gib)
     results, _ = run_configs(configs, list(range(args.seeds)), workers=args.workers)
     rows = {}
     for name in names:
@@ -63,6 +75,7 @@ def main() -> None:
             "host_loaded_per_seed": [r.get("host_loaded", 0.0) for r in tier],
         }
     out = {
+        "rows_spec": args.rows,
         "host_memory_gib": args.host_memory_gib,
         "seeds": args.seeds,
         "rows": rows,
