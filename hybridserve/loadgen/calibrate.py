@@ -112,12 +112,17 @@ class RemoteCalibration:
         return data
 
 
+# A sample's key: the grid's shape index, and for a prefill the tokens it computed and those the
+# server reported cached (a miss is another shape than the hit the grid asked for).
+SampleKey = tuple[int, int, int]
+
+
 @dataclass(slots=True)
 class _Samples:
-    """Per shape index, the measured seconds (server time) and the shape as measured."""
+    """Per shape as measured, its seconds (server time) over the rounds and the shape."""
 
-    seconds: dict[int, list[float]]
-    shapes: dict[int, StepShape]
+    seconds: dict[SampleKey, list[float]]
+    shapes: dict[SampleKey, StepShape]
 
 
 async def _measure_round(
@@ -127,7 +132,10 @@ async def _measure_round(
     overheads: list[float],
     tick: Callable[[], None],
 ) -> None:
-    """One pass over every shape, `grid.repeats` times each, in a shuffled order."""
+    """One pass over every shape, `grid.repeats` times each, in a shuffled order. A decode
+    batch's samples pool over the rounds by shape; a prefill's only where the server computed
+    and cached the same tokens (its reported `cached_tokens`), so a miss on one round is its own
+    sample instead of moving the hit's median."""
     speed = prober.target.server_speed
     shapes = grid.shapes()
     order = list(range(len(shapes))) * grid.repeats
@@ -137,13 +145,18 @@ async def _measure_round(
         shape = shapes[index]
         request = shape.requests[0]
         if request.is_decode:
-            primers = await prober.primers(request.num_context_tokens, len(shape.requests))
+            primers = await prober.primers(
+                request.num_context_tokens, len(shape.requests), resend=True
+            )
             measured, seconds = await prober.decode(primers)
+            key: SampleKey = (index, 0, 0)
         else:
-            primer = await prober.primer(request.num_context_tokens)
+            primer = await prober.primer(request.num_context_tokens, resend=True)
             measured, seconds = await prober.prefill(primer, request.num_new_tokens)
-        samples.shapes.setdefault(index, measured)
-        samples.seconds.setdefault(index, []).append(seconds * speed)
+            prefill = measured.requests[-1]
+            key = (index, prefill.num_new_tokens, prefill.num_context_tokens)
+        samples.shapes.setdefault(key, measured)
+        samples.seconds.setdefault(key, []).append(seconds * speed)
         tick()
 
 

@@ -58,21 +58,26 @@ class Prober:
         self._tokens = random.Random(secrets.randbits(64))
         self._primers: dict[tuple[int, int], list[int]] = {}
 
-    async def primer(self, length: int) -> list[int]:
-        """A prefix of `length` fresh tokens, sent once (untimed) so the server caches it."""
-        return (await self.primers(length, 1))[0]
+    async def primer(self, length: int, *, resend: bool = False) -> list[int]:
+        """A prefix of `length` fresh tokens, sent (untimed) so the server caches it."""
+        return (await self.primers(length, 1, resend=resend))[0]
 
-    async def primers(self, length: int, count: int) -> list[list[int]]:
-        """`count` different prefixes of `length` fresh tokens each, the ones not sent before
-        sent at once (untimed) so the server caches them: a decode batch's streams each get
-        their own, as requests of a real load share no more than a system prompt (with one
-        primer for all, a batch read the same KV: a server with shared-prefix attention ran
-        it as one call, any CPU read it from its caches, and the decodes timed short)."""
+    async def primers(self, length: int, count: int, *, resend: bool = False) -> list[list[int]]:
+        """`count` different prefixes of `length` fresh tokens each, sent at once (untimed) so
+        the server caches them: a decode batch's streams each get their own, as requests of a
+        real load share no more than a system prompt (with one primer for all, a batch read
+        the same KV: a server with shared-prefix attention ran it as one call, any CPU read it
+        from its caches, and the decodes timed short). The ones not sent before are sent; with
+        `resend`, all of them, right before their measurement: a pool that evicted a primer
+        since it was first sent would otherwise serve a cache miss where the shape wants a
+        hit (on a 2,048-block pool Gemma 3's six groups hold about 11k tokens, and a
+        calibration round's other primers evicted its prefills' primer)."""
         missing = [i for i in range(count) if (length, i) not in self._primers]
         for i in missing:
             self._primers[length, i] = self.fresh(length)
-        if length and missing:
-            await asyncio.gather(*(self.send(self._primers[length, i], 1) for i in missing))
+        send = range(count) if resend else missing
+        if length and send:
+            await asyncio.gather(*(self.send(self._primers[length, i], 1) for i in send))
         return [self._primers[length, i] for i in range(count)]
 
     def fresh(self, count: int) -> list[int]:
