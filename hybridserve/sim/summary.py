@@ -70,7 +70,8 @@ class QueueTrace:
     ) -> dict[str, float]:
         """The queue's first and last quarter means and whether it never drains; with the
         run's `recorder`, also the window's arrival and service rates (requests per second),
-        leaving out the `refused` requests (they left the queue unserved, at once)."""
+        leaving out the `refused` requests that never finished (they left the queue unserved;
+        one refused after its first token, a disaggregated handoff, finished and counts)."""
         span = end_s - self.window_start_s
         first = [w for t, w in self.samples if t < self.window_start_s + span / 4]
         last = [w for t, w in self.samples if self.window_start_s + 3 * span / 4 <= t <= end_s]
@@ -99,7 +100,7 @@ class QueueTrace:
         arrived = [
             r.arrival_s
             for r in recorder.requests.values()
-            if start <= r.arrival_s <= end_s and r.req_id not in skip
+            if start <= r.arrival_s <= end_s and (r.req_id not in skip or r.finish_s is not None)
         ]
         last = max(arrived, default=start)
         if len(arrived) < 2 or last <= start:

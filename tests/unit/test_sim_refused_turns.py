@@ -87,3 +87,7 @@ def test_refused_requests_are_not_a_backlog_that_never_drains() -> None:
     kept = queue.summary(100.0, recorder, refused)
     assert kept["never_drains"] == 0.0
     assert kept["arrival_rate_per_s"] == pytest.approx(kept["service_rate_per_s"], rel=0.05)
+    # A refused request that finished anyway (a disaggregated handoff's answer cut short) is
+    # an arrival that was served: it stays in both rates.
+    finished_refused = queue.summary(100.0, recorder, ["r0", *refused])
+    assert finished_refused["arrival_rate_per_s"] == kept["arrival_rate_per_s"]
