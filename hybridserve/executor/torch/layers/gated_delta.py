@@ -20,11 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
     GATED_DELTA_LOOP_MAX_TOKENS,
-    KERNEL_CHUNK_SIZE,
     State,
     causal_conv1d,
     check_snapshots,
@@ -33,9 +31,10 @@ from hybridserve.executor.torch.layers.recurrence import (
     decay_within_chunks,
     decode_batch,
     in_spans,
+    kernel_scan,
     pad_to_chunks,
-    scan_chunk_size,
     snapshots_by_chunk,
+    torch_chunk_size,
 )
 
 if TYPE_CHECKING:
@@ -142,16 +141,15 @@ def gated_delta_rule_chunked(
     `scan_chunk_size` of the device (the result does not depend on it beyond rounding).
     """
     tensors = (q, k, v, g, beta, state)
-    if (
-        kernel
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and (kernels := cpu_kernels.for_tensor(v)) is not None
-    ):
-        size = max(1, min(KERNEL_CHUNK_SIZE if chunk_size is None else chunk_size, v.shape[0]))
-        if (done := kernels.gated_delta_chunked(*tensors, size, snapshots)) is not None:
+    if kernel:
+        done = kernel_scan(
+            lambda kernels, size: kernels.gated_delta_chunked(*tensors, size, snapshots),
+            tensors,
+            chunk_size,
+        )
+        if done is not None:
             return done
-    size = scan_chunk_size(v.device) if chunk_size is None else chunk_size
-    size = max(1, min(size, v.shape[0]))
+    size = torch_chunk_size(v.device, v.shape[0], chunk_size)
 
     def scan(
         tokens: slice, start: torch.Tensor, local: tuple[int, ...], out: torch.Tensor

@@ -23,7 +23,6 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.layers.mlp import activation
 from hybridserve.executor.torch.layers.recurrence import (
-    KERNEL_CHUNK_SIZE,
     MAMBA2_LOOP_MAX_TOKENS,
     State,
     causal_conv1d,
@@ -33,9 +32,10 @@ from hybridserve.executor.torch.layers.recurrence import (
     decay_within_chunks,
     decode_batch,
     in_spans,
+    kernel_scan,
     pad_to_chunks,
-    scan_chunk_size,
     snapshots_by_chunk,
+    torch_chunk_size,
 )
 
 if TYPE_CHECKING:
@@ -209,16 +209,15 @@ def ssd_chunked(
     device (the result does not depend on it beyond rounding).
     """
     tensors = (x, dt, a, b, c, state)
-    if (
-        kernel
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and (kernels := cpu_kernels.for_tensor(x)) is not None
-    ):
-        size = max(1, min(KERNEL_CHUNK_SIZE if chunk_size is None else chunk_size, x.shape[0]))
-        if (done := kernels.ssd_chunked(*tensors, size, snapshots)) is not None:
+    if kernel:
+        done = kernel_scan(
+            lambda kernels, size: kernels.ssd_chunked(*tensors, size, snapshots),
+            tensors,
+            chunk_size,
+        )
+        if done is not None:
             return done
-    size = scan_chunk_size(x.device) if chunk_size is None else chunk_size
-    size = max(1, min(size, x.shape[0]))
+    size = torch_chunk_size(x.device, x.shape[0], chunk_size)
 
     def scan(
         tokens: slice, start: torch.Tensor, local: tuple[int, ...], out: torch.Tensor

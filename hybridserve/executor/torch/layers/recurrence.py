@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from hybridserve.executor.torch import cpu_kernels
+
 if TYPE_CHECKING:
     from hybridserve.executor.torch.forward import StateChunk
 
@@ -140,6 +142,32 @@ def scan_chunk_size(device: torch.device) -> int:
     kernels use), 32 on CPU (measured faster there for both layers at real layer shapes: the
     within-chunk C x C work halves, the per-token state work stays)."""
     return 64 if device.type == "cuda" else 32
+
+
+ScanResult = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+def kernel_scan(
+    run: Callable[[cpu_kernels.CpuKernels, int], ScanResult | None],
+    tensors: Sequence[torch.Tensor],
+    chunk_size: int | None,
+) -> ScanResult | None:
+    """A chunked scan by its C kernel (`run(kernels, chunk size)`; `tensors[0]` token-major),
+    or None where the torch form must run: not a CPU, kernels off or not built, autograd on
+    an input, or `run` declines the shapes. `chunk_size` None: KERNEL_CHUNK_SIZE."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    kernels = cpu_kernels.for_tensor(tensors[0])
+    if kernels is None:
+        return None
+    size = KERNEL_CHUNK_SIZE if chunk_size is None else chunk_size
+    return run(kernels, max(1, min(size, tensors[0].shape[0])))
+
+
+def torch_chunk_size(device: torch.device, length: int, chunk_size: int | None) -> int:
+    """The torch form's tokens per chunk: `chunk_size`, or the device's (scan_chunk_size),
+    within [1, length]."""
+    return max(1, min(scan_chunk_size(device) if chunk_size is None else chunk_size, length))
 
 
 # Chunks whose within-chunk terms are computed together: long prefills run in spans of this
