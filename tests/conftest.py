@@ -81,13 +81,15 @@ def make_scheduler(
     block_size: int = 16,
     num_blocks: int = 4096,
     mamba: bool = False,
+    host_blocks: int = 0,
     **config: object,
 ) -> Scheduler:
-    """A scheduler over a full-attention (optionally + align-mode Mamba) cache."""
+    """A scheduler over a full-attention (optionally + align-mode Mamba) cache, with a host
+    tier of `host_blocks` slots (0: none)."""
     groups: tuple[GroupSpec, ...] = (FullAttentionSpec(block_size=block_size),)
     if mamba:
         groups = (*groups, MambaSpec(block_size=block_size))
-    layout = CacheLayout(groups=groups, num_blocks=num_blocks)
+    layout = CacheLayout(groups=groups, num_blocks=num_blocks, host_blocks=host_blocks)
     return Scheduler(SchedulerConfig(**config), KVCacheManager(layout))  # type: ignore[arg-type]
 
 

@@ -276,6 +276,17 @@ class BlockPool:
         if block.key is not None:
             self._drop_key(block)
 
+    def unregister_key(self, key: bytes) -> int:
+        """Drop `key` from every device block registered under it, held or free (free blocks
+        keep their place in the free queue). Returns how many blocks carried it."""
+        entry = self._cached.get(key)
+        if entry is None:
+            return 0
+        blocks = [entry] if isinstance(entry, Block) else list(entry.values())
+        for block in blocks:
+            self._drop_key(block)
+        return len(blocks)
+
     # ----- internals --------------------------------------------------------------------------
 
     def _grow(self, num: int) -> None:

@@ -20,8 +20,10 @@ counts stores against removals.
 The cache emits nothing unless a sink is attached (`attach_events`); the pool then calls
 `CacheEvents` as blocks are registered (`BlockStored`), lose their hash to an eviction, an
 `uncache` or a superseding full block (`BlockRemoved`), and when the prefix cache is reset
-(`AllBlocksCleared`). Everything here is pure Python: the ZMQ publisher lives in
-`hybridserve.server.kv_events`, and the simulator's router feeds `CacheMirror` in-process.
+(`AllBlocksCleared`). A turn's exact end kept on the host tier under a tail key
+(`hashing.tail_key`) is the engine's own: no event names it. Everything here is pure Python:
+the ZMQ publisher lives in `hybridserve.server.kv_events`, and the simulator's router feeds
+`CacheMirror` in-process.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hybridserve.kvcache.block_pool import Block
-from hybridserve.kvcache.hashing import BlockHash, cache_key
+from hybridserve.kvcache.hashing import BlockHash, cache_key, is_tail_key
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.manager import KVCacheManager
 
@@ -165,6 +167,8 @@ class CacheEvents:
 
     def removed(self, key: bytes, group_id: int) -> None:
         """The pool dropped `key` (hash + group suffix) from one block."""
+        if is_tail_key(key):
+            return  # a turn's exact end: never announced, never a prefix
         self.emit(BlockRemoved((key[:-_SUFFIX],), group_id=group_id))
 
     def cleared(self) -> None:
@@ -173,6 +177,8 @@ class CacheEvents:
     def promoted(self, key: bytes, group_id: int) -> None:
         """A block came back from the host tier to the device under `key` (its tokens and
         parent are not known there)."""
+        if is_tail_key(key):
+            return
         self.emit(
             BlockStored(
                 (key[:-_SUFFIX],),
@@ -187,6 +193,8 @@ class CacheEvents:
     def host_changed(self, key: bytes, group_id: int, stored: bool) -> None:
         """The host tier took `key` (saved) or gave it up (loaded back or dropped): the
         medium is CPU. Its tokens and parent are not known there (empty and None)."""
+        if is_tail_key(key):
+            return
         block_hash = key[:-_SUFFIX]
         if stored:
             self.emit(

@@ -156,6 +156,30 @@ def cache_key(block_hash: BlockHash, group_id: int) -> bytes:
     return block_hash + _GROUP_ID.pack(group_id)
 
 
+# A turn's exact end saved to the host tier (a partial last block, a running state) has no
+# prefix hash: it is kept under a tail key, 24 bytes before the group id, a length no block hash
+# has (sha256 32, xxh3-128 16), so it never meets a prefix lookup and is never a KV event.
+_TAIL_PREFIX = b"\x00tail\x00"
+_TAIL_HASH_LEN = 24
+
+
+def tail_key(
+    session: str, num_tokens: int, prefix_hash: BlockHash, group_id: int, index: int
+) -> bytes:
+    """The pool key of one block of a session's exact turn end (`index`: its table position,
+    -1 for a copy-on-write source)."""
+    digest = hashlib.sha256(
+        b"%s\x00%d\x00%d\x00" % (session.encode("utf-8", "surrogatepass"), num_tokens, index)
+        + prefix_hash
+    ).digest()
+    return cache_key(_TAIL_PREFIX + digest[: _TAIL_HASH_LEN - len(_TAIL_PREFIX)], group_id)
+
+
+def is_tail_key(key: bytes) -> bool:
+    """Whether a pool key is a `tail_key` (not a prefix hash)."""
+    return len(key) == _TAIL_HASH_LEN + _GROUP_ID.size and key.startswith(_TAIL_PREFIX)
+
+
 def derived_hashes(base: Sequence[BlockHash], ratio: int) -> Sequence[BlockHash]:
     """Hashes at a unit of `ratio` hash blocks.
 

@@ -159,29 +159,48 @@ class HostTier:
         if key is None:
             raise CacheInvariantError(f"{block} has no key to save under")
         beside = ahead or not computed or self.prefetching
+        copy = self._store(block, key, block.group_id, beside=beside)
+        if copy is None:
+            return
+        if ahead or (computed and self.prefetching):
+            self._ahead.append(copy)
+        else:
+            (self._saves if computed else self._computing).append(copy)
+        if not computed:
+            self._unsaved.add(key)
+
+    def save_as(self, block: Block, key: bytes, group_id: int) -> bool:
+        """Copy an unregistered device block of `group_id` that is being freed (a turn's exact
+        end: a partial last block or a running state) to a host slot under `key`, a tail key,
+        before the step reuses the block. False when no slot could be had."""
+        if block.key is not None:
+            raise CacheInvariantError(f"{block} is registered: save it under its own key")
+        copy = self._store(block, key, group_id, beside=False)
+        if copy is not None:
+            self._saves.append(copy)
+        return key in self._entries
+
+    def _store(self, block: Block, key: bytes, group_id: int, *, beside: bool) -> HostCopy | None:
+        """Give `key` a host slot and the copy from `block` into it (None: no copy to run, the
+        host holds the key already or has no slot to give)."""
         if not beside:
             self._evicted.add(block.block_id)
         held = self._entries.get(key)
         if held is not None:
             self._entries.move_to_end(key)
             self.stats.already_held += 1
-            return
+            return None
         if not self._free and not self._drop_oldest():
             self.stats.refused += 1
-            return
+            return None
         slot = self._free.pop()
-        self._entries[key] = HostBlock(slot, key, block.group_id)
-        copy = HostCopy(block.group_id, block.block_id, slot, background=beside)
-        if ahead or (computed and self.prefetching):
-            self._ahead.append(copy)
-        else:
-            (self._saves if computed else self._computing).append(copy)
+        self._entries[key] = HostBlock(slot, key, group_id)
+        copy = HostCopy(group_id, block.block_id, slot, background=beside)
         self._pending[slot] = copy
-        if not computed:
-            self._unsaved.add(key)
         self.stats.saved += 1
         if self.on_change is not None:
-            self.on_change(key, block.group_id, True)
+            self.on_change(key, group_id, True)
+        return copy
 
     def load(self, host_block: HostBlock, device_block: Block, *, prefetch: bool = False) -> None:
         """Queue the copy of a host block into `device_block`, which now carries its key. The
@@ -310,6 +329,14 @@ class HostTier:
             if self.on_change is not None:
                 self.on_change(key, entry.group_id, False)
         self._entries.clear()
+
+    def forget_key(self, key: bytes) -> bool:
+        """Drop `key` if the host holds it and no admission or queued load needs it (a turn's
+        exact end that was used or superseded). Returns whether it was dropped."""
+        if key not in self._entries or key in self._claimed or key in self._queued_keys:
+            return False
+        self._drop(key)
+        return True
 
     def forget(self, slots: set[int]) -> int:
         """Drop the keys held in `slots` (their saves did not run; call once the prefetches

@@ -17,6 +17,7 @@ from hybridserve.kvcache.groups import GroupContext, GroupManager, make_manager
 from hybridserve.kvcache.groups.base import KeepMask, SlotRequest
 from hybridserve.kvcache.groups.mamba import MambaManager
 from hybridserve.kvcache.hashing import BlockHash, BlockHasher, derived_hashes
+from hybridserve.kvcache.host_tails import HostTails
 from hybridserve.kvcache.host_tier import HostBlock, HostTier
 from hybridserve.kvcache.layout import CacheLayout
 from hybridserve.kvcache.metrics import AdmissionSample, CacheMetrics
@@ -112,15 +113,23 @@ class KVCacheManager:
         # Tool-call pins (off unless a scheduler pins).
         self.pins = PinTable(self.pool)
         self.host: HostTier | None = None
+        # Exact ends of released pins, kept through the host tier (host_tails.py).
+        self.host_tails: HostTails | None = None
         if layout.host_blocks and enable_caching and not unbounded:
-            self.host = HostTier(
-                layout.host_blocks,
-                write_through=layout.host_write_through,
-                loads_per_step=layout.host_loads_per_step,
-            )
-            self.pool.host = self.host
+            self._attach_host()
         self._prefetch: dict[str, list[Block]] = {}  # req_id -> blocks its prefetch holds
         self._prefetched_tokens: dict[str, int] = {}  # req_id -> host hit tokens it loads
+
+    def _attach_host(self) -> None:
+        layout = self.layout
+        self.host = HostTier(
+            layout.host_blocks,
+            write_through=layout.host_write_through,
+            loads_per_step=layout.host_loads_per_step,
+        )
+        self.pool.host = self.host
+        self.host_tails = HostTails(self.pool, self.host, self.pins.stats)
+        self.pins.on_release = self.host_tails.keep
 
     # ----- lookup (never mutates) -------------------------------------------------------------
 
@@ -687,7 +696,7 @@ class KVCacheManager:
         the turn's exact end: its whole full-attention table, its partial last block and its
         running state, so that `session_hit` can resume the session's next turn at
         `num_tokens` itself rather than at the last retained boundary."""
-        self.pins.release(session_id)
+        self.unpin(session_id, returned=False)  # this turn's end supersedes an earlier one
         if not self.enable_caching or self.pool.growable:
             return 0
         hit = self.find_hit(block_hashes, num_tokens + 1)  # the next turn adds >= 1 token
@@ -747,37 +756,64 @@ class KVCacheManager:
         *,
         resumed: bool = False,
     ) -> CacheHit | None:
-        """The hit at the exact end of the session's pinned turn, if its pin holds one and
-        this prompt (its hashes and tokens) starts with that turn's tokens; else None. Like
-        `find_hit`, it never mutates the pool: allocate it at once."""
-        tail = self.pins.tail(session_id)
+        """The hit at the exact end of the session's last turn, if its pin holds one (or the
+        host tier kept it after the pin was released) and this prompt (its hashes and tokens)
+        starts with that turn's tokens; else None. Like `find_hit`, it never mutates the pool:
+        allocate it at once."""
         num_tokens = len(token_ids)
-        if (
-            tail is None
-            or tail.num_tokens > num_tokens - 1
-            or not tail.serves(block_hashes, token_ids, self.layout.hash_block_size)
-        ):
+        found = self._session_end(session_id, block_hashes, token_ids)
+        if found is None:
             return None
+        end, group_blocks, cows = found
+        ready = self._ready(group_blocks, cows)
         sample = None
         if self.enable_metrics:
-            n = self.layout.num_groups
+            host_tokens = 0
+            if _holds_host_blocks(group_blocks, cows):
+                host_tokens = end - self._device_hit(block_hashes, num_tokens)
             sample = AdmissionSample(
                 queried_tokens=num_tokens,
-                cacheable_tokens=max(self.cacheable_tokens(num_tokens), tail.num_tokens),
-                hit_tokens=tail.num_tokens,
-                group_offered_tokens=(tail.num_tokens,) * n,
+                cacheable_tokens=max(self.cacheable_tokens(num_tokens), end),
+                hit_tokens=end,
+                group_offered_tokens=(end,) * self.layout.num_groups,
                 limiting_group=None,
                 resumed=resumed,
+                host_hit_tokens=host_tokens,
             )
-        return CacheHit(
-            tail.num_tokens, tail.group_blocks, tail.cow_sources, True, 0, sample, from_tail=True
-        )
+        return CacheHit(end, group_blocks, cows, ready, 0, sample, from_tail=True)
+
+    def _session_end(
+        self, session_id: str, block_hashes: Sequence[BlockHash], token_ids: Sequence[int]
+    ) -> tuple[int, tuple[tuple[Block, ...], ...], tuple[Block | None, ...]] | None:
+        """The session's pinned or host-kept turn end this prompt starts with: its length,
+        every group's blocks and copy-on-write sources."""
+        tail, hash_block = self.pins.tail(session_id), self.layout.hash_block_size
+        if tail is None:
+            if self.host_tails is None:
+                return None
+            return self.host_tails.find(session_id, block_hashes, token_ids, hash_block)
+        if tail.num_tokens > len(token_ids) - 1 or not tail.serves(
+            block_hashes, token_ids, hash_block
+        ):
+            return None
+        return tail.num_tokens, tail.group_blocks, tail.cow_sources
 
     # The pin table's operations, as the scheduler calls them (see PinTable).
 
-    def unpin(self, session_id: str) -> int:
-        """Release a session's pin: its next turn is back. Returns the blocks it held."""
-        return self.pins.unpin(session_id)
+    def unpin(self, session_id: str, *, returned: bool = True) -> int:
+        """Release a session's pin, and forget the turn end the host tier kept for it: its next
+        turn is back (`returned`), or a newer turn replaces them. Returns the blocks it held."""
+        if self.host_tails is not None:
+            self.host_tails.forget(session_id)
+        return self.pins.unpin(session_id) if returned else self.pins.release(session_id)
+
+    def count_tail_hit(self, session_id: str) -> None:
+        """An admission resumed at the session's exact end (call before `unpin`): pinned, or
+        kept through the host tier."""
+        stats = self.pins.stats
+        stats.tail_hits += 1
+        if self.pins.tail(session_id) is None and self.host_tails is not None:
+            stats.host_tail_hits += self.host_tails.holds(session_id)
 
     def expire_pins(self, now: float) -> int:
         """Release every pin whose TTL has run out by `now`. Returns how many."""

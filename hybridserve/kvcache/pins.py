@@ -9,7 +9,7 @@ pool counts a block once; the cache manager decides what a pin holds (`pinned_bl
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from hybridserve.kvcache.block_pool import Block, BlockPool
@@ -35,12 +35,41 @@ class Tail:
         self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], hash_block: int
     ) -> bool:
         """Whether a prompt with these hashes and tokens starts with this turn's tokens."""
-        whole = self.num_tokens // hash_block
-        return (
-            len(block_hashes) >= whole
-            and block_hashes[whole - 1] == self.prefix_hash
-            and tuple(token_ids[whole * hash_block : self.num_tokens]) == self.tail_tokens
-        )
+        return continues(self, block_hashes, token_ids, hash_block)
+
+
+def continues(
+    end: Tail | HostTail,
+    block_hashes: Sequence[BlockHash],
+    token_ids: Sequence[int],
+    hash_block: int,
+) -> bool:
+    """Whether a prompt with these hashes and tokens starts with the tokens of a turn's end."""
+    whole = end.num_tokens // hash_block
+    return (
+        len(block_hashes) >= whole
+        and block_hashes[whole - 1] == end.prefix_hash
+        and tuple(token_ids[whole * hash_block : end.num_tokens]) == end.tail_tokens
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HostTail:
+    """A released pin's exact end, kept for its session through the host tier: the pool key of
+    every group's block (None: the null block) and copy-on-write source. Blocks that had no
+    prefix hash (the partial last block, the running state) were saved under tail keys; the
+    others are found under their hashes, on the device or the host, as any prefix."""
+
+    num_tokens: int
+    prefix_hash: BlockHash
+    tail_tokens: tuple[int, ...]
+    group_keys: tuple[tuple[bytes | None, ...], ...]
+    cow_keys: tuple[bytes | None, ...]
+
+    def serves(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], hash_block: int
+    ) -> bool:
+        return continues(self, block_hashes, token_ids, hash_block)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +93,8 @@ class PinStats:
     released_on_pressure: int = 0
     tails: int = 0  # pins that also hold their turn's exact end (exact tails)
     tail_hits: int = 0  # admissions that resumed at a pinned exact end
+    tails_to_host: int = 0  # exact ends of released pins kept through the host tier
+    host_tail_hits: int = 0  # admissions that resumed at an exact end the host tier kept
 
 
 class PinTable:
@@ -74,6 +105,9 @@ class PinTable:
         self.stats = PinStats()
         self._pins: dict[str, Pin] = {}
         self._refs: dict[int, int] = {}  # block id -> pins holding it
+        # Called with (session, tail) before a pin holding an exact end is released on its TTL
+        # or for room (not on its session's return, nor when a newer turn replaces it).
+        self.on_release: Callable[[str, Tail], object] | None = None
 
     def hold(
         self,
@@ -130,7 +164,7 @@ class PinTable:
             return 0
         expired = [sid for sid, pin in self._pins.items() if pin.deadline <= now]
         for sid in expired:
-            self.release(sid)
+            self._let_go(sid)
         self.stats.released_on_ttl += len(expired)
         return len(expired)
 
@@ -140,9 +174,16 @@ class PinTable:
         candidates = [(pin.deadline, sid) for sid, pin in self._pins.items() if sid != keep]
         if not candidates:
             return False
-        self.release(min(candidates)[1])
+        self._let_go(min(candidates)[1])
         self.stats.released_on_pressure += 1
         return True
+
+    def _let_go(self, session: str) -> None:
+        """Release a pin its session has not come back for (its exact end offered first)."""
+        tail = self._pins[session].tail
+        if tail is not None and self.on_release is not None:
+            self.on_release(session, tail)
+        self.release(session)
 
     def claim(self, session: str) -> bool:
         """The session's next turn arrived: its pin no longer expires, and is held until that

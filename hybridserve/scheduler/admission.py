@@ -70,6 +70,8 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
             break
         allocation = admit(scheduler, request, hit, num_new, start=start)
         if allocation is None:
+            if hit.ready and _own_pin_in_the_way(scheduler):
+                continue  # its session's pin is gone: look again
             if hit.ready and _can_never_start(scheduler):
                 scheduler.refuse(request, _too_long_for_the_pool(scheduler, request))
                 continue
@@ -86,6 +88,14 @@ def _can_never_start(scheduler: Scheduler) -> bool:
     the waiter would hold the head of the queue, and every waiter behind it, for good."""
     cache = scheduler.cache
     return not scheduler.running and cache.num_free_blocks >= cache.usable_blocks
+
+
+def _own_pin_in_the_way(scheduler: Scheduler) -> bool:
+    """The head waiter did not fit and nothing runs that could free a block: the one pin left
+    is its own session's (`admit` released the others), holding blocks its hit does not use.
+    Release it (as for room: an exact end goes to the host tier where there is one) and the
+    waiter looks again; without this it would wait for itself for good."""
+    return not scheduler.running and scheduler.pinning and scheduler.cache.release_pin_for_room()
 
 
 def _too_long_for_the_pool(scheduler: Scheduler, request: Request) -> str:
@@ -182,7 +192,7 @@ def admit(
             return None
     if scheduler.pinning and request.session_key is not None:
         if hit.from_tail:
-            cache.pin_stats.tail_hits += 1
+            cache.count_tail_hit(request.session_key)
         cache.unpin(request.session_key)  # back, holding its hit: the pin is done
     scheduler.waiting.pop()
     scheduler.running.append(request)

@@ -194,6 +194,9 @@ class Scheduler:
             if self.exact_tails:
                 out["hybridserve:kv_pin_tails_total"] = stats.tails
                 out["hybridserve:kv_pin_tail_hits_total"] = stats.tail_hits
+                if self.cache.host is not None:
+                    out["hybridserve:kv_pin_tails_to_host_total"] = stats.tails_to_host
+                    out["hybridserve:kv_pin_host_tail_hits_total"] = stats.host_tail_hits
         return out
 
     def next_pin_deadline(self) -> float | None:
