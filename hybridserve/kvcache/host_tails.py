@@ -63,6 +63,9 @@ class HostTails:
                 return False
             group_keys.append(tuple(keys))
             cow_keys.append(cow_key)
+        if any(key not in self.host for key in saved):  # a later save took an earlier slot
+            self._drop(saved)
+            return False
         self._tails[session] = HostTail(
             tail.num_tokens, tail.prefix_hash, tail.tail_tokens, tuple(group_keys), tuple(cow_keys)
         )

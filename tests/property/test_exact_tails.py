@@ -5,7 +5,8 @@ tokens) or leave it at a drawn position; fresh sessions and session-less fillers
 small pool. With 16-token blocks and fine-grained hits off, only an exact tail can give a hit
 that ends inside a block. Properties: every such hit is exactly where the session's last turn
 ended and the prompt really starts with that turn's tokens; the cache's invariants hold after
-every step; every request finishes; once every pin is gone, every block is free.
+every step; every request finishes; once every pin is gone, every block is free. With a host
+tier a released pin's end goes to the host and comes back: its hits are just as exact.
 """
 
 from __future__ import annotations
@@ -38,14 +39,20 @@ turns = st.lists(
 
 
 @SETTINGS
-@given(trace=turns, mamba=st.booleans(), num_blocks=st.integers(24, 64))
+@given(
+    trace=turns,
+    mamba=st.booleans(),
+    num_blocks=st.integers(24, 64),
+    host_blocks=st.sampled_from((0, 2, 64)),
+)
 def test_exact_tail_hits_are_exact_and_leak_nothing(
-    trace: list[tuple[int, bool, int, int, int]], mamba: bool, num_blocks: int
+    trace: list[tuple[int, bool, int, int, int]], mamba: bool, num_blocks: int, host_blocks: int
 ) -> None:
     sched = make_scheduler(
         block_size=BLOCK,
         num_blocks=num_blocks,
         mamba=mamba,
+        host_blocks=host_blocks,
         kv_pin_fraction=0.5,
         kv_pin_max_ttl_s=0.3,
         kv_pin_exact_tail=True,

@@ -9,6 +9,11 @@ tier (at its eviction, or under write-through once computed), and promoted back 
 turn; (c) recomputed from scratch (no prefix caching).
 Its tokens are identical and its logits agree within 1e-5, and in (b) the host really served
 the whole hit (the plan loaded blocks, the hit tokens are the host's).
+
+With exact tails (full attention, Mamba2, gated delta net: a window keeps no tail) the session's
+pin holds its turn's exact end: in (a) the pin holds it, in (b) the fillers need the room, the
+pin goes and the end (the partial block, the running state) goes to the host, and the next turn
+resumes at that exact end from there.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ class Session:
         host_blocks: int = 0,
         write_through: bool = False,
         caching: bool = True,
+        exact_tails: bool = False,
+        pin_ttl_s: float = 30.0,
     ) -> None:
         self.executor = TorchExecutor(
             model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=4, host_blocks=host_blocks
@@ -105,17 +112,34 @@ class Session:
         self.executor.record_logits = True
         layout = self.executor.cache_layout(host_write_through=write_through)
         self.cache = KVCacheManager(layout, enable_caching=caching)
-        config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
+        pins: dict[str, object] = {}
+        if exact_tails:
+            pins = {
+                "kv_pin_fraction": 0.5,
+                "kv_pin_exact_tail": True,
+                "kv_pin_max_ttl_s": pin_ttl_s,
+            }
+        config = SchedulerConfig(
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            max_model_len=256,
+            **pins,  # type: ignore[arg-type]
+        )
         self.engine = Engine(Scheduler(config, self.cache), self.executor)
+        self.now = 0.0  # a step takes a second (pins expire on this clock)
 
     def run(self, req_id: str, prompt: list[int], sampling: SamplingParams) -> Turn:
-        request = Request(req_id=req_id, prompt_token_ids=tuple(prompt), sampling=sampling)
+        session = "agent" if req_id.startswith("turn") else None
+        request = Request(
+            req_id=req_id, prompt_token_ids=tuple(prompt), sampling=sampling, session_id=session
+        )
         self.engine.add_request(request)
         turn = Turn()
         for _ in range(1000):
             if not self.engine.has_requests():
                 break
-            step = self.engine.step()
+            step = self.engine.step(self.now)
+            self.now += 1.0
             turn.host_loads += len(step.scheduled.plan.host_loads)
             for admitted, hit in (*step.scheduled.new_reqs, *step.scheduled.resumed):
                 if admitted == req_id:
@@ -200,3 +224,38 @@ def test_the_check_catches_a_group_whose_loads_do_not_run(
         monkeypatch.setattr(HostCache, "transfer", partial)
         with pytest.raises(AssertionError):
             check_next_turn(model)
+
+
+TAIL_MODELS = ("full_attention", "gated_delta_net", "mamba2")
+
+
+@pytest.mark.parametrize("name", TAIL_MODELS)
+def test_next_turn_resumes_at_the_exact_end_resident_from_the_host_and_recomputed(
+    name: str,
+) -> None:
+    """The first turn ends inside a block (18 + 6 - 1 = 23 tokens computed): the next turn
+    resumes at 23 with the end pinned, at 23 after the pin's TTL ran out during the fillers
+    and the end went to the host and back, and is the same as recomputed."""
+    model = _perturbed(MODELS[name]())
+    end = FIRST_PROMPT + FIRST_ANSWER - 1
+    resident_session = Session(model, num_blocks=256, exact_tails=True)
+    resident = _next_turn(resident_session, fillers=0)
+    num_groups = len(resident_session.executor.groups.specs)
+    host_session = Session(
+        model,
+        num_blocks=max(SMALL_POOL, SMALL_POOL_PER_GROUP * num_groups),
+        host_blocks=HOST_BLOCKS,
+        exact_tails=True,
+        pin_ttl_s=5.0,
+    )
+    promoted = _next_turn(host_session, fillers=NUM_FILLERS)
+    recomputed = _next_turn(Session(model, num_blocks=256, caching=False), fillers=0)
+
+    assert resident.hit_tokens == end and resident_session.cache.pin_stats.tail_hits == 1
+    stats = host_session.cache.pin_stats
+    assert stats.released_on_ttl >= 1 and stats.host_tail_hits == 1
+    assert promoted.hit_tokens == end and promoted.host_loads > 0
+    assert promoted.tokens == resident.tokens == recomputed.tokens
+    want = torch.stack(resident.logits)
+    torch.testing.assert_close(torch.stack(promoted.logits), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(recomputed.logits), want, atol=1e-5, rtol=0)

@@ -1,0 +1,157 @@
+"""Exact tails through the host tier, rule by rule: a pin released before its session returns
+sends the turn's end to the host, the next turn resumes there, the tail keys are private to the
+engine and leave both tiers once used, and a host that cannot take the end keeps nothing."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine import Engine
+from hybridserve.kvcache.events import BlockRemoved, BlockStored, KVEvent, attach_events
+from hybridserve.kvcache.hashing import is_tail_key, tail_key
+from hybridserve.scheduler import Scheduler
+from tests.conftest import fake_executor, make_scheduler
+
+FIRST_PROMPT, FIRST_ANSWER = 31, 3
+END = FIRST_PROMPT + FIRST_ANSWER - 1  # the first turn's computed tokens: 33, inside a block
+BOUNDARY = FIRST_PROMPT // 4 * 4  # where the cache kept the first turn's state: 28
+
+
+def _scheduler(*, host_blocks: int, num_blocks: int = 34, ttl: float = 30.0) -> Scheduler:
+    return make_scheduler(
+        block_size=4,
+        num_blocks=num_blocks,
+        mamba=True,
+        host_blocks=host_blocks,
+        kv_pin_fraction=0.5,
+        kv_pin_exact_tail=True,
+        kv_pin_max_ttl_s=ttl,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+    )
+
+
+class Driver:
+    """Runs requests one after another, the clock 10 ms a step; records admissions' hits."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.engine = Engine(scheduler, fake_executor())
+        self.now = 0.0
+        self.hits: dict[str, int] = {}
+
+    def run(self, request: Request) -> Request:
+        self.engine.add_request(request)
+        for _ in range(500):
+            if not self.engine.has_requests():
+                return request
+            out = self.engine.step(self.now)
+            self.now += 0.01
+            self.hits.update(out.scheduled.new_reqs)
+            self.scheduler.cache.check_invariants()
+        raise AssertionError(f"{request.req_id} did not finish")
+
+
+def _request(req_id: str, prompt: tuple[int, ...], session: str | None = None) -> Request:
+    sampling = SamplingParams(max_tokens=FIRST_ANSWER if req_id == "t1" else 2, ignore_eos=True)
+    return Request(req_id=req_id, prompt_token_ids=prompt, sampling=sampling, session_id=session)
+
+
+def _session(driver: Driver, *, filler: int) -> Request:
+    """A first turn, two 'filler'-token prompts of no session, and the session's next turn."""
+    first = driver.run(_request("t1", tuple(range(FIRST_PROMPT)), "s0"))
+    for i in range(2):
+        driver.run(_request(f"f{i}", tuple(range(1000 + 100 * i, 1000 + 100 * i + filler))))
+    return driver.run(_request("t2", (*first.token_ids, 7, 7, 7, 7, 7), "s0"))
+
+
+@pytest.mark.parametrize("host_blocks", [64, 0], ids=["host", "no_host"])
+def test_a_pin_released_for_room_resumes_at_the_exact_end_only_with_a_host(
+    host_blocks: int,
+) -> None:
+    driver = Driver(_scheduler(host_blocks=host_blocks))
+    _session(driver, filler=100)  # the fillers need the room the pin holds
+    stats = driver.scheduler.cache.pin_stats
+    assert stats.released_on_pressure >= 1
+    if host_blocks:
+        assert driver.hits["t2"] == END
+        assert stats.tails_to_host >= 1 and stats.host_tail_hits == 1
+        host = driver.scheduler.cache.metrics_snapshot()["host"]
+        assert isinstance(host, dict) and host["hit_tokens"] == END
+    else:
+        assert driver.hits["t2"] < BOUNDARY  # the fillers evicted the boundary too
+        assert stats.tails_to_host == 0 and stats.host_tail_hits == 0
+
+
+def test_a_pin_past_its_ttl_resumes_at_the_exact_end_from_the_host() -> None:
+    """The TTL ran out while the whole blocks stayed on the device: the host serves the end's
+    partial block and state, the device the rest."""
+    driver = Driver(_scheduler(host_blocks=64, num_blocks=40, ttl=0.02))
+    _session(driver, filler=40)
+    stats = driver.scheduler.cache.pin_stats
+    assert stats.released_on_ttl >= 1 and stats.host_tail_hits == 1
+    assert driver.hits["t2"] == END
+    host = driver.scheduler.cache.metrics_snapshot()["host"]
+    assert isinstance(host, dict) and host["hit_tokens"] == END - BOUNDARY
+
+
+def test_tail_keys_are_never_a_block_hash_nor_a_kv_event() -> None:
+    key = tail_key("session", END, b"h" * 32, 1, -1)
+    assert is_tail_key(key)
+    assert not is_tail_key(hashlib.sha256(b"x").digest() + key[-4:])
+    assert not is_tail_key(bytes(16) + key[-4:])
+    scheduler = _scheduler(host_blocks=64)
+    events: list[KVEvent] = []
+    attach_events(scheduler.cache, events.append)
+    driver = Driver(scheduler)
+    _session(driver, filler=100)
+    assert scheduler.cache.pin_stats.host_tail_hits == 1
+    named = [
+        h for e in events if isinstance(e, (BlockStored, BlockRemoved)) for h in e.block_hashes
+    ]
+    assert named and all(len(h) == 32 for h in named)
+
+
+def test_a_used_end_leaves_both_tiers() -> None:
+    scheduler = _scheduler(host_blocks=64)
+    driver = Driver(scheduler)
+    first = driver.run(_request("t1", tuple(range(FIRST_PROMPT)), "s0"))
+    for i in range(2):
+        driver.run(_request(f"f{i}", tuple(range(1000 + 100 * i, 1100 + 100 * i))))
+    cache, host = scheduler.cache, scheduler.cache.host
+    assert host is not None
+    kept = [k for k in host._entries if is_tail_key(k)]
+    assert kept, "the released pin's end is on the host"
+    driver.run(_request("t2", (*first.token_ids, 7, 7, 7, 7, 7), "s0"))
+    assert driver.hits["t2"] == END
+    assert not set(kept) & (set(host._entries) | set(cache.pool._cached))
+
+
+def test_a_host_that_cannot_take_the_whole_end_keeps_none_of_it() -> None:
+    """One host slot for two blocks (the partial block and the state): nothing is kept, and
+    the next turn resumes where the device alone can."""
+    driver = Driver(_scheduler(host_blocks=1, num_blocks=40, ttl=0.02))
+    _session(driver, filler=40)
+    stats = driver.scheduler.cache.pin_stats
+    assert stats.released_on_ttl >= 1
+    assert stats.host_tail_hits == 0
+    assert driver.hits["t2"] == BOUNDARY
+    host = driver.scheduler.cache.host
+    assert host is not None and host.stats.dropped == 2  # both saves given up
+
+
+def test_a_session_whose_own_pin_is_in_the_way_is_admitted_when_nothing_runs() -> None:
+    """The next turn does not extend the last one, so the session's pin holds blocks its hit
+    cannot use, and without them the turn does not fit: with nothing running, the pin goes
+    (before, the turn waited for itself for good)."""
+    scheduler = make_scheduler(
+        block_size=4, num_blocks=30, kv_pin_fraction=0.5, kv_pin_exact_tail=True
+    )
+    driver = Driver(scheduler)
+    driver.run(_request("t1", tuple(range(40)), "s0"))
+    assert scheduler.cache.num_pins == 1
+    driver.run(_request("t2", tuple(range(500, 576)), "s0"))
+    assert scheduler.cache.pin_stats.released_on_pressure == 1
