@@ -232,7 +232,9 @@ def check_decodes_alone(
     with torch.no_grad():
         for i in range(3):
             alone, state, _ = ours.forward_sequence(x[i : i + 1], start[i + 1])
-            torch.testing.assert_close(y[i], alone[0], atol=1e-6, rtol=0)
+            # A few float32 ulps: the output projection of three rows and of one need not sum
+            # in the same order (CPUs differ: 1.1e-6 at a value of 1.5 on an AMD EPYC host).
+            torch.testing.assert_close(y[i], alone[0], atol=1e-6, rtol=1e-6)
             for name in state:
                 got = ctx.states[10 + i][name]
                 torch.testing.assert_close(got, state[name], atol=1e-6, rtol=0, msg=name)
