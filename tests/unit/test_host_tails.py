@@ -81,6 +81,9 @@ def test_a_pin_released_for_room_resumes_at_the_exact_end_only_with_a_host(
         assert stats.tails_to_host >= 1 and stats.host_tail_hits == 1
         host = driver.scheduler.cache.metrics_snapshot()["host"]
         assert isinstance(host, dict) and host["hit_tokens"] == END
+        counters = driver.scheduler.metrics_snapshot()
+        assert counters["hybridserve:kv_pin_host_tail_hits_total"] == 1
+        assert counters["hybridserve:kv_pin_tails_to_host_total"] == stats.tails_to_host
     else:
         assert driver.hits["t2"] < BOUNDARY  # the fillers evicted the boundary too
         assert stats.tails_to_host == 0 and stats.host_tail_hits == 0
