@@ -121,6 +121,7 @@ class KVCacheManager:
         self._prefetched_tokens: dict[str, int] = {}  # req_id -> host hit tokens it loads
 
     def _attach_host(self) -> None:
+        """The host tier, and the turn ends it keeps for sessions whose pins went."""
         layout = self.layout
         self.host = HostTier(
             layout.host_blocks,
@@ -812,8 +813,9 @@ class KVCacheManager:
         kept through the host tier."""
         stats = self.pins.stats
         stats.tail_hits += 1
-        if self.pins.tail(session_id) is None and self.host_tails is not None:
-            stats.host_tail_hits += self.host_tails.holds(session_id)
+        kept = self.host_tails is not None and self.host_tails.holds(session_id)
+        if kept and self.pins.tail(session_id) is None:
+            stats.host_tail_hits += 1
 
     def expire_pins(self, now: float) -> int:
         """Release every pin whose TTL has run out by `now`. Returns how many."""
