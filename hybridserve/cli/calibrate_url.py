@@ -69,6 +69,9 @@ def calibrate_url(
     out_console().print(
         f"request overhead (TTFT - step, not in the fit): {result.request_overhead_s * 1e3:.2f} ms"
     )
+    warning = result.pool_warning()
+    if warning is not None:
+        err.print(f"warning: {warning}", highlight=False)
 
 
 async def _served_name(url: str, api_key: str | None) -> str | None:

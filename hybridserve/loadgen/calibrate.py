@@ -102,14 +102,31 @@ class RemoteCalibration:
     calibration: Calibration
     request_overhead_s: float  # TTFT - step of a 1-token request, median (server time)
     model: str  # the served name
+    # Decode batches (streams, primer tokens) whose primers the server's pool could not keep
+    # all at once (`Prober.uncached_batches`), in order.
+    uncached_batches: tuple[tuple[int, int], ...] = ()
 
     def to_json(self) -> dict[str, object]:
         data = self.calibration.to_json()
         data["black_box"] = {
             "served_model": self.model,
             "request_overhead_s": self.request_overhead_s,
+            "uncached_decode_batches": [list(b) for b in self.uncached_batches],
         }
         return data
+
+    def pool_warning(self) -> str | None:
+        """What the user should know when some decode batch's primers did not stay cached."""
+        if not self.uncached_batches:
+            return None
+        shapes = ", ".join(f"{b} streams x {t} tokens" for b, t in self.uncached_batches)
+        return (
+            f"the server did not keep every primer of these decode batches cached: {shapes}; "
+            "their streams started over several prefill steps (the decode periods are still "
+            "measured once every stream has tokens). Give the server a larger KV pool, or "
+            "calibrate with smaller batches or contexts (--quick), for batches that start "
+            "together as the grid intends"
+        )
 
 
 # A sample's key: the grid's shape index, and for a prefill the tokens it computed and those the
@@ -199,6 +216,7 @@ async def calibrate_remote(
         _fit(target, samples, seed=seed, holdout_fraction=holdout_fraction),
         overhead,
         model,
+        tuple(sorted(prober.uncached_batches)),
     )
 
 

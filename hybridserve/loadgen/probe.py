@@ -57,6 +57,9 @@ class Prober:
         # the first one's cached prompts.
         self._tokens = random.Random(secrets.randbits(64))
         self._primers: dict[tuple[int, int], list[int]] = {}
+        # Decode batches (streams, primer tokens) whose first primer the server no longer held
+        # once the batch had run: its pool cannot keep that many primers at once.
+        self.uncached_batches: set[tuple[int, int]] = set()
 
     async def primer(self, length: int, *, resend: bool = False) -> list[int]:
         """A prefix of `length` fresh tokens, sent (untimed) so the server caches it."""
@@ -179,7 +182,17 @@ class Prober:
             for (live, _), mark in zip(streams, marks, strict=True)
         ]
         context = len(primer) + _DECODE_FRESH + max(marks) + steps // 2
+        await self._check_kept(primers)
         return StepShape.decode(batch=batch, context_tokens=context), statistics.median(periods)
+
+    async def _check_kept(self, primers: list[list[int]]) -> None:
+        """After a batch ran, ask for its first primer again (one token): a server that reports
+        less than half of it cached no longer held it, so the batch's streams did not all start
+        on cached primers (their timing starts once every stream has tokens, so the measured
+        period stays a decode step's; the calibration says the pool was short)."""
+        done = await self.send(primers[0], 1)
+        if done.cached_tokens is not None and 2 * done.cached_tokens < len(primers[0]):
+            self.uncached_batches.add((len(primers), len(primers[0])))
 
 
 def step_at(times: Sequence[float], k: int, *, clean_until: int | None = None) -> float:

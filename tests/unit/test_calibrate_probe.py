@@ -1,6 +1,7 @@
 """`calibrate --url`'s probes against a scripted server: each stream of a decode batch gets a
 primer of its own, cached, and sent again before a measurement that needs it cached; a prefill
-the server missed on is its own sample, never pooled with the hits."""
+the server missed on is its own sample, never pooled with the hits; a decode batch whose
+primers the server's pool could not keep at once is named."""
 
 from __future__ import annotations
 
@@ -12,30 +13,45 @@ from types import SimpleNamespace
 
 import httpx
 
-from hybridserve.loadgen.calibrate import _measure_round, _Samples
+from hybridserve.loadgen.calibrate import RemoteCalibration, _measure_round, _Samples
 from hybridserve.loadgen.probe import Prober
 from hybridserve.sim.calibration_fit import Grid
 from hybridserve.sim.cost_model import RequestShape, StepShape
 
 
-def _scripted_server(prompts: list[list[int]]) -> httpx.MockTransport:
-    """Answers every completion with `max_tokens` streamed tokens and records its prompt."""
+def _scripted_server(
+    prompts: list[list[int]], *, pool_prompts: int | None = None
+) -> httpx.MockTransport:
+    """Answers every completion with `max_tokens` streamed tokens and records its prompt. With
+    `pool_prompts`, it keeps the last that many prompts and reports as cached the longest of
+    them that the prompt starts with (usage.prompt_tokens_details.cached_tokens)."""
+    pool: list[list[int]] = []
 
     class Stream(httpx.AsyncByteStream):
-        def __init__(self, tokens: int) -> None:
-            self.tokens = tokens
+        def __init__(self, tokens: int, cached: int | None) -> None:
+            self.tokens, self.cached = tokens, cached
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             for _ in range(self.tokens):  # one decode step every 2 ms
                 await asyncio.sleep(0.002)
                 yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
-            usage = {"choices": [], "usage": {"completion_tokens": self.tokens}}
-            yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()
+            usage: dict[str, object] = {"completion_tokens": self.tokens}
+            if self.cached is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
+            last = json.dumps({"choices": [], "usage": usage})
+            yield f"data: {last}\n\ndata: [DONE]\n\n".encode()
 
     async def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        prompts.append(body["prompt"])
-        return httpx.Response(200, stream=Stream(body["max_tokens"]))
+        prompt = body["prompt"]
+        prompts.append(prompt)
+        cached = None
+        if pool_prompts is not None:
+            held = [len(p) for p in pool if prompt[: len(p)] == p]
+            cached = min(max(held, default=0), len(prompt) - 1)
+            pool.append(prompt)
+            del pool[:-pool_prompts]
+        return httpx.Response(200, stream=Stream(body["max_tokens"], cached))
 
     return httpx.MockTransport(answer)
 
@@ -61,9 +77,9 @@ def test_a_decode_batch_gives_each_stream_its_own_cached_primer() -> None:
     primers, sent_first = asyncio.run(run())
     assert len({tuple(p) for p in primers}) == 3 and all(len(p) == 64 for p in primers)
     assert sorted(map(tuple, sent_first)) == sorted(map(tuple, primers))  # each sent once
-    streams = prompts[3:]
-    assert len(streams) == 3
+    streams, check = prompts[3:6], prompts[6:]
     assert sorted(tuple(s[:64]) for s in streams) == sorted(map(tuple, primers))
+    assert check == [primers[0]]  # after the batch: is its first primer still cached?
 
 
 def test_a_resent_primer_goes_to_the_server_again_before_its_measurement() -> None:
@@ -140,3 +156,32 @@ def test_a_prefill_round_the_server_missed_is_its_own_sample_not_pooled_with_the
     assert [samples.seconds[k] for k in prefill_keys] == [[1.0], [3.0]]
     decode_keys = [k for k in samples.shapes if not k[1]]
     assert len(decode_keys) == 1 and samples.seconds[decode_keys[0]] == [0.1, 0.1]  # pooled
+
+
+def _decode_batch(pool_prompts: int) -> tuple[set[tuple[int, int]], str | None]:
+    """A batch of 3 decode streams on 64-token primers, against a pool of `pool_prompts`."""
+    target = SimpleNamespace(
+        url="http://scripted", api_key=None, vocab_size=50_000, decode_steps=4, server_speed=1.0
+    )
+
+    async def run() -> set[tuple[int, int]]:
+        transport = _scripted_server([], pool_prompts=pool_prompts)
+        async with httpx.AsyncClient(transport=transport, base_url=target.url) as client:
+            prober = Prober(client, target, "m", seed=0)  # type: ignore[arg-type]
+            primers = await prober.primers(64, 3, resend=True)
+            await prober.decode(primers)
+            return prober.uncached_batches
+
+    uncached = asyncio.run(run())
+    result = RemoteCalibration(SimpleNamespace(), 0.0, "m", tuple(sorted(uncached)))  # type: ignore[arg-type]
+    return uncached, result.pool_warning()
+
+
+def test_a_decode_batch_whose_primers_the_pool_could_not_keep_is_named() -> None:
+    """Three primers and their three streams through a pool of four prompts: the first primer
+    is gone once the batch ran, and the calibration says which batch; a pool of twenty keeps
+    it, and nothing is said."""
+    uncached, warning = _decode_batch(pool_prompts=4)
+    assert uncached == {(3, 64)}
+    assert warning is not None and "3 streams x 64 tokens" in warning
+    assert _decode_batch(pool_prompts=20) == (set(), None)
