@@ -28,7 +28,7 @@ device it models.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,7 +36,7 @@ import httpx
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.loadgen.client import served_model
-from hybridserve.loadgen.probe import Prober
+from hybridserve.loadgen.probe import BatchApart, Prober
 from hybridserve.sim.calibration import Calibration
 from hybridserve.sim.calibration_fit import Grid, fit_measurements
 from hybridserve.sim.cost_model import StepShape
@@ -103,8 +103,10 @@ class RemoteCalibration:
     request_overhead_s: float  # TTFT - step of a 1-token request, median (server time)
     model: str  # the served name
     # Decode batches (streams, primer tokens) whose primers the server's pool could not keep
-    # all at once (`Prober.uncached_batches`), in order.
+    # all at once (`Prober.uncached_batches`), and those whose streams did not even run
+    # together (`Prober.apart_batches`: not measured), in order.
     uncached_batches: tuple[tuple[int, int], ...] = ()
+    apart_batches: tuple[tuple[int, int], ...] = ()
 
     def to_json(self) -> dict[str, object]:
         data = self.calibration.to_json()
@@ -112,21 +114,34 @@ class RemoteCalibration:
             "served_model": self.model,
             "request_overhead_s": self.request_overhead_s,
             "uncached_decode_batches": [list(b) for b in self.uncached_batches],
+            "unmeasured_decode_batches": [list(b) for b in self.apart_batches],
         }
         return data
 
     def pool_warning(self) -> str | None:
         """What the user should know when some decode batch's primers did not stay cached."""
-        if not self.uncached_batches:
+        parts = []
+        if self.apart_batches:
+            parts.append(
+                "these decode batches did not run together on the server and were left out of "
+                f"the fit: {_batches(self.apart_batches)}"
+            )
+        if self.uncached_batches:
+            parts.append(
+                "the server did not keep every primer of these decode batches cached: "
+                f"{_batches(self.uncached_batches)} (their streams started over several prefill "
+                "steps; the periods are still measured once every stream has tokens)"
+            )
+        if not parts:
             return None
-        shapes = ", ".join(f"{b} streams x {t} tokens" for b, t in self.uncached_batches)
         return (
-            f"the server did not keep every primer of these decode batches cached: {shapes}; "
-            "their streams started over several prefill steps (the decode periods are still "
-            "measured once every stream has tokens). Give the server a larger KV pool, or "
-            "calibrate with smaller batches or contexts (--quick), for batches that start "
-            "together as the grid intends"
+            "; ".join(parts) + ". Give the server a larger KV pool, or calibrate with a shorter "
+            "long context (--context-tokens) for batches that run together as the grid intends"
         )
+
+
+def _batches(batches: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"{b} streams x {t} tokens" for b, t in batches)
 
 
 # A sample's key: the grid's shape index, and for a prefill the tokens it computed and those the
@@ -165,7 +180,11 @@ async def _measure_round(
             primers = await prober.primers(
                 request.num_context_tokens, len(shape.requests), resend=True
             )
-            measured, seconds = await prober.decode(primers)
+            try:
+                measured, seconds = await prober.decode(primers)
+            except BatchApart:
+                tick()  # not one batch on this server: named, and left out of the fit
+                continue
             key: SampleKey = (index, 0, 0)
         else:
             primer = await prober.primer(request.num_context_tokens, resend=True)
@@ -211,12 +230,21 @@ async def calibrate_remote(
         samples, overheads = _Samples({}, {}), list[float]()
         for _ in range(grid.rounds):
             await _measure_round(prober, grid, samples, overheads, tick)
+    if not any(shape.requests[0].is_decode for shape in samples.shapes.values()):
+        raise ConfigError(
+            "--url",
+            target.url,
+            "no decode batch of the grid ran together on the server "
+            f"({_batches(sorted(prober.apart_batches))}): its KV pool holds too few tokens; "
+            "give it a larger pool, or a shorter long context (--context-tokens)",
+        )
     overhead = statistics.median(overheads)
     return RemoteCalibration(
         _fit(target, samples, seed=seed, holdout_fraction=holdout_fraction),
         overhead,
         model,
         tuple(sorted(prober.uncached_batches)),
+        tuple(sorted(prober.apart_batches)),
     )
 
 

@@ -30,6 +30,11 @@ _BACKGROUND_AFTER = 5  # and after the mixed step
 _DECODE_FRESH = 8  # fresh prompt tokens of each decode stream, after its cached primer
 
 
+class BatchApart(Exception):
+    """A decode batch's streams did not run together: one had answered most of its tokens
+    before the last had two (the server could not hold the whole batch at once)."""
+
+
 class ProbeTarget(Protocol):
     @property
     def url(self) -> str: ...
@@ -60,6 +65,8 @@ class Prober:
         # Decode batches (streams, primer tokens) whose first primer the server no longer held
         # once the batch had run: its pool cannot keep that many primers at once.
         self.uncached_batches: set[tuple[int, int]] = set()
+        # Decode batches whose streams did not run together (`BatchApart`): not measured.
+        self.apart_batches: set[tuple[int, int]] = set()
 
     async def primer(self, length: int, *, resend: bool = False) -> list[int]:
         """A prefix of `length` fresh tokens, sent (untimed) so the server caches it."""
@@ -122,7 +129,8 @@ class Prober:
         """Until `live` has `tokens` tokens; raises if its stream ends first."""
         while len(live.token_times_s) < tokens:
             if task.done():
-                raise self.failed(len(live.token_times_s), live.failure or "ended early")
+                why = live.failure or "ended early"
+                raise self.failed(len(live.token_times_s), why, streamed=True)
             await asyncio.sleep(0.0005)
 
     async def prefill(self, primer: list[int], new: int) -> tuple[StepShape, float]:
@@ -153,12 +161,15 @@ class Prober:
         )
         return shape, step
 
-    def failed(self, num_prompt: int, why: str) -> ConfigError:
+    def failed(self, num_tokens: int, why: str, *, streamed: bool = False) -> ConfigError:
+        what = (
+            f"after {num_tokens} streamed tokens" if streamed else f"of {num_tokens} prompt tokens"
+        )
         return ConfigError(
             "--url",
             self.target.url,
-            f"a calibration request of {num_prompt} prompt tokens failed ({why}); check the "
-            "server's log and its --max-model-len",
+            f"a calibration request {what} failed ({why}); check the server's log and its "
+            "--max-model-len",
         )
 
     async def decode(self, primers: list[list[int]]) -> tuple[StepShape, float]:
@@ -172,6 +183,9 @@ class Prober:
             for live, task in streams:
                 await self.until(live, task, 2)
             marks = [len(live.token_times_s) for live, _ in streams]
+            if max(marks) + steps > 4 * steps:
+                self.apart_batches.add((batch, len(primer)))
+                raise BatchApart(f"{batch} streams x {len(primer)} tokens")
             for (live, task), mark in zip(streams, marks, strict=True):
                 await self.until(live, task, mark + steps)
         finally:

@@ -12,29 +12,38 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from hybridserve.loadgen.calibrate import RemoteCalibration, _measure_round, _Samples
-from hybridserve.loadgen.probe import Prober
+from hybridserve.loadgen.probe import BatchApart, Prober
 from hybridserve.sim.calibration_fit import Grid
 from hybridserve.sim.cost_model import RequestShape, StepShape
 
 
 def _scripted_server(
-    prompts: list[list[int]], *, pool_prompts: int | None = None
+    prompts: list[list[int]], *, pool_prompts: int | None = None, serial: bool = False
 ) -> httpx.MockTransport:
     """Answers every completion with `max_tokens` streamed tokens and records its prompt. With
     `pool_prompts`, it keeps the last that many prompts and reports as cached the longest of
-    them that the prompt starts with (usage.prompt_tokens_details.cached_tokens)."""
+    them that the prompt starts with (usage.prompt_tokens_details.cached_tokens). `serial`: it
+    streams one request at a time (a pool that holds one request)."""
     pool: list[list[int]] = []
+    one_at_a_time = asyncio.Lock() if serial else None
 
     class Stream(httpx.AsyncByteStream):
         def __init__(self, tokens: int, cached: int | None) -> None:
             self.tokens, self.cached = tokens, cached
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
-            for _ in range(self.tokens):  # one decode step every 2 ms
-                await asyncio.sleep(0.002)
-                yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+            if one_at_a_time is not None:
+                await one_at_a_time.acquire()
+            try:
+                for _ in range(self.tokens):  # one decode step every 2 ms
+                    await asyncio.sleep(0.002)
+                    yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+            finally:
+                if one_at_a_time is not None:
+                    one_at_a_time.release()
             usage: dict[str, object] = {"completion_tokens": self.tokens}
             if self.cached is not None:
                 usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
@@ -185,3 +194,51 @@ def test_a_decode_batch_whose_primers_the_pool_could_not_keep_is_named() -> None
     assert uncached == {(3, 64)}
     assert warning is not None and "3 streams x 64 tokens" in warning
     assert _decode_batch(pool_prompts=20) == (set(), None)
+
+
+def test_a_decode_batch_whose_streams_do_not_run_together_is_left_out_and_named() -> None:
+    """A server that streams one request at a time: the first stream has answered all its
+    tokens before the last has two, so the batch is no batch there. The probe says so
+    (`BatchApart`) instead of failing the calibration, the round goes on without it, and the
+    calibration names it."""
+    target = SimpleNamespace(
+        url="http://scripted", api_key=None, vocab_size=50_000, decode_steps=4, server_speed=1.0
+    )
+
+    async def run() -> set[tuple[int, int]]:
+        transport = _scripted_server([], serial=True)
+        async with httpx.AsyncClient(transport=transport, base_url=target.url) as client:
+            prober = Prober(client, target, "m", seed=0)  # type: ignore[arg-type]
+            primers = await prober.primers(64, 3)
+            with pytest.raises(BatchApart):
+                await prober.decode(primers)
+            return prober.apart_batches
+
+    apart = asyncio.run(run())
+    assert apart == {(3, 64)}
+    fitted = SimpleNamespace(to_json=dict)
+    result = RemoteCalibration(fitted, 0.0, "m", (), tuple(apart))  # type: ignore[arg-type]
+    warning = result.pool_warning()
+    assert warning is not None and "left out of the fit: 3 streams x 64 tokens" in warning
+    black_box = result.to_json()["black_box"]
+    assert isinstance(black_box, dict) and black_box["unmeasured_decode_batches"] == [[3, 64]]
+
+
+class _ApartProber(_MissingProber):
+    async def decode(self, primers: list[list[int]]) -> tuple[StepShape, float]:
+        raise BatchApart("2 streams x 256 tokens")
+
+
+def test_a_round_goes_on_past_a_batch_that_did_not_run_together() -> None:
+    grid = Grid(
+        prefill_tokens=(1024,),
+        prefill_context_tokens=(2048,),
+        decode_batches=(2,),
+        decode_context_tokens=(256,),
+        rounds=1,
+        repeats=1,
+    )
+    prober, samples, ticks = _ApartProber(), _Samples({}, {}), []
+    asyncio.run(_measure_round(prober, grid, samples, [], lambda: ticks.append(1)))  # type: ignore[arg-type]
+    assert len(ticks) == len(grid.shapes())  # every shape counted for the progress bar
+    assert samples.shapes and all(key[1] for key in samples.shapes)  # prefills only
