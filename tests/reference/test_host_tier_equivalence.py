@@ -168,20 +168,39 @@ def _next_turn(session: Session, *, fillers: int) -> Turn:
     return session.run("turn-2", next_prompt, _greedy(NEXT_ANSWER, repetition_penalty=0.05))
 
 
-def check_next_turn(model: CausalLM, *, write_through: bool = False) -> None:
-    """The next turn resident, promoted from the host and recomputed: the same tokens, logits
-    within 1e-5, and the host served the whole promoted hit."""
-    resident_session = Session(model, num_blocks=256)
+def _three_ways(model: CausalLM, **options: Any) -> tuple[Session, Turn, Session, Turn, Turn]:
+    """The next turn resident (a large pool), promoted (a small pool, the fillers, a host
+    tier) and recomputed (no prefix caching); `options` go to both caching sessions' setup
+    but `write_through` and `pin_ttl_s`, the host session's alone."""
+    host_only = {k: options.pop(k) for k in ("write_through", "pin_ttl_s") if k in options}
+    resident_session = Session(model, num_blocks=256, **options)
     resident = _next_turn(resident_session, fillers=0)
     num_groups = len(resident_session.executor.groups.specs)
     host_session = Session(
         model,
         num_blocks=max(SMALL_POOL, SMALL_POOL_PER_GROUP * num_groups),
         host_blocks=HOST_BLOCKS,
-        write_through=write_through,
+        **options,
+        **host_only,
     )
     promoted = _next_turn(host_session, fillers=NUM_FILLERS)
     recomputed = _next_turn(Session(model, num_blocks=256, caching=False), fillers=0)
+    return resident_session, resident, host_session, promoted, recomputed
+
+
+def _same_tokens_and_logits(resident: Turn, promoted: Turn, recomputed: Turn) -> None:
+    assert promoted.tokens == resident.tokens == recomputed.tokens
+    want = torch.stack(resident.logits)
+    torch.testing.assert_close(torch.stack(promoted.logits), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(recomputed.logits), want, atol=1e-5, rtol=0)
+
+
+def check_next_turn(model: CausalLM, *, write_through: bool = False) -> None:
+    """The next turn resident, promoted from the host and recomputed: the same tokens, logits
+    within 1e-5, and the host served the whole promoted hit."""
+    _, resident, host_session, promoted, recomputed = _three_ways(
+        model, write_through=write_through
+    )
 
     # State and window groups keep the first prompt's boundary; full attention the whole turn.
     assert resident.hit_tokens >= FIRST_PROMPT // BLOCK * BLOCK
@@ -190,11 +209,7 @@ def check_next_turn(model: CausalLM, *, write_through: bool = False) -> None:
     assert promoted.host_loads > 0 and host["loaded"] > 0
     assert promoted.hit_tokens == resident.hit_tokens
     assert host["hit_tokens"] == promoted.hit_tokens, "the host must serve the whole hit"
-
-    assert promoted.tokens == resident.tokens == recomputed.tokens
-    want = torch.stack(resident.logits)
-    torch.testing.assert_close(torch.stack(promoted.logits), want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.stack(recomputed.logits), want, atol=1e-5, rtol=0)
+    _same_tokens_and_logits(resident, promoted, recomputed)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -238,24 +253,12 @@ def test_next_turn_resumes_at_the_exact_end_resident_from_the_host_and_recompute
     and the end went to the host and back, and is the same as recomputed."""
     model = _perturbed(MODELS[name]())
     end = FIRST_PROMPT + FIRST_ANSWER - 1
-    resident_session = Session(model, num_blocks=256, exact_tails=True)
-    resident = _next_turn(resident_session, fillers=0)
-    num_groups = len(resident_session.executor.groups.specs)
-    host_session = Session(
-        model,
-        num_blocks=max(SMALL_POOL, SMALL_POOL_PER_GROUP * num_groups),
-        host_blocks=HOST_BLOCKS,
-        exact_tails=True,
-        pin_ttl_s=5.0,
+    resident_session, resident, host_session, promoted, recomputed = _three_ways(
+        model, exact_tails=True, pin_ttl_s=5.0
     )
-    promoted = _next_turn(host_session, fillers=NUM_FILLERS)
-    recomputed = _next_turn(Session(model, num_blocks=256, caching=False), fillers=0)
 
     assert resident.hit_tokens == end and resident_session.cache.pin_stats.tail_hits == 1
     stats = host_session.cache.pin_stats
     assert stats.released_on_ttl >= 1 and stats.host_tail_hits == 1
     assert promoted.hit_tokens == end and promoted.host_loads > 0
-    assert promoted.tokens == resident.tokens == recomputed.tokens
-    want = torch.stack(resident.logits)
-    torch.testing.assert_close(torch.stack(promoted.logits), want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.stack(recomputed.logits), want, atol=1e-5, rtol=0)
+    _same_tokens_and_logits(resident, promoted, recomputed)

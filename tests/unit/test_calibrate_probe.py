@@ -19,6 +19,11 @@ from hybridserve.loadgen.probe import BatchApart, Prober
 from hybridserve.sim.calibration_fit import Grid
 from hybridserve.sim.cost_model import RequestShape, StepShape
 
+# What a Prober needs of its target: a scripted server's URL, 4 decode steps per stream.
+TARGET = SimpleNamespace(
+    url="http://scripted", api_key=None, vocab_size=50_000, decode_steps=4, server_speed=1.0
+)
+
 
 def _scripted_server(
     prompts: list[list[int]], *, pool_prompts: int | None = None, serial: bool = False
@@ -67,9 +72,7 @@ def _scripted_server(
 
 def test_a_decode_batch_gives_each_stream_its_own_cached_primer() -> None:
     prompts: list[list[int]] = []
-    target = SimpleNamespace(
-        url="http://scripted", api_key=None, vocab_size=50_000, decode_steps=4, server_speed=1.0
-    )
+    target = TARGET
 
     async def run() -> tuple[list[list[int]], list[list[int]]]:
         transport = _scripted_server(prompts)
@@ -93,9 +96,7 @@ def test_a_decode_batch_gives_each_stream_its_own_cached_primer() -> None:
 
 def test_a_resent_primer_goes_to_the_server_again_before_its_measurement() -> None:
     prompts: list[list[int]] = []
-    target = SimpleNamespace(
-        url="http://scripted", api_key=None, vocab_size=50_000, decode_steps=4, server_speed=1.0
-    )
+    target = TARGET
 
     async def run() -> list[list[int]]:
         transport = _scripted_server(prompts)
@@ -143,15 +144,20 @@ class _MissingProber:
         return StepShape((RequestShape(1, 20), prefill)), 1.0 if hit else 3.0
 
 
-def test_a_prefill_round_the_server_missed_is_its_own_sample_not_pooled_with_the_hit() -> None:
-    grid = Grid(
+def _one_prefill_one_decode(rounds: int) -> Grid:
+    """A grid of one prefill (1,024 after 2,048) and one decode batch (2 at 256)."""
+    return Grid(
         prefill_tokens=(1024,),
         prefill_context_tokens=(2048,),
         decode_batches=(2,),
         decode_context_tokens=(256,),
-        rounds=2,
+        rounds=rounds,
         repeats=1,
     )
+
+
+def test_a_prefill_round_the_server_missed_is_its_own_sample_not_pooled_with_the_hit() -> None:
+    grid = _one_prefill_one_decode(rounds=2)
     prober, samples = _MissingProber(), _Samples({}, {})
 
     async def run() -> None:
@@ -169,9 +175,7 @@ def test_a_prefill_round_the_server_missed_is_its_own_sample_not_pooled_with_the
 
 def _decode_batch(pool_prompts: int) -> tuple[set[tuple[int, int]], str | None]:
     """A batch of 3 decode streams on 64-token primers, against a pool of `pool_prompts`."""
-    target = SimpleNamespace(
-        url="http://scripted", api_key=None, vocab_size=50_000, decode_steps=4, server_speed=1.0
-    )
+    target = TARGET
 
     async def run() -> set[tuple[int, int]]:
         transport = _scripted_server([], pool_prompts=pool_prompts)
@@ -201,9 +205,7 @@ def test_a_decode_batch_whose_streams_do_not_run_together_is_left_out_and_named(
     tokens before the last has two, so the batch is no batch there. The probe says so
     (`BatchApart`) instead of failing the calibration, the round goes on without it, and the
     calibration names it."""
-    target = SimpleNamespace(
-        url="http://scripted", api_key=None, vocab_size=50_000, decode_steps=4, server_speed=1.0
-    )
+    target = TARGET
 
     async def run() -> set[tuple[int, int]]:
         transport = _scripted_server([], serial=True)
@@ -230,14 +232,7 @@ class _ApartProber(_MissingProber):
 
 
 def test_a_round_goes_on_past_a_batch_that_did_not_run_together() -> None:
-    grid = Grid(
-        prefill_tokens=(1024,),
-        prefill_context_tokens=(2048,),
-        decode_batches=(2,),
-        decode_context_tokens=(256,),
-        rounds=1,
-        repeats=1,
-    )
+    grid = _one_prefill_one_decode(rounds=1)
     prober, samples, ticks = _ApartProber(), _Samples({}, {}), []
     asyncio.run(_measure_round(prober, grid, samples, [], lambda: ticks.append(1)))  # type: ignore[arg-type]
     assert len(ticks) == len(grid.shapes())  # every shape counted for the progress bar

@@ -9,11 +9,11 @@ import hashlib
 import pytest
 
 from hybridserve.core.request import Request, SamplingParams
-from hybridserve.engine import Engine
 from hybridserve.kvcache.events import BlockRemoved, BlockStored, KVEvent, attach_events
 from hybridserve.kvcache.hashing import is_tail_key, tail_key
 from hybridserve.scheduler import Scheduler
-from tests.conftest import fake_executor, make_scheduler
+from tests.conftest import make_scheduler
+from tests.unit.test_agent_controls import Driver as Stepper
 
 FIRST_PROMPT, FIRST_ANSWER = 31, 3
 END = FIRST_PROMPT + FIRST_ANSWER - 1  # the first turn's computed tokens: 33, inside a block
@@ -34,25 +34,13 @@ def _scheduler(*, host_blocks: int, num_blocks: int = 34, ttl: float = 30.0) -> 
     )
 
 
-class Driver:
-    """Runs requests one after another, the clock 10 ms a step; records admissions' hits."""
+class Driver(Stepper):
+    """`test_agent_controls`' stepper (10 ms a step, admissions' hits), a request at a time."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.engine = Engine(scheduler, fake_executor())
-        self.now = 0.0
-        self.hits: dict[str, int] = {}
-
-    def run(self, request: Request) -> Request:
+    def send(self, request: Request) -> Request:
         self.engine.add_request(request)
-        for _ in range(500):
-            if not self.engine.has_requests():
-                return request
-            out = self.engine.step(self.now)
-            self.now += 0.01
-            self.hits.update(out.scheduled.new_reqs)
-            self.scheduler.cache.check_invariants()
-        raise AssertionError(f"{request.req_id} did not finish")
+        self.run()
+        return request
 
 
 def _request(req_id: str, prompt: tuple[int, ...], session: str | None = None) -> Request:
@@ -62,10 +50,10 @@ def _request(req_id: str, prompt: tuple[int, ...], session: str | None = None) -
 
 def _session(driver: Driver, *, filler: int) -> Request:
     """A first turn, two 'filler'-token prompts of no session, and the session's next turn."""
-    first = driver.run(_request("t1", tuple(range(FIRST_PROMPT)), "s0"))
+    first = driver.send(_request("t1", tuple(range(FIRST_PROMPT)), "s0"))
     for i in range(2):
-        driver.run(_request(f"f{i}", tuple(range(1000 + 100 * i, 1000 + 100 * i + filler))))
-    return driver.run(_request("t2", (*first.token_ids, 7, 7, 7, 7, 7), "s0"))
+        driver.send(_request(f"f{i}", tuple(range(1000 + 100 * i, 1000 + 100 * i + filler))))
+    return driver.send(_request("t2", (*first.token_ids, 7, 7, 7, 7, 7), "s0"))
 
 
 @pytest.mark.parametrize("host_blocks", [64, 0], ids=["host", "no_host"])
@@ -121,14 +109,14 @@ def test_tail_keys_are_never_a_block_hash_nor_a_kv_event() -> None:
 def test_a_used_end_leaves_both_tiers() -> None:
     scheduler = _scheduler(host_blocks=64)
     driver = Driver(scheduler)
-    first = driver.run(_request("t1", tuple(range(FIRST_PROMPT)), "s0"))
+    first = driver.send(_request("t1", tuple(range(FIRST_PROMPT)), "s0"))
     for i in range(2):
-        driver.run(_request(f"f{i}", tuple(range(1000 + 100 * i, 1100 + 100 * i))))
+        driver.send(_request(f"f{i}", tuple(range(1000 + 100 * i, 1100 + 100 * i))))
     cache, host = scheduler.cache, scheduler.cache.host
     assert host is not None
     kept = [k for k in host._entries if is_tail_key(k)]
     assert kept, "the released pin's end is on the host"
-    driver.run(_request("t2", (*first.token_ids, 7, 7, 7, 7, 7), "s0"))
+    driver.send(_request("t2", (*first.token_ids, 7, 7, 7, 7, 7), "s0"))
     assert driver.hits["t2"] == END
     assert not set(kept) & (set(host._entries) | set(cache.pool._cached))
 
@@ -154,7 +142,7 @@ def test_a_session_whose_own_pin_is_in_the_way_is_admitted_when_nothing_runs() -
         block_size=4, num_blocks=30, kv_pin_fraction=0.5, kv_pin_exact_tail=True
     )
     driver = Driver(scheduler)
-    driver.run(_request("t1", tuple(range(40)), "s0"))
+    driver.send(_request("t1", tuple(range(40)), "s0"))
     assert scheduler.cache.num_pins == 1
-    driver.run(_request("t2", tuple(range(500, 576)), "s0"))
+    driver.send(_request("t2", tuple(range(500, 576)), "s0"))
     assert scheduler.cache.pin_stats.released_on_pressure == 1
