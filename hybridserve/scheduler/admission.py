@@ -32,11 +32,9 @@ def schedule_waiting(scheduler: Scheduler, step: StepState) -> None:
             break
         request = waiting.peek()
         resumed = request.status is RequestStatus.PREEMPTED
-        hit = scheduler.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
-        if scheduler.exact_tails and request.session_key is not None:
-            hit = _longer_session_hit(scheduler, request, hit, resumed)
+        hit = _find_hit(scheduler, request, resumed)
         if scheduler.cache.needs_host(hit):
-            if _prefetch(scheduler, request, hit):
+            if _prefetch(scheduler, request, hit, resumed):
                 break  # its blocks load beside the next steps; it waits at the head for them
             hit = scheduler.cache.find_hit(
                 request.block_hashes, request.num_tokens, resumed=resumed, device_only=True
@@ -107,14 +105,27 @@ def _too_long_for_the_pool(scheduler: Scheduler, request: Request) -> str:
     )
 
 
-def _prefetch(scheduler: Scheduler, request: Request, hit: CacheHit) -> bool:
+def _find_hit(scheduler: Scheduler, request: Request, resumed: bool) -> CacheHit:
+    """The head waiter's prefix hit; with exact tails, its session's turn end if longer."""
+    hit = scheduler.cache.find_hit(request.block_hashes, request.num_tokens, resumed=resumed)
+    if scheduler.exact_tails and request.session_key is not None:
+        hit = _longer_session_hit(scheduler, request, hit, resumed)
+    return hit
+
+
+def _prefetch(scheduler: Scheduler, request: Request, hit: CacheHit, resumed: bool) -> bool:
     """Start loading the host blocks of the head waiter's hit (a prefetch it had already is
     replaced: the hit now holds what it loaded). As an admission does, release other sessions'
-    pins while the pool lacks room. False when the loads do not fit even then."""
+    pins while the pool lacks room, and look the hit up again after each: a released pin's
+    exact end goes to the host tier, whose saves may drop host keys the hit named. False when
+    the loads do not fit even then (or the hit no longer needs the host)."""
     cache = scheduler.cache
     cache.release_prefetch(request.req_id)
     while not cache.prefetch(request.req_id, hit, request.num_tokens):
         if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_key)):
+            return False
+        hit = _find_hit(scheduler, request, resumed)
+        if not cache.needs_host(hit):
             return False
     return True
 
@@ -187,7 +198,9 @@ def admit(
         if not hit.ready:
             return None
         # Pins never stall admission: release other sessions' pins, soonest TTL first.
-        # Releasing frees blocks without evicting any, so `hit` stays valid.
+        # Releasing frees blocks without evicting any, so `hit` stays valid: it holds device
+        # blocks only (a hit that needs the host tier is prefetched first, and a release may
+        # drop host keys: see _prefetch).
         if not (scheduler.pinning and cache.release_pin_for_room(keep=request.session_key)):
             return None
     if scheduler.pinning and request.session_key is not None:

@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from hybridserve.core.request import Request, SamplingParams
+from hybridserve.core.request import Request, RequestStatus, SamplingParams
 from hybridserve.kvcache.events import BlockRemoved, BlockStored, KVEvent, attach_events
 from hybridserve.kvcache.hashing import is_tail_key, tail_key
 from hybridserve.scheduler import Scheduler
@@ -146,3 +146,29 @@ def test_a_session_whose_own_pin_is_in_the_way_is_admitted_when_nothing_runs() -
     assert scheduler.cache.num_pins == 1
     driver.send(_request("t2", tuple(range(500, 576)), "s0"))
     assert scheduler.cache.pin_stats.released_on_pressure == 1
+
+
+def test_a_pin_released_for_a_prefetch_whose_end_takes_the_hits_host_slots() -> None:
+    """The head waiter's hit is partly on a full host and its loads need room: releasing
+    another session's pin sends that pin's end to the host, whose saves drop keys the hit
+    named. The prefetch looks the hit up again (it used to claim a dropped key and stop the
+    engine with 'HostBlock(...) is not on the host')."""
+    scheduler = _scheduler(host_blocks=6, num_blocks=24)
+    driver = Driver(scheduler)
+
+    def turn(req_id: str, prompt: tuple[int, ...], session: str | None = None) -> Request:
+        sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+        request = Request(
+            req_id=req_id, prompt_token_ids=prompt, sampling=sampling, session_id=session
+        )
+        return driver.send(request)
+
+    first = turn("t1", tuple(range(31)), "s0")
+    turn("f0", tuple(range(1000, 1040)))
+    turn("b1", tuple(range(2000, 2029)), "s1")
+    stats = scheduler.cache.pin_stats
+    released = stats.released_on_pressure
+    second = turn("t2", (*first.token_ids, *range(3000, 3040)), "s0")
+    assert stats.released_on_pressure > released and stats.tails_to_host >= 1
+    assert second.status is RequestStatus.FINISHED_LENGTH and driver.hits["t2"] % 4 == 0
+    scheduler.cache.check_invariants()
