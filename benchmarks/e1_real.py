@@ -10,7 +10,9 @@ does not start is reported by name with the tail of its log, and the run goes on
 
 The workload, scaled from E1: a 1,000-token shared system prompt, contexts growing to 6,000
 tokens (`--max-context`), answers of median 32 tokens, tool results of median 150 and tool
-times x0.2 (`--time-scale`).
+times x0.2 (`--time-scale`). A job appends drawn answer tokens (`--answers synthetic`, every
+server sees the same prompts) or the tokens the server generated (`--answers server`, as an
+agent does: a server's cache of its own answers counts).
 
 The KV pool is the same on every server, in blocks of `--block-size` tokens (32 by default:
 vLLM's CPU attention takes multiples of 32, and the cached-token counts compare only at one
@@ -256,6 +258,7 @@ def agents_command(
         "--system-prompt-tokens", str(args.system_prompt_tokens),
         "--max-context", str(args.max_context), "--output-tokens", str(args.output_tokens),
         "--tool-result-tokens", str(args.tool_result_tokens), "--out", str(out), "--json",
+        "--answers", args.answers,
     ]  # fmt: skip
 
 
@@ -477,6 +480,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-context", type=int, default=6_000)
     add("--output-tokens", type=float, default=32)
     add("--tool-result-tokens", type=float, default=150)
+    add(
+        "--answers",
+        default="synthetic",
+        choices=("synthetic", "server"),
+        help="what a job appends after each answer (agents --answers)",
+    )
     add("--start-timeout", type=float, default=600.0)
     add("--log-dir", type=Path, default=ROOT / "runs" / "e1_real_logs")
     add("--out", type=Path, default=None, help="also write the report here")

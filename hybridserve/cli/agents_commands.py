@@ -82,6 +82,15 @@ ConcurrencyOpt = Annotated[
     int | None, typer.Option(help="Requests in flight at once [default: no limit].")
 ]
 AgentsWorkloadOpt = Annotated[str, typer.Option(help=WORKLOAD_HELP)]
+AnswersOpt = Annotated[
+    str,
+    typer.Option(
+        help="What a job appends after each answer: synthetic (drawn tokens: every server on a "
+        "seed sees the same prompts) or server (the tokens the server generated, as a real "
+        "agent sends them: its cache of its own answer counts; needs a server that returns "
+        "token ids, e.g. vLLM 0.10.2+ or hybridserve)."
+    ),
+]
 
 
 @app.command("agents")
@@ -101,6 +110,7 @@ def agents_cmd(
     concurrency_limit: ConcurrencyOpt = None,
     vocab_size: VocabOption = 256,
     workload: AgentsWorkloadOpt = "agents",
+    answers: AnswersOpt = "synthetic",
     out: OutOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -120,6 +130,7 @@ def agents_cmd(
             time_scale=time_scale,
             concurrency_limit=concurrency_limit,
             vocab_size=vocab_size,
+            answers=answers,
         )
         params, arrivals = _workload(
             workload,
@@ -173,6 +184,10 @@ def _workload(
     readers = {"mooncake": mooncake_arrivals, "azure": azure_arrivals}
     if kind not in readers or not path:
         raise ConfigError("--workload", workload, "use agents, mooncake:PATH or azure:PATH")
+    if config.answers != "synthetic":
+        raise ConfigError(
+            "--answers", config.answers, "a trace's prompts carry no answers: drop --answers"
+        )
     return None, list(readers[kind](Path(path), time_scale=config.time_scale))
 
 
@@ -255,6 +270,7 @@ def _write_report(out: Path, run: LoadRun, metrics: dict[str, Any], *, workload:
         "warmup_s": config.warmup_s,
         "time_scale": config.time_scale,
         "vocab_size": config.vocab_size,
+        "answers": config.answers,
     }
     label = "server"
     (out / "report.json").write_text(json.dumps({label: metrics, "setup": setup}, indent=2) + "\n")

@@ -34,6 +34,10 @@ class Completion:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     failure: str | None = None  # None: completed; else the status it failed with
     done_s: float | None = None
+    # The generated token ids the chunks carried (vLLM's return_token_ids), and whether any
+    # chunk carried the field at all (a server that ignores the request sends none).
+    token_ids: list[int] = field(default_factory=list)
+    token_ids_reported: bool = False
 
     @property
     def ok(self) -> bool:
@@ -50,10 +54,16 @@ def request_headers(api_key: str | None, session_id: str | None) -> dict[str, st
 
 
 def completion_body(
-    *, model: str, prompt: Sequence[int], max_tokens: int, session_id: str | None
+    *,
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    session_id: str | None,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
     """The request: a token-id prompt, exactly `max_tokens` output tokens (ignore_eos), greedy,
-    streamed with the usage, the session id as OpenAI's end-user id."""
+    streamed with the usage, the session id as OpenAI's end-user id; with `token_ids`, asking
+    for the generated ids beside the text (vLLM's `return_token_ids`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),
@@ -65,6 +75,8 @@ def completion_body(
     }
     if session_id is not None:
         body["user"] = session_id
+    if token_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -128,8 +140,13 @@ def _read_event(result: Completion, data: str) -> None:
         return
     # Every chunk with a choice is a delivery, even with no text (a token that decodes to
     # nothing, an <eos> under ignore_eos); the usage chunk has no choice.
-    if event.get("choices"):
+    choices = event.get("choices")
+    if choices:
         result.token_times_s.append(now)
+        ids = choices[0].get("token_ids") if isinstance(choices[0], dict) else None
+        if isinstance(ids, list):
+            result.token_ids_reported = True
+            result.token_ids.extend(t for t in ids if isinstance(t, int))
     usage = event.get("usage")
     if isinstance(usage, dict):
         tokens = usage.get("completion_tokens")

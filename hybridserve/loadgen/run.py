@@ -39,7 +39,7 @@ from hybridserve.loadgen.client import (
     served_model,
     stream_completion,
 )
-from hybridserve.loadgen.tokens import SyntheticAnswers, TokenMap
+from hybridserve.loadgen.tokens import SyntheticAnswers, TokenMap, echoed
 from hybridserve.metrics.recorder import MetricsRecorder
 from hybridserve.metrics.stats import percentile
 from hybridserve.sim.workload import AgentParams, AgentWorkload, Job
@@ -49,6 +49,7 @@ TTFT_SLO_S = 15.0
 TBT_SLO_S = 0.100
 
 Arrival = tuple[float, str, list[int], int]  # (seconds, request id, prompt ids, max tokens)
+ANSWERS = ("synthetic", "server")
 Progress = Callable[[float, "LoadStats"], None]  # (seconds elapsed, counts so far)
 
 
@@ -64,6 +65,9 @@ class LoadConfig:
     concurrency_limit: int | None = None  # requests in flight at once (None: no limit)
     vocab_size: int = 256  # prompt ids are sent in [0, vocab_size)
     request_timeout_s: float = 600.0
+    # What a job appends after each answer: drawn tokens ("synthetic": the same sequence on
+    # every server) or the tokens the server generated ("server", as a real agent does).
+    answers: str = "synthetic"
 
     def __post_init__(self) -> None:
         if not self.warmup_s >= 0:
@@ -80,6 +84,8 @@ class LoadConfig:
             raise ConfigError("--concurrency-limit", self.concurrency_limit, "use 1 or more")
         if not self.request_timeout_s > 0:
             raise ConfigError("--request-timeout", self.request_timeout_s, "use > 0 seconds")
+        if self.answers not in ANSWERS:
+            raise ConfigError("--answers", self.answers, f"use one of {', '.join(ANSWERS)}")
 
 
 @dataclass(slots=True)
@@ -103,6 +109,7 @@ class LoadStats:
     turns_sent: int = 0
     cached_reported: int = 0  # completed requests whose usage reported cached tokens
     cut_at_end: int = 0
+    answers_from_server: int = 0  # turns that appended the server's own tokens
 
 
 @dataclass(slots=True)
@@ -155,7 +162,11 @@ class _Driver:
         self.sent.append(SentRequest(req_id, session_id, prompt, max_tokens))
         self.stats.requests_sent += 1
         body = completion_body(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, session_id=session_id
+            model=self.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            session_id=session_id,
+            token_ids=self.config.answers == "server",
         )
         self.recorder.on_arrival(req_id, self.now(), len(prompt), session_id)
         try:
@@ -223,11 +234,28 @@ async def _run_job(
         req_id = f"{turn.job_id}.t{turn.turn}"
         done = await driver.send(req_id, prompt, turn.max_tokens, job.job_id)
         failed = failed or not done.ok
-        tool_s = workload.after_answer(job, answers.take(job.agent, turn.max_tokens))
+        answer = answers.take(job.agent, turn.max_tokens)
+        if driver.config.answers == "server" and done.ok:
+            answer = _server_answer(driver, done)
+        tool_s = workload.after_answer(job, answer)
         if workload.is_over(job):
             break
         await asyncio.sleep(tool_s * driver.config.time_scale)
     return failed
+
+
+def _server_answer(driver: _Driver, done: Completion) -> list[int]:
+    """The tokens a completed turn generated, as history ids (`--answers server`). Raises
+    ConfigError when the server sent none: it does not implement `return_token_ids`."""
+    if not done.token_ids_reported:
+        raise ConfigError(
+            "--answers",
+            "server",
+            f"{driver.config.url} streamed no token ids (vLLM 0.10.2+ and hybridserve send "
+            "them for return_token_ids); use --answers synthetic with this server",
+        )
+    driver.stats.answers_from_server += 1
+    return echoed(done.token_ids)
 
 
 async def _replay(driver: _Driver, arrivals: Iterable[Arrival], tokens: TokenMap) -> None:
@@ -334,6 +362,7 @@ def summarise(recorder: MetricsRecorder, stats: LoadStats, config: LoadConfig) -
     out["jobs_failed"] = float(stats.jobs_failed)
     out["turns_sent"] = float(stats.turns_sent)
     out["cached_tokens_reported"] = float(stats.cached_reported)
+    out["answers_from_server"] = float(stats.answers_from_server)
     return out
 
 

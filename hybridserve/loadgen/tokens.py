@@ -5,11 +5,15 @@ tokens in a range of its own, the shared system prompt from 0). `TokenMap` sends
 `splitmix64(id) mod vocab_size`, so equal ids stay equal (shared prefixes stay shared) and the
 prompt is valid on any server whose vocabulary holds `vocab_size` ids.
 
-The answer a job appends to its history is not the server's output but synthetic tokens of the
-drawn answer length (`SyntheticAnswers`, negative ids: they collide with no prompt token): the
-request sequence of a seed is then the same on every server, whatever tokens it generates. The
-price: a server cannot reuse the cache of the answer it generated (the next prompt holds other
-tokens there), so each turn recomputes its previous answer.
+By default the answer a job appends to its history is not the server's output but synthetic
+tokens of the drawn answer length (`SyntheticAnswers`, negative ids: they collide with no prompt
+token): the request sequence of a seed is then the same on every server, whatever tokens it
+generates. The price: a server cannot reuse the cache of the answer it generated (the next
+prompt holds other tokens there), so each turn recomputes its previous answer. With
+`--answers server` the job appends what the server generated, as a real agent does (`echoed`:
+ids at or below ECHO_BASE, which `TokenMap` sends back to themselves), so a server's cache of
+its own answer, and of a turn's exact end, is used; two servers on one seed then see the same
+sequence only where they generate the same tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +23,17 @@ from collections.abc import Sequence
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.workload import SyntheticAnswers
 
-__all__ = ["SyntheticAnswers", "TokenMap"]
+__all__ = ["ECHO_BASE", "SyntheticAnswers", "TokenMap", "echoed"]
 
 _MASK = (1 << 64) - 1
+# A server's own token id t rides in a job's history as ECHO_BASE - t: below every synthetic
+# id (prompt tokens are >= 0, synthetic answers above -(2^62)).
+ECHO_BASE = -(1 << 62)
+
+
+def echoed(server_ids: Sequence[int]) -> list[int]:
+    """A server's generated ids as history ids that `TokenMap.map` sends back to themselves."""
+    return [ECHO_BASE - t for t in server_ids]
 
 
 def _mix(value: int) -> int:
@@ -44,7 +56,7 @@ class TokenMap:
 
     def map(self, ids: Sequence[int]) -> list[int]:
         vocab = self.vocab_size
-        return [_mix(t & _MASK) % vocab for t in ids]
+        return [ECHO_BASE - t if t <= ECHO_BASE else _mix(t & _MASK) % vocab for t in ids]
 
     def extend(self, mapped: list[int], history: Sequence[int]) -> list[int]:
         """Bring `mapped` (a mapped prefix of `history`, possibly empty) up to `history`:

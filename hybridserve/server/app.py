@@ -325,6 +325,7 @@ def create_app(state: ServerState) -> FastAPI:
                         stops,
                         echo=echo,
                         scored_only=body.max_tokens == 0,
+                        token_ids=body.return_token_ids,
                     )
                 )
         fmt = CompletionFormat(state.model_name, f"cmpl-{next(state.ids)}", created)
@@ -385,6 +386,7 @@ class _Choice:
     scored_only: bool = False  # echo with max_tokens 0: the one generated token is dropped
     started: bool = False  # its first piece went out (a stream shows the echo with it)
     output: ChatOutput | None = None  # a chat choice's reasoning and tool calls, read back
+    token_ids: bool = False  # completions' return_token_ids: the ids beside the text
 
 
 def _completion_prompts(
@@ -571,11 +573,13 @@ async def _whole(
     text: list[str] = []
     logprobs: list[TokenLogprob] = []
     prompt_logprobs: list[TokenLogprob] = []
+    token_ids: list[int] = []
     last = Piece("", "abort", 0)
     async for piece in pieces:
         text.append(piece.text)
         logprobs.extend(piece.logprobs)
         prompt_logprobs.extend(piece.prompt_logprobs)
+        token_ids.extend(piece.token_ids)
         last = piece
     if last.error is not None:
         raise last.error
@@ -589,6 +593,9 @@ async def _whole(
         body = fmt.message_choice(choice.index, read, finish, block, with_reasoning=with_reasoning)
     else:
         body = fmt.choice(choice.index, shown, last.finish_reason, block)
+    if choice.token_ids:
+        body["prompt_token_ids"] = list(choice.request.prompt_token_ids)
+        body["token_ids"] = token_ids
     return body, num_output, last.num_cached_tokens
 
 
@@ -628,6 +635,7 @@ async def _sse(
         yield _event(opening)
     num_output = [0] * len(renders)
     num_cached = [0] * len(renders)
+    ids_sent: set[int] = set()  # choices whose prompt token ids went out
     try:
         async for index, piece in _merged(pieces):
             render = renders[index]
@@ -642,6 +650,9 @@ async def _sse(
                     yield _event(fmt.chunk([choice]))
                 continue
             choice = fmt.stream_choice(render.choice.index, text, piece.finish_reason, block)
+            if render.choice.token_ids:
+                _with_token_ids(choice, render.choice, piece, first=index not in ids_sent)
+                ids_sent.add(index)
             yield _event(fmt.chunk([choice]))
     except ApiError as exc:
         yield _event(exc.body())
@@ -650,6 +661,14 @@ async def _sse(
     if include_usage:
         yield _event(fmt.usage_chunk(Usage(num_prompt, sum(num_output), sum(num_cached))))
     yield b"data: [DONE]\n\n"
+
+
+def _with_token_ids(choice: dict[str, Any], of: _Choice, piece: Piece, *, first: bool) -> None:
+    """vLLM's return_token_ids in a stream: a chunk's generated ids, and its prompt's ids in
+    the choice's first chunk."""
+    if first:
+        choice["prompt_token_ids"] = list(of.request.prompt_token_ids)
+    choice["token_ids"] = list(piece.token_ids)
 
 
 def _read_deltas(

@@ -39,6 +39,8 @@ class Piece:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # Prompt tokens the prefix cache served (known from the request's admission on).
     num_cached_tokens: int = 0
+    # The token ids generated since the last piece (a stop token included, as in the usage).
+    token_ids: tuple[int, ...] = ()
 
 
 class StopMatcher:
@@ -164,6 +166,7 @@ async def generate(
                     tuple(logprobs),
                     tuple(prompt_logprobs),
                     num_cached,
+                    delivery.token_ids,
                 )
                 logprobs.clear()
                 prompt_logprobs.clear()

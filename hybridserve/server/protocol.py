@@ -300,7 +300,6 @@ class _SamplingFields(_Body):
     guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None
     guided_whitespace_pattern: Unsupported = None
     return_tokens_as_token_ids: Annotated[OnlyFalse, neutral("false")] = False
-    return_token_ids: Annotated[OnlyFalse, neutral("false")] = False
     logits_processors: Unsupported = None
     vllm_xargs: Unsupported = None
     kv_transfer_params: Unsupported = None
@@ -375,6 +374,9 @@ class CompletionRequest(_SamplingFields):
     suffix: Unsupported = None
     best_of: Annotated[Integer, Field(ge=1, le=1)] | None = None
     add_special_tokens: Annotated[OnlyTrue, neutral("true")] = True
+    # vLLM's: each choice also carries the token ids it generated (`token_ids`: a stream's
+    # chunk, its own) and its prompt's (`prompt_token_ids`: a stream's first chunk of it).
+    return_token_ids: bool = False
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts of this request, one per choice."""
@@ -468,6 +470,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: Annotated[OnlyTrue, neutral("true")] = True
     continue_final_message: Annotated[OnlyFalse, neutral("false")] = False
     add_special_tokens: Annotated[OnlyFalse, neutral("false")] = False
+    return_token_ids: Annotated[OnlyFalse, neutral("false")] = False
     documents: Unsupported = None
     chat_template: Unsupported = None
     # Extra variables for the chat template (Qwen3's `enable_thinking`, ...).

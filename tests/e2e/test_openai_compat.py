@@ -323,3 +323,33 @@ def test_served_model_names_are_listed_accepted_and_the_first_is_answered(
         assert result.model == "my-model"
     with pytest.raises(openai.NotFoundError, match="my-model"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+def test_return_token_ids_gives_each_choice_its_generated_and_prompt_ids(
+    live_server: LiveServer,
+) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True}
+    whole = _post(live_server, COMPLETIONS, {**body, "return_token_ids": True})
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["token_ids"]) == 6
+    events = _events(live_server, COMPLETIONS, {**body, "return_token_ids": True, "stream": True})
+    chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e.get("choices")]
+    assert chunks[0]["prompt_token_ids"] == [5, 6, 7]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    streamed = [t for c in chunks for t in c["token_ids"]]
+    assert len(streamed) == 6 and all(isinstance(t, int) for t in streamed)
+    plain = _post(live_server, COMPLETIONS, body).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_return_token_ids_on_chat_is_refused_naming_the_field(live_server: LiveServer) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "return_token_ids": True,
+    }
+    response = _post(live_server, CHAT, body)
+    assert response.status_code == 400
+    assert "return_token_ids" in response.text

@@ -337,3 +337,12 @@ def test_engine_counters_are_read_from_the_prometheus_page(e1: ModuleType) -> No
         "engine_step_seconds": 171.5,
         "generation_tokens": 1500.0,
     }
+
+
+def test_answers_reach_the_agents_command(e1: ModuleType) -> None:
+    for answers in ("synthetic", "server"):
+        args = e1.parse_args(["--answers", answers])
+        command = e1.agents_command(args, "http://127.0.0.1:1", 4, 0, Path("out"))
+        assert command[command.index("--answers") + 1] == answers
+    with pytest.raises(SystemExit):
+        e1.parse_args(["--answers", "echo"])
