@@ -209,7 +209,9 @@ def sim_config(
         max_model_len=setup["max_model_len"],
         block_size=pool["block_size"],
         num_gpu_blocks_override=pool["num_blocks"],
-        answers="synthetic",  # the load generator's: no turn reuses its answer's KV
+        # The load generator's: drawn answers (no turn reuses its answer's KV), or with
+        # `--answers server` the server's own tokens, as the simulated engine's are.
+        answers="engine" if setup.get("answers") == "server" else "synthetic",
     )
 
 

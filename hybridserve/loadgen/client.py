@@ -143,7 +143,8 @@ def _read_event(result: Completion, data: str) -> None:
     choices = event.get("choices")
     if choices:
         result.token_times_s.append(now)
-        ids = choices[0].get("token_ids") if isinstance(choices[0], dict) else None
+        first = choices[0] if isinstance(choices, list) else None
+        ids = first.get("token_ids") if isinstance(first, dict) else None
         if isinstance(ids, list):
             result.token_ids_reported = True
             result.token_ids.extend(t for t in ids if isinstance(t, int))

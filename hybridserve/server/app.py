@@ -595,7 +595,7 @@ async def _whole(
         body = fmt.choice(choice.index, shown, last.finish_reason, block)
     if choice.token_ids:
         body["prompt_token_ids"] = list(choice.request.prompt_token_ids)
-        body["token_ids"] = token_ids
+        body["token_ids"] = [] if choice.scored_only else token_ids
     return body, num_output, last.num_cached_tokens
 
 
@@ -668,7 +668,7 @@ def _with_token_ids(choice: dict[str, Any], of: _Choice, piece: Piece, *, first:
     the choice's first chunk."""
     if first:
         choice["prompt_token_ids"] = list(of.request.prompt_token_ids)
-    choice["token_ids"] = list(piece.token_ids)
+    choice["token_ids"] = [] if of.scored_only else list(piece.token_ids)
 
 
 def _read_deltas(

@@ -341,6 +341,8 @@ def test_return_token_ids_gives_each_choice_its_generated_and_prompt_ids(
     assert len(streamed) == 6 and all(isinstance(t, int) for t in streamed)
     plain = _post(live_server, COMPLETIONS, body).json()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    scored = {**body, "max_tokens": 0, "echo": True, "return_token_ids": True}
+    assert _post(live_server, COMPLETIONS, scored).json()["choices"][0]["token_ids"] == []
 
 
 def test_return_token_ids_on_chat_is_refused_naming_the_field(live_server: LiveServer) -> None:

@@ -99,6 +99,9 @@ def test_the_twin_has_the_runs_seed_pool_pages_and_scheduler(
         assert (config.duration_s, config.warmup_s, config.max_model_len) == (210.0, 30.0, 8_192)
         assert config.calibrated_gpu.name == "cpu" and config.dtype == "fp32"
         assert config.overrides == ()
+    # A run whose agents appended the server's own tokens has a twin that appends the engine's.
+    echoing = {**report, "setup": {**SETUP, "answers": "server"}}
+    assert fid.sim_config(echoing, checkpoint, "baseline", 4, 3, cal).answers == "engine"
     # Runs served before the shipped preset's context weight get twins without it.
     before = fid.sim_config(
         report, checkpoint, "hybridserve", 4, 3, cal, before_context_weight=True
