@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from hybridserve.loadgen.client import sse_lines
 from hybridserve.metrics.stats import percentile
 
 SERVER_COUNTERS = (
@@ -66,7 +67,7 @@ async def _one(
     last: float | None = None
     async with http.stream("POST", url, json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

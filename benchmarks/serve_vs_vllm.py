@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from hybridserve.loadgen.client import sse_lines
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_checkpoint import hf_checkpoint
@@ -86,7 +88,7 @@ async def _one(
     text, tokens = [], 0
     async with http.stream("POST", url, json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -12,8 +12,9 @@ Nothing here raises for a failing server: failures are data, counted by the call
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import httpx
 from hybridserve.core.errors import ConfigError
 
 COMPLETIONS_PATH = "/v1/completions"
+_SSE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(slots=True)
@@ -99,7 +101,7 @@ async def stream_completion(
                 result.failure = str(resp.status_code)
                 return result
             finished = False
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -121,6 +123,20 @@ async def stream_completion(
         result.failure = type(exc).__name__
     result.done_s = time.monotonic()
     return result
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream: split at CR, LF or CRLF only, as the SSE
+    format says. (httpx's `aiter_lines` also splits at U+2028, U+0085 and the other Unicode
+    line boundaries, which a server may send raw inside an event's JSON: vLLM does, for a
+    token whose text holds one, and the event then read as two malformed lines.)"""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = _SSE_BREAK.split(rest + text)
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
 
 
 def _read_event(result: Completion, data: str) -> None:
