@@ -8,7 +8,6 @@ zeroed state carry that the comparisons must catch.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.executor.torch import cpu_kernels
 from hybridserve.executor.torch.models.bamba import BambaForCausalLM
 from hybridserve.executor.torch.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from tests.benchmark_module import load_benchmark
 from tests.reference.helpers import make_checkpoint
 from tests.reference.state_model_checks import VOCAB, StateModelChecks, check_single_request
 
@@ -119,12 +119,7 @@ def test_granite_4h_benchmark_layout_matches_transformers(
 ) -> None:
     """benchmarks/hybrid_checkpoint.py's Granite 4.0-H layout (no positional embedding, one
     Mamba2 group, tied embeddings, micro's multipliers, its own init) at its tiny shape."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hybrid_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("hybrid_checkpoint", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("hybrid_checkpoint")
     config = module.make_config("hybrid", module.SHAPES["tiny"])
     folder = tmp_path_factory.mktemp("granite_4h_layout")
     check_single_request(folder, make_checkpoint(config, folder))
@@ -169,12 +164,7 @@ def test_unsupported_granite_config_values_name_the_field(
 def _step_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
     import json
 
-    spec = importlib.util.spec_from_file_location(
-        "step_profile", Path(__file__).resolve().parents[2] / "benchmarks" / "step_profile.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("step_profile")
     folder = tmp_path / "bamba"
     if not folder.exists():
         make_checkpoint(_bamba_config(), folder)

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from hybridserve.sim.cost_model import Efficiency
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmark_module import load_benchmark
 
 
 def _scorecard_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "cost_model_scorecard", BENCHMARKS / "cost_model_scorecard.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("cost_model_scorecard")
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,19 @@ vLLM's blocks, the log and metrics parsing, and the paired ratios over seeds (no
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.benchmark_module import load_benchmark
+
 pytest.importorskip("httpx", reason="the benchmark's client needs the server extra")
 pytest.importorskip("scipy", reason="the t intervals need the sim extra")
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 SMOLLM2 = {  # SmolLM2-135M's config.json, the fields the pool depends on
     "num_hidden_layers": 30,
@@ -37,12 +36,7 @@ GEMMA3_270M = {
 
 @pytest.fixture(scope="module")
 def e1() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("e1_real", BENCHMARKS / "e1_real.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("e1_real")
 
 
 def test_each_seed_rotates_the_server_order(e1: ModuleType) -> None:

@@ -4,9 +4,7 @@ no simulation)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,10 +17,10 @@ from hybridserve.sim.cost_model import Efficiency
 from hybridserve.sim.fit import CostSetup
 from hybridserve.sim.hf_config import profile_from_hf_config
 from hybridserve.sim.workload import AgentParams
+from tests.benchmark_module import load_benchmark
 
 pytest.importorskip("httpx", reason="the benchmark's server helpers need the server extra")
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SETUP = {
     "model": "smollm2", "duration": 210.0, "warmup": 30.0, "max_model_len": 8_192,
     "time_scale": 0.2, "system_prompt_tokens": 1_000, "max_context": 6_000,
@@ -37,12 +35,7 @@ LLAMA = {
 
 @pytest.fixture(scope="module")
 def fid() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity", BENCHMARKS / "fidelity.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("fidelity")
 
 
 def test_the_workload_is_the_load_generators_with_tool_times_scaled(fid: ModuleType) -> None:

@@ -4,8 +4,6 @@ every model and GPU of the catalog recomputing costs more than reloading (the ho
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -14,17 +12,12 @@ from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.gpus import GPUS
 from hybridserve.sim.model_profiles import MODELS
 from hybridserve.sim.run import simulated_host_link
-
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "host_reload_vs_recompute.py"
+from tests.benchmark_module import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("host_reload_vs_recompute", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("host_reload_vs_recompute")
 
 
 def test_a_reload_is_the_blocks_bytes_over_the_links_measured_rate(bench: ModuleType) -> None:

@@ -3,26 +3,21 @@ at the layer shapes it runs (golden numbers worked by hand) and the bound's arit
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.benchmark_module import load_benchmark
+
 pytest.importorskip("torch")
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "recurrent_prefill.py"
 GATED = {"key_heads": 16, "value_heads": 32, "head_k_dim": 128, "head_v_dim": 128}
 MAMBA2 = {"heads": 128, "head_dim": 64, "groups": 8, "state_size": 128}
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("recurrent_prefill", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("recurrent_prefill")
 
 
 def test_flops_a_token_at_qwen3_next_and_nemotron_h_shapes(bench: ModuleType) -> None:
