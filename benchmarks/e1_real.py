@@ -39,8 +39,9 @@ metrics; per load, the paired ratios hybridserve/vllm, baseline/vllm and hybrids
 of job goodput, output tokens/s, p99 ITL, p99 TTFT, SLO attainment and cached tokens per turn
 (geometric mean of per-seed ratios, 95% t interval, per-seed values); a cache-exactness check
 (baseline against vLLM: the cached prompt tokens of every turn both finished, from the agents'
-`requests.jsonl`, and each run's mean); and each server's start-up and run times. Server logs
-and the agents' files go under `--log-dir`.
+`requests.jsonl`, and each run's mean); and each server's start-up and run times. Server logs,
+our servers' step logs (`NAME-aN-sS.steps.jsonl`, `serve --step-log`; step_log_check.py reads
+them) and the agents' files go under `--log-dir`.
 
 The pool, 12,288 tokens (384 blocks) by default, is under pressure at 12 agents (seed 0, on
 SmolLM2, 2 cores): in a 210-second run (30 s of warm-up) baseline and hybridserve kept 92% of
@@ -199,7 +200,11 @@ def preemptions(metrics_text: str) -> float | None:
     return sum(values) if values else None
 
 
-def hybridserve_command(args: argparse.Namespace, preset: str, port: int) -> list[str]:
+def hybridserve_command(
+    args: argparse.Namespace, preset: str, port: int, step_log: Path | None = None
+) -> list[str]:
+    """Our server's command line; `step_log`: where it logs its steps (`serve --step-log`)."""
+    extra = ["--step-log", str(step_log)] if step_log is not None else []
     return [
         sys.executable, "-c", "from hybridserve.cli import main; main()", "serve",
         "--executor", "torch", "--model", str(args.checkpoint), "--device", "cpu",
@@ -208,7 +213,7 @@ def hybridserve_command(args: argparse.Namespace, preset: str, port: int) -> lis
         "--num-blocks", str(args.pool["num_blocks"]), "--max-model-len", str(args.max_model_len),
         # vLLM's budget given to both (on a CPU `serve` would otherwise take 2,048)
         "--max-num-batched-tokens", str(DEFAULT_MAX_NUM_BATCHED_TOKENS),
-        "--shutdown-timeout", "5",
+        "--shutdown-timeout", "5", *extra,
     ]  # fmt: skip
 
 
@@ -244,7 +249,9 @@ def server_process(args: argparse.Namespace, name: str, load: int, seed: int) ->
     if name == "vllm":
         return ServerProcess(name, vllm_command(args, port), log, port, env=vllm_env(args))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return ServerProcess(name, hybridserve_command(args, name, port), log, port, env=env)
+    steps = args.log_dir / f"{name}-a{load}-s{seed}.steps.jsonl"
+    command = hybridserve_command(args, name, port, steps)
+    return ServerProcess(name, command, log, port, env=env)
 
 
 def agents_command(

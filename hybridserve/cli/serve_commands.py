@@ -198,6 +198,15 @@ WarmUpOpt = Annotated[
         "first touch of its memory; 0 = none.",
     ),
 ]
+StepLogOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--step-log",
+        help="Write one JSON line per engine step here (when it began, its seconds, each "
+        "scheduled request's new and context tokens): the schedule a real run took, to set "
+        "beside `simulate --step-log` (benchmarks/step_log_check.py).",
+    ),
+]
 ServeDcpOpt = Annotated[
     int,
     typer.Option(
@@ -302,6 +311,7 @@ class ServeFlags:
     shutdown_timeout: float
     step_timeout: float
     warm_up_tokens: int
+    step_log: Path | None
     dcp: int
     dcp_interleave: int
     served_model_name: list[str] | None
@@ -351,6 +361,7 @@ def serve_cmd(
     shutdown_timeout: ShutdownOpt = 30.0,
     step_timeout: StepTimeoutOpt = 300.0,
     warm_up_tokens: WarmUpOpt = 2048,
+    step_log: StepLogOpt = None,
     dcp: ServeDcpOpt = 1,
     dcp_interleave: InterleaveOpt = 1,
     served_model_name: ServedNameOpt = None,
@@ -486,6 +497,11 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         raise fail(f"--step-timeout={flags.step_timeout}: use 0 (no watchdog) or more seconds")
     if flags.warm_up_tokens < 0:
         raise fail(f"--warm-up-tokens={flags.warm_up_tokens}: use 0 (no warm-up) or more tokens")
+    if flags.step_log is not None and not flags.step_log.parent.is_dir():
+        raise fail(
+            f"--step-log {flags.step_log}: its folder {flags.step_log.parent} does not exist; "
+            "create it or pass a path in an existing folder"
+        )
     names = tuple(dict.fromkeys(flags.served_model_name or ()))
     if any(not name.strip() for name in names):
         raise fail("--served-model-name: give a non-empty name")
@@ -502,6 +518,7 @@ def _server_settings(flags: ServeFlags) -> ServerSettings:
         shutdown_timeout_s=flags.shutdown_timeout,
         step_timeout_s=flags.step_timeout,
         warm_up_tokens=flags.warm_up_tokens,
+        step_log=flags.step_log,
         allow_origins=tuple(flags.allow_origin or ()),
         default_max_tokens=flags.default_max_tokens,
     )

@@ -6,7 +6,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
@@ -61,6 +62,7 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.metrics.report_keys import BREAKDOWN_KEYS, RUN_KEYS
 
 if TYPE_CHECKING:
+    from hybridserve.engine.step_log import StepLog
     from hybridserve.sim.deployment import Deployment, FleetConfig, SimConfig
     from hybridserve.sim.summary import SimRun
     from hybridserve.sim.sweep import Trial
@@ -77,7 +79,12 @@ def _sim_config(*, num_agents: int, **options: Any) -> SimConfig:
 
 
 def _run_sim(
-    config: SimConfig, *, label: str, quiet: bool, deployment: Deployment | None = None
+    config: SimConfig,
+    *,
+    label: str,
+    quiet: bool,
+    deployment: Deployment | None = None,
+    step_log: StepLog | None = None,
 ) -> SimRun:
     """One run, with a progress bar in simulated seconds on stderr unless `quiet`."""
     from hybridserve.sim.run import run_simulation
@@ -85,7 +92,7 @@ def _run_sim(
     # The measured-CPU option needs a clock; the simulator never reads one itself.
     clock = time.perf_counter if config.include_scheduler_cpu else None
     if quiet:
-        return run_simulation(config, cpu_clock=clock, deployment=deployment)
+        return run_simulation(config, cpu_clock=clock, deployment=deployment, step_log=step_log)
     columns = (
         TextColumn("{task.description}", markup=False),
         BarColumn(),
@@ -99,6 +106,7 @@ def _run_sim(
             progress=lambda now: bar.update(task, completed=now),
             cpu_clock=clock,
             deployment=deployment,
+            step_log=step_log,
         )
 
 
@@ -353,6 +361,15 @@ HostOffloadOption = Annotated[
     ),
 ]
 HOST_OFFLOADS = ("evict", "vllm")
+SimStepLogOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--step-log",
+        help="Write one JSON line per simulated step here (when it began, its charged seconds, "
+        "each scheduled request's new and context tokens), in `serve --step-log`'s form "
+        "(benchmarks/step_log_check.py sets the two beside each other). One engine only.",
+    ),
+]
 
 
 def host_options(host_memory_gib: float, host_offload: str) -> dict[str, Any]:
@@ -451,6 +468,7 @@ class SimulateFlags:
     pd_link: str
     host_memory_gib: float
     host_offload: str
+    step_log: Path | None
 
     def config(self) -> SimConfig:
         """The run's SimConfig: the flags, the device, the model and the settings file."""
@@ -509,6 +527,7 @@ def simulate_cmd(
     pd_link: PdLinkOption = "nvlink",
     host_memory_gib: HostMemoryOption = 0.0,
     host_offload: HostOffloadOption = "evict",
+    step_log: SimStepLogOption = None,
 ) -> None:
     """Simulate a workload on a modelled GPU: job goodput, TTFT, ITL, prefix hits."""
     flags = SimulateFlags(**locals())
@@ -534,8 +553,27 @@ def _simulate(flags: SimulateFlags) -> Simulated:
     deployment = resolve_deployment(config)  # the model and the preset, resolved once
     pool = pool_report(deployment)  # a pool that does not fit fails before anything runs
     label = run_label(config.preset, flags.config_file)
-    run = _run_sim(config, label=f"simulate ({label})", quiet=flags.as_json, deployment=deployment)
+    with opened_step_log(flags.step_log) as step_log:
+        run = _run_sim(
+            config,
+            label=f"simulate ({label})",
+            quiet=flags.as_json,
+            deployment=deployment,
+            step_log=step_log,
+        )
     return deployment, pool, run, run.fleet
+
+
+@contextmanager
+def opened_step_log(path: Path | None) -> Iterator[StepLog | None]:
+    """The step log `--step-log` names, open for the run (None: no log)."""
+    from hybridserve.engine.step_log import StepLog
+
+    if path is None:
+        yield None
+        return
+    with StepLog(path) as log:
+        yield log
 
 
 def _report_simulation(

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -38,6 +39,7 @@ from hybridserve.core.errors import RequestError
 from hybridserve.core.plan import TokenLogprob
 from hybridserve.core.request import SEED_MAX, SEED_MIN, Request, SamplingParams, StructuredOutput
 from hybridserve.engine.assembly import EngineParts
+from hybridserve.engine.step_log import StepLog
 from hybridserve.server.async_engine import AsyncEngine, RequestStream, shutdown_error
 from hybridserve.server.backend import ServingBackend
 from hybridserve.server.bodies import parse_body, read_json
@@ -115,6 +117,8 @@ class ServerSettings:
     # Before its first step the engine runs one untimed step of this many prompt tokens, at
     # most the token budget (0: none; see ServingBackend.warm_up).
     warm_up_tokens: int = 2048
+    # A JSON line per engine step (hybridserve.engine.step_log) written here; None: no log.
+    step_log: Path | None = None
 
 
 class ServerState:
@@ -147,6 +151,7 @@ class ServerState:
             step_timeout_s=settings.step_timeout_s,
             snapshot=self._engine_samples,
             warm_up=self._warm_up if settings.warm_up_tokens else None,
+            step_log=StepLog(settings.step_log) if settings.step_log is not None else None,
         )
         self.engine.on_dead = self._engine_died
         self.metrics.attach(lambda: list(self.engine.snapshot))

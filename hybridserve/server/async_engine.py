@@ -48,6 +48,7 @@ from hybridserve.core.plan import StepResult, TokenLogprob
 from hybridserve.core.request import Request
 from hybridserve.engine import EngineStep, StepFailed
 from hybridserve.engine.assembly import EngineParts
+from hybridserve.engine.step_log import StepLog
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.protocol import ApiError, new_error_id
 
@@ -123,11 +124,13 @@ class AsyncEngine:
         step_timeout_s: float = 0.0,
         snapshot: Callable[[], Sequence[Any]] = tuple,
         warm_up: Callable[[], object] | None = None,
+        step_log: StepLog | None = None,
     ) -> None:
         """`snapshot` reads the engine state /metrics shows (called with the engine lock
         held); `step_timeout_s` is the watchdog's deadline for one step (0: no watchdog);
         `warm_up` runs on the engine thread before its first step (requests that arrive
-        meanwhile wait; a failure is logged and serving goes on)."""
+        meanwhile wait; a failure is logged and serving goes on); `step_log` gets every step
+        that scheduled work (closed when the engine thread ends)."""
         if max_failed_steps < 1:
             raise ValueError(f"max_failed_steps={max_failed_steps}; use 1 or more")
         if not step_timeout_s >= 0:  # NaN too
@@ -158,6 +161,7 @@ class AsyncEngine:
         self._step_began: float | None = None  # monotonic start of the step in flight
         self._read_snapshot = snapshot
         self._warm_up = warm_up
+        self._step_log = step_log
         with self.lock:
             self.snapshot: Sequence[Any] = snapshot()  # replaced whole, never mutated
 
@@ -266,6 +270,9 @@ class AsyncEngine:
             error_id = new_error_id()
             logger.exception("the engine loop failed (error id %s)", error_id)
             self._die(f"the engine failed (error id {error_id})")
+        finally:
+            if self._step_log is not None:
+                self._step_log.close()
 
     def _die(self, reason: str, *, free_blocks: bool = True) -> None:
         """Mark the engine dead, free every request's blocks (unless a hung step holds the
@@ -362,8 +369,9 @@ class AsyncEngine:
         engine = self.parts.engine
         step_start, cpu_start = time.monotonic(), time.thread_time()
         self._step_began = step_start
+        now = self.now()
         try:
-            step = engine.step(self.now())
+            step = engine.step(now)
         except StepFailed as exc:
             return 0.0, self._after_failed_step(exc, batch)
         finally:
@@ -378,6 +386,8 @@ class AsyncEngine:
         if step.scheduled.is_empty and engine.has_requests():
             next_step_at = max(next_step_at, step_start + IDLE_STEP_WAIT_S)
         self._after_step(step, step_s, step_cpu_s, batch)
+        if self._step_log is not None:
+            self._step_log.write(step, start_s=now, duration_s=step_s)
         return next_step_at, None
 
     def _apply(

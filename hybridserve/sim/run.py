@@ -23,6 +23,7 @@ from hybridserve.engine.assembly import (
     build_engine,
     resolve_engine_config,
 )
+from hybridserve.engine.step_log import StepLog
 from hybridserve.kvcache import CacheLayout
 from hybridserve.sim.arrivals import azure_arrivals, mooncake_arrivals, poisson_arrivals
 from hybridserve.sim.bounds import (
@@ -244,19 +245,30 @@ def simulated_engine(
     )
 
 
+def _check_run(config: SimConfig, deployment: Deployment | None, step_log: StepLog | None) -> None:
+    if deployment is not None and deployment.config != config:
+        raise ConfigError("deployment", "another run's", "resolve it from this config")
+    if step_log is not None and (config.fleet is not None or config.bound == "infinite-engine"):
+        raise ConfigError(
+            "step_log (--step-log)",
+            str(step_log.path),
+            "a step log follows one engine: drop the fleet options or the infinite-engine bound",
+        )
+
+
 def run_simulation(
     config: SimConfig,
     *,
     progress: Callable[[float], None] | None = None,
     cpu_clock: Callable[[], float] | None = None,
     deployment: Deployment | None = None,
+    step_log: StepLog | None = None,
 ) -> SimRun:
     """Run the workload; `progress(simulated_s)` is called after every 256 steps. With
     `config.fleet`, the workload runs on the fleet (`SimRun.fleet` is its report).
     `deployment`, when the caller resolved it already, is `config`'s (it is not resolved
-    again)."""
-    if deployment is not None and deployment.config != config:
-        raise ConfigError("deployment", "another run's", "resolve it from this config")
+    again). `step_log` gets every step that scheduled work (one engine only)."""
+    _check_run(config, deployment, step_log)
     if config.fleet is not None:
         return run_fleet(
             config, config.fleet, progress=progress, cpu_clock=cpu_clock, deployment=deployment
@@ -271,6 +283,8 @@ def run_simulation(
 
     def on_step(step: EngineStep) -> None:
         queue.on_step(step.now, step.scheduled.num_waiting)
+        if step_log is not None:  # the loop charges at least a microsecond a step
+            step_log.write(step, start_s=step.now, duration_s=max(step.result.duration_s, 1e-6))
         if progress is not None and holder and holder[0].steps % 256 == 0:
             progress(holder[0].now)
 

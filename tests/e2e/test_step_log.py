@@ -1,0 +1,74 @@
+"""`serve --step-log` and `simulate --step-log` write one JSON line per step that scheduled
+work, in one form: the schedule a run took, step by step."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.engine.step_log import StepLog, StepRecord, read_step_log
+from hybridserve.server.app import ServerSettings
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.run import run_simulation
+from hybridserve.sim.workload import AgentParams
+from tests.e2e.conftest import MODEL, start_server
+
+
+def test_a_served_request_is_logged_as_its_prefill_then_one_decode_a_token(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "steps.jsonl"
+    server = start_server(settings=ServerSettings(step_log=path, warm_up_tokens=0))
+    prompt = list(range(100, 140))  # 40 token ids
+    try:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
+        reply = server.client.post(f"{server.api_url}/completions", json=body).json()
+    finally:
+        server.stop()  # the engine thread closes the log
+    assert reply["usage"]["completion_tokens"] == 6
+    records = read_step_log(path)
+    # The prefill samples the first token; each of the other five is one decode step.
+    assert [r.chunks for r in records] == [((40, 0, 0),)] + [((1, 40 + i, 0),) for i in range(5)]
+    assert [r.kind for r in records] == ["prefill"] + ["decode"] * 5
+    # The sim backend's executor reports its modelled seconds (the server paces to them).
+    assert all(r.s > 0 and r.exec_s > 0 for r in records)
+    assert all(b.t >= a.t + a.s for a, b in itertools.pairwise(records))
+
+
+def test_a_simulated_run_logs_every_step_in_order_and_without_overlap(tmp_path: Path) -> None:
+    config = SimConfig(agents=AgentParams(num_agents=3), duration_s=90.0, warmup_s=10.0)
+    path = tmp_path / "sim.jsonl"
+    with StepLog(path) as log:
+        run = run_simulation(config, step_log=log)
+    records = read_step_log(path)
+    # Every step but those that scheduled nothing (a pool waiting on a pin, say).
+    assert 0.99 * run.summary["steps"] <= len(records) == log.steps <= run.summary["steps"]
+    # (the log keeps microseconds)
+    assert all(b.t >= a.t + a.s - 2e-6 for a, b in itertools.pairwise(records))
+    kinds = {r.kind for r in records}
+    assert {"decode", "prefill"} <= kinds
+    # A simulated step's seconds are the executor's: nothing else is charged.
+    assert all(r.s == pytest.approx(r.exec_s) for r in records)
+
+
+def test_a_step_log_line_that_is_not_a_record_is_named_but_a_cut_last_line_is_skipped(
+    tmp_path: Path,
+) -> None:
+    good = StepRecord(t=1.0, s=0.5, exec_s=0.4, chunks=((1, 10, 0), (64, 0, 0)))
+    line = json.dumps(good.to_json())
+    path = tmp_path / "steps.jsonl"
+    path.write_text(f"{line}\n{line[:20]}")  # a writer killed mid-line
+    assert read_step_log(path) == [good]
+    assert good.kind == "mixed" and good.num_decodes == 1 and good.num_prefill_tokens == 64
+    path.write_text(f'{line}\n{{"t": 2}}\n{line}\n')
+    with pytest.raises(ConfigError, match=r"line 2.*--step-log"):
+        read_step_log(path)
+
+
+def test_a_step_log_in_a_missing_folder_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--step-log"):
+        StepLog(tmp_path / "no" / "such" / "steps.jsonl")
