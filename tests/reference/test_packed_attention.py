@@ -11,7 +11,7 @@ import torch
 
 from hybridserve.core.plan import ScheduledChunk, StepPlan
 from hybridserve.executor.torch import TorchExecutor, load_model
-from hybridserve.executor.torch.forward import MAX_KEY_PADDING
+from hybridserve.executor.torch.forward import MAX_KEY_PADDING, MAX_SHARED_QUERIES
 from tests.reference.helpers import make_checkpoint
 
 BLOCK = 16
@@ -102,7 +102,7 @@ def test_mixed_step_emits_the_tokens_of_separate_steps(folder: Path) -> None:
     assert together == apart
 
 
-def _shared_prefix_run(folder: Path, *, share: bool, steps: int = 5, own: int = 20) -> Any:
+def _shared_prefix_run(folder: Path, *, share: bool, steps: int = 5, own: int = 16) -> Any:
     """Request a prefills 300 tokens; b, c, d then hit its first 256 (16 blocks) and bring `own`
     tokens of their own; all four decode `steps` tokens. Returns tokens, logits and the keys
     gathered in the steps after a's prefill."""
@@ -158,6 +158,18 @@ def test_chunks_sharing_prefix_blocks_match_transformers_and_read_the_prefix_onc
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     # The 256 shared keys are gathered once per layer and step instead of four times.
     assert shared_elements <= alone_elements - 3 * 256 * 5 * LAYERS
+
+
+def test_prefill_chunks_of_more_queries_than_the_cap_gather_their_shared_prefix_alone(
+    folder: Path,
+) -> None:
+    # 17 queries each (MAX_SHARED_QUERIES + 1) after the 256 shared keys: the merge would
+    # save 512 of 819 keys, but a chunk's hand-run scores cost more than that gather.
+    assert MAX_SHARED_QUERIES == 16
+    _, shared, _, shared_elements = _shared_prefix_run(folder, share=True, steps=1, own=17)
+    _, alone, _, alone_elements = _shared_prefix_run(folder, share=False, steps=1, own=17)
+    assert shared == alone
+    assert shared_elements == alone_elements
 
 
 def test_a_prefix_short_beside_the_chunks_own_keys_is_not_shared(folder: Path) -> None:

@@ -48,6 +48,14 @@ MIN_SHARED_KEYS = 512
 # step against 162; 74% of the keys saved), while 12 decodes at 3,500 lost (650 ms against 423;
 # 26% saved) and 4 at 3,500 too (219 against 145; 21% saved).
 MIN_SHARED_FRACTION = 0.5
+# ... and only for chunks of at most this many queries. The hand-run attention costs more per
+# score than SDPA's fused kernel, and a chunk's scores grow with its queries while the gather
+# it saves does not: 12 chunks after a shared 992-token prefix (SmolLM2, 2 threads) took the
+# same with and without the merge at 16 queries each (2.02 against 2.03 s a step, the first
+# prompt's whole prefill included), and lost at 32 (2.56-2.78 against 2.16-2.23), 64 (5.36
+# against 3.11) and 256 (10.5 against 7.5); E1's first wave (a 1,182-token prompt and 11 more
+# of 156-1,843 tokens after its 992-token system prompt) took 29.0 s against 17.5.
+MAX_SHARED_QUERIES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +193,17 @@ def _call_groups(
 
 def _shared_prefixes(spans: Sequence[ChunkSpan], block_size: int) -> list[tuple[list[int], int]]:
     """(chunk indices, shared tokens) per set of chunks whose tables begin with the same blocks
-    and whose queries all come after them; only sets that save MIN_SHARED_KEYS keys and
-    MIN_SHARED_FRACTION of the keys their chunks would gather alone."""
+    and whose queries all come after them; only chunks of at most MAX_SHARED_QUERIES queries,
+    and only sets that save MIN_SHARED_KEYS keys and MIN_SHARED_FRACTION of the keys their
+    chunks would gather alone."""
     by_first: dict[int, list[int]] = {}
     for i, span in enumerate(spans):
-        if span.start >= block_size and span.table and span.table[0] != 0:
+        if (
+            span.start >= block_size
+            and span.table
+            and span.table[0] != 0
+            and span.num_tokens <= MAX_SHARED_QUERIES
+        ):
             by_first.setdefault(span.table[0], []).append(i)
     shared = []
     for members in by_first.values():
