@@ -547,9 +547,10 @@ def _simulate(flags: SimulateFlags) -> Simulated:
     """One engine, or a fleet behind a router: the deployment (resolved once), its pool, the
     run and, for a fleet, its report."""
     from hybridserve.sim.deployment import resolve_deployment
-    from hybridserve.sim.run import pool_report
+    from hybridserve.sim.run import check_step_log, pool_report
 
     config = replace(flags.config(), fleet=fleet_option(flags))
+    check_step_log(config, flags.step_log)  # before the log's file is opened
     deployment = resolve_deployment(config)  # the model and the preset, resolved once
     pool = pool_report(deployment)  # a pool that does not fit fails before anything runs
     label = run_label(config.preset, flags.config_file)

@@ -245,15 +245,20 @@ def simulated_engine(
     )
 
 
+def check_step_log(config: SimConfig, path: object) -> None:
+    """Refuse a step log (`path`; None: none) for a run that is not one engine's steps."""
+    if path is not None and (config.fleet is not None or config.bound == "infinite-engine"):
+        raise ConfigError(
+            "step_log (--step-log)",
+            str(path),
+            "a step log follows one engine: drop the fleet options or the infinite-engine bound",
+        )
+
+
 def _check_run(config: SimConfig, deployment: Deployment | None, step_log: StepLog | None) -> None:
     if deployment is not None and deployment.config != config:
         raise ConfigError("deployment", "another run's", "resolve it from this config")
-    if step_log is not None and (config.fleet is not None or config.bound == "infinite-engine"):
-        raise ConfigError(
-            "step_log (--step-log)",
-            str(step_log.path),
-            "a step log follows one engine: drop the fleet options or the infinite-engine bound",
-        )
+    check_step_log(config, step_log.path if step_log is not None else None)
 
 
 def run_simulation(

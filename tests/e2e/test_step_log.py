@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from hybridserve.cli import app
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.step_log import StepLog, StepRecord, read_step_log
 from hybridserve.server.app import ServerSettings
@@ -72,3 +74,21 @@ def test_a_step_log_line_that_is_not_a_record_is_named_but_a_cut_last_line_is_sk
 def test_a_step_log_in_a_missing_folder_is_refused_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--step-log"):
         StepLog(tmp_path / "no" / "such" / "steps.jsonl")
+
+
+def test_simulate_refuses_a_step_log_for_a_fleet_before_writing_it(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    args = ["simulate", "--agents", "2", "--duration", "60", "--warmup", "10", "--json"]
+    result = CliRunner().invoke(app, [*args, "--replicas", "2", "--step-log", str(path)])
+    assert result.exit_code == 2
+    assert "a step log follows one engine" in " ".join(result.output.split())
+    assert not path.exists()
+
+
+def test_serve_refuses_a_step_log_in_a_missing_folder_before_loading_a_model(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "no" / "steps.jsonl"
+    result = CliRunner().invoke(app, ["serve", "--executor", "sim", "--step-log", str(missing)])
+    assert result.exit_code == 2
+    assert "--step-log" in result.output and "does not exist" in result.output
