@@ -40,6 +40,7 @@ import itertools
 from fidelity import sim_config
 from hf_checkpoint import hf_checkpoint
 
+from hybridserve.core.errors import ConfigError
 from hybridserve.engine.step_log import StepLog, StepRecord, read_step_log
 from hybridserve.sim.cost_model import RequestShape, RooflineCostModel, StepShape
 from hybridserve.sim.run import run_simulation, simulated_cost_model
@@ -156,7 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     setup = report["setup"]
     load = args.agents if args.agents is not None else setup["agents"][0]
     steps = args.steps or Path(setup["log_dir"]) / f"{args.server}-a{load}-s{args.seed}.steps.jsonl"
-    real = read_step_log(steps)
+    try:
+        real = read_step_log(steps)
+    except ConfigError as exc:
+        raise SystemExit(f"--steps: {exc} (give the run's log with --steps)") from None
     if not real:
         raise SystemExit(f"--steps {steps}: no steps logged")
     config = sim_config(
