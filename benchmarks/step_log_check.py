@@ -12,7 +12,8 @@ a calibration of that server (`fidelity.py --calibrations DIR`). The script
 2. runs the run's simulated twin (fidelity.py's: same workload, seed, pool and calibration)
    with a step log, and sets the two schedules beside each other: `schedule`, per kind the
    steps, their seconds (sum, p50), decode batch (p50, mean), context per decode (p50) and
-   prefill tokens per step (mean), each over the run after its warm-up. An error here with
+   prefill tokens per step (mean), each over the measured window (the warm-up after the
+   log's first step, to the run's end). An error here with
    none in 1 is the schedule's (different batches), not the step price's;
 3. the server's time between steps (`gaps`): the engine clock not inside any step while
    steps ran back to back (gaps under 0.5 s), which the simulator charges as nothing.
@@ -26,6 +27,7 @@ Prints one JSON object on its last line (`--out` writes it too).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -34,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import itertools
 
 from fidelity import sim_config
 from hf_checkpoint import hf_checkpoint

@@ -13,7 +13,9 @@ preempted to make room). A step that scheduled nothing is not logged.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,8 @@ from typing import IO, Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.engine import EngineStep
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,17 +101,27 @@ class StepLog:
         self.steps = 0
 
     def write(self, step: EngineStep, *, start_s: float, duration_s: float) -> None:
-        if not step.scheduled.plan.chunks:
+        """Log one step. A log that cannot be written (a full disk) is closed with a warning:
+        it never stops the engine."""
+        if not step.scheduled.plan.chunks or self._file.closed:
             return
         record = step_record(step, start_s=start_s, duration_s=duration_s)
-        self._file.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
-        self.steps += 1
-        if self.steps % self.flush_every == 0:
-            self._file.flush()
+        try:
+            self._file.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
+            self.steps += 1
+            if self.steps % self.flush_every == 0:
+                self._file.flush()
+        except OSError as exc:
+            logger.warning("step log %s: %s; no more steps are logged", self.path, exc)
+            self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            self._close_quietly()
 
     def __enter__(self) -> StepLog:
         return self

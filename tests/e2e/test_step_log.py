@@ -3,6 +3,7 @@ work, in one form: the schedule a run took, step by step."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 from pathlib import Path
@@ -92,3 +93,19 @@ def test_serve_refuses_a_step_log_in_a_missing_folder_before_loading_a_model(
     result = CliRunner().invoke(app, ["serve", "--executor", "sim", "--step-log", str(missing)])
     assert result.exit_code == 2
     assert "--step-log" in result.output and "does not exist" in result.output
+
+
+def test_a_step_log_that_cannot_be_written_is_dropped_with_a_warning_not_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class FullDisk(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    config = SimConfig(agents=AgentParams(num_agents=2), duration_s=60.0, warmup_s=10.0)
+    with StepLog(tmp_path / "steps.jsonl") as log:
+        log._file.close()  # the real file, replaced by a disk that is full
+        log._file = FullDisk()
+        run = run_simulation(config, step_log=log)
+    assert run.summary["steps"] > 0 and log.steps == 0
+    assert "No space left on device" in caplog.text
