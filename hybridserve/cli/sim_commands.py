@@ -6,8 +6,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
@@ -546,6 +546,7 @@ Simulated = tuple["Deployment", dict[str, Any], "SimRun", dict[str, Any] | None]
 def _simulate(flags: SimulateFlags) -> Simulated:
     """One engine, or a fleet behind a router: the deployment (resolved once), its pool, the
     run and, for a fleet, its report."""
+    from hybridserve.engine.step_log import StepLog
     from hybridserve.sim.deployment import resolve_deployment
     from hybridserve.sim.run import check_step_log, pool_report
 
@@ -554,7 +555,8 @@ def _simulate(flags: SimulateFlags) -> Simulated:
     deployment = resolve_deployment(config)  # the model and the preset, resolved once
     pool = pool_report(deployment)  # a pool that does not fit fails before anything runs
     label = run_label(config.preset, flags.config_file)
-    with opened_step_log(flags.step_log) as step_log:
+    opened = StepLog(flags.step_log) if flags.step_log is not None else nullcontext()
+    with opened as step_log:
         run = _run_sim(
             config,
             label=f"simulate ({label})",
@@ -563,18 +565,6 @@ def _simulate(flags: SimulateFlags) -> Simulated:
             step_log=step_log,
         )
     return deployment, pool, run, run.fleet
-
-
-@contextmanager
-def opened_step_log(path: Path | None) -> Iterator[StepLog | None]:
-    """The step log `--step-log` names, open for the run (None: no log)."""
-    from hybridserve.engine.step_log import StepLog
-
-    if path is None:
-        yield None
-        return
-    with StepLog(path) as log:
-        yield log
 
 
 def _report_simulation(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -166,11 +165,3 @@ def _record(data: Any) -> StepRecord:
         waiting=int(data.get("waiting", 0)),
         preempted=int(data.get("preempted", 0)),
     )
-
-
-def iter_kinds(records: list[StepRecord]) -> Iterator[tuple[str, list[StepRecord]]]:
-    """(kind, its records) for decode, mixed and prefill steps, each kind that occurs."""
-    for kind in ("decode", "mixed", "prefill"):
-        kept = [r for r in records if r.kind == kind]
-        if kept:
-            yield kind, kept
