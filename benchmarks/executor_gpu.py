@@ -106,7 +106,7 @@ def main() -> None:
     gpu, peaks = _device_gpu(args.device, dtype)
     cost = RooflineCostModel(gpu, profile, dtype=dtype, kv_dtype=dtype)
     batches, context = args.batches, args.context
-    shapes = [[(1, context)] * b for b in batches] + [[(n, 0)] for n in args.prefills]
+    shapes = [[(1, context, 0)] * b for b in batches] + [[(n, 0, 0)] for n in args.prefills]
     steps = [StepShape.decode(batch=b, context_tokens=context) for b in batches]
     steps += [StepShape.prefill(n) for n in args.prefills]
     max_tokens = max(max(batches) * (context + 1), max(args.prefills))

@@ -118,6 +118,7 @@ def _summary_tables(calibration: Calibration) -> tuple[Table, Table]:
         ("hbm", f"{eff.hbm:.3f}"),
         ("kv_hbm (KV reads)", f"{eff.kv_bandwidth:.3f}"),
         ("step_overhead", f"{eff.step_overhead_s * 1e3:.3f} ms"),
+        ("shared_kv (shared-prefix reads saved)", f"{eff.shared_kv:.2f}"),
         ("in-sample |error|", _errors(calibration.in_sample)),
         (
             "held-out |error|",

@@ -178,6 +178,14 @@ EosProbabilityOpt = Annotated[
         "1/P; 0 = only max_tokens or a stop ends them).",
     ),
 ]
+SharedKvOpt = Annotated[
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT,
+        help="Sim: the share of a decode's reads of KV blocks that another decode of the step "
+        "reads too that costs nothing (the cost model's shared_kv: 0 = none, 1 = read once).",
+    ),
+]
 ShutdownOpt = Annotated[
     float,
     typer.Option(parser=FINITE_FLOAT, help="Seconds running requests get to finish on shutdown."),
@@ -308,6 +316,7 @@ class ServeFlags:
     max_failed_steps: int
     default_max_tokens: int
     sim_eos_probability: float
+    sim_shared_kv: float
     shutdown_timeout: float
     step_timeout: float
     warm_up_tokens: int
@@ -358,6 +367,7 @@ def serve_cmd(
     max_failed_steps: FailedStepsOpt = 3,
     default_max_tokens: DefaultMaxTokensOpt = 2048,
     sim_eos_probability: EosProbabilityOpt = 1 / 256,
+    sim_shared_kv: SharedKvOpt = 0.0,
     shutdown_timeout: ShutdownOpt = 30.0,
     step_timeout: StepTimeoutOpt = 300.0,
     warm_up_tokens: WarmUpOpt = 2048,
@@ -570,6 +580,7 @@ def _backend_loader(flags: ServeFlags, file: SettingsFile | None) -> Callable[[]
         sim_speed=flags.sim_speed,
         max_model_len=flags.max_model_len or DEFAULT_MAX_MODEL_LEN,
         eos_probability=flags.sim_eos_probability,
+        shared_kv=flags.sim_shared_kv,
     )
     return lambda: backend
 

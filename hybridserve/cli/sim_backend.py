@@ -19,11 +19,12 @@ from hybridserve.engine.settings import DEFAULT_PRESET
 from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
-from hybridserve.sim.cost_model import shape_from_plan
+from hybridserve.sim.cost_model import Efficiency, shape_from_plan
 from hybridserve.sim.deployment import DEFAULT_SPECULATIVE_TOKENS, SimConfig, resolve_deployment
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.host_link import HostLink
 from hybridserve.sim.run import simulated_cost_model, simulated_host_link, simulated_pool_blocks
+from hybridserve.sim.shared_kv import DecodeSharing
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
 _PRINTABLE = frozenset(_ALPHABET)
@@ -87,6 +88,7 @@ class SimServingBackend:
         sim_speed: float = 1.0,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         eos_probability: float = 0.0,
+        shared_kv: float = 0.0,
     ) -> None:
         if not sim_speed > 0:
             raise ConfigError("sim_speed", sim_speed, "use a factor > 0 (1 = real time)")
@@ -107,6 +109,7 @@ class SimServingBackend:
             acceptance_rate=acceptance_rate,
             preset=preset,
             seed=seed,
+            efficiency=_with_shared_kv(shared_kv),
         )
         self.deployment = resolve_deployment(config)  # checks the model, tp and kv_dtype
         self._model = self.deployment.model
@@ -140,6 +143,11 @@ class SimServingBackend:
             f"sim: synthetic tokens, {self._model.name} on {self._tp}x simulated "
             f"{self._gpu.name} ({self._dtype}), speculative {self._speculative.method.value}, "
             f"{self._sim_speed:g}x real time, <eos> probability {self._eos_probability:g}"
+            + (
+                f", shared-prefix reads saved {shared:g}"
+                if (shared := self._cost.eff.shared_kv)
+                else ""
+            )
         )
 
     @property
@@ -182,9 +190,11 @@ class SimServingBackend:
 
     def make_executor(self, layout: CacheLayout) -> Executor:
         cost, link = self._cost, self._link
+        sharing = DecodeSharing.of(layout) if cost.eff.shared_kv > 0 else None
 
         def step_time(plan: StepPlan) -> float:
-            compute = cost.step_cost(shape_from_plan(plan)).total_s
+            shared = sharing.shared_kv_tokens(plan) if sharing is not None else 0
+            compute = cost.step_cost(shape_from_plan(plan, shared_kv_tokens=shared)).total_s
             return compute + link.step_s(plan, compute) if link is not None else compute
 
         return PrintableTokens(
@@ -208,3 +218,13 @@ class SimServingBackend:
 
     def warm_up(self, num_tokens: int) -> int:
         return 0  # simulated steps have no memory to touch
+
+
+def _with_shared_kv(shared_kv: float) -> Efficiency:
+    """The default constants with `shared_kv`. Raises ConfigError naming --sim-shared-kv."""
+    try:
+        return Efficiency(shared_kv=shared_kv)
+    except ConfigError:
+        raise ConfigError(
+            "sim_shared_kv (--sim-shared-kv)", shared_kv, "use a fraction in [0, 1]"
+        ) from None

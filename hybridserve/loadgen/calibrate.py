@@ -13,7 +13,9 @@ a request drops out:
   such. The cached part is the usage's `cached_tokens` where the server reports it (else M).
 - a decode batch of B at context C: B concurrent streams of fresh prompts. Once every stream
   has its first tokens and before any ends, each step decodes exactly the B of them: the
-  median inter-token gap inside that window is the B-decode step.
+  median inter-token gap inside that window is the B-decode step. The grid measures each batch
+  of more than one stream again with prompts that begin with the same S tokens (a shared system
+  prompt, cached once): those fit `Efficiency.shared_kv`.
 - the request overhead (reported, not fitted): a 1-token prompt's TTFT minus its median gap.
 
 The grid is the device calibration's (`hybridserve.sim.calibration_fit.Grid`; each prefill must
@@ -177,11 +179,12 @@ async def _measure_round(
         shape = shapes[index]
         request = shape.requests[0]
         if request.is_decode:
+            shared = shape.shared_prefix_tokens
             primers = await prober.primers(
-                request.num_context_tokens, len(shape.requests), resend=True
+                request.num_context_tokens, len(shape.requests), resend=True, shared=shared
             )
             try:
-                measured, seconds = await prober.decode(primers)
+                measured, seconds = await prober.decode(primers, shared=shared)
             except BatchApart:
                 tick()  # not one batch on this server: named, and left out of the fit
                 continue

@@ -61,7 +61,9 @@ class Prober:
         # Token ids differ on every run: a second calibration of the same server must not hit
         # the first one's cached prompts.
         self._tokens = random.Random(secrets.randbits(64))
-        self._primers: dict[tuple[int, int], list[int]] = {}
+        # Primers by (length, shared prefix, index), and each shared prefix by (length, shared).
+        self._primers: dict[tuple[int, int, int], list[int]] = {}
+        self._common: dict[tuple[int, int], list[int]] = {}
         # Decode batches (streams, primer tokens) whose first primer the server no longer held
         # once the batch had run: its pool cannot keep that many primers at once.
         self.uncached_batches: set[tuple[int, int]] = set()
@@ -72,7 +74,9 @@ class Prober:
         """A prefix of `length` fresh tokens, sent (untimed) so the server caches it."""
         return (await self.primers(length, 1, resend=resend))[0]
 
-    async def primers(self, length: int, count: int, *, resend: bool = False) -> list[list[int]]:
+    async def primers(
+        self, length: int, count: int, *, resend: bool = False, shared: int = 0
+    ) -> list[list[int]]:
         """`count` different prefixes of `length` fresh tokens each, sent at once (untimed) so
         the server caches them: a decode batch's streams each get their own, as requests of a
         real load share no more than a system prompt (with one primer for all, a batch read
@@ -81,14 +85,22 @@ class Prober:
         `resend`, all of them, right before their measurement: a pool that evicted a primer
         since it was first sent would otherwise serve a cache miss where the shape wants a
         hit (on a 2,048-block pool Gemma 3's six groups hold about 11k tokens, and a
-        calibration round's other primers evicted its prefills' primer)."""
-        missing = [i for i in range(count) if (length, i) not in self._primers]
+        calibration round's other primers evicted its prefills' primer). With `shared`, every
+        primer begins with the same `shared` tokens (a shared system prompt: the grid's decode
+        batches that share a prefix); the first is sent before the others, so that they find
+        the prefix cached rather than all computing it at once."""
+        key = (length, shared)
+        missing = [i for i in range(count) if (*key, i) not in self._primers]
+        common = self._common.setdefault(key, self.fresh(shared))
         for i in missing:
-            self._primers[length, i] = self.fresh(length)
-        send = range(count) if resend else missing
+            self._primers[*key, i] = [*common, *self.fresh(length - shared)]
+        send = list(range(count) if resend else missing)
         if length and send:
-            await asyncio.gather(*(self.send(self._primers[length, i], 1) for i in send))
-        return [self._primers[length, i] for i in range(count)]
+            if shared:
+                await self.send(self._primers[*key, send[0]], 1)
+                send = send[1:]
+            await asyncio.gather(*(self.send(self._primers[*key, i], 1) for i in send))
+        return [self._primers[*key, i] for i in range(count)]
 
     def fresh(self, count: int) -> list[int]:
         vocab = self.target.vocab_size
@@ -172,11 +184,12 @@ class Prober:
             "--max-model-len",
         )
 
-    async def decode(self, primers: list[list[int]]) -> tuple[StepShape, float]:
-        """A step of one decode per primer (of equal lengths), each after its primer (cached, so
-        their prefills are a few fresh tokens each and they start in one step) and a few fresh
-        tokens: once every stream has two tokens, each stream's mean gap over the next
-        `decode_steps` tokens; the median over the streams."""
+    async def decode(self, primers: list[list[int]], *, shared: int = 0) -> tuple[StepShape, float]:
+        """A step of one decode per primer (of equal lengths, the first `shared` tokens of each
+        the same), each after its primer (cached, so their prefills are a few fresh tokens each
+        and they start in one step) and a few fresh tokens: once every stream has two tokens,
+        each stream's mean gap over the next `decode_steps` tokens; the median over the
+        streams."""
         steps, batch, primer = self.target.decode_steps, len(primers), primers[0]
         streams = [self.watch([*p, *self.fresh(_DECODE_FRESH)], 4 * steps) for p in primers]
         try:
@@ -197,7 +210,8 @@ class Prober:
         ]
         context = len(primer) + _DECODE_FRESH + max(marks) + steps // 2
         await self._check_kept(primers)
-        return StepShape.decode(batch=batch, context_tokens=context), statistics.median(periods)
+        shape = StepShape.decode(batch=batch, context_tokens=context, shared_tokens=shared)
+        return shape, statistics.median(periods)
 
     async def _check_kept(self, primers: list[list[int]]) -> None:
         """After a batch ran, ask for its first primer again (one token): a server that reports

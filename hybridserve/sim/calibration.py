@@ -37,6 +37,8 @@ def describe(shape: StepShape) -> str:
         new, context, count = runs[0]
         if count == 1 and new > 1:
             return f"prefill {new} after {context}" if context else f"prefill {new}"
+        if new == 1 and shape.shared_kv_tokens:
+            return f"decode {count} x {context} sharing {shape.shared_prefix_tokens}"
         if new == 1:
             return f"decode {count} x {context}"
     return " + ".join(f"{count} x ({new} new after {context})" for new, context, count in runs)
@@ -61,6 +63,7 @@ class SampleRow:
     measured_s: float
     predicted_s: float  # by the calibration's constants
     held_out: bool  # not used by the fit
+    shared_kv_tokens: int = 0  # StepShape.shared_kv_tokens (decodes sharing a prefix)
 
     def __post_init__(self) -> None:
         for name in ("measured_s", "predicted_s"):
@@ -69,6 +72,10 @@ class SampleRow:
                 raise ConfigError(f"calibration.samples[{self.label}].{name}", value, _RERUN)
         if not self.requests or any(n < 1 or c < 0 or k < 1 for n, c, k in self.requests):
             raise ConfigError(f"calibration.samples[{self.label}].requests", self.requests, _RERUN)
+        if self.shared_kv_tokens < 0:
+            raise ConfigError(
+                f"calibration.samples[{self.label}].shared_kv_tokens", self.shared_kv_tokens, _RERUN
+            )
 
     @classmethod
     def of(
@@ -80,10 +87,12 @@ class SampleRow:
             measured_s=measured_s,
             predicted_s=predicted_s,
             held_out=held_out,
+            shared_kv_tokens=shape.shared_kv_tokens,
         )
 
     def shape(self) -> StepShape:
-        return StepShape(tuple(RequestShape(n, c) for n, c, k in self.requests for _ in range(k)))
+        requests = tuple(RequestShape(n, c) for n, c, k in self.requests for _ in range(k))
+        return StepShape(requests, shared_kv_tokens=self.shared_kv_tokens)
 
     @property
     def relative_error(self) -> float:
@@ -115,7 +124,7 @@ class Calibration:
     device: str  # the --gpu-name: a catalog GPU, or any name for a measured device
     gpu: Gpu  # its peaks: the datasheet (catalog) or the microbenchmarks (measured)
     peaks: str  # "datasheet" or "measured"
-    efficiency: Efficiency  # fitted: gemm, attention, hbm, kv_hbm, step_overhead_s
+    efficiency: Efficiency  # fitted: gemm, attention, hbm, kv_hbm, step_overhead_s, shared_kv
     model: str  # the checkpoint measured (its folder name)
     dtype: str  # weights and activations the model ran in ("fp32" on a CPU)
     kv_dtype: str
@@ -233,6 +242,7 @@ _ADDED_LATER = (
     "kv_hbm",
     "host_link_bytes_per_s",
     "host_link_latency_s",
+    "shared_kv",
 )
 
 
@@ -299,12 +309,17 @@ def _sample(value: object, where: str) -> SampleRow:
     held_out = read._get("held_out")
     if not isinstance(held_out, bool):
         raise ConfigError(f"{where}.held_out", held_out, "give true or false")
+    # Added later: a file without it measured no shared prefix.
+    shared = read.number("shared_kv_tokens") if "shared_kv_tokens" in value else 0
+    if shared != int(shared):
+        raise ConfigError(f"{where}.shared_kv_tokens", shared, "give a whole number of tokens")
     return SampleRow(
         label=read.text("label"),
         requests=tuple(requests),
         measured_s=read.number("measured_s"),
         predicted_s=read.number("predicted_s"),
         held_out=held_out,
+        shared_kv_tokens=int(shared),
     )
 
 

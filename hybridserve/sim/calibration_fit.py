@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.sim.calibration import ErrorSummary, SampleRow, describe
 from hybridserve.sim.cost_model import Efficiency, StepShape
-from hybridserve.sim.fit import DEFAULT_PARAMS, CostSetup, FitResult, Sample, fit_efficiency
+from hybridserve.sim.fit import (
+    DEFAULT_PARAMS,
+    CostSetup,
+    FitResult,
+    Sample,
+    fit_efficiency,
+    objective,
+)
 from hybridserve.sim.gpus import Gpu
 
 
@@ -29,6 +36,10 @@ class Grid:
     decode_context_tokens: tuple[int, ...] = (128, 1024, 2048)  # each at this context
     rounds: int = 3  # interleaved passes over every shape
     repeats: int = 2  # timed steps per shape per pass (after one untimed step)
+    # The decode batches of more than one request are measured again with this share of their
+    # context (whole blocks of SHARED_BLOCK_TOKENS) in the same blocks for every request, as a
+    # shared system prompt is: they fit `Efficiency.shared_kv`. 0: not measured.
+    decode_shared_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -43,6 +54,10 @@ class Grid:
         for name in ("rounds", "repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"grid.{name}", getattr(self, name), "use 1 or more")
+        if not 0 <= self.decode_shared_fraction < 1:
+            raise ConfigError(
+                "grid.decode_shared_fraction", self.decode_shared_fraction, "use [0, 1)"
+            )
 
     def shapes(self) -> list[StepShape]:
         """Prefills (each length after each cached context), then decode batches."""
@@ -56,7 +71,18 @@ class Grid:
             for c in self.decode_context_tokens
             for b in self.decode_batches
         ]
+        shapes += [
+            StepShape.decode(batch=b, context_tokens=c, shared_tokens=self.shared_tokens(c))
+            for c in self.decode_context_tokens
+            for b in self.decode_batches
+            if b > 1 and self.shared_tokens(c) > 0
+        ]
         return shapes
+
+    def shared_tokens(self, context_tokens: int) -> int:
+        """The shared prefix of the shared decode shapes at `context_tokens`: whole blocks."""
+        share = int(self.decode_shared_fraction * context_tokens)
+        return share - share % SHARED_BLOCK_TOKENS
 
     @property
     def max_tokens_per_step(self) -> int:
@@ -76,9 +102,11 @@ QUICK_GRID = Grid(
 )
 
 
-def request_tokens(shape: StepShape) -> list[tuple[int, int]]:
-    """(num_new_tokens, num_context_tokens) per request: what the torch timer runs."""
-    return [(r.num_new_tokens, r.num_context_tokens) for r in shape.requests]
+def request_tokens(shape: StepShape) -> list[tuple[int, int, int]]:
+    """(num_new_tokens, num_context_tokens, shared prefix tokens) per request: what the torch
+    timer runs (a `StepShape.decode(shared_tokens=...)` shape shares its prefix)."""
+    shared = shape.shared_prefix_tokens
+    return [(r.num_new_tokens, r.num_context_tokens, shared) for r in shape.requests]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,12 +125,13 @@ class CalibrationFit:
 # noise of a few HTTP timings instead, and KV is read at `hbm`'s rate.
 CALIBRATION_PARAMS = (*DEFAULT_PARAMS, "kv_hbm")
 KV_READ_MIN_SHAPES = 3  # distinct decode batch sizes, and distinct decode contexts
+SHARED_BLOCK_TOKENS = 16  # a shared prefix is whole blocks of every executor's block size
 
 
 def fitted_params(shapes: Sequence[StepShape]) -> tuple[str, ...]:
     """The constants a fit on `shapes` can identify: `CALIBRATION_PARAMS`, or without kv_hbm
     when the decodes span fewer than KV_READ_MIN_SHAPES batch sizes or contexts."""
-    decodes = [s for s in shapes if s.requests and all(r.is_decode for r in s.requests)]
+    decodes = [s for s in shapes if _kind(s) == "decode"]
     batches = {len(s.requests) for s in decodes}
     contexts = {s.requests[0].num_context_tokens for s in decodes}
     if min(len(batches), len(contexts)) >= KV_READ_MIN_SHAPES:
@@ -117,18 +146,39 @@ FIT_STARTS = (
 )
 
 
+def _kind(shape: StepShape) -> str:
+    """ "prefill" (a step with any prefill), "decode", or "shared" (decodes sharing a prefix)."""
+    if not all(r.is_decode for r in shape.requests):
+        return "prefill"
+    return "shared" if shape.shared_kv_tokens else "decode"
+
+
 def holdout_split(shapes: Sequence[StepShape], *, fraction: float, seed: int) -> set[int]:
-    """Indices to hold out: `fraction` of the prefill shapes and of the decode shapes, chosen
-    with random.Random(seed); each kind keeps at least one shape for the fit."""
+    """Indices to hold out: `fraction` of the prefill shapes, of the decode shapes and of the
+    shared-prefix decode shapes, chosen with random.Random(seed); each kind keeps at least one
+    shape for the fit."""
     if not 0 <= fraction < 1:
         raise ConfigError("holdout_fraction", fraction, "use a fraction in [0, 1)")
     rng = random.Random(seed)
     held: set[int] = set()
-    for decode in (False, True):
-        kind = [i for i, s in enumerate(shapes) if all(r.is_decode for r in s.requests) == decode]
+    for name in ("prefill", "decode", "shared"):
+        kind = [i for i, s in enumerate(shapes) if _kind(s) == name]
         count = min(round(len(kind) * fraction), max(len(kind) - 1, 0))
         held.update(rng.sample(kind, count))
     return held
+
+
+SHARED_KV_STEPS = 100  # the shared_kv fit tries 0, 0.01, ..., 1
+
+
+def fit_shared_kv(samples: Sequence[Sample], efficiency: Efficiency) -> Efficiency:
+    """`efficiency` with the `shared_kv` that best prices `samples` (decode batches sharing a
+    prefix; the other constants as fitted without them): the least mean |log error| over a
+    grid of fractions, the smallest of equals. No samples: `efficiency` as it is."""
+    if not samples:
+        return efficiency
+    candidates = [replace(efficiency, shared_kv=i / SHARED_KV_STEPS) for i in range(101)]
+    return min(candidates, key=lambda e: (objective(samples, e), e.shared_kv))
 
 
 def fit_measurements(
@@ -141,14 +191,13 @@ def fit_measurements(
 ) -> CalibrationFit:
     """Fit gemm, attention, hbm, step_overhead_s and (where the decodes identify it, see
     `fitted_params`) kv_hbm on the measurements not held out (fractions of `setup.gpu`'s peaks,
-    at most 1), and report the errors of both parts."""
+    at most 1), leaving out the decode batches that share a prefix; then `shared_kv` on those
+    (`fit_shared_kv`); and report the errors of both parts."""
     shapes = [shape for shape, _ in measurements]
     held = holdout_split(shapes, fraction=holdout_fraction, seed=seed)
-    train = [
-        Sample.of(setup, shape, seconds, describe(shape))
-        for i, (shape, seconds) in enumerate(measurements)
-        if i not in held
-    ]
+    fitted = [(s, t) for i, (s, t) in enumerate(measurements) if i not in held]
+    train = [Sample.of(setup, s, t, describe(s)) for s, t in fitted if _kind(s) != "shared"]
+    shared = [Sample.of(setup, s, t, describe(s)) for s, t in fitted if _kind(s) == "shared"]
 
     # Nelder-Mead finds a local minimum; on CPU measurements the objective has more than one
     # (weight reads against per-step overhead), so start from each corner and keep the best,
@@ -167,7 +216,8 @@ def fit_measurements(
 
     best = min((fit(start) for start in FIT_STARTS), key=lambda r: r.objective)
     result = min(best, fit(best.efficiency), key=lambda r: r.objective)
-    model = setup.cost_model(result.efficiency)
+    efficiency = fit_shared_kv(shared, result.efficiency)
+    model = setup.cost_model(efficiency)
     rows = tuple(
         SampleRow.of(
             shape,
@@ -181,7 +231,7 @@ def fit_measurements(
     if in_sample is None:  # fit_efficiency already refuses an empty fit set
         raise ConfigError("measurements", len(measurements), "measure at least one step")
     return CalibrationFit(
-        efficiency=result.efficiency,
+        efficiency=efficiency,
         rows=rows,
         in_sample=in_sample,
         held_out=ErrorSummary.of([r for r in rows if r.held_out]),

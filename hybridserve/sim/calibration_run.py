@@ -71,7 +71,7 @@ class Measure(Protocol):
         dtype: str,
         clock: str,
         num_threads: int | None,
-        requests: Sequence[Sequence[tuple[int, int]]],
+        requests: Sequence[Sequence[tuple[int, int, int]]],
         rounds: int,
         repeats: int,
         vocab_size: int,

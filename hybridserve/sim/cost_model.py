@@ -47,16 +47,30 @@ class StepShape:
 
     requests: tuple[RequestShape, ...]
     scheduler_cpu_s: float = 0.0  # measured schedule() + update() CPU time, added as a term
+    # Context tokens of the step's decodes whose full-attention KV blocks another decode of
+    # the step reads too (a shared system prompt), counted once per extra reader: what a
+    # decode-attention kernel can read once (`Efficiency.shared_kv`).
+    shared_kv_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.requests)
 
     @classmethod
-    def decode(cls, *, batch: int, context_tokens: int, verify_tokens: int = 1) -> StepShape:
-        """`batch` decodes at `context_tokens`; `verify_tokens` = k + 1 with k drafts."""
+    def decode(
+        cls, *, batch: int, context_tokens: int, verify_tokens: int = 1, shared_tokens: int = 0
+    ) -> StepShape:
+        """`batch` decodes at `context_tokens`; `verify_tokens` = k + 1 with k drafts; the
+        first `shared_tokens` of every context in the same blocks (a shared prefix)."""
         request = RequestShape(verify_tokens, context_tokens, verify_tokens - 1)
-        return cls((request,) * batch)
+        return cls((request,) * batch, shared_kv_tokens=shared_tokens * (batch - 1))
+
+    @property
+    def shared_prefix_tokens(self) -> int:
+        """The shared prefix of a `decode(shared_tokens=...)` shape: every request's first
+        tokens (0 for a step of one request)."""
+        others = len(self.requests) - 1
+        return self.shared_kv_tokens // others if others > 0 else 0
 
     @classmethod
     def prefill(cls, num_tokens: int, *, context_tokens: int = 0) -> StepShape:
@@ -64,12 +78,15 @@ class StepShape:
         return cls((RequestShape(num_tokens, context_tokens),))
 
 
-def shape_from_plan(plan: StepPlan, *, scheduler_cpu_s: float = 0.0) -> StepShape:
-    """The StepShape of a scheduler's StepPlan (chunk.start = tokens already computed)."""
+def shape_from_plan(
+    plan: StepPlan, *, scheduler_cpu_s: float = 0.0, shared_kv_tokens: int = 0
+) -> StepShape:
+    """The StepShape of a scheduler's StepPlan (chunk.start = tokens already computed);
+    `shared_kv_tokens` from a `hybridserve.sim.shared_kv.DecodeSharing` that follows the plans."""
     requests = tuple(
         RequestShape(len(c.token_ids), c.start, c.num_draft_tokens, c.sample) for c in plan.chunks
     )
-    return StepShape(requests, scheduler_cpu_s)
+    return StepShape(requests, scheduler_cpu_s, shared_kv_tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +140,13 @@ class Efficiency:
     # executor on a CPU) reads every KV byte twice and writes it once, so its KV bytes cost
     # more than its weight bytes, and `calibrate` fits the two apart (docs/fidelity.md).
     kv_hbm: float | None = None
+    # The share of a decode's KV reads that costs nothing when another decode of the step reads
+    # the same blocks (`StepShape.shared_kv_tokens`): 0, every decode streams all its KV from
+    # memory; 1, a shared block is read once a step. A CPU's paged decode kernel finds a shared
+    # system prompt in its caches; a GPU's only where its attention runs the shared prefix as
+    # one call (vLLM's cascade attention) or its L2 keeps it. 0 by default (every GPU figure is
+    # priced without it); `calibrate` fits it on decode batches that share a prefix.
+    shared_kv: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gemm", "attention", "hbm", "link", "moe_hbm", "kv_hbm"):
@@ -131,6 +155,8 @@ class Efficiency:
                 continue
             if not 0 < value <= 1:
                 raise ConfigError(f"efficiency.{name}", value, "use a fraction in (0, 1]")
+        if not 0 <= self.shared_kv <= 1:
+            raise ConfigError("efficiency.shared_kv", self.shared_kv, "use a fraction in [0, 1]")
         for name in ("collective_latency_s", "step_overhead_s", "recurrent_layer_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"efficiency.{name}", getattr(self, name), "use >= 0 seconds")
@@ -263,7 +289,7 @@ class RooflineCostModel:
         heads = m.attention.num_heads / self.tp
         flops_per_pair = 4 * heads * m.attention.head_dim * m.num_full_layers
         kv_token = m.kv_bytes_per_token(_FULL, dtype=self.kv_dtype, tp=self.tp // self.dcp)
-        prefill = decode = 0.0
+        prefill = decode = decode_flops_s = 0.0
         for r in batch.requests:
             flops = flops_per_pair * causal_pairs(r.num_context_tokens, r.num_new_tokens)
             read = (r.num_context_tokens + r.num_new_tokens) / self.dcp
@@ -272,8 +298,13 @@ class RooflineCostModel:
             )
             if r.is_decode:
                 decode += seconds
+                decode_flops_s += flops / self._attn_flops
             else:
                 prefill += seconds
+        if batch.shared_kv_tokens and self.eff.shared_kv:
+            # Repeated reads of shared blocks, down to the decodes' arithmetic at most.
+            shared = kv_token * batch.shared_kv_tokens / self.dcp * self.eff.shared_kv
+            decode = max(decode - shared / self._kv_read, decode_flops_s)
         return prefill, decode
 
     def _sliding_window(self, batch: StepShape) -> float:

@@ -52,6 +52,7 @@ from hybridserve.sim.memory import (
     vllm_memory_account,
 )
 from hybridserve.sim.mixed_workload import AgentsWithRagSimulation, RagTenant, bursty_simulation
+from hybridserve.sim.shared_kv import DecodeSharing
 from hybridserve.sim.summary import (
     QueueTrace,
     SimRun,
@@ -183,6 +184,33 @@ def simulated_host_link(deployment: SimConfig | Deployment) -> tuple[HostLink, i
     return HostLink.of(resolved.gpu, per_block), slots
 
 
+class _StepPricer:
+    """A simulated step's seconds: its plan priced by the cost model (under a step-cost bound,
+    the work the bound still charges), plus the host link's transfers where there is a tier;
+    `sharing` follows the block tables where the constants price shared-prefix reads."""
+
+    def __init__(
+        self,
+        cost: RooflineCostModel,
+        meter: CpuMeter | None,
+        bound: str | None,
+        ideal: Mapping[str, int],
+        link: HostLink | None,
+    ) -> None:
+        self.cost, self.meter, self.bound, self.ideal, self.link = cost, meter, bound, ideal, link
+        self.sharing: DecodeSharing | None = None
+
+    def __call__(self, plan: StepPlan) -> float:
+        cpu_s = self.meter.take_s() if self.meter is not None else 0.0
+        if self.bound is None:
+            shared = self.sharing.shared_kv_tokens(plan) if self.sharing is not None else 0
+            shape = shape_from_plan(plan, scheduler_cpu_s=cpu_s, shared_kv_tokens=shared)
+        else:
+            shape = bounded_shape(plan, self.bound, self.ideal, scheduler_cpu_s=cpu_s)
+        total = self.cost.step_cost(shape).total_s
+        return total + self.link.step_s(plan, total) if self.link is not None else total
+
+
 def simulated_engine(
     deployment: SimConfig | Deployment,
     *,
@@ -212,16 +240,10 @@ def simulated_engine(
             )
         meter = CpuMeter(cpu_clock)
 
-    def step_time(plan: StepPlan) -> float:
-        cpu_s = meter.take_s() if meter is not None else 0.0
-        if bound is None:
-            shape = shape_from_plan(plan, scheduler_cpu_s=cpu_s)
-        else:
-            shape = bounded_shape(plan, bound, ideal, scheduler_cpu_s=cpu_s)
-        total = cost.step_cost(shape).total_s
-        return total + link.step_s(plan, total) if num_host_blocks else total
+    step_time = _StepPricer(cost, meter, bound, ideal, link if num_host_blocks else None)
 
     def executor(layout: CacheLayout) -> SimulatedExecutor:
+        step_time.sharing = DecodeSharing.of(layout) if cost.eff.shared_kv > 0 else None
         return SimulatedExecutor(
             step_time,
             seed=config.seed,

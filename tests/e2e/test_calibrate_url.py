@@ -1,11 +1,12 @@
 """`hybridserve calibrate --url`: the black-box calibration recovers the cost-model constants of a
-`serve --executor sim` server (whose steps last what the cost model says), and writes a file
+`serve --executor sim` server (whose steps last what the cost model says, its decodes' shared
+prefix at half price), and writes a file
 `simulate --calibration` runs with.
 
 The server is a process of its own (its engine thread and event loop then share no interpreter
 lock with the client's timing), simulating Llama 3.1 8B on an A100 at real time, where the
 steps are 11 to 140 ms: long against the client's timing jitter, short enough for the whole
-`--quick` grid (8 shapes, 3 interleaved rounds of 2) in about 15 s. The long context is 16,384
+`--quick` grid (10 shapes, 3 interleaved rounds of 2) in about 20 s. The long context is 16,384
 tokens, where attention is 30% of a 1024-token prefill: enough to fit its efficiency to 5%.
 """
 
@@ -33,6 +34,8 @@ def sim_server() -> Iterator[str]:
     command = [sys.executable, "-m", "hybridserve.cli", "serve", "--executor", "sim"]
     command += ["--model-profile", "llama-3.1-8b", "--gpu", "A100-80G", "--dtype", "bf16"]
     command += ["--sim-speed", "1", "--max-model-len", "20000", "--port", str(port)]
+    # Decodes that share a prefix read it at half price: the shared-prefix batches fit that.
+    command += ["--sim-shared-kv", str(SHARED_KV)]
     # vLLM's schedule, the one the black-box grid is written for (calibrate --url's targets are
     # vLLM servers), not the shipped preset's adaptive budget.
     command += ["--preset", "baseline"]
@@ -47,13 +50,18 @@ def sim_server() -> Iterator[str]:
 
 
 CONSTANTS = ("gemm", "attention", "hbm", "step_overhead_s")
+SHARED_KV = 0.5
 
 
 def _misses(profile: Calibration) -> list[tuple[str, float, float]]:
-    """The constants fitted more than 5% from what the sim server prices its steps with."""
-    truth = Efficiency()
+    """The constants fitted more than 5% from what the sim server prices its steps with, and
+    `shared_kv` more than 0.1 from its."""
+    truth = Efficiency(shared_kv=SHARED_KV)
     fitted = [(n, getattr(profile.efficiency, n), getattr(truth, n)) for n in CONSTANTS]
-    return [(n, f, t) for n, f, t in fitted if f != pytest.approx(t, rel=0.05)]
+    misses = [(n, f, t) for n, f, t in fitted if f != pytest.approx(t, rel=0.05)]
+    if abs(profile.efficiency.shared_kv - SHARED_KV) > 0.1:
+        misses.append(("shared_kv", profile.efficiency.shared_kv, SHARED_KV))
+    return misses
 
 
 def test_calibrate_url_recovers_the_sim_servers_constants_within_5_percent(
@@ -76,7 +84,9 @@ def test_calibrate_url_recovers_the_sim_servers_constants_within_5_percent(
             break
     assert not attempts[-1], attempts
     assert profile.model == "llama-3.1-8b" and profile.device == "A100-80G"
-    assert len(profile.samples) == 8 and profile.in_sample.median < 0.03
+    assert len(profile.samples) == 10 and profile.in_sample.median < 0.03
+    shared = sorted(s.shape().shared_prefix_tokens for s in profile.samples if s.shared_kv_tokens)
+    assert shared == [128, 8192]  # batches of 16 sharing half their primer
     labels = [s.label for s in profile.samples]  # the primer was cached, the rest fresh
     assert any(label.endswith("+ 1 x (1024 new after 16384)") for label in labels), labels
     assert json.loads(path.read_text())["black_box"]["request_overhead_s"] > 0

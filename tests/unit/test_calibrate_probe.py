@@ -94,6 +94,36 @@ def test_a_decode_batch_gives_each_stream_its_own_cached_primer() -> None:
     assert check == [primers[0]]  # after the batch: is its first primer still cached?
 
 
+def test_a_shared_prefix_batch_sends_one_prefix_first_then_streams_that_all_begin_with_it() -> None:
+    """The grid's shared-prefix decode batches: every primer begins with the same tokens, the
+    first primer is sent alone before the others (so they find the prefix cached), the streams
+    begin with their primers, and the measured shape counts the shared reads."""
+    prompts: list[list[int]] = []
+    target = TARGET
+
+    async def run() -> tuple[list[list[int]], StepShape]:
+        transport = _scripted_server(prompts)
+        async with httpx.AsyncClient(transport=transport, base_url=target.url) as client:
+            prober = Prober(client, target, "m", seed=0)  # type: ignore[arg-type]
+            primers = await prober.primers(64, 3, resend=True, shared=32)
+            shape, _ = await prober.decode(primers, shared=32)
+            assert await prober.primers(64, 3) != primers  # unshared primers are others
+            return primers, shape
+
+    primers, shape = asyncio.run(run())
+    assert len({tuple(p[:32]) for p in primers}) == 1 and len({tuple(p) for p in primers}) == 3
+    assert prompts[0] == primers[0] and sorted(map(tuple, prompts[1:3])) == sorted(
+        map(tuple, primers[1:])
+    )
+    assert all(stream[:64] in primers for stream in prompts[3:6])
+    assert shape.shared_kv_tokens == 2 * 32 and shape.shared_prefix_tokens == 32
+    grid = Grid(decode_batches=(1, 4), decode_context_tokens=(100, 256))
+    assert [(len(s.requests), s.shared_prefix_tokens) for s in grid.shapes()[-2:]] == [
+        (4, 48),
+        (4, 128),
+    ]
+
+
 def test_a_resent_primer_goes_to_the_server_again_before_its_measurement() -> None:
     prompts: list[list[int]] = []
     target = TARGET
@@ -130,12 +160,17 @@ class _MissingProber:
         self.resends.append(resend)
         return [0] * length
 
-    async def primers(self, length: int, count: int, *, resend: bool = False) -> list[list[int]]:
+    async def primers(
+        self, length: int, count: int, *, resend: bool = False, shared: int = 0
+    ) -> list[list[int]]:
         self.resends.append(resend)
         return [[0] * length] * count
 
-    async def decode(self, primers: list[list[int]]) -> tuple[StepShape, float]:
-        return StepShape.decode(batch=len(primers), context_tokens=len(primers[0])), 0.1
+    async def decode(self, primers: list[list[int]], *, shared: int = 0) -> tuple[StepShape, float]:
+        shape = StepShape.decode(
+            batch=len(primers), context_tokens=len(primers[0]), shared_tokens=shared
+        )
+        return shape, 0.1
 
     async def prefill(self, primer: list[int], new: int) -> tuple[StepShape, float]:
         self.prefills += 1
@@ -151,6 +186,7 @@ def _one_prefill_one_decode(rounds: int) -> Grid:
         prefill_context_tokens=(2048,),
         decode_batches=(2,),
         decode_context_tokens=(256,),
+        decode_shared_fraction=0.0,
         rounds=rounds,
         repeats=1,
     )
@@ -227,7 +263,7 @@ def test_a_decode_batch_whose_streams_do_not_run_together_is_left_out_and_named(
 
 
 class _ApartProber(_MissingProber):
-    async def decode(self, primers: list[list[int]]) -> tuple[StepShape, float]:
+    async def decode(self, primers: list[list[int]], *, shared: int = 0) -> tuple[StepShape, float]:
         raise BatchApart("2 streams x 256 tokens")
 
 

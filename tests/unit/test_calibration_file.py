@@ -41,7 +41,7 @@ MODEL_CONFIG = {
 SETUP = CostSetup(
     gpu=CPU, model=profile_from_hf_config(MODEL_CONFIG), dtype="fp32", kv_dtype="fp32"
 )
-TRUE = Efficiency(gemm=0.6, attention=0.4, hbm=0.7, step_overhead_s=3e-3)
+TRUE = Efficiency(gemm=0.6, attention=0.4, hbm=0.7, step_overhead_s=3e-3, shared_kv=0.6)
 GRID = Grid(decode_batches=(1, 4, 16, 32))
 
 
@@ -67,9 +67,28 @@ def _calibration(**changes: Any) -> Calibration:
 
 def test_fit_on_exact_times_predicts_the_held_out_shapes() -> None:
     fit = fit_measurements(_measurements(), setup=SETUP, holdout_fraction=0.25, seed=0)
-    assert fit.held_out is not None and fit.held_out.num_samples == 5
+    assert fit.held_out is not None and fit.held_out.num_samples == 7
     assert fit.held_out.max < 0.02 and fit.in_sample.max < 0.02
     assert fit.efficiency.gemm == pytest.approx(TRUE.gemm, rel=0.05)
+
+
+def test_fit_recovers_the_shared_prefix_read_from_decodes_that_share_one() -> None:
+    """The grid's decode batches whose contexts begin in the same blocks fit `shared_kv` (the
+    rest fit without them); a grid that measures none leaves it 0, and then prices those
+    batches at their unshared time."""
+    shared = [s for s in GRID.shapes() if s.shared_kv_tokens]
+    assert len(shared) == 9 and {s.shared_prefix_tokens for s in shared} == {64, 512, 1024}
+    fit = fit_measurements(_measurements(), setup=SETUP, holdout_fraction=0.25, seed=0)
+    assert fit.efficiency.shared_kv == pytest.approx(TRUE.shared_kv, abs=0.02)
+    unshared = replace(GRID, decode_shared_fraction=0.0)
+    model = SETUP.cost_model(TRUE)
+    timed = [(shape, model.step_cost(shape).total_s) for shape in unshared.shapes()]
+    blind = fit_measurements(timed, setup=SETUP, holdout_fraction=0.25, seed=0)
+    assert blind.efficiency.shared_kv == 0.0
+    big = max(shared, key=lambda s: s.shared_kv_tokens)
+    assert SETUP.cost_model(blind.efficiency).step_cost(big).total_s > 1.1 * (
+        model.step_cost(big).total_s
+    )
 
 
 def test_fit_separates_the_kv_read_rate_where_the_decodes_identify_it() -> None:
@@ -91,16 +110,20 @@ def test_fit_separates_the_kv_read_rate_where_the_decodes_identify_it() -> None:
     assert one_rate.efficiency.kv_hbm is None and one_rate.in_sample.max > 0.05
 
 
-def test_calibration_files_from_before_the_kv_rate_and_host_link_still_load(
+def test_calibration_files_from_before_the_kv_rate_host_link_and_sharing_still_load(
     tmp_path: Path,
 ) -> None:
     def strip(data: dict[str, Any]) -> None:
         data["efficiency"].pop("kv_hbm")
+        data["efficiency"].pop("shared_kv")
+        for sample in data["samples"]:
+            sample.pop("shared_kv_tokens")
         for name in ("host_link_bytes_per_s", "host_link_latency_s"):
             data["gpu"].pop(name)
 
     loaded = Calibration.load(_write(tmp_path, strip))
-    assert loaded.efficiency.kv_hbm is None
+    assert loaded.efficiency.kv_hbm is None and loaded.efficiency.shared_kv == 0.0
+    assert all(sample.shared_kv_tokens == 0 for sample in loaded.samples)
     assert loaded.efficiency.kv_bandwidth == loaded.efficiency.hbm
     assert loaded.gpu.host_link_bytes_per_s == CPU.host_link_bytes_per_s
 
@@ -110,8 +133,11 @@ def test_holdout_split_is_seeded_and_keeps_each_kind_in_the_fit() -> None:
     held = holdout_split(shapes, fraction=0.25, seed=3)
     assert held == holdout_split(shapes, fraction=0.25, seed=3)
     assert held != holdout_split(shapes, fraction=0.25, seed=4)
-    kinds = {all(r.is_decode for r in shapes[i].requests) for i in held}
-    assert kinds == {True, False}
+    kinds = {
+        "shared" if shapes[i].shared_kv_tokens else all(r.is_decode for r in shapes[i].requests)
+        for i in held
+    }
+    assert kinds == {True, False, "shared"}
     # With one shape of each kind, both stay in the fit.
     assert holdout_split([shapes[0], shapes[-1]], fraction=0.9, seed=0) == set()
     with pytest.raises(ConfigError, match="holdout_fraction"):
@@ -121,6 +147,8 @@ def test_holdout_split_is_seeded_and_keeps_each_kind_in_the_fit() -> None:
 def test_describe_names_prefills_and_decodes() -> None:
     assert describe(StepShape.prefill(512, context_tokens=1024)) == "prefill 512 after 1024"
     assert describe(StepShape.decode(batch=16, context_tokens=2048)) == "decode 16 x 2048"
+    shared = StepShape.decode(batch=16, context_tokens=2048, shared_tokens=1024)
+    assert describe(shared) == "decode 16 x 2048 sharing 1024"
 
 
 def test_calibration_round_trips_through_json(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ class ExactDevice:
         self.asked: dict[str, Any] = {}
 
     def __call__(
-        self, model_path: Path, *, requests: Sequence[Sequence[tuple[int, int]]], **asked: Any
+        self, model_path: Path, *, requests: Sequence[Sequence[tuple[int, int, int]]], **asked: Any
     ) -> Measured:
         self.asked = {"model_path": model_path, "requests": requests, **asked}
         peaks = Peaks() if asked["with_peaks"] else None
@@ -64,7 +64,13 @@ class ExactDevice:
             kv_dtype=asked["dtype"],
         )
         model = setup.cost_model(TRUE)
-        shapes = [StepShape(tuple(RequestShape(n, c) for n, c in shape)) for shape in requests]
+        shapes = [
+            StepShape(
+                tuple(RequestShape(n, c) for n, c, _ in shape),
+                shared_kv_tokens=shape[0][2] * (len(shape) - 1),
+            )
+            for shape in requests
+        ]
         return Measured(tuple(model.step_cost(s).total_s for s in shapes), peaks)
 
 

@@ -1,8 +1,9 @@
 """Measure the torch executor's step times over a grid of batch shapes, and the device's peaks.
 
 `measure_steps` builds StepPlans directly (no scheduler). A shape is one (num_new_tokens,
-num_context_tokens) pair per request (hybridserve.sim.calibration_fit maps StepShapes onto them).
-Every request gets its own block table from a bump allocator, one untimed step registers the
+num_context_tokens, shared_tokens) triple per request (hybridserve.sim.calibration_fit maps
+StepShapes onto them). Every request gets its own block table from a bump allocator (after the
+blocks of a shared prefix, the same for every request that has one), one untimed step registers the
 requests (their first chunk, `new_request`), then the same chunks run again without
 `new_request` and are timed around `TorchExecutor.execute` (which synchronises CUDA) with
 `time.perf_counter`, or, on a CPU with one torch thread, `time.thread_time`: the thread's CPU
@@ -42,9 +43,12 @@ from hybridserve.kvcache.spec import MambaSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# One request of a step: (num_new_tokens, num_context_tokens). The simulator's StepShape maps
-# onto a sequence of these (the executor layer does not import the simulator).
-RequestTokens = tuple[int, int]
+# One request of a step: (num_new_tokens, num_context_tokens, shared_tokens): the first
+# shared_tokens of its context (whole blocks) sit in the same blocks as those of every other
+# request of the step with shared tokens, as a shared system prompt does under prefix caching.
+# The simulator's StepShape maps onto a sequence of these (the executor layer does not import
+# the simulator).
+RequestTokens = tuple[int, int, int]
 
 
 def executor_for(
@@ -100,11 +104,17 @@ class StepTimer:
 
     def _chunks(self, shape: Sequence[RequestTokens]) -> list[ScheduledChunk]:
         bs = self.executor.block_size
-        next_block = 1  # block 0 is the null block of state tables
+        shared_blocks = max((shared // bs for _, _, shared in shape), default=0)
+        if any(shared % bs or shared > context for _, context, shared in shape):
+            raise ConfigError(
+                "shape", list(shape), f"share whole blocks of {bs} tokens within each context"
+            )
+        prefix = tuple(range(1, 1 + shared_blocks))  # block 0 is the null block of state tables
+        next_block = 1 + shared_blocks
         chunks = []
-        for index, (num_new, num_context) in enumerate(shape):
-            num_blocks = -(-(num_context + num_new) // bs)
-            table = tuple(range(next_block, next_block + num_blocks))
+        for index, (num_new, num_context, shared) in enumerate(shape):
+            num_blocks = -(-(num_context + num_new) // bs) - shared // bs
+            table = prefix[: shared // bs] + tuple(range(next_block, next_block + num_blocks))
             next_block += num_blocks
             tokens = tuple(self.rng.randrange(self.vocab_size) for _ in range(num_new))
             chunks.append(
