@@ -50,7 +50,8 @@ BUSY_GAP_S = 0.5  # a longer pause between steps is the engine waiting for work
 
 
 def shape_of(record: StepRecord) -> StepShape:
-    return StepShape(tuple(RequestShape(n, c, d) for n, c, d in record.chunks))
+    requests = tuple(RequestShape(n, c, d) for n, c, d in record.chunks)
+    return StepShape(requests, shared_kv_tokens=record.shared)
 
 
 def _ratio(predicted: list[float], measured: list[float]) -> dict[str, Any]:

@@ -75,6 +75,15 @@ ContextOption = Annotated[
         "it) [default: 4096, --quick 8192]; the server's --max-model-len must hold it + 1100."
     ),
 ]
+SharedFractionOption = Annotated[
+    float,
+    typer.Option(
+        parser=FINITE_FLOAT,
+        help="Measure the decode batches again with this share of their context in the same "
+        "blocks (a shared system prompt) and fit the cost model's shared_kv on them, in [0, 1); "
+        "0 (the default) measures none and keeps shared_kv 0.",
+    ),
+]
 CalibrateDeviceOption = Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")]
 CalibrationOutOption = Annotated[
     Path | None, typer.Option(help="Calibration file [default: runs/calibration/NAME.json].")
@@ -145,6 +154,12 @@ def _errors(summary: ErrorSummary) -> str:
     return f"median {summary.median:.1%}, max {summary.max:.1%} ({summary.num_samples} steps)"
 
 
+_NO_TARGET = (
+    "{} is missing: give --model CHECKPOINT_FOLDER --gpu-name NAME to calibrate this machine's "
+    "device, or --url URL to calibrate a running server"
+)
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     model: CalibrateModelOption = None,
@@ -164,6 +179,7 @@ def calibrate_cmd(
     server_speed: ServerSpeedOption = 1.0,
     vocab_size: VocabOption = 256,
     context_tokens: ContextOption = None,
+    decode_shared_fraction: SharedFractionOption = 0.0,
 ) -> None:
     """Measure step times on a device (or, with --url, on a running server), fit the cost
     model's constants, write a calibration file for `hybridserve simulate --calibration FILE`."""
@@ -185,14 +201,11 @@ def calibrate_cmd(
             quick=quick,
             seed=seed,
             holdout_fraction=holdout_fraction,
+            decode_shared_fraction=decode_shared_fraction,
         )
         return
     if model is None or gpu_name is None:
-        missing = "--model" if model is None else "--gpu-name"
-        raise fail(
-            f"{missing} is missing: give --model CHECKPOINT_FOLDER --gpu-name NAME to calibrate "
-            "this machine's device, or --url URL to calibrate a running server"
-        )
+        raise fail(_NO_TARGET.format("--model" if model is None else "--gpu-name"))
     _calibrate_device(
         Path(model),
         gpu_name=gpu_name,
@@ -203,6 +216,7 @@ def calibrate_cmd(
         holdout_fraction=holdout_fraction,
         threads=threads,
         clock=clock,
+        decode_shared_fraction=decode_shared_fraction,
     )
 
 
@@ -217,8 +231,9 @@ def _calibrate_device(
     holdout_fraction: float,
     threads: int | None,
     clock: str,
+    decode_shared_fraction: float = 0.0,
 ) -> None:
-    from hybridserve.sim.calibration_fit import QUICK_GRID, Grid
+    from hybridserve.sim.calibration_fit import QUICK_GRID, Grid, with_sharing
 
     need_extra("models", *MODELS_EXTRA, what="hybridserve calibrate")
     from hybridserve.executor.torch.calibrate import measure_device
@@ -246,7 +261,7 @@ def _calibrate_device(
                 model,
                 gpu_name=gpu_name,
                 device=device,
-                grid=QUICK_GRID if quick else Grid(),
+                grid=with_sharing(QUICK_GRID if quick else Grid(), decode_shared_fraction),
                 measure=measure_device,
                 seed=seed,
                 holdout_fraction=holdout_fraction,

@@ -25,6 +25,7 @@ def calibrate_url(
     quick: bool,
     seed: int,
     holdout_fraction: float,
+    decode_shared_fraction: float = 0.0,
     **target: Any,
 ) -> None:
     """Measure the server's step times over HTTP, fit, and write the calibration file;
@@ -36,6 +37,7 @@ def calibrate_url(
         calibrate_remote,
         with_context,
     )
+    from hybridserve.sim.calibration_fit import with_sharing
 
     columns = (
         TextColumn("{task.description}", markup=False),
@@ -44,8 +46,9 @@ def calibrate_url(
         TimeElapsedColumn(),
     )
     try:
-        remote = _target(**target)
         grid = with_context(REMOTE_QUICK_GRID if quick else REMOTE_GRID, context_tokens)
+        grid = with_sharing(grid, decode_shared_fraction)
+        remote = _target(**target)
         with Progress(*columns, console=err, transient=True) as bar:
             task = bar.add_task(f"measuring {remote.url}", total=1)
             result = asyncio.run(

@@ -16,6 +16,7 @@ from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine.settings import DEFAULT_PRESET
+from hybridserve.engine.shared_kv import DecodeSharing
 from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
@@ -24,7 +25,6 @@ from hybridserve.sim.deployment import DEFAULT_SPECULATIVE_TOKENS, SimConfig, re
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.host_link import HostLink
 from hybridserve.sim.run import simulated_cost_model, simulated_host_link, simulated_pool_blocks
-from hybridserve.sim.shared_kv import DecodeSharing
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
 _PRINTABLE = frozenset(_ALPHABET)

@@ -8,7 +8,10 @@ schedule + execute + update, the simulator's charged time), `exec_s` (the second
 reported: a torch executor's own share, a simulated executor's modelled time),
 `chunks` (per scheduled request `[new tokens, context tokens before them, draft tokens]`, in
 the scheduler's order), `running` and `waiting` (after scheduling), `preempted` (requests
-preempted to make room). A step that scheduled nothing is not logged.
+preempted to make room), `shared` (context tokens of the step's decodes in full-attention
+blocks another decode of the step reads too, once per extra reader: a shared system prompt;
+`hybridserve.engine.shared_kv`; 0 in a log written without the cache layout). A step that
+scheduled nothing is not logged.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import IO, Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.engine import EngineStep
+from hybridserve.engine.shared_kv import DecodeSharing
+from hybridserve.kvcache import CacheLayout
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,7 @@ class StepRecord:
     running: int = 0
     waiting: int = 0
     preempted: int = 0
+    shared: int = 0  # StepShape.shared_kv_tokens of the step
 
     @property
     def num_decodes(self) -> int:
@@ -63,11 +69,15 @@ class StepRecord:
             "running": self.running,
             "waiting": self.waiting,
             "preempted": self.preempted,
+            "shared": self.shared,
         }
 
 
-def step_record(step: EngineStep, *, start_s: float, duration_s: float) -> StepRecord:
-    """The record of one engine step that began at `start_s` and took `duration_s`."""
+def step_record(
+    step: EngineStep, *, start_s: float, duration_s: float, shared: int = 0
+) -> StepRecord:
+    """The record of one engine step that began at `start_s` and took `duration_s`; `shared`
+    its decodes' shared context tokens."""
     scheduled = step.scheduled
     chunks = tuple((c.num_tokens, c.start, c.num_draft_tokens) for c in scheduled.plan.chunks)
     return StepRecord(
@@ -78,15 +88,19 @@ def step_record(step: EngineStep, *, start_s: float, duration_s: float) -> StepR
         running=scheduled.num_running,
         waiting=scheduled.num_waiting,
         preempted=len(scheduled.preempted),
+        shared=shared,
     )
 
 
 class StepLog:
     """Writes a step log to `path` (replacing it), one line per step that scheduled work.
     Lines are flushed every `flush_every` steps and on close, so a killed server leaves all
-    but its last few steps."""
+    but its last few steps. With the engine's cache `layout` (or `follow(layout)` before the
+    first step) it counts each step's shared decode reads (`shared`)."""
 
-    def __init__(self, path: Path, *, flush_every: int = 64) -> None:
+    def __init__(
+        self, path: Path, *, flush_every: int = 64, layout: CacheLayout | None = None
+    ) -> None:
         try:
             self._file: IO[str] = path.open("w", encoding="utf-8")
         except OSError as exc:
@@ -98,13 +112,23 @@ class StepLog:
         self.path = path
         self.flush_every = max(flush_every, 1)
         self.steps = 0
+        self._sharing: DecodeSharing | None = None
+        if layout is not None:
+            self.follow(layout)
+
+    def follow(self, layout: CacheLayout) -> None:
+        """Count shared decode reads over `layout`'s first full-attention group."""
+        self._sharing = DecodeSharing.of(layout)
 
     def write(self, step: EngineStep, *, start_s: float, duration_s: float) -> None:
         """Log one step. A log that cannot be written (a full disk) is closed with a warning:
         it never stops the engine."""
-        if not step.scheduled.plan.chunks or self._file.closed:
+        plan = step.scheduled.plan
+        # Every plan is followed (a step of no chunks may still finish requests).
+        shared = self._sharing.shared_kv_tokens(plan) if self._sharing is not None else 0
+        if not plan.chunks or self._file.closed:
             return
-        record = step_record(step, start_s=start_s, duration_s=duration_s)
+        record = step_record(step, start_s=start_s, duration_s=duration_s, shared=shared)
         try:
             self._file.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
             self.steps += 1
@@ -164,4 +188,5 @@ def _record(data: Any) -> StepRecord:
         running=int(data.get("running", 0)),
         waiting=int(data.get("waiting", 0)),
         preempted=int(data.get("preempted", 0)),
+        shared=int(data.get("shared", 0)),
     )

@@ -151,7 +151,9 @@ class ServerState:
             step_timeout_s=settings.step_timeout_s,
             snapshot=self._engine_samples,
             warm_up=self._warm_up if settings.warm_up_tokens else None,
-            step_log=StepLog(settings.step_log) if settings.step_log is not None else None,
+            step_log=None
+            if settings.step_log is None
+            else StepLog(settings.step_log, layout=parts.layout),
         )
         self.engine.on_dead = self._engine_died
         self.metrics.attach(lambda: list(self.engine.snapshot))

@@ -38,8 +38,10 @@ class Grid:
     repeats: int = 2  # timed steps per shape per pass (after one untimed step)
     # The decode batches of more than one request are measured again with this share of their
     # context (whole blocks of SHARED_BLOCK_TOKENS) in the same blocks for every request, as a
-    # shared system prompt is: they fit `Efficiency.shared_kv`. 0: not measured.
-    decode_shared_fraction: float = 0.5
+    # shared system prompt is: they fit `Efficiency.shared_kv`. 0: not measured, shared_kv 0.
+    # Off by default: a fraction fitted on these batches priced E1's real decode steps on a CPU
+    # 0.80-0.89x their time, against 0.92-1.06x without it (docs/fidelity.md).
+    decode_shared_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -100,6 +102,14 @@ QUICK_GRID = Grid(
     rounds=2,
     repeats=2,
 )
+
+
+def with_sharing(grid: Grid, fraction: float) -> Grid:
+    """`grid` measuring its decode batches again with `fraction` of each context shared
+    (`--decode-shared-fraction`). Raises ConfigError naming the flag."""
+    if not 0 <= fraction < 1:
+        raise ConfigError("--decode-shared-fraction", fraction, "use a fraction in [0, 1)")
+    return replace(grid, decode_shared_fraction=fraction)
 
 
 def request_tokens(shape: StepShape) -> list[tuple[int, int, int]]:

@@ -82,7 +82,7 @@ def shape_from_plan(
     plan: StepPlan, *, scheduler_cpu_s: float = 0.0, shared_kv_tokens: int = 0
 ) -> StepShape:
     """The StepShape of a scheduler's StepPlan (chunk.start = tokens already computed);
-    `shared_kv_tokens` from a `hybridserve.sim.shared_kv.DecodeSharing` that follows the plans."""
+    `shared_kv_tokens` from a `hybridserve.engine.shared_kv.DecodeSharing` following the plans."""
     requests = tuple(
         RequestShape(len(c.token_ids), c.start, c.num_draft_tokens, c.sample) for c in plan.chunks
     )

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridserve.core.config import SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from hybridserve.core.errors import ConfigError
@@ -23,6 +23,7 @@ from hybridserve.engine.assembly import (
     build_engine,
     resolve_engine_config,
 )
+from hybridserve.engine.shared_kv import DecodeSharing
 from hybridserve.engine.step_log import StepLog
 from hybridserve.kvcache import CacheLayout
 from hybridserve.sim.arrivals import azure_arrivals, mooncake_arrivals, poisson_arrivals
@@ -52,7 +53,6 @@ from hybridserve.sim.memory import (
     vllm_memory_account,
 )
 from hybridserve.sim.mixed_workload import AgentsWithRagSimulation, RagTenant, bursty_simulation
-from hybridserve.sim.shared_kv import DecodeSharing
 from hybridserve.sim.summary import (
     QueueTrace,
     SimRun,
@@ -62,6 +62,10 @@ from hybridserve.sim.summary import (
     window_summary,
 )
 from hybridserve.sim.workload import AgentWorkload
+
+if TYPE_CHECKING:
+    from hybridserve.metrics.recorder import MetricsRecorder
+    from hybridserve.scheduler.scheduler import Scheduler
 
 # Workloads that run out of requests: their warm-up defaults to 0 (finite_workload).
 _FINITE_KINDS = ("mooncake", "azure", "poisson")
@@ -307,6 +311,8 @@ def run_simulation(
     ideal: dict[str, int] = {}
     parts = simulated_engine(deployment or config, cpu_clock=cpu_clock, ideal_prefix=ideal)
     engine, scheduler = parts.engine, parts.scheduler
+    if step_log is not None:
+        step_log.follow(parts.layout)
 
     def on_step(step: EngineStep) -> None:
         queue.on_step(step.now, step.scheduled.num_waiting)
@@ -320,11 +326,23 @@ def run_simulation(
     sim.breakdown_from_s = config.warmup_s
     holder.append(sim)
     recorder = sim.run(config.duration_s)
-    end_s = window_end_s(config, sim.now)
+    return _finished_run(config, sim, recorder, scheduler, queue, ideal)
+
+
+def _finished_run(
+    config: SimConfig,
+    sim: Simulation,
+    recorder: MetricsRecorder,
+    scheduler: Scheduler,
+    queue: QueueTrace,
+    ideal: Mapping[str, int],
+) -> SimRun:
+    """The SimRun of one engine's finished simulation: the window's summary and the cache's
+    counters."""
     summary = window_summary(
         recorder,
         config,
-        end_s=end_s,
+        end_s=window_end_s(config, sim.now),
         ran_until_s=sim.now,
         steps=sim.steps,
         rejected=sim.rejected,

@@ -73,6 +73,7 @@ def test_calibrate_url_recovers_the_sim_servers_constants_within_5_percent(
     path = tmp_path / "remote.json"
     args = ["calibrate", "--url", sim_server, "--gpu-name", "A100-80G", "--dtype", "bf16"]
     args += ["--quick", "--context-tokens", "16384", "--holdout-fraction", "0"]
+    args += ["--decode-shared-fraction", "0.5"]
     args += ["--out", str(path)]
     attempts = []
     for _ in range(2):

@@ -6,12 +6,15 @@ from __future__ import annotations
 import io
 import itertools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
 from hybridserve.cli import app
+from hybridserve.cli.sim_backend import SimServingBackend
 from hybridserve.core.errors import ConfigError
 from hybridserve.engine.step_log import StepLog, StepRecord, read_step_log
 from hybridserve.server.app import ServerSettings
@@ -42,6 +45,34 @@ def test_a_served_request_is_logged_as_its_prefill_then_one_decode_a_token(
     assert all(b.t >= a.t + a.s for a, b in itertools.pairwise(records))
 
 
+def test_decodes_of_prompts_behind_one_cached_prefix_log_the_blocks_they_share(
+    tmp_path: Path,
+) -> None:
+    """Two streams whose prompts begin with the same cached 64 tokens (4 blocks) decode
+    together: their steps log those 64 tokens as shared (read by one decode more)."""
+    path = tmp_path / "steps.jsonl"
+    backend = SimServingBackend(model_profile="llama-3.1-8b", sim_speed=1.0)
+    server = start_server(settings=ServerSettings(step_log=path, warm_up_tokens=0), backend=backend)
+    prefix = list(range(100, 164))
+
+    def complete(own: int, max_tokens: int) -> int:
+        body = {"model": backend.model_name, "prompt": [*prefix, *[own] * 16]}
+        body |= {"max_tokens": max_tokens, "ignore_eos": True}
+        reply = httpx.post(f"{server.api_url}/completions", json=body, timeout=60).json()
+        return int(reply["usage"]["completion_tokens"])
+
+    try:
+        assert complete(7, 1) == 1  # the prefix is cached
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(complete, (8, 9), (32, 32))) == [32, 32]
+    finally:
+        server.stop()
+    records = read_step_log(path)
+    together = [r for r in records if r.kind == "decode" and len(r.chunks) == 2]
+    assert together and {r.shared for r in together} == {64}
+    assert all(r.shared == 0 for r in records if len(r.chunks) == 1)
+
+
 def test_a_simulated_run_logs_every_step_in_order_and_without_overlap(tmp_path: Path) -> None:
     config = SimConfig(agents=AgentParams(num_agents=3), duration_s=90.0, warmup_s=10.0)
     path = tmp_path / "sim.jsonl"
@@ -54,6 +85,11 @@ def test_a_simulated_run_logs_every_step_in_order_and_without_overlap(tmp_path: 
     assert all(b.t >= a.t + a.s - 2e-6 for a, b in itertools.pairwise(records))
     kinds = {r.kind for r in records}
     assert {"decode", "prefill"} <= kinds
+    # The agents' prompts begin with one system prompt: decodes together share its blocks
+    # (whole blocks of it, once per extra decode).
+    shared = [r.shared for r in records if r.num_decodes > 1]
+    assert max(shared) >= 0.9 * config.agents.system_prompt_tokens
+    assert all(r.shared == 0 for r in records if r.num_decodes < 2)
     # A simulated step's seconds are the executor's: nothing else is charged.
     assert all(r.s == pytest.approx(r.exec_s) for r in records)
 

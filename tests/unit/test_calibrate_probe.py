@@ -117,7 +117,7 @@ def test_a_shared_prefix_batch_sends_one_prefix_first_then_streams_that_all_begi
     )
     assert all(stream[:64] in primers for stream in prompts[3:6])
     assert shape.shared_kv_tokens == 2 * 32 and shape.shared_prefix_tokens == 32
-    grid = Grid(decode_batches=(1, 4), decode_context_tokens=(100, 256))
+    grid = Grid(decode_batches=(1, 4), decode_context_tokens=(100, 256), decode_shared_fraction=0.5)
     assert [(len(s.requests), s.shared_prefix_tokens) for s in grid.shapes()[-2:]] == [
         (4, 48),
         (4, 128),

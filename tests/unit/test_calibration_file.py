@@ -42,7 +42,7 @@ SETUP = CostSetup(
     gpu=CPU, model=profile_from_hf_config(MODEL_CONFIG), dtype="fp32", kv_dtype="fp32"
 )
 TRUE = Efficiency(gemm=0.6, attention=0.4, hbm=0.7, step_overhead_s=3e-3, shared_kv=0.6)
-GRID = Grid(decode_batches=(1, 4, 16, 32))
+GRID = Grid(decode_batches=(1, 4, 16, 32), decode_shared_fraction=0.5)
 
 
 def _measurements(efficiency: Efficiency = TRUE) -> list[tuple[StepShape, float]]:
@@ -126,6 +126,14 @@ def test_calibration_files_from_before_the_kv_rate_host_link_and_sharing_still_l
     assert all(sample.shared_kv_tokens == 0 for sample in loaded.samples)
     assert loaded.efficiency.kv_bandwidth == loaded.efficiency.hbm
     assert loaded.gpu.host_link_bytes_per_s == CPU.host_link_bytes_per_s
+
+
+def test_a_shared_fraction_outside_zero_to_one_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    assert Grid().shapes() == replace(Grid(), decode_shared_fraction=0.0).shapes()  # off
+    for args in (["--model", str(tmp_path), "--gpu-name", "cpu"], ["--url", "http://x:1"]):
+        result = CliRunner().invoke(app, ["calibrate", *args, "--decode-shared-fraction", "1.5"])
+        assert result.exit_code == 2, result.output
+        assert "--decode-shared-fraction" in result.output and "Traceback" not in result.output
 
 
 def test_holdout_split_is_seeded_and_keeps_each_kind_in_the_fit() -> None:

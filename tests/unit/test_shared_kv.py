@@ -10,13 +10,13 @@ import pytest
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import ScheduledChunk, StepPlan
+from hybridserve.engine.shared_kv import DecodeSharing
 from hybridserve.kvcache.spec import FullAttentionSpec
 from hybridserve.sim.cost_model import Efficiency, RooflineCostModel, StepShape
 from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.gpus import get_gpu
 from hybridserve.sim.model_profiles import MODELS
 from hybridserve.sim.run import run_simulation
-from hybridserve.sim.shared_kv import DecodeSharing
 from hybridserve.sim.workload import AgentParams
 
 

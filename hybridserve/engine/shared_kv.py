@@ -1,15 +1,16 @@
 """DecodeSharing: the KV blocks a step's decodes read in common, followed from the step plans.
 
 A StepPlan carries each request's whole block table on its first chunk and only the blocks a
-step adds after that (vLLM's cached-request diff), so the simulated executor keeps the tables,
-as a real executor does. Each step, `shared_kv_tokens` counts the context tokens of the step's
+step adds after that (vLLM's cached-request diff), so a follower keeps the tables, as a real
+executor does. Each step, `shared_kv_tokens` counts the context tokens of the step's
 decodes (one token, or a verify of k + 1) that sit in a full-attention block another decode of
 the step also reads, once per extra reader: the prefix cache gives every request whose prompt
 begins with a shared system prompt the same blocks for it. The cost model's decode-attention
-term reads those tokens once to the extent `Efficiency.shared_kv` says.
+term reads those tokens once to the extent `Efficiency.shared_kv` says
+(`hybridserve.sim.cost_model`), and a step log records them (`hybridserve.engine.step_log`).
 
-Pure Python; kept only where a calibration prices the sharing (`shared_kv > 0`): it costs one
-pass over the decodes' block tables a step.
+Pure Python, and kept only where it is used (the simulator's, where its constants price the
+sharing; a step log's): it costs one pass over the decodes' block tables a step.
 """
 
 from __future__ import annotations
