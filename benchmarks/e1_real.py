@@ -670,7 +670,10 @@ def main(argv: list[str] | None = None) -> None:
 WORKLOAD_KEYS = (
     "model", "duration", "warmup", "pool_tokens", "block_size", "max_model_len", "threads",
     "time_scale", "system_prompt_tokens", "max_context", "output_tokens", "tool_result_tokens",
+    "answers",
 )  # fmt: skip
+# What a report written before a key existed ran with.
+WORKLOAD_DEFAULTS = {"answers": "synthetic"}
 
 
 def merged_runs(path: Path, setup: dict[str, Any]) -> list[dict[str, Any]]:
@@ -681,9 +684,13 @@ def merged_runs(path: Path, setup: dict[str, Any]) -> list[dict[str, Any]]:
         runs = list(earlier["runs"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise SystemExit(f"--merge {path}: not an e1_real report ({err})") from None
-    differ = [k for k in WORKLOAD_KEYS if theirs.get(k) != setup.get(k)]
+
+    def value(settings: dict[str, Any], key: str) -> Any:
+        return settings.get(key, WORKLOAD_DEFAULTS.get(key))
+
+    differ = [k for k in WORKLOAD_KEYS if value(theirs, k) != value(setup, k)]
     if differ:
-        pairs = ", ".join(f"{k} {theirs.get(k)!r} here {setup.get(k)!r}" for k in differ)
+        pairs = ", ".join(f"{k} {value(theirs, k)!r} here {value(setup, k)!r}" for k in differ)
         raise SystemExit(f"--merge {path}: another workload ({pairs}); rerun with its settings")
     return runs
 

@@ -290,6 +290,13 @@ def test_a_report_of_another_workload_is_not_merged(e1: ModuleType, tmp_path: Pa
     other = _report(tmp_path, "b.json", [], max_context=3_000)
     with pytest.raises(SystemExit, match="max_context 3000 here 6000"):
         e1.merged_runs(other, SETUP)
+    # Runs with the server's own answers are another workload than drawn answers (a merged
+    # report's setup is the merging run's: its fidelity twins would draw the answers).
+    served = _report(tmp_path, "d.json", [], answers="server")
+    with pytest.raises(SystemExit, match="answers 'server' here 'synthetic'"):
+        e1.merged_runs(served, SETUP | {"answers": "synthetic"})
+    assert e1.merged_runs(served, SETUP | {"answers": "server"}) == []
+    assert e1.merged_runs(_report(tmp_path, "e.json", []), SETUP | {"answers": "synthetic"}) == []
     (tmp_path / "c.json").write_text("{}")
     with pytest.raises(SystemExit, match="not an e1_real report"):
         e1.merged_runs(tmp_path / "c.json", SETUP)
