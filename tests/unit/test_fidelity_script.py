@@ -155,3 +155,37 @@ def test_scaled_tool_times_are_the_same_draws_times_the_scale() -> None:
                 0.2 * dist.sample(random.Random(seed))
             )
     assert base.with_medians() == base
+
+
+def test_the_ablation_runs_each_control_off_on_the_presets_twin(
+    fid: ModuleType, tmp_path: Path
+) -> None:
+    """benchmarks/e1_real_ablation.py: every variant at every seed the report ran, each the
+    twin of its server with its controls switched off on top of the preset (and valid
+    settings: a variant that switched off one control another needs would not build)."""
+    ablation = load_benchmark("e1_real_ablation")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(LLAMA))
+    report = {
+        "setup": SETUP,
+        "pool": {"block_size": 32, "num_blocks": 384},
+        "runs": [_run("baseline", 0), _run("hybridserve", 0), _run("hybridserve", 1)],
+    }
+    jobs = ablation.jobs(report, _calibration(tmp_path / "cal.json"), checkpoint)
+    assert [(name, seed) for name, seed, _ in jobs] == [
+        (name, seed) for name in ablation.VARIANTS for seed in (0, 1)
+    ]
+    configs = {(name, seed): config for name, seed, config in jobs}
+    assert configs["baseline", 1].preset == "baseline" and configs["baseline", 1].overrides == ()
+    no_deadline = configs["without the waiting deadline", 0]
+    assert no_deadline.preset == "hybridserve"
+    assert no_deadline.overrides == (("waiting_deadline_ms", 0.0),)
+    from hybridserve.sim.deployment import resolve_deployment
+
+    for (name, _), config in configs.items():
+        scheduler = resolve_deployment(config).settings.scheduler
+        if name == "without the adaptive budget":
+            assert scheduler.adaptive_budget_itl_ms == 0 and scheduler.waiting_deadline_ms > 0
+        if name == "without pins":
+            assert scheduler.kv_pin_fraction == 0 and not scheduler.kv_pin_exact_tail
