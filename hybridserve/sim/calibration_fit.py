@@ -187,7 +187,8 @@ def fit_shared_kv(samples: Sequence[Sample], efficiency: Efficiency) -> Efficien
     grid of fractions, the smallest of equals. No samples: `efficiency` as it is."""
     if not samples:
         return efficiency
-    candidates = [replace(efficiency, shared_kv=i / SHARED_KV_STEPS) for i in range(101)]
+    steps = range(SHARED_KV_STEPS + 1)
+    candidates = [replace(efficiency, shared_kv=i / SHARED_KV_STEPS) for i in steps]
     return min(candidates, key=lambda e: (objective(samples, e), e.shared_kv))
 
 
