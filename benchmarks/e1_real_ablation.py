@@ -23,10 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import sim_config
+from fidelity import sim_config, simulate_summary
 from hf_checkpoint import hf_checkpoint
-
-from hybridserve.sim.run import run_simulation
 
 # name -> (the report's server whose twin it is, scheduler overrides on top of its preset)
 VARIANTS: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
@@ -56,12 +54,6 @@ METRICS = (
 )
 
 
-def _simulate(job: tuple[str, int, Any]) -> tuple[str, int, dict[str, float]]:
-    name, seed, config = job
-    summary = run_simulation(config).summary
-    return name, seed, {m: float(summary[m]) for m in METRICS if summary.get(m) is not None}
-
-
 def jobs(report: dict[str, Any], calibration: Path, checkpoint: Path) -> list[tuple[str, int, Any]]:
     """(variant, seed, SimConfig) for every variant at every (load, seed) the report ran."""
     runs = {(r["agents"], r["seed"]) for r in report["runs"] if "metrics" in r}
@@ -83,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads(args.report.read_text())
     todo = jobs(report, args.calibration, hf_checkpoint(report["setup"]["model"]))
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        done = list(pool.map(_simulate, todo))
+        summaries = list(pool.map(simulate_summary, [config for _, _, config in todo]))
+    done = [
+        (name, seed, {m: float(s[m]) for m in METRICS if s.get(m) is not None})
+        for (name, seed, _), s in zip(todo, summaries, strict=True)
+    ]
     result: dict[str, Any] = {"report": str(args.report), "calibration": str(args.calibration)}
     for name in VARIANTS:
         rows = {seed: metrics for n, seed, metrics in done if n == name}

@@ -215,7 +215,8 @@ def sim_config(
     )
 
 
-def _simulate(config: SimConfig) -> dict[str, float]:
+def simulate_summary(config: SimConfig) -> dict[str, float]:
+    """The summary of one twin's simulated run."""
     return dict(run_simulation(config).summary)
 
 
@@ -246,7 +247,7 @@ def simulate_all(
             )
     print(f"simulating {len(jobs)} runs", file=sys.stderr, flush=True)
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(_simulate, jobs.values()))
+        results = list(pool.map(simulate_summary, jobs.values()))
     return dict(zip(jobs, results, strict=True))
 
 

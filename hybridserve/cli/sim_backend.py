@@ -16,15 +16,19 @@ from hybridserve.core.config import SchedulerConfig, SpeculativeConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepPlan, StepResult
 from hybridserve.engine.settings import DEFAULT_PRESET
-from hybridserve.engine.shared_kv import DecodeSharing
 from hybridserve.executor.api import Executor
 from hybridserve.kvcache import CacheLayout, GroupSpec
 from hybridserve.server.tokenizer import BYTE_EOS_ID, ByteTokenizer
-from hybridserve.sim.cost_model import Efficiency, shape_from_plan
+from hybridserve.sim.cost_model import Efficiency
 from hybridserve.sim.deployment import DEFAULT_SPECULATIVE_TOKENS, SimConfig, resolve_deployment
 from hybridserve.sim.executor import SimulatedExecutor
 from hybridserve.sim.host_link import HostLink
-from hybridserve.sim.run import simulated_cost_model, simulated_host_link, simulated_pool_blocks
+from hybridserve.sim.run import (
+    StepPricer,
+    simulated_cost_model,
+    simulated_host_link,
+    simulated_pool_blocks,
+)
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ."
 _PRINTABLE = frozenset(_ALPHABET)
@@ -189,14 +193,8 @@ class SimServingBackend:
         return slots, link.loads_per_step() if slots else 0
 
     def make_executor(self, layout: CacheLayout) -> Executor:
-        cost, link = self._cost, self._link
-        sharing = DecodeSharing.of(layout) if cost.eff.shared_kv > 0 else None
-
-        def step_time(plan: StepPlan) -> float:
-            shared = sharing.shared_kv_tokens(plan) if sharing is not None else 0
-            compute = cost.step_cost(shape_from_plan(plan, shared_kv_tokens=shared)).total_s
-            return compute + link.step_s(plan, compute) if link is not None else compute
-
+        step_time = StepPricer(self._cost, None, None, {}, self._link)
+        step_time.follow(layout)
         return PrintableTokens(
             SimulatedExecutor(
                 step_time,

@@ -91,7 +91,9 @@ class Prober:
         the prefix cached rather than all computing it at once."""
         key = (length, shared)
         missing = [i for i in range(count) if (*key, i) not in self._primers]
-        common = self._common.setdefault(key, self.fresh(shared))
+        if key not in self._common:
+            self._common[key] = self.fresh(shared)
+        common = self._common[key]
         for i in missing:
             self._primers[*key, i] = [*common, *self.fresh(length - shared)]
         send = list(range(count) if resend else missing)

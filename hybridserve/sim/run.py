@@ -188,10 +188,10 @@ def simulated_host_link(deployment: SimConfig | Deployment) -> tuple[HostLink, i
     return HostLink.of(resolved.gpu, per_block), slots
 
 
-class _StepPricer:
+class StepPricer:
     """A simulated step's seconds: its plan priced by the cost model (under a step-cost bound,
     the work the bound still charges), plus the host link's transfers where there is a tier;
-    `sharing` follows the block tables where the constants price shared-prefix reads."""
+    `follow(layout)` has it count shared decode reads where the constants price them."""
 
     def __init__(
         self,
@@ -203,6 +203,10 @@ class _StepPricer:
     ) -> None:
         self.cost, self.meter, self.bound, self.ideal, self.link = cost, meter, bound, ideal, link
         self.sharing: DecodeSharing | None = None
+
+    def follow(self, layout: CacheLayout) -> None:
+        """Follow the block tables of `layout`'s engine, where `shared_kv` prices sharing."""
+        self.sharing = DecodeSharing.of(layout) if self.cost.eff.shared_kv > 0 else None
 
     def __call__(self, plan: StepPlan) -> float:
         cpu_s = self.meter.take_s() if self.meter is not None else 0.0
@@ -244,10 +248,10 @@ def simulated_engine(
             )
         meter = CpuMeter(cpu_clock)
 
-    step_time = _StepPricer(cost, meter, bound, ideal, link if num_host_blocks else None)
+    step_time = StepPricer(cost, meter, bound, ideal, link if num_host_blocks else None)
 
     def executor(layout: CacheLayout) -> SimulatedExecutor:
-        step_time.sharing = DecodeSharing.of(layout) if cost.eff.shared_kv > 0 else None
+        step_time.follow(layout)
         return SimulatedExecutor(
             step_time,
             seed=config.seed,
