@@ -41,12 +41,8 @@ from hybridserve.loadgen.client import (
 )
 from hybridserve.loadgen.tokens import SyntheticAnswers, TokenMap, echoed
 from hybridserve.metrics.recorder import MetricsRecorder
-from hybridserve.metrics.stats import percentile
+from hybridserve.metrics.slo import meets_slo, slo_goodput
 from hybridserve.sim.workload import AgentParams, AgentWorkload, Job
-
-# The SLO tiers of DESIGN.md section 6, as the simulator scores them (hybridserve.sim.summary).
-TTFT_SLO_S = 15.0
-TBT_SLO_S = 0.100
 
 Arrival = tuple[float, str, list[int], int]  # (seconds, request id, prompt ids, max tokens)
 ANSWERS = ("synthetic", "server")
@@ -341,14 +337,9 @@ def summarise(recorder: MetricsRecorder, stats: LoadStats, config: LoadConfig) -
     start, end = config.warmup_s, config.duration_s
     out = recorder.summary(window_start_s=start, window_end_s=end)
     done = recorder.finished_in(start, end)
-    met = [
-        r
-        for r in done
-        if r.first_token_s is not None
-        and r.first_token_s - r.arrival_s <= TTFT_SLO_S
-        and (not r.gaps_s or percentile(r.gaps_s, 99) <= TBT_SLO_S)
-    ]
+    met = [r for r in done if meets_slo(r)]  # the simulator's SLO, scored the same way
     out["slo_attainment"] = len(met) / len(done) if done else math.nan
+    out.update(slo_goodput(recorder, len(met), start, end))
     out["preemptions"] = math.nan  # a server's preemptions are not visible over HTTP
     out["cached_tokens_per_turn"] = (
         sum(r.hit_tokens for r in done) / len(done) if done else math.nan

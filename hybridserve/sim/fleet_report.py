@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.metrics.recorder import RequestRecord
+from hybridserve.metrics.slo import meets_slo
 from hybridserve.metrics.stats import percentile
 from hybridserve.sim.fleet import FleetSimulation
 from hybridserve.sim.summary import (
     SimRun,
     engine_counters,
-    meets_slo,
     window_end_s,
     window_summary,
 )
