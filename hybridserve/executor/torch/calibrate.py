@@ -15,7 +15,12 @@ sample of many shapes rather than every sample of one.
 
 `measure_peaks` is the "datasheet" of a device that is not in the GPU catalog (a CPU): the best
 FLOP/s of a large fp32 and bf16 matmul and the bytes/s of a large tensor copy (read + write).
-The fitted efficiencies are then fractions of these measured peaks.
+The fitted efficiencies are then fractions of these measured peaks, at most 1, so a peak read
+low caps every fitted rate: on a shared 2-core host one reading of the fp32 peak, taken once
+before the steps, came out 126 GFLOP/s where the calibration minutes before read 194, and the
+fits it bounded priced every prefill 1.2-1.5x its time. `measure_device` therefore measures the
+peaks before every round of steps and after the last, and keeps the best of each rate
+(`best_peaks`): a burst of load spoils one reading, not the calibration.
 
 `measure_device` is the torch half of `hybridserve calibrate`: load a checkpoint, time every
 shape, measure the peaks when asked; `hybridserve.sim.calibration_run` checks the request
@@ -158,18 +163,24 @@ def measure_steps(
     rounds: int,
     repeats: int,
     progress: Callable[[int, int], None] | None = None,
+    between_rounds: Callable[[], None] | None = None,
 ) -> list[float]:
     """Seconds per shape: over `rounds` interleaved passes, the median of each pass's fastest
     of `repeats` timed steps. Load from other processes only adds time: the fastest of a few
     back-to-back steps drops short interruptions, the median over passes a loaded pass.
-    `progress(done, total)` after each shape of each pass."""
+    `progress(done, total)` after each shape of each pass; `between_rounds()` before each pass
+    and after the last."""
     samples: list[list[float]] = [[] for _ in shapes]
     total = len(shapes) * rounds
     for round_index in range(rounds):
+        if between_rounds is not None:
+            between_rounds()
         for index, shape in enumerate(shapes):
             samples[index].append(min(timer.time(shape, repeats=repeats)))
             if progress is not None:
                 progress(round_index * len(shapes) + index + 1, total)
+    if between_rounds is not None:
+        between_rounds()
     return [statistics.median(s) for s in samples]
 
 
@@ -226,6 +237,18 @@ def measure_peaks(
     )
 
 
+def best_peaks(readings: Sequence[DevicePeaks]) -> DevicePeaks:
+    """The best of each rate over several readings of the peaks (load only slows a reading)."""
+    if not readings:
+        raise ValueError("best_peaks needs at least one reading")
+    return DevicePeaks(
+        fp32_flops=max(r.fp32_flops for r in readings),
+        bf16_flops=max(r.bf16_flops for r in readings),
+        copy_bytes_per_s=max(r.copy_bytes_per_s for r in readings),
+        memory_bytes=readings[0].memory_bytes,
+    )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceMeasurement:
     """What `measure_device` measured: seconds per shape (in order), the peaks (when asked)
@@ -255,7 +278,8 @@ def measure_device(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> DeviceMeasurement:
     """Load the checkpoint in `dtype` ("fp32", "bf16", "fp16") on `device`, time each step
-    shape of `requests` with `measure_steps`, and measure the device's peaks when `with_peaks`.
+    shape of `requests` with `measure_steps`, and measure the device's peaks when `with_peaks`
+    (before every round and after the last, the best of each rate: `best_peaks`).
 
     `clock` is "wall" (perf_counter) or "cpu" (this thread's CPU time: one torch thread only).
     `num_threads` sets torch's intra-op threads (None: leave them). `progress(what, done,
@@ -271,11 +295,14 @@ def measure_device(
         )
     timer_clock = time.thread_time if clock == "cpu" else time.perf_counter
     model = load_model(model_path, dtype=TORCH_DTYPES[dtype])
-    peaks = None
-    if with_peaks:
-        if progress is not None:
-            progress("peaks", 0, 1)
-        peaks = measure_peaks(device, clock=timer_clock)
+    readings: list[DevicePeaks] = []
+
+    def read_peaks() -> None:  # before every round of steps and after the last
+        if with_peaks:
+            readings.append(measure_peaks(device, clock=timer_clock))
+
+    if with_peaks and progress is not None:
+        progress("peaks", 0, 1)
     executor = executor_for(model, max_tokens=max_tokens, max_requests=max_requests, device=device)
     timer = StepTimer(executor, vocab_size=vocab_size, seed=seed, clock=timer_clock)
     seconds = measure_steps(
@@ -284,10 +311,11 @@ def measure_device(
         rounds=rounds,
         repeats=repeats,
         progress=None if progress is None else lambda d, t: progress("steps", d, t),
+        between_rounds=read_peaks,
     )
     return DeviceMeasurement(
         seconds=tuple(seconds),
-        peaks=peaks,
+        peaks=best_peaks(readings) if readings else None,
         torch_version=str(torch.__version__),
         num_threads=torch.get_num_threads(),
     )

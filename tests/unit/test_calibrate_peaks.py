@@ -1,0 +1,42 @@
+"""A CPU calibration's peaks are read between its rounds of steps, and the best of each rate is
+kept: one reading slowed by load does not cap every fitted rate."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridserve.executor.torch.calibrate import DevicePeaks, best_peaks, measure_steps  # noqa: E402
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def time(self, shape: object, *, repeats: int) -> list[float]:
+        self.calls.append("step")
+        return [0.01 * repeats]
+
+
+def test_peaks_are_read_before_every_round_and_after_the_last() -> None:
+    torch.set_num_threads(1)
+    timer = _Timer()
+    measure_steps(
+        timer,  # type: ignore[arg-type]
+        [[(1, 10, 0)], [(4, 0, 0)]],
+        rounds=3,
+        repeats=1,
+        between_rounds=lambda: timer.calls.append("peaks"),
+    )
+    assert timer.calls == ["peaks", "step", "step"] * 3 + ["peaks"]
+
+
+def test_the_best_of_each_rate_is_kept() -> None:
+    slow = DevicePeaks(fp32_flops=1.26e11, bf16_flops=3e11, copy_bytes_per_s=3.4e10, memory_bytes=8)
+    fast = DevicePeaks(fp32_flops=1.94e11, bf16_flops=2e11, copy_bytes_per_s=3.0e10, memory_bytes=8)
+    best = best_peaks([slow, fast])
+    assert (best.fp32_flops, best.bf16_flops, best.copy_bytes_per_s) == (1.94e11, 3e11, 3.4e10)
+    assert best_peaks([slow]) == slow
+    with pytest.raises(ValueError, match="at least one reading"):
+        best_peaks([])
