@@ -1,15 +1,17 @@
 """A real server's steps against the simulator's, step by step: where a fidelity error comes
 from (docs/fidelity.md).
 
-Input: an `e1_real.py` report, one of its hybridserve runs (`--server`, `--seed`) whose server
-wrote a step log (`serve --step-log`; e1_real.py writes `LOG_DIR/NAME-aN-sS.steps.jsonl`), and
-a calibration of that server (`fidelity.py --calibrations DIR`). The script
+Input: an `e1_real.py` report (or a `trace_real.py` one: `--time-scale` picks its load), one of
+its hybridserve runs (`--server`, `--seed`) whose server wrote a step log (`serve --step-log`;
+e1_real.py writes `LOG_DIR/NAME-aN-sS.steps.jsonl`, trace_real.py `NAME-atsX-sS.steps.jsonl`),
+and a calibration of that server (`fidelity.py --calibrations DIR`). The script
 
 1. prices every real step with the calibrated cost model on the step's own shape (the same
    requests, new and context tokens): `per_step`, by kind (decode-only steps by batch size,
    mixed, prefill-only), the median of predicted / measured and the ratio of the sums. An
    error here is the cost model's, on the shapes the run really had;
-2. runs the run's simulated twin (fidelity.py's: same workload, seed, pool and calibration)
+2. runs the run's simulated twin (fidelity.py's or trace_real.py's: same workload, seed, pool
+   and calibration)
    with a step log, and sets the two schedules beside each other: `schedule`, per kind the
    steps, their seconds (sum, p50), decode batch (p50, mean), context per decode (p50) and
    prefill tokens per step (mean), each over the measured window (the warm-up after the
@@ -140,12 +142,33 @@ def simulated_steps(config: Any) -> list[StepRecord]:
         return read_step_log(path)
 
 
+def twin_config(
+    report: dict[str, Any], checkpoint: Path, server: str, load: float, seed: int, cal: Path
+) -> Any:
+    """The run's simulated twin: fidelity.py's for an E1 report, trace_real.py's for a trace."""
+    if "trace" not in report["setup"]:
+        return sim_config(report, checkpoint, server, int(load), seed, cal)
+    from trace_real import sim_config as trace_twin
+
+    runs = [
+        r
+        for r in report["runs"]
+        if (r["server"], r["time_scale"], r["seed"]) == (server, load, seed)
+    ]
+    if not runs:
+        raise SystemExit(f"--report: no {server} run at time scale {load:g}, seed {seed}")
+    return trace_twin(report["setup"], report["pool"], runs[0], cal, checkpoint)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--server", default="hybridserve", choices=("baseline", "hybridserve"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--agents", type=int, default=None, help="default: the report's first")
+    parser.add_argument(
+        "--time-scale", type=float, default=None, help="a trace report's load (default: its first)"
+    )
     parser.add_argument("--calibration", type=Path, required=True)
     parser.add_argument("--steps", type=Path, default=None, help="default: from the log dir")
     parser.add_argument("--out", type=Path, default=None)
@@ -156,24 +179,28 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = json.loads(args.report.read_text())
     setup = report["setup"]
-    load = args.agents if args.agents is not None else setup["agents"][0]
-    steps = args.steps or Path(setup["log_dir"]) / f"{args.server}-a{load}-s{args.seed}.steps.jsonl"
+    checkpoint = hf_checkpoint(setup["model"])
+    if "trace" in setup:  # a trace_real.py report: its load is a time scale
+        load = args.time_scale if args.time_scale is not None else setup["time_scales"][0]
+        name = f"{args.server}-ats{load:g}-s{args.seed}"
+    else:
+        load = args.agents if args.agents is not None else setup["agents"][0]
+        name = f"{args.server}-a{load}-s{args.seed}"
+    steps = args.steps or Path(setup["log_dir"]) / f"{name}.steps.jsonl"
     try:
         real = read_step_log(steps)
     except ConfigError as exc:
         raise SystemExit(f"--steps: {exc} (give the run's log with --steps)") from None
     if not real:
         raise SystemExit(f"--steps {steps}: no steps logged")
-    config = sim_config(
-        report, hf_checkpoint(setup["model"]), args.server, load, args.seed, args.calibration
-    )
+    config = twin_config(report, checkpoint, args.server, load, args.seed, args.calibration)
     model = simulated_cost_model(config)
     print(f"{len(real)} real steps; simulating the twin", file=sys.stderr, flush=True)
     twin = simulated_steps(config)
     out = {
         "report": str(args.report),
         "server": args.server,
-        "agents": load,
+        ("time_scale" if "trace" in setup else "agents"): load,
         "seed": args.seed,
         "calibration": str(args.calibration),
         "per_step": per_step(real, model),

@@ -3,6 +3,8 @@ the schedule's figures per kind of step in the measured window, and the time bet
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -70,3 +72,30 @@ def test_the_schedule_counts_only_the_measured_window_and_the_gaps_between_steps
     # 0.05 and 0.05 are back to back; 0.9 s and 2.7 s are the engine waiting for work.
     assert gaps["back_to_back"] == 2
     assert gaps["gap_s_sum"] == pytest.approx(0.1)
+
+
+def test_a_trace_reports_twin_is_the_runs_window(check: ModuleType, tmp_path: Path) -> None:
+    from tests.unit.test_fidelity_script import LLAMA, _calibration
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(LLAMA))
+    cal = _calibration(tmp_path / "cal.json")
+    runs = [
+        {"server": "hybridserve", "time_scale": ts, "seed": 1, "window": f"/w/ts{ts:g}.csv"}
+        for ts in (8.0, 5.0)
+    ]
+    setup = {"model": "smollm2", "duration": 210.0, "warmup": 30.0, "max_model_len": 8_192}
+    report = {
+        "setup": {**setup, "trace": "t.csv", "time_scales": [8.0, 5.0]},
+        "pool": {"block_size": 32, "num_blocks": 384},
+        "runs": runs,
+    }
+    config = check.twin_config(report, checkpoint, "hybridserve", 5.0, 1, cal)
+    assert (config.workload, config.time_scale, config.preset) == (
+        "azure:/w/ts5.csv",
+        5.0,
+        "hybridserve",
+    )
+    with pytest.raises(SystemExit, match="no baseline run at time scale 5, seed 1"):
+        check.twin_config(report, checkpoint, "baseline", 5.0, 1, cal)

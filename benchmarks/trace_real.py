@@ -1,0 +1,481 @@
+"""An Azure trace on real engines, and the simulator held to it: the open-loop kind of load of
+the workload suite's trace rows (requests at the trace's arrival times, prompts that share
+nothing), where `e1_real.py` and `fidelity.py` measure E1's agents.
+
+For each time scale (`--time-scales`, wall seconds per trace second: 8 is an eighth of the
+trace's rate) and seed, each server (`serve --executor torch` with `--preset baseline` and with
+the shipped preset, vLLM-CPU; the order rotated by seed, as in `e1_real.py`) is started fresh
+with the same KV pool, `hybridserve agents --url --workload azure:WINDOW` replays one window of
+the trace against it, and the server is stopped. Seed k replays the k-th window: the trace's
+requests from trace second k x S on, S = --duration / time scale, re-based to start at 0 and
+written to `--log-dir` (`azure-WINDOW-tsX-sK.csv`), so every seed is another stretch of the
+trace and every server of a seed gets the same requests.
+
+Then each run is simulated on the same window, time scale, pool, block size and scheduler with
+that server's calibration (`fidelity.py`'s three: `torch-own` and `torch-http` for our servers,
+`vllm-http` for vLLM; `--calibrate` measures them after the runs, in the same hour, else they
+are read from `--calibrations`), and the report has:
+
+* `runs`: every run's load-generator metrics;
+* `ratios`: per time scale, the paired ratios hybridserve/vllm, baseline/vllm and
+  hybridserve/baseline of the SLO goodput (requests/s within the SLO), output tokens/s, TTFT
+  and ITL p50/p99 and SLO attainment (geometric means of per-seed ratios, 95% t intervals);
+* `rows`: fidelity rows as `fidelity.py` writes them (engine, calibration, load, metric,
+  measured, simulated, error = simulated / measured - 1 of the means over the seeds, scored,
+  per seed), `load` being `azure-conv x1/8`.
+
+    python benchmarks/trace_real.py --time-scales 8 --seeds 3 --calibrate \\
+        --vllm-python /tmp/vllm-venv/bin/python --out runs/trace_real.json
+    python benchmarks/trace_real.py --report runs/trace_real.json --calibrations DIR  # re-score
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx
+from e1_real import (
+    PAIRS,
+    SERVERS,
+    _names,
+    engine_counters,
+    preemptions,
+    prepare,
+    rotated,
+    server_process,
+)
+from fidelity import (
+    CALIBRATIONS,
+    GOALS,
+    PRESETS,
+    _mean,
+    calibrate_http,
+    calibrate_own,
+    simulate_summary,
+)
+from hf_checkpoint import hf_checkpoint
+from server_process import ServerFailed
+
+from hybridserve.sim.calibration import Calibration
+from hybridserve.sim.deployment import SimConfig
+from hybridserve.sim.stats import paired_ratio
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+METRICS = (
+    "slo_requests_per_s",
+    "output_tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "slo_attainment",
+    "requests_completed",
+)
+CALIBRATION_NAMES = ("torch-own", "torch-http", "vllm-http")
+
+
+# ----- the trace's windows ----------------------------------------------------------------------
+
+
+def _stamp(text: str) -> datetime:
+    return datetime.fromisoformat(text[:26])
+
+
+def trace_window(trace: Path, start_s: float, span_s: float) -> list[dict[str, str]]:
+    """The trace's rows whose arrival is in [start_s, start_s + span_s) seconds after its first
+    request, in order. Raises SystemExit naming the trace when it has none there."""
+    with trace.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    if not rows:
+        raise SystemExit(f"--trace {trace}: no requests")
+    first = _stamp(rows[0]["TIMESTAMP"])
+    kept = [
+        row
+        for row in rows
+        if start_s <= (_stamp(row["TIMESTAMP"]) - first).total_seconds() < start_s + span_s
+    ]
+    if not kept:
+        raise SystemExit(
+            f"--trace {trace}: no request between {start_s:.1f} and {start_s + span_s:.1f} s "
+            "after its first; use fewer seeds or a larger --time-scales"
+        )
+    return kept
+
+
+def window_path(log_dir: Path, trace: Path, time_scale: float, seed: int) -> Path:
+    return log_dir / f"{trace.stem}-ts{time_scale:g}-s{seed}.csv"
+
+
+def write_window(
+    trace: Path, time_scale: float, seed: int, duration_s: float, log_dir: Path
+) -> Path:
+    """Seed `seed`'s window of the trace (trace seconds [seed x S, (seed + 1) x S), S = the
+    run's duration over the time scale), written as an Azure CSV the load generator and the
+    simulator both replay from its first request on."""
+    span = duration_s / time_scale
+    rows = trace_window(trace, seed * span, span)
+    path = window_path(log_dir, trace, time_scale, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def ensure_windows(report: dict[str, Any], log_dir: Path) -> None:
+    """Write again, into `log_dir`, the windows of the report's runs that are not on disk (a
+    report from another machine or a clean checkout): they follow from the trace, the time
+    scale, the seed and the duration alone."""
+    setup = report["setup"]
+    trace = Path(setup["trace"])
+    if not trace.is_absolute() and not trace.is_file():
+        trace = ROOT / trace
+    for run in report["runs"]:
+        if "window" in run and not Path(run["window"]).is_file():
+            path = write_window(trace, run["time_scale"], run["seed"], setup["duration"], log_dir)
+            run["window"] = str(path)
+
+
+def load_label(trace: Path, time_scale: float) -> str:
+    name = trace.stem.removeprefix("AzureLLMInferenceTrace_")
+    return f"azure-{name} x1/{time_scale:g}"
+
+
+# ----- real runs --------------------------------------------------------------------------------
+
+
+def agents_command(
+    args: argparse.Namespace, url: str, window: Path, time_scale: float, seed: int, out: Path
+) -> list[str]:
+    return [
+        sys.executable, "-c", "from hybridserve.cli import main; main()", "agents",
+        "--url", url, "--model", args.model, "--workload", f"azure:{window}",
+        "--time-scale", f"{time_scale:g}", "--duration", str(args.duration),
+        "--warmup", str(args.warmup), "--seed", str(seed), "--out", str(out), "--json",
+    ]  # fmt: skip
+
+
+def run_load(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
+    """The load generator's JSON report, or {"error": ...} with the tail of its output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    limit = args.duration + 180
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=limit, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"agents ran past --duration + 180 s ({limit:.0f} s)"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"error": f"agents exited with {done.returncode}: {done.stderr.strip()[-800:]}"}
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+def one_run(
+    args: argparse.Namespace, name: str, time_scale: float, seed: int, window: Path
+) -> dict[str, Any]:
+    """Start `name` fresh, replay the window against it, read its counters, stop it."""
+    tag = f"ts{time_scale:g}"
+    server = server_process(args, name, tag, seed)  # type: ignore[arg-type]
+    entry: dict[str, Any] = {
+        "server": name, "time_scale": time_scale, "seed": seed, "window": str(window)
+    }  # fmt: skip
+    try:
+        entry["startup_s"] = round(server.start(args.start_timeout), 1)
+    except ServerFailed as exc:
+        entry["failed"] = {"reason": exc.reason, "log_tail": exc.log_tail}
+        print(f"  {exc}; its log ends:\n{exc.log_tail}", file=sys.stderr, flush=True)
+        return entry
+    try:
+        began = time.monotonic()
+        out = args.log_dir / f"{name}-{tag}-s{seed}"
+        command = agents_command(args, server.base_url, window, time_scale, seed, out)
+        entry["metrics"] = run_load(args, command)
+        entry["agents_wall_s"] = round(time.monotonic() - began, 1)
+        try:
+            page = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+            entry["server_preemptions"] = preemptions(page)
+            if name != "vllm":
+                entry["engine_counters"] = engine_counters(page)
+        except httpx.HTTPError as exc:
+            entry["metrics_error"] = str(exc)
+    finally:
+        server.stop()
+    return entry
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    total = len(args.time_scales) * len(seeds) * len(args.servers)
+    for time_scale in args.time_scales:
+        for seed in seeds:
+            window = write_window(args.trace, time_scale, seed, args.duration, args.log_dir)
+            for name in rotated(args.servers, seed):
+                print(
+                    f"run {len(runs) + 1}/{total}: {name}, time scale {time_scale:g}, seed {seed}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs.append(entry := one_run(args, name, time_scale, seed, window))
+                metrics = entry.get("metrics", {})
+                print(
+                    f"  done {metrics.get('requests_completed')}, tok/s "
+                    f"{metrics.get('output_tokens_per_s')}, ITL p50 {metrics.get('itl_p50_ms')}"
+                    f", TTFT p99 {metrics.get('ttft_p99_ms')}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return runs
+
+
+# ----- the report -------------------------------------------------------------------------------
+
+
+def finished(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in runs if "failed" not in r and "error" not in r.get("metrics", {"error": 1})]
+
+
+def per_seed(
+    runs: list[dict[str, Any]], server: str, time_scale: float, seeds: list[int], key: str
+) -> list[float | None]:
+    found = {
+        r["seed"]: r["metrics"].get(key)
+        for r in finished(runs)
+        if r["server"] == server and r["time_scale"] == time_scale
+    }
+    return [found.get(seed) for seed in seeds]
+
+
+def ratios(runs: list[dict[str, Any]], time_scale: float, seeds: list[int]) -> dict[str, Any]:
+    """Per pair of servers that ran, per metric: the paired ratio and both sides' values."""
+    servers = {r["server"] for r in runs}
+    out: dict[str, Any] = {}
+    for ours, base in PAIRS:
+        if {ours, base} <= servers:
+            out[f"{ours}/{base}"] = {}
+            for key in METRICS:
+                mine = per_seed(runs, ours, time_scale, seeds, key)
+                theirs = per_seed(runs, base, time_scale, seeds, key)
+                ratio = paired_ratio(mine, theirs)
+                out[f"{ours}/{base}"][key] = {**ratio, ours: mine, base: theirs}
+    return out
+
+
+def sim_config(
+    setup: dict[str, Any],
+    pool: dict[str, Any],
+    run: dict[str, Any],
+    calibration: Path,
+    checkpoint: Path,
+) -> SimConfig:
+    """The simulated twin of one real run: the same window, time scale, pool in the same blocks
+    and the server's scheduler, with `calibration`'s device and constants."""
+    cal = Calibration.load(calibration)
+    return SimConfig(
+        model=setup["model"],
+        model_config=str(checkpoint / "config.json"),
+        gpu=cal.device,
+        calibrated_gpu=cal.gpu,
+        efficiency=cal.efficiency,
+        dtype=cal.dtype,
+        kv_dtype=cal.kv_dtype,
+        preset=PRESETS[run["server"]],
+        speculation="none",
+        duration_s=setup["duration"],
+        warmup_s=setup["warmup"],
+        seed=run["seed"],
+        workload=f"azure:{run['window']}",
+        time_scale=run["time_scale"],
+        max_model_len=setup["max_model_len"],
+        block_size=pool["block_size"],
+        num_gpu_blocks_override=pool["num_blocks"],
+    )
+
+
+def simulate_all(
+    report: dict[str, Any], calibrations: Path
+) -> dict[tuple[str, str, float, int], dict[str, float]]:
+    """(server, calibration, time scale, seed) -> the twin's summary, for every finished run."""
+    out: dict[tuple[str, str, float, int], dict[str, float]] = {}
+    setup, pool = report["setup"], report["pool"]
+    checkpoint = hf_checkpoint(setup["model"])
+    for run in finished(report["runs"]):
+        for name in CALIBRATIONS[run["server"]]:
+            path = calibrations / f"{name}.json"
+            config = sim_config(setup, pool, run, path, checkpoint)
+            out[(run["server"], name, run["time_scale"], run["seed"])] = simulate_summary(config)
+    return out
+
+
+def fidelity_rows(
+    report: dict[str, Any], simulated: dict[tuple[str, str, float, int], dict[str, float]]
+) -> list[dict[str, Any]]:
+    """One row per server, calibration, time scale and metric: means over the seeds."""
+    measured = {
+        (r["server"], r["time_scale"], r["seed"]): r["metrics"] for r in finished(report["runs"])
+    }
+    trace = Path(report["setup"]["trace"])
+    rows: list[dict[str, Any]] = []
+    for server, name, scale in sorted({k[:3] for k in simulated}):
+        seeds = sorted(k[3] for k in simulated if k[:3] == (server, name, scale))
+        for metric in METRICS:
+            real = [measured[(server, scale, s)].get(metric) for s in seeds]
+            sim = [simulated[(server, name, scale, s)].get(metric) for s in seeds]
+            m, s = _mean(real), _mean(sim)
+            rows.append(
+                {
+                    "engine": server,
+                    "calibration": name,
+                    "load": load_label(trace, scale),
+                    "metric": metric,
+                    "measured": m,
+                    "simulated": s,
+                    "error": None if m is None or s is None or m == 0 else s / m - 1,
+                    "scored": True,
+                    "per_seed": {"seeds": seeds, "measured": real, "simulated": sim},
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The error table: a line per server, calibration and load, a column per metric with a
+    goal (the SLO goodput's is the output's, 10%); a miss is marked."""
+    metrics = [m for m in METRICS if m in GOALS or m == "slo_requests_per_s"]
+    lines = ["| engine | calibration | load | " + " | ".join(metrics) + " |"]
+    lines.append("|---" * (3 + len(metrics)) + "|")
+    index = {(r["engine"], r["calibration"], r["load"], r["metric"]): r for r in rows}
+    for engine, name, load in dict.fromkeys(
+        (r["engine"], r["calibration"], r["load"]) for r in rows
+    ):
+        cells = []
+        for metric in metrics:
+            err = index[(engine, name, load, metric)]["error"]
+            goal = GOALS.get(metric, GOALS["output_tokens_per_s"])
+            mark = "" if err is None or abs(err) <= goal + 1e-9 else " x"
+            cells.append("-" if err is None else f"{err:+.0%}{mark}")
+        lines.append(f"| {engine} | {name} | {load} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summarise(
+    setup: dict[str, Any], pool: dict[str, Any], runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    scales = sorted({r["time_scale"] for r in runs})
+    seeds = {t: sorted({r["seed"] for r in runs if r["time_scale"] == t}) for t in scales}
+    return {
+        "setup": setup | {"seeds": {f"{t:g}": seeds[t] for t in scales}},
+        "pool": pool,
+        "runs": runs,
+        "ratios": {f"{t:g}": ratios(runs, t, seeds[t]) for t in scales},
+        "failed_runs": [
+            {k: r[k] for k in ("server", "time_scale", "seed")} | {"reason": r["failed"]["reason"]}
+            for r in runs
+            if "failed" in r
+        ],
+    }
+
+
+# ----- command line -----------------------------------------------------------------------------
+
+
+def _scales(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give time scales > 0, e.g. 8 or 6,12")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--trace", type=Path, default=TRACE, help="an Azure trace CSV")
+    add("--time-scales", type=_scales, default=[8.0], help="wall seconds per trace second")
+    add("--seeds", type=int, default=3, help="windows of the trace, from --first-seed")
+    add("--first-seed", type=int, default=0)
+    add("--duration", type=float, default=210.0, help="seconds per run, warm-up included")
+    add("--warmup", type=float, default=30.0)
+    add("--model", default="smollm2", choices=("smollm2", "gemma3-270m"))
+    add("--servers", type=_names, default=list(SERVERS), help="baseline,hybridserve,vllm")
+    add("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    add("--pool-tokens", type=int, default=12_288, help="the KV pool of every server")
+    add("--block-size", type=int, default=32)
+    add("--max-model-len", type=int, default=8_192)
+    add("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    add("--start-timeout", type=float, default=600.0)
+    add("--log-dir", type=Path, default=ROOT / "runs" / "trace_real_logs")
+    add("--calibrations", type=Path, default=ROOT / "runs" / "fidelity", help="calibration folder")
+    add("--calibrate", action="store_true", help="measure the calibrations after the runs")
+    add("--no-simulate", action="store_true", help="the real runs only")
+    add("--report", type=Path, default=None, help="score an earlier report instead of running")
+    add("--out", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    if args.seeds < 1 or args.first_seed < 0:
+        parser.error(f"--seeds {args.seeds} --first-seed {args.first_seed}: use 1+ and 0+")
+    if not args.duration > args.warmup >= 0:
+        parser.error(f"--duration {args.duration} must exceed --warmup {args.warmup} >= 0")
+    if args.report is None and not args.trace.is_file():
+        parser.error(f"--trace {args.trace}: no such file; give an Azure trace CSV")
+    return args
+
+
+def real_runs(args: argparse.Namespace) -> dict[str, Any]:
+    # e1_real.prepare reads the agent options too; a trace run has none of them.
+    args.quick, args.merge, args.agents = False, [], []
+    setup = prepare(args)
+    for key in ("agents", "time_scales", "no_simulate", "report", "calibrate", "calibrations"):
+        setup.pop(key, None)
+    setup["trace"] = str(args.trace)
+    setup["time_scales"] = args.time_scales
+    began = time.monotonic()
+    report = summarise(setup, args.pool, run_all(args))
+    report["wall_s"] = round(time.monotonic() - began, 1)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = json.loads(args.report.read_text()) if args.report is not None else real_runs(args)
+    ensure_windows(report, args.log_dir)
+    if not args.no_simulate:
+        if args.calibrate:
+            args.setup = report["setup"]
+            args.calibrations.mkdir(parents=True, exist_ok=True)
+            checkpoint = hf_checkpoint(report["setup"]["model"])
+            calibrate_own(args, checkpoint)
+            for name in ("torch-http", "vllm-http"):
+                calibrate_http(args, name, checkpoint)
+        missing = [n for n in CALIBRATION_NAMES if not (args.calibrations / f"{n}.json").is_file()]
+        if missing:
+            raise SystemExit(f"--calibrations {args.calibrations}: no {', '.join(missing)}")
+        report["rows"] = fidelity_rows(report, simulate_all(report, args.calibrations))
+        report["calibrations"] = {
+            n: json.loads((args.calibrations / f"{n}.json").read_text()) for n in CALIBRATION_NAMES
+        }
+        print(markdown(report["rows"]), file=sys.stderr)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
