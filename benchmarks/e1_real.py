@@ -66,6 +66,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -269,17 +270,15 @@ def agents_command(
     ]  # fmt: skip
 
 
-def run_agents(
-    args: argparse.Namespace, url: str, load: int, seed: int, out: Path
-) -> dict[str, Any]:
-    """The agents' JSON report (their per-request rows go to `out`), or {"error": ...} with
-    the tail of their output."""
+def run_load_command(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
+    """Run a load generator's command line (`hybridserve agents ... --json`): its JSON report,
+    or {"error": ...} with the tail of its output."""
     import subprocess
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         done = subprocess.run(
-            agents_command(args, url, load, seed, out),
+            command,
             capture_output=True,
             text=True,
             env=env,
@@ -299,34 +298,50 @@ def one_run(args: argparse.Namespace, name: str, load: int, seed: int) -> dict[s
     """Start `name` fresh, run the agents against it, read its preemptions, stop it."""
     server = server_process(args, name, load, seed)
     entry: dict[str, Any] = {"server": name, "agents": load, "seed": seed}
+    out = args.log_dir / f"{name}-a{load}-s{seed}"
+    if not serve_and_load(
+        args, server, entry, lambda url: agents_command(args, url, load, seed, out)
+    ):
+        return entry
+    if (out / "requests.jsonl").is_file():
+        entry["requests_file"] = str(out / "requests.jsonl")
+        rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+        entry["prefix_kept"] = prefix_kept(rows, args.block_size, args.system_prompt_tokens)
+    if name == "vllm":
+        entry["vllm_pool"] = parse_vllm_pool(server.log_path.read_text(errors="replace"))
+    return entry
+
+
+def serve_and_load(
+    args: argparse.Namespace,
+    server: ServerProcess,
+    entry: dict[str, Any],
+    command: Callable[[str], list[str]],
+) -> bool:
+    """Start `server`, run the load generator's `command(base_url)` against it, read its
+    preemptions (and our engine's counters) from `/metrics`, stop it; all into `entry`
+    (`failed` with the log's tail when it does not start). Returns whether it started."""
     try:
         entry["startup_s"] = round(server.start(args.start_timeout), 1)
     except ServerFailed as exc:
         entry["failed"] = {"reason": exc.reason, "log_tail": exc.log_tail}
         print(f"  {exc}; its log ends:\n{exc.log_tail}", file=sys.stderr, flush=True)
-        return entry
+        return False
     try:
         began = time.monotonic()
-        out = args.log_dir / f"{name}-a{load}-s{seed}"
-        entry["metrics"] = run_agents(args, server.base_url, load, seed, out)
+        entry["metrics"] = run_load_command(args, command(server.base_url))
         entry["agents_wall_s"] = round(time.monotonic() - began, 1)
-        if (out / "requests.jsonl").is_file():
-            entry["requests_file"] = str(out / "requests.jsonl")
-            rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-            entry["prefix_kept"] = prefix_kept(rows, args.block_size, args.system_prompt_tokens)
         try:
             page = httpx.get(f"{server.base_url}/metrics", timeout=10).text
             entry["server_preemptions"] = preemptions(page)
-            if name != "vllm":
+            if server.name != "vllm":
                 entry["engine_counters"] = engine_counters(page)
         except httpx.HTTPError as exc:
             entry["server_preemptions"] = None
             entry["metrics_error"] = str(exc)
     finally:
         server.stop()
-    if name == "vllm":
-        entry["vllm_pool"] = parse_vllm_pool(server.log_path.read_text(errors="replace"))
-    return entry
+    return True
 
 
 def per_seed(

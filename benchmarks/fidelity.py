@@ -36,7 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ PRESETS = {"baseline": "baseline", "hybridserve": "hybridserve", "vllm": "baseli
 # Goals of the comparison (docs/fidelity.md): |error| within these per metric.
 GOALS = {
     "job_goodput_per_hour": 0.10,
+    "slo_requests_per_s": 0.10,  # a trace's goodput (trace_real.py), as the jobs'
     "output_tokens_per_s": 0.10,
     "ttft_p50_ms": 0.15,
     "itl_p50_ms": 0.15,
@@ -265,10 +266,22 @@ def fidelity_rows(
         for r in report["runs"]
         if "failed" not in r and "error" not in r.get("metrics", {"error": 1})
     }
+    return compare_rows(measured, simulated, METRICS, lambda load: f"agents={load}")
+
+
+def compare_rows(
+    measured: Mapping[tuple[str, Any, int], Mapping[str, Any]],
+    simulated: Mapping[tuple[str, str, Any, int], Mapping[str, Any]],
+    metrics: Sequence[str],
+    label: Callable[[Any], str],
+) -> list[dict[str, Any]]:
+    """The rows of `simulated` (engine, calibration, load, seed) against `measured` (engine,
+    load, seed): per engine, calibration, load and metric the means over the seeds simulated,
+    `error` = simulated / measured - 1, and the per-seed values; `label(load)` names the load."""
     rows: list[dict[str, Any]] = []
     for engine, name, load in sorted({k[:3] for k in simulated}):
         seeds = sorted(k[3] for k in simulated if k[:3] == (engine, name, load))
-        for metric in METRICS:
+        for metric in metrics:
             real = [measured[(engine, load, s)].get(metric) for s in seeds]
             sim = [simulated[(engine, name, load, s)].get(metric) for s in seeds]
             m, s = _mean(real), _mean(sim)
@@ -276,7 +289,7 @@ def fidelity_rows(
                 {
                     "engine": engine,
                     "calibration": name,
-                    "load": f"agents={load}",
+                    "load": label(load),
                     "metric": metric,
                     "measured": m,
                     "simulated": s,
@@ -288,24 +301,20 @@ def fidelity_rows(
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The error table: a line per engine, calibration and load, a column per metric."""
+def markdown(rows: list[dict[str, Any]], metrics: Sequence[str] = METRICS) -> str:
+    """The error table: a line per engine, calibration and load, a column per metric (a miss of
+    its goal marked)."""
     lines = [
-        "| engine | calibration | load | " + " | ".join(METRICS) + " |",
-        "|---" * (3 + len(METRICS)) + "|",
+        "| engine | calibration | load | " + " | ".join(metrics) + " |",
+        "|---" * (3 + len(metrics)) + "|",
     ]
+    index = {(r["engine"], r["calibration"], r["load"], r["metric"]): r for r in rows}
     for engine, name, load in dict.fromkeys(
         (r["engine"], r["calibration"], r["load"]) for r in rows
     ):
         cells = []
-        for metric in METRICS:
-            row = next(
-                r
-                for r in rows
-                if (r["engine"], r["calibration"], r["load"], r["metric"])
-                == (engine, name, load, metric)
-            )
-            err = row["error"]
+        for metric in metrics:
+            err = index[(engine, name, load, metric)]["error"]
             goal = GOALS.get(metric)
             mark = "" if err is None or goal is None or abs(err) <= goal + 1e-9 else " ✗"
             cells.append("-" if err is None else f"{err:+.0%}{mark}")

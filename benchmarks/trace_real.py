@@ -35,7 +35,6 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime
@@ -44,28 +43,26 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import httpx
 from e1_real import (
     PAIRS,
     SERVERS,
     _names,
-    engine_counters,
-    preemptions,
     prepare,
     rotated,
+    serve_and_load,
     server_process,
 )
 from fidelity import (
     CALIBRATIONS,
     GOALS,
     PRESETS,
-    _mean,
     calibrate_http,
     calibrate_own,
+    compare_rows,
+    markdown,
     simulate_summary,
 )
 from hf_checkpoint import hf_checkpoint
-from server_process import ServerFailed
 
 from hybridserve.sim.calibration import Calibration
 from hybridserve.sim.deployment import SimConfig
@@ -168,23 +165,6 @@ def agents_command(
     ]  # fmt: skip
 
 
-def run_load(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
-    """The load generator's JSON report, or {"error": ...} with the tail of its output."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    limit = args.duration + 180
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=limit, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"agents ran past --duration + 180 s ({limit:.0f} s)"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"error": f"agents exited with {done.returncode}: {done.stderr.strip()[-800:]}"}
-    report: dict[str, Any] = json.loads(lines[-1])
-    return report
-
-
 def one_run(
     args: argparse.Namespace, name: str, time_scale: float, seed: int, window: Path
 ) -> dict[str, Any]:
@@ -194,27 +174,10 @@ def one_run(
     entry: dict[str, Any] = {
         "server": name, "time_scale": time_scale, "seed": seed, "window": str(window)
     }  # fmt: skip
-    try:
-        entry["startup_s"] = round(server.start(args.start_timeout), 1)
-    except ServerFailed as exc:
-        entry["failed"] = {"reason": exc.reason, "log_tail": exc.log_tail}
-        print(f"  {exc}; its log ends:\n{exc.log_tail}", file=sys.stderr, flush=True)
-        return entry
-    try:
-        began = time.monotonic()
-        out = args.log_dir / f"{name}-{tag}-s{seed}"
-        command = agents_command(args, server.base_url, window, time_scale, seed, out)
-        entry["metrics"] = run_load(args, command)
-        entry["agents_wall_s"] = round(time.monotonic() - began, 1)
-        try:
-            page = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-            entry["server_preemptions"] = preemptions(page)
-            if name != "vllm":
-                entry["engine_counters"] = engine_counters(page)
-        except httpx.HTTPError as exc:
-            entry["metrics_error"] = str(exc)
-    finally:
-        server.stop()
+    out = args.log_dir / f"{name}-{tag}-s{seed}"
+    serve_and_load(
+        args, server, entry, lambda url: agents_command(args, url, window, time_scale, seed, out)
+    )
     return entry
 
 
@@ -330,47 +293,11 @@ def fidelity_rows(
         (r["server"], r["time_scale"], r["seed"]): r["metrics"] for r in finished(report["runs"])
     }
     trace = Path(report["setup"]["trace"])
-    rows: list[dict[str, Any]] = []
-    for server, name, scale in sorted({k[:3] for k in simulated}):
-        seeds = sorted(k[3] for k in simulated if k[:3] == (server, name, scale))
-        for metric in METRICS:
-            real = [measured[(server, scale, s)].get(metric) for s in seeds]
-            sim = [simulated[(server, name, scale, s)].get(metric) for s in seeds]
-            m, s = _mean(real), _mean(sim)
-            rows.append(
-                {
-                    "engine": server,
-                    "calibration": name,
-                    "load": load_label(trace, scale),
-                    "metric": metric,
-                    "measured": m,
-                    "simulated": s,
-                    "error": None if m is None or s is None or m == 0 else s / m - 1,
-                    "scored": True,
-                    "per_seed": {"seeds": seeds, "measured": real, "simulated": sim},
-                }
-            )
-    return rows
+    return compare_rows(measured, simulated, METRICS, lambda scale: load_label(trace, scale))
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The error table: a line per server, calibration and load, a column per metric with a
-    goal (the SLO goodput's is the output's, 10%); a miss is marked."""
-    metrics = [m for m in METRICS if m in GOALS or m == "slo_requests_per_s"]
-    lines = ["| engine | calibration | load | " + " | ".join(metrics) + " |"]
-    lines.append("|---" * (3 + len(metrics)) + "|")
-    index = {(r["engine"], r["calibration"], r["load"], r["metric"]): r for r in rows}
-    for engine, name, load in dict.fromkeys(
-        (r["engine"], r["calibration"], r["load"]) for r in rows
-    ):
-        cells = []
-        for metric in metrics:
-            err = index[(engine, name, load, metric)]["error"]
-            goal = GOALS.get(metric, GOALS["output_tokens_per_s"])
-            mark = "" if err is None or abs(err) <= goal + 1e-9 else " x"
-            cells.append("-" if err is None else f"{err:+.0%}{mark}")
-        lines.append(f"| {engine} | {name} | {load} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+# The error table's columns: the metrics with a goal.
+TABLE_METRICS = tuple(m for m in METRICS if m in GOALS)
 
 
 def summarise(
@@ -470,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         report["calibrations"] = {
             n: json.loads((args.calibrations / f"{n}.json").read_text()) for n in CALIBRATION_NAMES
         }
-        print(markdown(report["rows"]), file=sys.stderr)
+        print(markdown(report["rows"], TABLE_METRICS), file=sys.stderr)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

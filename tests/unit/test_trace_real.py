@@ -105,7 +105,7 @@ def test_ratios_pair_seeds_and_rows_compare_means(tr: ModuleType) -> None:
     assert (row["measured"], row["simulated"], row["load"]) == (15.0, 16.5, "azure-code x1/8")
     assert row["error"] == pytest.approx(0.1) and row["per_seed"]["seeds"] == [0, 1]
     assert rows["ttft_p50_ms"]["error"] is None
-    table = tr.markdown(list(rows.values()))
+    table = tr.markdown(list(rows.values()), tr.TABLE_METRICS)
     assert "| vllm | vllm-http | azure-code x1/8 |" in table and "+10% |" in table
 
 
