@@ -53,6 +53,16 @@ updated) until that average falls under DECODE_ONLY_RELEASE x T. It happens wher
 slow against the target (a CPU serving Gemma 3 270M to 8 streams decodes in 84 ms a step
 against T = 75: the budget fell to its floor, one 256-token prompt a 300 ms step, where vLLM
 prefills the queue in one 2,048-token step), not where T was chosen (the simulated H200).
+
+It stands aside too while the floor itself runs past every aim it has: when the running average
+of the mixed steps that used the whole floor (FLOOR_MIN_STEPS of them at least) reaches the
+larger of T and Tp, the decodes may be fast but one floor of prefill is not, and a budget held
+at the floor only splits the queue's prompts into more steps, each of which carries every decode
+and misses the aim anyway (a CPU serving SmolLM2 prefills 256 tokens in about 0.37 s against
+T = 75 ms: the preset ran 127 mixed steps of 390 prompt tokens where vLLM ran 52 of 991, and
+finished fewer requests). No step time says when a floor would fit again, so after
+FLOOR_RETRY_STEPS steps of vLLM's that carried prefill it tries: it learns down from vLLM's
+budget, and stands aside again if the floor's steps still miss.
 """
 
 from __future__ import annotations
@@ -73,6 +83,9 @@ CONTEXT_CEILING_FACTOR = 32  # the weighted budget's ceiling, x max_num_batched_
 CALM_RISE_FRACTION = 0.5  # a calm aim reaches T when the oldest wait reaches W/2
 DECODE_ONLY_WEIGHT = 0.25  # the newest decode-only step's weight in their running average
 DECODE_ONLY_RELEASE = 0.9  # a budget standing aside resumes under this x T of decode-only steps
+FLOOR_WEIGHT = 0.25  # the newest floor step's weight in their running average
+FLOOR_MIN_STEPS = 3  # floor steps heard (since the last try) before they can make it stand aside
+FLOOR_RETRY_STEPS = 64  # prefill-carrying steps of vLLM's before a budget aside for its floor tries
 
 
 class AdaptiveBudget:
@@ -81,14 +94,18 @@ class AdaptiveBudget:
     __slots__ = (
         "calm_target_s",
         "ceiling",
+        "decode_aside",
         "decode_only_s",
         "floor",
+        "floor_aside",
+        "floor_s",
+        "floor_steps",
         "last_binding",
         "levels",
         "pressure_target_s",
         "quantum",
         "queue_limit_s",
-        "stands_aside",
+        "retry_in",
         "start_tokens",
         "target_s",
         "tokens_f",
@@ -114,7 +131,13 @@ class AdaptiveBudget:
         self.tokens_f = self.start_tokens
         # The running average of decode-only steps (0: none yet), and whether it is past T.
         self.decode_only_s = 0.0
-        self.stands_aside = False
+        self.decode_aside = False
+        # The running average of the steps that used the whole floor, how many were heard, and
+        # whether it is past every aim (then `retry_in` prefill-carrying steps until it tries).
+        self.floor_s = 0.0
+        self.floor_steps = 0
+        self.floor_aside = False
+        self.retry_in = 0
         self.valve_open = False  # set by the controller from the decision of each mixed step
         # budget -> (running average of the measured cost a prefill token of growing to it,
         # `updates` at its last step); the last binding step's (budget, duration, `updates`)
@@ -168,11 +191,44 @@ class AdaptiveBudget:
             duration_s if seen <= 0 else seen + DECODE_ONLY_WEIGHT * (duration_s - seen)
         )
         if self.decode_only_s >= self.target_s:
-            if not self.stands_aside:
-                self.tokens_f = max(self.tokens_f, self.start_tokens)
-            self.stands_aside = True
+            self._step_aside()
+            self.decode_aside = True
         elif self.decode_only_s < DECODE_ONLY_RELEASE * self.target_s:
-            self.stands_aside = False
+            self.decode_aside = False
+
+    @property
+    def stands_aside(self) -> bool:
+        """Steps are vLLM's: the decodes alone, or the floor's steps, run past the aim."""
+        return self.decode_aside or self.floor_aside
+
+    def _step_aside(self) -> None:
+        if not self.stands_aside:
+            self.tokens_f = max(self.tokens_f, self.start_tokens)
+
+    def _observe_floor(self, duration_s: float) -> None:
+        """A mixed step that used the whole floor ran `duration_s`: the budget stands aside
+        for FLOOR_RETRY_STEPS once their running average reaches the larger of T and Tp."""
+        seen = self.floor_s
+        self.floor_s = duration_s if seen <= 0 else seen + FLOOR_WEIGHT * (duration_s - seen)
+        self.floor_steps += 1
+        if self.floor_steps >= FLOOR_MIN_STEPS and self.floor_s >= max(
+            self.target_s, self.pressure_target_s
+        ):
+            self._step_aside()
+            self.floor_aside = True
+            self.retry_in = FLOOR_RETRY_STEPS
+
+    def _aside_step(self, prefill_tokens: float) -> None:
+        """A step of vLLM's while the budget stands aside for its floor: after
+        FLOOR_RETRY_STEPS of them that carried prefill, it tries the floor again (its floor
+        steps heard afresh)."""
+        if not self.floor_aside or prefill_tokens <= 0:
+            return
+        self.retry_in -= 1
+        if self.retry_in <= 0:
+            self.floor_aside = False
+            self.floor_s = 0.0
+            self.floor_steps = 0
 
     def tokens(self) -> int:
         """The budget now: whole quanta, at least one, at most max_num_batched_tokens."""
@@ -213,7 +269,10 @@ class AdaptiveBudget:
         `prefill_tokens` of its `budget` (weighted by context, see ContextWeight; a quantum more
         would have taken `unit` quanta) and was planned `pressure`d (the queue valve open) when
         the oldest request in prefill had waited `oldest_wait_s`."""
-        if duration_s <= 0 or self.stands_aside:
+        if duration_s <= 0:
+            return
+        if self.stands_aside:
+            self._aside_step(prefill_tokens)
             return
         self.updates += 1
         limited = pressure and self.pressure_target_s > 0
@@ -224,6 +283,10 @@ class AdaptiveBudget:
         binds = prefill_tokens + self.quantum * unit > budget
         if binds:
             self._record(budget, duration_s)
+            if budget <= self.floor:
+                self._observe_floor(duration_s)
+                if self.floor_aside:
+                    return
         if ratio < 1.0 and not pressure:
             tokens = budget * max(ratio, MAX_STEP_DOWN)
         elif binds and (pressure or ratio > 1.0):

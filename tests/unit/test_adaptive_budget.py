@@ -14,7 +14,12 @@ from hybridserve.core.config import SchedulerConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.plan import StepResult
 from hybridserve.engine.settings import PRESETS, preset
-from hybridserve.scheduler.adaptive import LEVEL_LIMIT, PRESSURE_LEVEL_LIMIT, AdaptiveBudget
+from hybridserve.scheduler.adaptive import (
+    FLOOR_RETRY_STEPS,
+    LEVEL_LIMIT,
+    PRESSURE_LEVEL_LIMIT,
+    AdaptiveBudget,
+)
 from hybridserve.scheduler.controls import PrefillController
 from tests.conftest import make_request, make_scheduler
 
@@ -434,3 +439,58 @@ def test_in_the_scheduler_decodes_slower_than_the_target_get_vllms_steps_and_are
     # The same load with 20 ms decodes: the budget governs (mixed steps far under vLLM's).
     fast = _run(config, per_token_s=100e-6, long_at_step=4)
     assert max(p for p, d in fast[10:] if d) <= 600 < max(p for p, d in vllm_run[4:] if d)
+
+
+def _floor_steps(adaptive: AdaptiveBudget, steps: int, floor_step_s: float) -> list[int]:
+    """Mixed steps each using their whole budget: `floor_step_s` at the floor (256 tokens), 5 ms
+    more a token past it; the budget each step had."""
+    seen = []
+    for _ in range(steps):
+        tokens = adaptive.tokens()
+        seen.append(tokens)
+        duration = floor_step_s + 5e-3 * (tokens - 256)
+        adaptive.update(duration_s=duration, prefill_tokens=tokens, budget=tokens, pressure=False)
+    return seen
+
+
+PRESET_AIMS = {
+    "adaptive_budget_itl_ms": 75.0,
+    "adaptive_budget_queue_ms": 2000.0,
+    "adaptive_budget_pressure_itl_ms": 88.0,
+}
+
+
+def test_floor_steps_past_every_aim_make_the_budget_stand_aside_and_try_again_later() -> None:
+    # T = 75 ms, Tp = 88 ms; a floor of prefill runs 0.37 s (a CPU prefilling 256 tokens): no
+    # budget reaches either aim, so after three floor steps the steps are vLLM's.
+    adaptive = budget(64, max_num_batched_tokens=2048, **PRESET_AIMS)
+    seen = _floor_steps(adaptive, 8, floor_step_s=0.37)
+    assert seen[:4] == [2048, 1024, 512, 256]  # it learns down to its floor
+    assert seen[4:7] == [256, 256] + [2048]  # the third floor step makes it stand aside
+    assert adaptive.stands_aside and not adaptive.decode_aside
+    # Decode-only steps under T change nothing, and vLLM's steps move no budget ...
+    adaptive.observe_decode_only(0.030)
+    seen = _floor_steps(adaptive, FLOOR_RETRY_STEPS - 3, floor_step_s=0.37)
+    assert adaptive.stands_aside and set(seen) == {2048}
+    # ... until FLOOR_RETRY_STEPS of them carried prefill: it learns down and tries the floor.
+    seen = _floor_steps(adaptive, 8, floor_step_s=0.37)
+    assert seen[:5] == [2048, 2048, 1024, 512, 256] and seen[-1] == 2048
+    # Floors that come back under Tp keep it governing (at the floor, 80 ms a step).
+    adaptive = budget(64, max_num_batched_tokens=2048, **PRESET_AIMS)
+    seen = _floor_steps(adaptive, 40, floor_step_s=0.080)
+    assert not adaptive.stands_aside and seen[-1] == 256
+
+
+def test_in_the_scheduler_a_floor_slower_than_the_target_gets_vllms_steps() -> None:
+    # 20 ms + 1 ms a prefill token: 256 tokens alone run 0.28 s against T = 75 ms. After the
+    # budget learns down to its floor, the long prompt is prefilled in vLLM's 4,096-token steps,
+    # not 256 at a time beside the decodes.
+    config = {"adaptive_budget_itl_ms": 75.0, "max_num_batched_tokens": 4096}
+    scheduler = make_scheduler(**config)  # type: ignore[arg-type]
+    shapes = _run_on(scheduler, per_token_s=1e-3, base_s=0.020, long_at_step=4)
+    mixed = [p for p, d in shapes if p and d]
+    assert mixed[:5] == [4094, 2047, 1023, 511, 256]  # vLLM's room, then learning down
+    assert mixed[5:7] == [256, 256] and mixed[7] == 4094  # three floor steps, then vLLM's
+    assert len(mixed) < 20  # 20,000 tokens at 256 a step would be 78 mixed steps
+    snapshot = scheduler.metrics_snapshot()
+    assert snapshot["hybridserve:scheduler_adaptive_stand_aside_steps_total"] >= 3
