@@ -110,6 +110,11 @@ ClockOption = Annotated[
 ]
 
 
+def _stream(calibration: Calibration) -> str:
+    rate = calibration.gpu.stream_bytes_per_s(calibration.dtype)
+    return "-" if rate is None else f"{rate / 1e9:.1f} GB/s ({calibration.dtype})"
+
+
 def _summary_tables(calibration: Calibration) -> tuple[Table, Table]:
     eff, gpu = calibration.efficiency, calibration.gpu
     fp32 = "-" if gpu.fp32_flops is None else f"{gpu.fp32_flops / 1e12:.3f} TFLOP/s"
@@ -121,6 +126,7 @@ def _summary_tables(calibration: Calibration) -> tuple[Table, Table]:
     rows = [
         (f"peaks ({calibration.peaks})", f"bf16 {gpu.bf16_flops / 1e12:.3f} TFLOP/s, fp32 {fp32}"),
         ("memory bandwidth", f"{gpu.hbm_bytes_per_s / 1e9:.1f} GB/s"),
+        ("weight stream", _stream(calibration)),
         ("clock, threads", f"{calibration.clock}, {calibration.num_threads}"),
         ("gemm", f"{eff.gemm:.3f}"),
         ("attention", f"{eff.attention:.3f}"),

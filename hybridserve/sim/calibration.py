@@ -233,7 +233,15 @@ class Calibration:
 _EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
 # name is the calibration's device; the optional peaks may be null.
 _GPU_FIELDS = tuple(f.name for f in fields(Gpu) if f.name != "name")
-_OPTIONAL = ("fp8_flops", "fp4_flops", "fp32_flops", "reported_bytes", "kv_hbm")
+_OPTIONAL = (
+    "fp8_flops",
+    "fp4_flops",
+    "fp32_flops",
+    "reported_bytes",
+    "kv_hbm",
+    "fp32_stream_bytes_per_s",
+    "bf16_stream_bytes_per_s",
+)
 # Fields newer than some calibration files: a file without them keeps the defaults.
 _ADDED_LATER = (
     "reported_bytes",
@@ -243,6 +251,8 @@ _ADDED_LATER = (
     "host_link_bytes_per_s",
     "host_link_latency_s",
     "shared_kv",
+    "fp32_stream_bytes_per_s",
+    "bf16_stream_bytes_per_s",
 )
 
 

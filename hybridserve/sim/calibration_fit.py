@@ -192,6 +192,18 @@ def fit_shared_kv(samples: Sequence[Sample], efficiency: Efficiency) -> Efficien
     return min(candidates, key=lambda e: (objective(samples, e), e.shared_kv))
 
 
+def _fit_plan(
+    shapes: Sequence[StepShape], setup: CostSetup, *, pin_hbm: bool
+) -> tuple[tuple[str, ...], tuple[Efficiency, ...]]:
+    """The constants to fit and the starts: `fitted_params`, less hbm where it is pinned (the
+    starts then hold it at `pinned_hbm`)."""
+    params = fitted_params(shapes)
+    hbm = pinned_hbm(setup) if pin_hbm else None
+    if hbm is None:
+        return params, FIT_STARTS
+    return tuple(p for p in params if p != "hbm"), tuple(replace(s, hbm=hbm) for s in FIT_STARTS)
+
+
 def fit_measurements(
     measurements: Sequence[tuple[StepShape, float]],
     *,
@@ -199,11 +211,14 @@ def fit_measurements(
     holdout_fraction: float,
     seed: int,
     max_evaluations: int = 800,
+    pin_hbm: bool = False,
 ) -> CalibrationFit:
     """Fit gemm, attention, hbm, step_overhead_s and (where the decodes identify it, see
     `fitted_params`) kv_hbm on the measurements not held out (fractions of `setup.gpu`'s peaks,
     at most 1), leaving out the decode batches that share a prefix; then `shared_kv` on those
-    (`fit_shared_kv`); and report the errors of both parts."""
+    (`fit_shared_kv`); and report the errors of both parts. `pin_hbm`: hbm is kept at the
+    device's measured weight stream where it has one (`pinned_hbm`), the rest fitted around
+    it."""
     shapes = [shape for shape, _ in measurements]
     held = holdout_split(shapes, fraction=holdout_fraction, seed=seed)
     fitted = [(s, t) for i, (s, t) in enumerate(measurements) if i not in held]
@@ -214,7 +229,7 @@ def fit_measurements(
     # (weight reads against per-step overhead), so start from each corner and keep the best,
     # then restart once from it (a simplex that has collapsed along one of five constants
     # stops short of the minimum).
-    params = fitted_params(shapes)
+    params, starts = _fit_plan(shapes, setup, pin_hbm=pin_hbm)
 
     def fit(start: Efficiency) -> FitResult:
         return fit_efficiency(
@@ -225,7 +240,7 @@ def fit_measurements(
             tolerance=1e-9,
         )
 
-    best = min((fit(start) for start in FIT_STARTS), key=lambda r: r.objective)
+    best = min((fit(start) for start in starts), key=lambda r: r.objective)
     result = min(best, fit(best.efficiency), key=lambda r: r.objective)
     efficiency = fit_shared_kv(shared, result.efficiency)
     model = setup.cost_model(efficiency)
@@ -250,10 +265,18 @@ def fit_measurements(
 
 
 def measured_gpu(
-    name: str, *, fp32_flops: float, bf16_flops: float, copy_bytes_per_s: float, memory_bytes: float
+    name: str,
+    *,
+    fp32_flops: float,
+    bf16_flops: float,
+    copy_bytes_per_s: float,
+    memory_bytes: float,
+    fp32_stream_bytes_per_s: float | None = None,
+    bf16_stream_bytes_per_s: float | None = None,
 ) -> Gpu:
     """The 'datasheet' of a device outside the catalog: its measured matmul FLOP/s, copy
-    bytes/s (read + written) and memory. No interconnect was measured: link 0 (tp 1 only)."""
+    bytes/s (read + written), weight-stream bytes/s (where read) and memory. No interconnect
+    was measured: link 0 (tp 1 only)."""
     return Gpu(
         name=name,
         bf16_flops=bf16_flops,
@@ -263,4 +286,23 @@ def measured_gpu(
         hbm_bytes=memory_bytes,
         hbm_bytes_per_s=copy_bytes_per_s,
         link_bytes_per_s=0.0,
+        fp32_stream_bytes_per_s=fp32_stream_bytes_per_s,
+        bf16_stream_bytes_per_s=bf16_stream_bytes_per_s,
     )
+
+
+def pinned_hbm(setup: CostSetup) -> float | None:
+    """The `hbm` fraction a pinned fit on `setup` keeps fixed, or None (no stream measured):
+    the device's weight-stream rate in the dtype served over its copy rate, at most 1.
+
+    Every step reads the model's weights once and pays a fixed overhead; step times alone price
+    their sum, not the split, and on a CPU the free fit lands on either of two minima (overhead
+    near 0 with weights read at a quarter of the copy rate, or 20-30 ms with weights at the
+    whole rate) that price the measured steps about equally. Pinned to the measured stream, the
+    three calibrations of one session agree on the overhead (13-14 ms on SmolLM2, against 0 to
+    27 ms free), but they score the real runs no better (docs/fidelity.md), so `calibrate`
+    fits hbm freely and records the stream; `benchmarks/calibration_refit.py --pin` pins."""
+    stream = setup.gpu.stream_bytes_per_s(setup.dtype)
+    if stream is None or not stream > 0:
+        return None
+    return min(stream / setup.gpu.hbm_bytes_per_s, 1.0)

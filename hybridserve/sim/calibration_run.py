@@ -41,6 +41,12 @@ class MeasuredPeaks(Protocol):
     @property
     def memory_bytes(self) -> float: ...
 
+    @property
+    def fp32_stream_bytes_per_s(self) -> float | None: ...
+
+    @property
+    def bf16_stream_bytes_per_s(self) -> float | None: ...
+
 
 class Measurement(Protocol):
     """Seconds per step shape (in the order asked), the device's peaks (when asked) and the
@@ -229,4 +235,6 @@ def _device_gpu(gpu_name: str, *, in_catalog: bool, peaks: MeasuredPeaks | None)
         bf16_flops=peaks.bf16_flops,
         copy_bytes_per_s=peaks.copy_bytes_per_s,
         memory_bytes=peaks.memory_bytes,
+        fp32_stream_bytes_per_s=peaks.fp32_stream_bytes_per_s,
+        bf16_stream_bytes_per_s=peaks.bf16_stream_bytes_per_s,
     )

@@ -33,6 +33,21 @@ class Gpu:
     # host's memory, and the latency of one batched copy.
     host_link_bytes_per_s: float = 64 * 1e9
     host_link_latency_s: float = 10e-6
+    # A calibrated device's measured weight-stream rates: bytes per second a one-row matmul
+    # reads from an fp32 / bf16 weight matrix larger than the caches (what a decode step's
+    # linear layers do). None in the catalog and in calibrations made before they were read.
+    # Recorded, not used by the cost model: a pinned fit keeps `Efficiency.hbm` at it
+    # (`calibration_fit.pinned_hbm`).
+    fp32_stream_bytes_per_s: float | None = None
+    bf16_stream_bytes_per_s: float | None = None
+
+    def stream_bytes_per_s(self, dtype: str) -> float | None:
+        """The measured weight-stream rate of `dtype`'s matmuls, or None if not measured."""
+        if dtype == "fp32":
+            return self.fp32_stream_bytes_per_s
+        if dtype in ("bf16", "fp16"):
+            return self.bf16_stream_bytes_per_s
+        return None
 
     @property
     def memory_bytes(self) -> float:

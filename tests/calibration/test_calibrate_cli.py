@@ -43,6 +43,9 @@ def test_quick_calibration_writes_a_profile_and_prints_the_fit(
     assert len(calibration.samples) == 12 and calibration.held_out is not None
     assert calibration.efficiency.shared_kv == 0.0  # not measured unless asked
     assert "held-out |error|" in output and "step_overhead" in output and "shared_kv" in output
+    # The weight stream is read in the dtype served (fp32 on a CPU), recorded and shown.
+    stream = calibration.gpu.stream_bytes_per_s("fp32")
+    assert stream is not None and stream > 0 and "weight stream" in output
 
 
 def test_simulate_prices_steps_with_the_calibration(

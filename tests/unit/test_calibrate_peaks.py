@@ -7,7 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridserve.executor.torch.calibrate import DevicePeaks, best_peaks, measure_steps  # noqa: E402
+from hybridserve.executor.torch.calibrate import (  # noqa: E402
+    DevicePeaks,
+    _stream_bytes_per_s,
+    best_peaks,
+    measure_steps,
+)
 
 
 class _Timer:
@@ -40,3 +45,26 @@ def test_the_best_of_each_rate_is_kept() -> None:
     assert best_peaks([slow]) == slow
     with pytest.raises(ValueError, match="at least one reading"):
         best_peaks([])
+
+
+def test_the_best_weight_stream_is_kept_and_an_unread_one_stays_unread() -> None:
+    read = DevicePeaks(
+        fp32_flops=1, bf16_flops=1, copy_bytes_per_s=1, memory_bytes=8,
+        fp32_stream_bytes_per_s=2.1e10, bf16_stream_bytes_per_s=None,
+    )  # fmt: skip
+    better = DevicePeaks(
+        fp32_flops=1, bf16_flops=1, copy_bytes_per_s=1, memory_bytes=8,
+        fp32_stream_bytes_per_s=2.4e10, bf16_stream_bytes_per_s=None,
+    )  # fmt: skip
+    best = best_peaks([read, better])
+    assert (best.fp32_stream_bytes_per_s, best.bf16_stream_bytes_per_s) == (2.4e10, None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_weight_stream_counts_the_matrix_bytes_one_row_reads(dtype: str) -> None:
+    torch.set_num_threads(1)
+    ticks = iter(range(100))  # every timed call takes one "second"
+    rate = _stream_bytes_per_s(
+        torch.device("cpu"), getattr(torch, dtype), 2, lambda: float(next(ticks)), 1 << 22
+    )
+    assert rate == 1 << 22  # 4 MiB of weights in one second, whatever the dtype

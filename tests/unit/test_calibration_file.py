@@ -118,10 +118,16 @@ def test_calibration_files_from_before_the_kv_rate_host_link_and_sharing_still_l
         data["efficiency"].pop("shared_kv")
         for sample in data["samples"]:
             sample.pop("shared_kv_tokens")
-        for name in ("host_link_bytes_per_s", "host_link_latency_s"):
+        for name in (
+            "host_link_bytes_per_s",
+            "host_link_latency_s",
+            "fp32_stream_bytes_per_s",
+            "bf16_stream_bytes_per_s",
+        ):
             data["gpu"].pop(name)
 
     loaded = Calibration.load(_write(tmp_path, strip))
+    assert loaded.gpu.stream_bytes_per_s("fp32") is None
     assert loaded.efficiency.kv_hbm is None and loaded.efficiency.shared_kv == 0.0
     assert all(sample.shared_kv_tokens == 0 for sample in loaded.samples)
     assert loaded.efficiency.kv_bandwidth == loaded.efficiency.hbm
@@ -160,11 +166,13 @@ def test_describe_names_prefills_and_decodes() -> None:
 
 
 def test_calibration_round_trips_through_json(tmp_path: Path) -> None:
-    calibration = _calibration()
+    streamed = replace(CPU, fp32_stream_bytes_per_s=8.4e9, bf16_stream_bytes_per_s=None)
+    calibration = _calibration(gpu=streamed)
     path = tmp_path / "sub" / "cpu.json"
     calibration.save(path)
     loaded = Calibration.load(path)
     assert loaded == calibration
+    assert loaded.gpu.stream_bytes_per_s("fp32") == 8.4e9
     for row in loaded.samples:  # the rows rebuild the measured shapes
         predicted = SETUP.cost_model(loaded.efficiency).step_cost(row.shape()).total_s
         assert predicted == pytest.approx(row.predicted_s, rel=1e-12)

@@ -14,7 +14,9 @@ over rounds of the round's fastest step, so a burst of load from another process
 sample of many shapes rather than every sample of one.
 
 `measure_peaks` is the "datasheet" of a device that is not in the GPU catalog (a CPU): the best
-FLOP/s of a large fp32 and bf16 matmul and the bytes/s of a large tensor copy (read + write).
+FLOP/s of a large fp32 and bf16 matmul, the bytes/s of a large tensor copy (read + write), and
+the bytes/s one row times a large fp32 and bf16 matrix reads (the weight stream of a decode
+step, recorded; `calibration_fit.pinned_hbm` says why a fit does not pin `hbm` to it).
 The fitted efficiencies are then fractions of these measured peaks, at most 1, so a peak read
 low caps every fitted rate: on a shared 2-core host one reading of the fp32 peak, taken once
 before the steps, came out 126 GFLOP/s where the calibration minutes before read 194, and the
@@ -33,7 +35,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -192,6 +194,9 @@ class DevicePeaks:
     bf16_flops: float
     copy_bytes_per_s: float  # bytes read + written per second by a large tensor copy
     memory_bytes: float  # device memory (a CPU: physical RAM)
+    # bytes per second a one-row matmul reads from an fp32 / bf16 matrix larger than the caches
+    fp32_stream_bytes_per_s: float | None = None
+    bf16_stream_bytes_per_s: float | None = None
 
 
 def _best_seconds(
@@ -211,9 +216,16 @@ def _best_seconds(
 
 
 def measure_peaks(
-    device: str | torch.device, *, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+    device: str | torch.device,
+    *,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+    stream_bytes: int | None = None,
 ) -> DevicePeaks:
-    """Matmul FLOP/s (fp32 and bf16) and copy bytes/s of `device`, best of `repeats` each."""
+    """Matmul FLOP/s (fp32 and bf16), copy bytes/s and weight-stream bytes/s (fp32 and bf16,
+    a matrix of `stream_bytes`: the model's weights, so that a model its caches hold streams
+    from them as its steps do; None: 256 MiB, 1 GiB on a GPU) of `device`, best of `repeats`
+    each."""
     dev = torch.device(device)
     n = 8192 if dev.type == "cuda" else 1024
     flops: dict[torch.dtype, float] = {}
@@ -224,7 +236,12 @@ def measure_peaks(
     elements = (1 << 30 if dev.type == "cuda" else 1 << 26) // 4  # 1 GiB / 256 MiB of fp32
     src = torch.ones(elements, device=dev)
     dst = torch.empty_like(src)
-    copy_s = _best_seconds(lambda: dst.copy_(src), dev, repeats, clock)
+    copy_s = _best_seconds(partial(dst.copy_, src), dev, repeats, clock)
+    del src, dst
+    stream = {
+        dtype: _stream_bytes_per_s(dev, dtype, repeats, clock, stream_bytes)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
     if dev.type == "cuda":
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
     else:
@@ -234,7 +251,32 @@ def measure_peaks(
         bf16_flops=flops[torch.bfloat16],
         copy_bytes_per_s=2 * elements * 4 / copy_s,
         memory_bytes=memory,
+        fp32_stream_bytes_per_s=stream[torch.float32],
+        bf16_stream_bytes_per_s=stream[torch.bfloat16],
     )
+
+
+STREAM_COLUMNS = 4096  # the weight matrix's inputs: a hidden size of a mid-sized model
+MIN_STREAM_BYTES = 1 << 20  # a calibration streams its model's weight bytes, within these
+MAX_STREAM_BYTES = 1 << 30
+
+
+def _stream_bytes_per_s(
+    dev: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+    clock: Callable[[], float],
+    total_bytes: int | None = None,
+) -> float:
+    """Bytes per second one row times a `dtype` matrix of `total_bytes` (256 MiB, 1 GiB on a
+    GPU) reads: the rate at which a decode step's linear layers stream their weights."""
+    total = total_bytes or (1 << 30 if dev.type == "cuda" else 1 << 28)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = total // (itemsize * STREAM_COLUMNS)
+    weight = torch.randn(rows, STREAM_COLUMNS, device=dev).to(dtype)
+    x = torch.randn(1, STREAM_COLUMNS, device=dev).to(dtype)
+    seconds = _best_seconds(lambda: torch.nn.functional.linear(x, weight), dev, repeats, clock)
+    return rows * STREAM_COLUMNS * itemsize / seconds
 
 
 def best_peaks(readings: Sequence[DevicePeaks]) -> DevicePeaks:
@@ -246,7 +288,14 @@ def best_peaks(readings: Sequence[DevicePeaks]) -> DevicePeaks:
         bf16_flops=max(r.bf16_flops for r in readings),
         copy_bytes_per_s=max(r.copy_bytes_per_s for r in readings),
         memory_bytes=readings[0].memory_bytes,
+        fp32_stream_bytes_per_s=_best_of(r.fp32_stream_bytes_per_s for r in readings),
+        bf16_stream_bytes_per_s=_best_of(r.bf16_stream_bytes_per_s for r in readings),
     )
+
+
+def _best_of(rates: Iterable[float | None]) -> float | None:
+    read = [r for r in rates if r is not None]
+    return max(read) if read else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -296,10 +345,12 @@ def measure_device(
     timer_clock = time.thread_time if clock == "cpu" else time.perf_counter
     model = load_model(model_path, dtype=TORCH_DTYPES[dtype])
     readings: list[DevicePeaks] = []
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    stream_bytes = min(max(weight_bytes, MIN_STREAM_BYTES), MAX_STREAM_BYTES)
 
     def read_peaks() -> None:  # before every round of steps and after the last
         if with_peaks:
-            readings.append(measure_peaks(device, clock=timer_clock))
+            readings.append(measure_peaks(device, clock=timer_clock, stream_bytes=stream_bytes))
 
     if with_peaks and progress is not None:
         progress("peaks", 0, 1)
