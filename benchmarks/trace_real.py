@@ -27,6 +27,7 @@ are read from `--calibrations`), and the report has:
     python benchmarks/trace_real.py --time-scales 8 --seeds 3 --calibrate \\
         --vllm-python /tmp/vllm-venv/bin/python --out runs/trace_real.json
     python benchmarks/trace_real.py --report runs/trace_real.json --calibrations DIR  # re-score
+    python benchmarks/trace_real.py --report runs/trace_real.json  # with the ones it carries
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import csv
 import json
 import os
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -270,6 +272,23 @@ def sim_config(
     )
 
 
+def calibration_folder(report: dict[str, Any], folder: Path) -> Path:
+    """`folder` when it holds every calibration; else, for a report that carries them all (an
+    earlier `--out`), those, written to a temporary folder: a report scores again as it was
+    scored, from a clean checkout. Exits naming the missing files otherwise."""
+    missing = [n for n in CALIBRATION_NAMES if not (folder / f"{n}.json").is_file()]
+    if not missing:
+        return folder
+    carried = report.get("calibrations") or {}
+    if all(name in carried for name in CALIBRATION_NAMES):
+        written = Path(tempfile.mkdtemp(prefix="trace-real-calibrations-"))
+        for name in CALIBRATION_NAMES:
+            (written / f"{name}.json").write_text(json.dumps(carried[name]))
+        print(f"--calibrations {folder}: none there; the report's own", file=sys.stderr)
+        return written
+    raise SystemExit(f"--calibrations {folder}: no {', '.join(missing)}")
+
+
 def simulate_all(
     report: dict[str, Any], calibrations: Path
 ) -> dict[tuple[str, str, float, int], dict[str, float]]:
@@ -390,12 +409,10 @@ def main(argv: list[str] | None = None) -> None:
             calibrate_own(args, checkpoint)
             for name in ("torch-http", "vllm-http"):
                 calibrate_http(args, name, checkpoint)
-        missing = [n for n in CALIBRATION_NAMES if not (args.calibrations / f"{n}.json").is_file()]
-        if missing:
-            raise SystemExit(f"--calibrations {args.calibrations}: no {', '.join(missing)}")
-        report["rows"] = fidelity_rows(report, simulate_all(report, args.calibrations))
+        folder = calibration_folder(report, args.calibrations)
+        report["rows"] = fidelity_rows(report, simulate_all(report, folder))
         report["calibrations"] = {
-            n: json.loads((args.calibrations / f"{n}.json").read_text()) for n in CALIBRATION_NAMES
+            n: json.loads((folder / f"{n}.json").read_text()) for n in CALIBRATION_NAMES
         }
         print(markdown(report["rows"], TABLE_METRICS), file=sys.stderr)
     if args.out is not None:

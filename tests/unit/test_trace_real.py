@@ -125,3 +125,21 @@ def test_a_report_without_its_windows_writes_them_again(tr: ModuleType, tmp_path
     assert again == tmp_path / "again" / "AzureLLMInferenceTrace_conv-ts10-s0.csv"
     assert [len(p) for _, _, p, _ in azure_arrivals(again)] == [100, 200, 300]
     assert report["runs"][1]["window"] == str(kept)
+
+
+def test_a_report_is_scored_with_the_calibrations_it_carries_when_the_folder_has_none(
+    tr: ModuleType, tmp_path: Path
+) -> None:
+    carried = {name: {"name": name} for name in tr.CALIBRATION_NAMES}
+    given = tmp_path / "given"
+    given.mkdir()
+    for name in tr.CALIBRATION_NAMES:
+        (given / f"{name}.json").write_text(json.dumps({"from": "folder"}))
+    # A folder that holds them all wins over the report's own.
+    assert tr.calibration_folder({"calibrations": carried}, given) == given
+    # An empty folder: the report's own, written out as they were.
+    folder = tr.calibration_folder({"calibrations": carried}, tmp_path / "absent")
+    assert json.loads((folder / "vllm-http.json").read_text()) == {"name": "vllm-http"}
+    # Neither: an exit naming the folder and what it lacks.
+    with pytest.raises(SystemExit, match="absent: no torch-own, torch-http, vllm-http"):
+        tr.calibration_folder({}, tmp_path / "absent")
