@@ -475,6 +475,19 @@ def timings(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def add_engine_options(add: Callable[..., Any]) -> None:
+    """The options of every real run (e1_real.py's and trace_real.py's): its length, the servers
+    and the pool, block size, context and threads they all get."""
+    add("--duration", type=float, default=210.0, help="seconds per run, warm-up included")
+    add("--warmup", type=float, default=30.0)
+    add("--servers", type=_names, default=list(SERVERS), help="baseline,hybridserve,vllm")
+    add("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    add("--pool-tokens", type=int, default=12_288, help="the KV pool of every server")
+    add("--block-size", type=int, default=32)
+    add("--max-model-len", type=int, default=8_192)
+    add("--threads", type=int, default=len(os.sched_getaffinity(0)))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -489,14 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--first-seed", type=int, default=0, help="the first seed [default: 0]")
     add("--merge", type=Path, action="append", default=[],
         help="an earlier report of this workload; its runs join these")  # fmt: skip
-    add("--duration", type=float, default=210.0, help="seconds per run, warm-up included")
-    add("--warmup", type=float, default=30.0)
-    add("--servers", type=_names, default=list(SERVERS), help="baseline,hybridserve,vllm")
-    add("--vllm-python", default="/tmp/vllm-venv/bin/python")
-    add("--pool-tokens", type=int, default=12_288, help="the KV pool of every server")
-    add("--block-size", type=int, default=32)
-    add("--max-model-len", type=int, default=8_192)
-    add("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    add_engine_options(add)
     add("--time-scale", type=float, default=0.2)
     add("--system-prompt-tokens", type=int, default=1_000)
     add("--max-context", type=int, default=6_000)

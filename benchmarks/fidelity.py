@@ -174,6 +174,39 @@ def agent_params(setup: dict[str, Any], load: int) -> AgentParams:
     return params.with_tool_times_scaled(setup["time_scale"])
 
 
+def twin_config(
+    setup: dict[str, Any],
+    pool: dict[str, Any],
+    engine: str,
+    seed: int,
+    calibration: Path,
+    checkpoint: Path,
+    **workload: Any,
+) -> SimConfig:
+    """The simulated twin of one real run of `engine`: the same model, seed, duration and pool
+    in the same blocks, the server's scheduler, `calibration`'s device and constants; the load
+    (`workload`: agents or a trace window, and what goes with it) given by the caller."""
+    cal = Calibration.load(calibration)
+    return SimConfig(
+        model=setup["model"],
+        model_config=str(checkpoint / "config.json"),
+        gpu=cal.device,
+        calibrated_gpu=cal.gpu,
+        efficiency=cal.efficiency,
+        dtype=cal.dtype,
+        kv_dtype=cal.kv_dtype,
+        preset=PRESETS[engine],
+        speculation="none",
+        duration_s=setup["duration"],
+        warmup_s=setup["warmup"],
+        seed=seed,
+        max_model_len=setup["max_model_len"],
+        block_size=pool["block_size"],
+        num_gpu_blocks_override=pool["num_blocks"],
+        **workload,
+    )
+
+
 def sim_config(
     report: dict[str, Any],
     checkpoint: Path,
@@ -188,28 +221,18 @@ def sim_config(
     `before_context_weight`: the shipped preset's runs were served before its context weight,
     so their twins run without it."""
     setup, pool = report["setup"], report["pool"]
-    cal = Calibration.load(calibration)
     overrides: tuple[tuple[str, Any], ...] = ()
     if before_context_weight and PRESETS[engine] == "hybridserve":
         overrides = (("adaptive_budget_context_weight", False),)
-    return SimConfig(
+    return twin_config(
+        setup,
+        pool,
+        engine,
+        seed,
+        calibration,
+        checkpoint,
         overrides=overrides,
-        model=setup["model"],
-        model_config=str(checkpoint / "config.json"),
-        gpu=cal.device,
-        calibrated_gpu=cal.gpu,
-        efficiency=cal.efficiency,
-        dtype=cal.dtype,
-        kv_dtype=cal.kv_dtype,
-        preset=PRESETS[engine],
-        speculation="none",
-        duration_s=setup["duration"],
-        warmup_s=setup["warmup"],
-        seed=seed,
         agents=agent_params(setup, load),
-        max_model_len=setup["max_model_len"],
-        block_size=pool["block_size"],
-        num_gpu_blocks_override=pool["num_blocks"],
         # The load generator's: drawn answers (no turn reuses its answer's KV), or with
         # `--answers server` the server's own tokens, as the simulated engine's are.
         answers="engine" if setup.get("answers") == "server" else "synthetic",

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import sys
 import tempfile
 import time
@@ -47,8 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e1_real import (
     PAIRS,
-    SERVERS,
-    _names,
+    add_engine_options,
     prepare,
     rotated,
     serve_and_load,
@@ -57,16 +55,15 @@ from e1_real import (
 from fidelity import (
     CALIBRATIONS,
     GOALS,
-    PRESETS,
     calibrate_http,
     calibrate_own,
     compare_rows,
     markdown,
     simulate_summary,
+    twin_config,
 )
 from hf_checkpoint import hf_checkpoint
 
-from hybridserve.sim.calibration import Calibration
 from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.stats import paired_ratio
 
@@ -248,27 +245,17 @@ def sim_config(
     calibration: Path,
     checkpoint: Path,
 ) -> SimConfig:
-    """The simulated twin of one real run: the same window, time scale, pool in the same blocks
-    and the server's scheduler, with `calibration`'s device and constants."""
-    cal = Calibration.load(calibration)
-    return SimConfig(
-        model=setup["model"],
-        model_config=str(checkpoint / "config.json"),
-        gpu=cal.device,
-        calibrated_gpu=cal.gpu,
-        efficiency=cal.efficiency,
-        dtype=cal.dtype,
-        kv_dtype=cal.kv_dtype,
-        preset=PRESETS[run["server"]],
-        speculation="none",
-        duration_s=setup["duration"],
-        warmup_s=setup["warmup"],
-        seed=run["seed"],
+    """The simulated twin of one real run (fidelity.py's `twin_config`): its window replayed at
+    its time scale."""
+    return twin_config(
+        setup,
+        pool,
+        run["server"],
+        run["seed"],
+        calibration,
+        checkpoint,
         workload=f"azure:{run['window']}",
         time_scale=run["time_scale"],
-        max_model_len=setup["max_model_len"],
-        block_size=pool["block_size"],
-        num_gpu_blocks_override=pool["num_blocks"],
     )
 
 
@@ -357,15 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--time-scales", type=_scales, default=[8.0], help="wall seconds per trace second")
     add("--seeds", type=int, default=3, help="windows of the trace, from --first-seed")
     add("--first-seed", type=int, default=0)
-    add("--duration", type=float, default=210.0, help="seconds per run, warm-up included")
-    add("--warmup", type=float, default=30.0)
     add("--model", default="smollm2", choices=("smollm2", "gemma3-270m"))
-    add("--servers", type=_names, default=list(SERVERS), help="baseline,hybridserve,vllm")
-    add("--vllm-python", default="/tmp/vllm-venv/bin/python")
-    add("--pool-tokens", type=int, default=12_288, help="the KV pool of every server")
-    add("--block-size", type=int, default=32)
-    add("--max-model-len", type=int, default=8_192)
-    add("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    add_engine_options(add)
     add("--start-timeout", type=float, default=600.0)
     add("--log-dir", type=Path, default=ROOT / "runs" / "trace_real_logs")
     add("--calibrations", type=Path, default=ROOT / "runs" / "fidelity", help="calibration folder")
