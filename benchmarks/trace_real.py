@@ -28,6 +28,15 @@ are read from `--calibrations`), and the report has:
         --vllm-python /tmp/vllm-venv/bin/python --out runs/trace_real.json
     python benchmarks/trace_real.py --report runs/trace_real.json --calibrations DIR  # re-score
     python benchmarks/trace_real.py --report runs/trace_real.json  # with the ones it carries
+
+A CPU's step times drift over a long set (20-30% in two hours on the AMD host), so one
+calibration prices the set's first and last runs alike. With `--calibrations-after DIR2`, a
+second set of calibrations measured after the runs, each run's twin is simulated with both and
+its metrics interpolated by when the run ran (its midpoint between the two calibrations'
+midpoints, clamped to them): `--calibrate` records when it measured, in `measured.json`, and
+every run records when it began and ended.
+
+    python benchmarks/trace_real.py --report R --calibrations BEFORE --calibrations-after AFTER
 """
 
 from __future__ import annotations
@@ -80,6 +89,7 @@ METRICS = (
     "requests_completed",
 )
 CALIBRATION_NAMES = ("torch-own", "torch-http", "vllm-http")
+MEASURED = "measured.json"  # when a folder's calibrations were measured: {"began", "ended"}
 
 
 # ----- the trace's windows ----------------------------------------------------------------------
@@ -193,7 +203,11 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     file=sys.stderr,
                     flush=True,
                 )
+                began = datetime.now().astimezone().isoformat(timespec="seconds")
                 runs.append(entry := one_run(args, name, time_scale, seed, window))
+                # When it ran: a calibration's drift over the set is read against these.
+                entry["began"] = began
+                entry["ended"] = datetime.now().astimezone().isoformat(timespec="seconds")
                 metrics = entry.get("metrics", {})
                 print(
                     f"  done {metrics.get('requests_completed')}, tok/s "
@@ -259,21 +273,27 @@ def sim_config(
     )
 
 
-def calibration_folder(report: dict[str, Any], folder: Path) -> Path:
-    """`folder` when it holds every calibration; else, for a report that carries them all (an
-    earlier `--out`), those, written to a temporary folder: a report scores again as it was
-    scored, from a clean checkout. Exits naming the missing files otherwise."""
+def calibration_folder(
+    report: dict[str, Any], folder: Path, key: str = "calibrations", option: str = "--calibrations"
+) -> Path:
+    """`folder` when it holds every calibration; else, for a report that carries them all under
+    `key` (an earlier `--out`), those, written to a temporary folder with when they were
+    measured: a report scores again as it was scored, from a clean checkout. Exits naming the
+    missing files otherwise."""
     missing = [n for n in CALIBRATION_NAMES if not (folder / f"{n}.json").is_file()]
     if not missing:
         return folder
-    carried = report.get("calibrations") or {}
+    carried = report.get(key) or {}
     if all(name in carried for name in CALIBRATION_NAMES):
         written = Path(tempfile.mkdtemp(prefix="trace-real-calibrations-"))
         for name in CALIBRATION_NAMES:
             (written / f"{name}.json").write_text(json.dumps(carried[name]))
-        print(f"--calibrations {folder}: none there; the report's own", file=sys.stderr)
+        stamp = (report.get("calibrations_measured") or {}).get(key)
+        if stamp is not None:
+            (written / MEASURED).write_text(json.dumps(stamp))
+        print(f"{option} {folder}: none there; the report's own", file=sys.stderr)
         return written
-    raise SystemExit(f"--calibrations {folder}: no {', '.join(missing)}")
+    raise SystemExit(f"{option} {folder}: no {', '.join(missing)}")
 
 
 def simulate_all(
@@ -288,6 +308,77 @@ def simulate_all(
             path = calibrations / f"{name}.json"
             config = sim_config(setup, pool, run, path, checkpoint)
             out[(run["server"], name, run["time_scale"], run["seed"])] = simulate_summary(config)
+    return out
+
+
+def _midpoint(began: str, ended: str) -> float:
+    start = datetime.fromisoformat(began).timestamp()
+    return (start + datetime.fromisoformat(ended).timestamp()) / 2
+
+
+def measured_stamp(folder: Path) -> dict[str, str]:
+    """When `folder`'s calibrations were measured: its `measured.json`, {"began", "ended"}.
+    Exits naming the file when it is missing or unreadable."""
+    path = folder / MEASURED
+    try:
+        stamp = json.loads(path.read_text())
+        _midpoint(stamp["began"], stamp["ended"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(
+            f"--calibrations-after: {path} is not a readable measurement time ({exc}); "
+            "calibrate with --calibrate, which writes it, or write "
+            '{"began": ISO-TIME, "ended": ISO-TIME}'
+        ) from None
+    return {"began": stamp["began"], "ended": stamp["ended"]}
+
+
+def measured_midpoint(folder: Path) -> float:
+    """The midpoint of `measured_stamp(folder)`, as a POSIX time."""
+    stamp = measured_stamp(folder)
+    return _midpoint(stamp["began"], stamp["ended"])
+
+
+def bracket_weight(run: dict[str, Any], before_s: float, after_s: float) -> float:
+    """How far `run`'s midpoint lies from the calibrations before (0) to those after (1),
+    clamped to [0, 1]. Exits naming the run when it has no times (a report from before they
+    were recorded)."""
+    if "began" not in run or "ended" not in run:
+        raise SystemExit(
+            f"--calibrations-after: the run {run['server']} x{run['time_scale']:g} seed "
+            f"{run['seed']} has no began/ended times: rerun the set to bracket it"
+        )
+    if after_s <= before_s:
+        raise SystemExit(
+            "--calibrations-after: its calibrations must be measured after --calibrations'"
+        )
+    return min(
+        max((_midpoint(run["began"], run["ended"]) - before_s) / (after_s - before_s), 0.0), 1.0
+    )
+
+
+def bracketed(
+    report: dict[str, Any],
+    before: dict[tuple[str, str, float, int], dict[str, float]],
+    after: dict[tuple[str, str, float, int], dict[str, float]],
+    times: tuple[float, float],
+) -> dict[tuple[str, str, float, int], dict[str, float]]:
+    """Each run's twin interpolated between its simulation with the calibrations before and
+    with those after, by `bracket_weight`: every metric both report, (1 - w) x before + w x
+    after. `times` are the two calibrations' midpoints."""
+    weights = {
+        (r["server"], r["time_scale"], r["seed"]): bracket_weight(r, *times)
+        for r in finished(report["runs"])
+    }
+    out: dict[tuple[str, str, float, int], dict[str, float]] = {}
+    for key, first in before.items():
+        last, w = after.get(key), weights[(key[0], key[2], key[3])]
+        if last is None:
+            continue
+        out[key] = {
+            metric: (1 - w) * value + w * last[metric]
+            for metric, value in first.items()
+            if isinstance(value, int | float) and isinstance(last.get(metric), int | float)
+        }
     return out
 
 
@@ -350,6 +441,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--log-dir", type=Path, default=ROOT / "runs" / "trace_real_logs")
     add("--calibrations", type=Path, default=ROOT / "runs" / "fidelity", help="calibration folder")
     add("--calibrate", action="store_true", help="measure the calibrations after the runs")
+    add(
+        "--calibrations-after",
+        type=Path,
+        default=None,
+        help="calibrations measured after the runs: each twin interpolated between the two",
+    )
     add("--no-simulate", action="store_true", help="the real runs only")
     add("--report", type=Path, default=None, help="score an earlier report instead of running")
     add("--out", type=Path, default=None, help="also write the report here")
@@ -377,23 +474,56 @@ def real_runs(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def calibrate_all(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Measure the three calibrations into --calibrations, and when (`measured.json`)."""
+    args.setup = report["setup"]
+    args.calibrations.mkdir(parents=True, exist_ok=True)
+    checkpoint = hf_checkpoint(report["setup"]["model"])
+    began = datetime.now().astimezone().isoformat(timespec="seconds")
+    calibrate_own(args, checkpoint)
+    for name in ("torch-http", "vllm-http"):
+        calibrate_http(args, name, checkpoint)
+    ended = datetime.now().astimezone().isoformat(timespec="seconds")
+    (args.calibrations / MEASURED).write_text(json.dumps({"began": began, "ended": ended}) + "\n")
+
+
+def _read_all(folder: Path) -> dict[str, Any]:
+    return {n: json.loads((folder / f"{n}.json").read_text()) for n in CALIBRATION_NAMES}
+
+
+def score(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The report's fidelity rows, with --calibrations (or the report's own), bracketed by
+    --calibrations-after when given (or by the report's own after-calibrations, when it is
+    scored with its own and carries both)."""
+    folder = calibration_folder(report, args.calibrations)
+    after = args.calibrations_after
+    if after is None and folder != args.calibrations and "calibrations_after" in report:
+        after = calibration_folder(
+            report, args.calibrations, "calibrations_after", "--calibrations-after"
+        )
+    simulated = simulate_all(report, folder)
+    if after is not None:
+        stamps = {
+            "calibrations": measured_stamp(folder),
+            "calibrations_after": measured_stamp(after),
+        }
+        times = (measured_midpoint(folder), measured_midpoint(after))
+        after_folder = calibration_folder({}, after, option="--calibrations-after")
+        simulated = bracketed(report, simulated, simulate_all(report, after_folder), times)
+        report["calibrations_after"] = _read_all(after_folder)
+        report["calibrations_measured"] = stamps
+    report["rows"] = fidelity_rows(report, simulated)
+    report["calibrations"] = _read_all(folder)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = json.loads(args.report.read_text()) if args.report is not None else real_runs(args)
     ensure_windows(report, args.log_dir)
     if not args.no_simulate:
         if args.calibrate:
-            args.setup = report["setup"]
-            args.calibrations.mkdir(parents=True, exist_ok=True)
-            checkpoint = hf_checkpoint(report["setup"]["model"])
-            calibrate_own(args, checkpoint)
-            for name in ("torch-http", "vllm-http"):
-                calibrate_http(args, name, checkpoint)
-        folder = calibration_folder(report, args.calibrations)
-        report["rows"] = fidelity_rows(report, simulate_all(report, folder))
-        report["calibrations"] = {
-            n: json.loads((folder / f"{n}.json").read_text()) for n in CALIBRATION_NAMES
-        }
+            calibrate_all(args, report)
+        score(args, report)
         print(markdown(report["rows"], TABLE_METRICS), file=sys.stderr)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,15 @@ def test_the_workload_is_the_load_generators_with_tool_times_scaled(fid: ModuleT
     assert params.tool_time_slow.sigma == e1.tool_time_slow.sigma
 
 
+def twin_inputs(folder: Path) -> tuple[Path, Path]:
+    """A small Llama checkpoint (its config only) and a calibration of it, under `folder`: what
+    a simulated twin is built from."""
+    checkpoint = folder / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(LLAMA))
+    return checkpoint, _calibration(folder / "cal.json")
+
+
 def _calibration(path: Path) -> Path:
     cpu = measured_gpu(
         "cpu", fp32_flops=1.5e11, bf16_flops=1e12, copy_bytes_per_s=1.2e10, memory_bytes=2.4e10

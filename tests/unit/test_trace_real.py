@@ -56,12 +56,9 @@ def test_each_seed_replays_the_next_stretch_of_the_trace_from_zero(
 def test_the_twin_replays_the_runs_window_with_the_servers_scheduler(
     tr: ModuleType, tmp_path: Path
 ) -> None:
-    from tests.unit.test_fidelity_script import LLAMA, _calibration
+    from tests.unit.test_fidelity_script import twin_inputs
 
-    checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(json.dumps(LLAMA))
-    cal = _calibration(tmp_path / "cal.json")
+    checkpoint, cal = twin_inputs(tmp_path)
     setup = {"model": "smollm2", "duration": 210.0, "warmup": 30.0, "max_model_len": 8_192}
     pool = {"block_size": 32, "num_blocks": 384}
     for server, preset in (
@@ -143,3 +140,67 @@ def test_a_report_is_scored_with_the_calibrations_it_carries_when_the_folder_has
     # Neither: an exit naming the folder and what it lacks.
     with pytest.raises(SystemExit, match="absent: no torch-own, torch-http, vllm-http"):
         tr.calibration_folder({}, tmp_path / "absent")
+
+
+def _timed(server: str, seed: int, began: str, ended: str) -> dict[str, Any]:
+    return _run(server, seed, output_tokens_per_s=1.0) | {"began": began, "ended": ended}
+
+
+def test_a_run_between_two_calibrations_is_priced_by_when_it_ran(
+    tr: ModuleType, tmp_path: Path
+) -> None:
+    before, after = tmp_path / "before", tmp_path / "after"
+    for folder, began, ended in (
+        (before, "2026-12-07T10:00:00+00:00", "2026-12-07T10:10:00+00:00"),
+        (after, "2026-12-07T12:00:00+00:00", "2026-12-07T12:10:00+00:00"),
+    ):
+        folder.mkdir()
+        (folder / tr.MEASURED).write_text(json.dumps({"began": began, "ended": ended}))
+    times = (tr.measured_midpoint(before), tr.measured_midpoint(after))
+    assert times[1] - times[0] == pytest.approx(7_200.0)
+    runs = [
+        _timed("vllm", 0, "2026-12-07T10:30:00+00:00", "2026-12-07T10:40:00+00:00"),
+        _timed("vllm", 1, "2026-12-07T11:30:00+00:00", "2026-12-07T11:40:00+00:00"),
+        _timed("vllm", 2, "2026-12-07T13:00:00+00:00", "2026-12-07T13:10:00+00:00"),
+    ]
+    # A quarter, three quarters, and past the second calibration: clamped to it.
+    assert [tr.bracket_weight(r, *times) for r in runs] == pytest.approx([0.25, 0.75, 1.0])
+    first = {("vllm", "vllm-http", 8.0, s): {"itl_p50_ms": 100.0, "label": "x"} for s in range(3)}
+    last = {("vllm", "vllm-http", 8.0, s): {"itl_p50_ms": 140.0} for s in range(3)}
+    mixed = tr.bracketed({"runs": runs}, first, last, times)
+    assert [mixed[("vllm", "vllm-http", 8.0, s)] for s in range(3)] == [
+        {"itl_p50_ms": pytest.approx(110.0)},
+        {"itl_p50_ms": pytest.approx(130.0)},
+        {"itl_p50_ms": pytest.approx(140.0)},
+    ]
+
+
+def test_bracketing_without_the_times_it_needs_exits_naming_what_is_missing(
+    tr: ModuleType, tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit, match=r"measured\.json is not a readable measurement time"):
+        tr.measured_midpoint(tmp_path)
+    untimed = _run("hybridserve", 2)
+    with pytest.raises(SystemExit, match="hybridserve x8 seed 2 has no began/ended times"):
+        tr.bracket_weight(untimed, 0.0, 1.0)
+    timed = _timed("vllm", 0, "2026-12-07T10:00:00+00:00", "2026-12-07T10:10:00+00:00")
+    with pytest.raises(SystemExit, match="measured after"):
+        tr.bracket_weight(timed, 5.0, 5.0)
+
+
+def test_a_bracketed_report_carries_both_sets_and_when_each_was_measured(
+    tr: ModuleType, tmp_path: Path
+) -> None:
+    stamps = {
+        key: {"began": f"2026-12-07T1{h}:00:00+00:00", "ended": f"2026-12-07T1{h}:05:00+00:00"}
+        for key, h in (("calibrations", 0), ("calibrations_after", 2))
+    }
+    report = {key: {name: {"set": key} for name in tr.CALIBRATION_NAMES} for key in stamps} | {
+        "calibrations_measured": stamps
+    }
+    absent = tmp_path / "absent"
+    before = tr.calibration_folder(report, absent)
+    after = tr.calibration_folder(report, absent, "calibrations_after", "--calibrations-after")
+    assert json.loads((after / "torch-own.json").read_text()) == {"set": "calibrations_after"}
+    assert tr.measured_stamp(before) == stamps["calibrations"]
+    assert tr.measured_midpoint(after) - tr.measured_midpoint(before) == pytest.approx(7_200.0)
