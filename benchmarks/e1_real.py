@@ -67,6 +67,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -589,9 +590,19 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     file=sys.stderr,
                     flush=True,
                 )
-                runs.append(entry := one_run(args, name, load, seed))
+                runs.append(entry := timed(one_run, args, name, load, seed))
                 _say(entry)
     return runs
+
+
+def timed(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`run(*args)`'s entry with when it ran, `began` and `ended` (ISO times): a calibration's
+    drift over a set is read against them (fidelity.py --calibrations-after)."""
+    began = datetime.now().astimezone().isoformat(timespec="seconds")
+    entry = run(*args)
+    entry["began"] = began
+    entry["ended"] = datetime.now().astimezone().isoformat(timespec="seconds")
+    return entry
 
 
 def _say(entry: dict[str, Any]) -> None:

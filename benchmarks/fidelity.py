@@ -17,6 +17,11 @@ with its own. The simulated scheduler is the server's: `baseline` for baseline a
 `hybridserve` for the shipped preset. No E1 run is used to fit anything (the calibrations
 measure controlled shapes only), so every row is scored.
 
+A device's step times move over a set of runs (20-30% in two hours on the AMD host): with
+`--calibrations-after DIR2`, a second set measured after the runs, every twin is simulated with
+both and its metrics interpolated by the hour its run ran (e1_real.py records each run's
+`began` and `ended`, `--calibrate` each set's `measured.json`).
+
 Each row: `{"engine", "calibration", "load", "metric", "measured", "simulated", "error",
 "scored", "per_seed"}`, `error = simulated / measured - 1` of the means over the seeds both
 sides have.
@@ -38,6 +43,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +281,84 @@ def simulate_all(
     return dict(zip(jobs, results, strict=True))
 
 
+# ----- calibrations on both sides of a set ------------------------------------------------------
+
+MEASURED = "measured.json"  # when a folder's calibrations were measured: {"began", "ended"}
+
+
+def now_iso() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def write_measured(folder: Path, began: str, ended: str) -> None:
+    (folder / MEASURED).write_text(json.dumps({"began": began, "ended": ended}) + "\n")
+
+
+def _midpoint(began: str, ended: str) -> float:
+    start = datetime.fromisoformat(began).timestamp()
+    return (start + datetime.fromisoformat(ended).timestamp()) / 2
+
+
+def measured_stamp(folder: Path) -> dict[str, str]:
+    """When `folder`'s calibrations were measured: its `measured.json`, {"began", "ended"}.
+    Exits naming the file when it is missing or unreadable."""
+    path = folder / MEASURED
+    try:
+        stamp = json.loads(path.read_text())
+        _midpoint(stamp["began"], stamp["ended"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(
+            f"--calibrations-after: {path} is not a readable measurement time ({exc}); "
+            "calibrate with --calibrate, which writes it, or write "
+            '{"began": ISO-TIME, "ended": ISO-TIME}'
+        ) from None
+    return {"began": stamp["began"], "ended": stamp["ended"]}
+
+
+def measured_midpoint(folder: Path) -> float:
+    """The midpoint of `measured_stamp(folder)`, as a POSIX time."""
+    stamp = measured_stamp(folder)
+    return _midpoint(stamp["began"], stamp["ended"])
+
+
+def run_weight(run: Mapping[str, Any], before_s: float, after_s: float, label: str) -> float:
+    """How far `run`'s midpoint (its `began` and `ended`) lies from the calibrations measured
+    at `before_s` (0) to those at `after_s` (1), clamped to [0, 1]. Exits naming the run
+    (`label`) when it has no times (a report from before they were recorded)."""
+    if "began" not in run or "ended" not in run:
+        raise SystemExit(
+            f"--calibrations-after: the run {label} has no began/ended times: rerun the set "
+            "to bracket it"
+        )
+    if after_s <= before_s:
+        raise SystemExit(
+            "--calibrations-after: its calibrations must be measured after --calibrations'"
+        )
+    at = _midpoint(run["began"], run["ended"])
+    return min(max((at - before_s) / (after_s - before_s), 0.0), 1.0)
+
+
+def interpolated(
+    weights: Mapping[tuple[str, Any, int], float],
+    before: Mapping[tuple[str, str, Any, int], Mapping[str, Any]],
+    after: Mapping[tuple[str, str, Any, int], Mapping[str, Any]],
+) -> dict[tuple[str, str, Any, int], dict[str, float]]:
+    """Each run's twin, (engine, calibration, load, seed), between its simulation with the
+    calibrations before and with those after: every metric both report, (1 - w) x before +
+    w x after, w the run's weight, `weights[(engine, load, seed)]`."""
+    out: dict[tuple[str, str, Any, int], dict[str, float]] = {}
+    for key, first in before.items():
+        last, w = after.get(key), weights[(key[0], key[2], key[3])]
+        if last is None:
+            continue
+        out[key] = {
+            metric: (1 - w) * value + w * last[metric]
+            for metric, value in first.items()
+            if isinstance(value, int | float) and isinstance(last.get(metric), int | float)
+        }
+    return out
+
+
 def _mean(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None and not math.isnan(v)]
     return statistics.fmean(kept) if kept else None
@@ -351,6 +435,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--report", type=Path, required=True, help="an e1_real.py report (merged seeds and loads)")
     add("--calibrations", type=Path, default=ROOT / "runs" / "fidelity", help="calibration folder")
     add("--calibrate", action="store_true", help="measure the three calibrations first")
+    add(
+        "--calibrations-after",
+        type=Path,
+        default=None,
+        help="calibrations measured after the runs: each twin interpolated between the two "
+        "by the hour its run ran (both folders need measured.json, which --calibrate writes)",
+    )
     add("--vllm-python", default="/tmp/vllm-venv/bin/python")
     add("--threads", type=int, default=len(os.sched_getaffinity(0)))
     add("--workers", type=int, default=2, help="simulations at once")
@@ -364,6 +455,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+CALIBRATION_SET = ("torch-own", "torch-http", "vllm-http")
+
+
+def _read_set(folder: Path) -> dict[str, Any]:
+    return {n: json.loads((folder / f"{n}.json").read_text()) for n in CALIBRATION_SET}
+
+
+def run_weights(
+    report: dict[str, Any], times: tuple[float, float]
+) -> dict[tuple[str, int, int], float]:
+    """(engine, agents, seed) -> `run_weight` of every finished E1 run between calibrations
+    measured at `times`."""
+    return {
+        (r["server"], r["agents"], r["seed"]): run_weight(
+            r, *times, f"{r['server']} at {r['agents']} agents seed {r['seed']}"
+        )
+        for r in report["runs"]
+        if "failed" not in r and "error" not in r.get("metrics", {"error": 1})
+    }
+
+
+def calibrate_set(args: argparse.Namespace, checkpoint: Path) -> None:
+    """Measure the three calibrations into --calibrations, and when (`measured.json`)."""
+    args.calibrations.mkdir(parents=True, exist_ok=True)
+    began = now_iso()
+    calibrate_own(args, checkpoint)
+    for name in ("torch-http", "vllm-http"):
+        calibrate_http(args, name, checkpoint)
+    write_measured(args.calibrations, began, now_iso())
+
+
+def score(args: argparse.Namespace, report: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """The report's twins with --calibrations, bracketed by --calibrations-after when given:
+    the rows and the calibrations they were scored with."""
+    folders = [args.calibrations, *([args.calibrations_after] if args.calibrations_after else [])]
+    for folder in folders:
+        missing = [n for n in CALIBRATION_SET if not (folder / f"{n}.json").is_file()]
+        if missing:
+            raise SystemExit(f"--calibrations {folder}: no {', '.join(missing)}; use --calibrate")
+    weight = args.before_context_weight
+    simulated = [
+        simulate_all(report, checkpoint, f, args.workers, before_context_weight=weight)
+        for f in folders
+    ]
+    out = {"report": str(args.report), "setup": args.setup, "pool": report["pool"]}
+    out["calibrations"] = _read_set(args.calibrations)
+    if args.calibrations_after is not None:
+        times = (measured_midpoint(args.calibrations), measured_midpoint(args.calibrations_after))
+        simulated = [interpolated(run_weights(report, times), *simulated)]
+        out["calibrations_after"] = _read_set(args.calibrations_after)
+        out["calibrations_measured"] = {
+            "calibrations": measured_stamp(args.calibrations),
+            "calibrations_after": measured_stamp(args.calibrations_after),
+        }
+    out["rows"] = fidelity_rows(report, simulated[0])
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -373,42 +522,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--report {args.report}: not an e1_real report ({err})") from None
     checkpoint = hf_checkpoint(args.setup["model"])
     if args.calibrate:
-        args.calibrations.mkdir(parents=True, exist_ok=True)
-        calibrate_own(args, checkpoint)
-        for name in ("torch-http", "vllm-http"):
-            calibrate_http(args, name, checkpoint)
-    missing = [
-        n
-        for n in ("torch-own", "torch-http", "vllm-http")
-        if not (args.calibrations / f"{n}.json").is_file()
-    ]
-    if missing:
-        raise SystemExit(
-            f"--calibrations {args.calibrations}: no {', '.join(missing)}; run with --calibrate"
-        )
-    simulated = simulate_all(
-        report,
-        checkpoint,
-        args.calibrations,
-        args.workers,
-        before_context_weight=args.before_context_weight,
-    )
-    rows = fidelity_rows(report, simulated)
-    calibrations = {
-        n: json.loads((args.calibrations / f"{n}.json").read_text())
-        for n in ("torch-own", "torch-http", "vllm-http")
-    }
-    out = {
-        "report": str(args.report),
-        "setup": args.setup,
-        "pool": report["pool"],
-        "calibrations": calibrations,
-        "rows": rows,
-    }
+        calibrate_set(args, checkpoint)
+    out = score(args, report, checkpoint)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(markdown(rows), file=sys.stderr)
+    print(markdown(out["rows"]), file=sys.stderr)
     print(json.dumps(out))
 
 

@@ -60,14 +60,19 @@ from e1_real import (
     rotated,
     serve_and_load,
     server_process,
+    timed,
 )
 from fidelity import (
     CALIBRATIONS,
     GOALS,
-    calibrate_http,
-    calibrate_own,
+    MEASURED,
+    calibrate_set,
     compare_rows,
+    interpolated,
     markdown,
+    measured_midpoint,
+    measured_stamp,
+    run_weight,
     simulate_summary,
     twin_config,
 )
@@ -89,7 +94,6 @@ METRICS = (
     "requests_completed",
 )
 CALIBRATION_NAMES = ("torch-own", "torch-http", "vllm-http")
-MEASURED = "measured.json"  # when a folder's calibrations were measured: {"began", "ended"}
 
 
 # ----- the trace's windows ----------------------------------------------------------------------
@@ -203,11 +207,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     file=sys.stderr,
                     flush=True,
                 )
-                began = datetime.now().astimezone().isoformat(timespec="seconds")
-                runs.append(entry := one_run(args, name, time_scale, seed, window))
-                # When it ran: a calibration's drift over the set is read against these.
-                entry["began"] = began
-                entry["ended"] = datetime.now().astimezone().isoformat(timespec="seconds")
+                runs.append(entry := timed(one_run, args, name, time_scale, seed, window))
                 metrics = entry.get("metrics", {})
                 print(
                     f"  done {metrics.get('requests_completed')}, tok/s "
@@ -311,49 +311,10 @@ def simulate_all(
     return out
 
 
-def _midpoint(began: str, ended: str) -> float:
-    start = datetime.fromisoformat(began).timestamp()
-    return (start + datetime.fromisoformat(ended).timestamp()) / 2
-
-
-def measured_stamp(folder: Path) -> dict[str, str]:
-    """When `folder`'s calibrations were measured: its `measured.json`, {"began", "ended"}.
-    Exits naming the file when it is missing or unreadable."""
-    path = folder / MEASURED
-    try:
-        stamp = json.loads(path.read_text())
-        _midpoint(stamp["began"], stamp["ended"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(
-            f"--calibrations-after: {path} is not a readable measurement time ({exc}); "
-            "calibrate with --calibrate, which writes it, or write "
-            '{"began": ISO-TIME, "ended": ISO-TIME}'
-        ) from None
-    return {"began": stamp["began"], "ended": stamp["ended"]}
-
-
-def measured_midpoint(folder: Path) -> float:
-    """The midpoint of `measured_stamp(folder)`, as a POSIX time."""
-    stamp = measured_stamp(folder)
-    return _midpoint(stamp["began"], stamp["ended"])
-
-
 def bracket_weight(run: dict[str, Any], before_s: float, after_s: float) -> float:
-    """How far `run`'s midpoint lies from the calibrations before (0) to those after (1),
-    clamped to [0, 1]. Exits naming the run when it has no times (a report from before they
-    were recorded)."""
-    if "began" not in run or "ended" not in run:
-        raise SystemExit(
-            f"--calibrations-after: the run {run['server']} x{run['time_scale']:g} seed "
-            f"{run['seed']} has no began/ended times: rerun the set to bracket it"
-        )
-    if after_s <= before_s:
-        raise SystemExit(
-            "--calibrations-after: its calibrations must be measured after --calibrations'"
-        )
-    return min(
-        max((_midpoint(run["began"], run["ended"]) - before_s) / (after_s - before_s), 0.0), 1.0
-    )
+    """`fidelity.bracket_weight` of a trace run."""
+    label = f"{run['server']} x{run['time_scale']:g} seed {run['seed']}"
+    return run_weight(run, before_s, after_s, label)
 
 
 def bracketed(
@@ -362,24 +323,13 @@ def bracketed(
     after: dict[tuple[str, str, float, int], dict[str, float]],
     times: tuple[float, float],
 ) -> dict[tuple[str, str, float, int], dict[str, float]]:
-    """Each run's twin interpolated between its simulation with the calibrations before and
-    with those after, by `bracket_weight`: every metric both report, (1 - w) x before + w x
-    after. `times` are the two calibrations' midpoints."""
+    """Each run's twin interpolated between the calibrations before and after
+    (`fidelity.interpolated`); `times` are the two calibrations' midpoints."""
     weights = {
         (r["server"], r["time_scale"], r["seed"]): bracket_weight(r, *times)
         for r in finished(report["runs"])
     }
-    out: dict[tuple[str, str, float, int], dict[str, float]] = {}
-    for key, first in before.items():
-        last, w = after.get(key), weights[(key[0], key[2], key[3])]
-        if last is None:
-            continue
-        out[key] = {
-            metric: (1 - w) * value + w * last[metric]
-            for metric, value in first.items()
-            if isinstance(value, int | float) and isinstance(last.get(metric), int | float)
-        }
-    return out
+    return interpolated(weights, before, after)
 
 
 def fidelity_rows(
@@ -477,14 +427,7 @@ def real_runs(args: argparse.Namespace) -> dict[str, Any]:
 def calibrate_all(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Measure the three calibrations into --calibrations, and when (`measured.json`)."""
     args.setup = report["setup"]
-    args.calibrations.mkdir(parents=True, exist_ok=True)
-    checkpoint = hf_checkpoint(report["setup"]["model"])
-    began = datetime.now().astimezone().isoformat(timespec="seconds")
-    calibrate_own(args, checkpoint)
-    for name in ("torch-http", "vllm-http"):
-        calibrate_http(args, name, checkpoint)
-    ended = datetime.now().astimezone().isoformat(timespec="seconds")
-    (args.calibrations / MEASURED).write_text(json.dumps({"began": began, "ended": ended}) + "\n")
+    calibrate_set(args, hf_checkpoint(report["setup"]["model"]))
 
 
 def _read_all(folder: Path) -> dict[str, Any]:

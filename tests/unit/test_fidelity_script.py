@@ -5,6 +5,7 @@ no simulation)."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -198,3 +199,25 @@ def test_the_ablation_runs_each_control_off_on_the_presets_twin(
             assert scheduler.adaptive_budget_itl_ms == 0 and scheduler.waiting_deadline_ms > 0
         if name == "without pins":
             assert scheduler.kv_pin_fraction == 0 and not scheduler.kv_pin_exact_tail
+
+
+def test_e1_runs_between_two_calibrations_are_weighted_by_when_they_ran(fid: ModuleType) -> None:
+    before = datetime(2026, 12, 7, 10, 0, tzinfo=UTC).timestamp()
+    runs = [
+        {"server": "vllm", "agents": 12, "seed": s, "metrics": {}, "began": b, "ended": e}
+        for s, b, e in (
+            (0, "2026-12-07T10:00:00+00:00", "2026-12-07T10:20:00+00:00"),
+            (1, "2026-12-07T11:00:00+00:00", "2026-12-07T11:30:00+00:00"),
+        )
+    ] + [{"server": "vllm", "agents": 12, "seed": 2, "failed": {"reason": "exited"}}]
+    weights = fid.run_weights({"runs": runs}, (before, before + 7_200.0))
+    assert weights == {("vllm", 12, 0): pytest.approx(1 / 12), ("vllm", 12, 1): 0.625}
+    mixed = fid.interpolated(
+        weights,
+        {("vllm", "vllm-http", 12, 1): {"itl_p50_ms": 80.0}},
+        {("vllm", "vllm-http", 12, 1): {"itl_p50_ms": 120.0}},
+    )
+    assert mixed == {("vllm", "vllm-http", 12, 1): {"itl_p50_ms": pytest.approx(105.0)}}
+    untimed = [{"server": "hybridserve", "agents": 4, "seed": 3, "metrics": {}}]
+    with pytest.raises(SystemExit, match="hybridserve at 4 agents seed 3 has no began/ended"):
+        fid.run_weights({"runs": untimed}, (before, before + 1.0))
