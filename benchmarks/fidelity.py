@@ -458,7 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 CALIBRATION_SET = ("torch-own", "torch-http", "vllm-http")
 
 
-def _read_set(folder: Path) -> dict[str, Any]:
+def read_set(folder: Path) -> dict[str, Any]:
+    """The three calibrations of `folder`, by name."""
     return {n: json.loads((folder / f"{n}.json").read_text()) for n in CALIBRATION_SET}
 
 
@@ -500,11 +501,11 @@ def score(args: argparse.Namespace, report: dict[str, Any], checkpoint: Path) ->
         for f in folders
     ]
     out = {"report": str(args.report), "setup": args.setup, "pool": report["pool"]}
-    out["calibrations"] = _read_set(args.calibrations)
+    out["calibrations"] = read_set(args.calibrations)
     if args.calibrations_after is not None:
         times = (measured_midpoint(args.calibrations), measured_midpoint(args.calibrations_after))
         simulated = [interpolated(run_weights(report, times), *simulated)]
-        out["calibrations_after"] = _read_set(args.calibrations_after)
+        out["calibrations_after"] = read_set(args.calibrations_after)
         out["calibrations_measured"] = {
             "calibrations": measured_stamp(args.calibrations),
             "calibrations_after": measured_stamp(args.calibrations_after),

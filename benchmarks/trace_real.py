@@ -63,6 +63,7 @@ from e1_real import (
     timed,
 )
 from fidelity import (
+    CALIBRATION_SET,
     CALIBRATIONS,
     GOALS,
     MEASURED,
@@ -72,6 +73,7 @@ from fidelity import (
     markdown,
     measured_midpoint,
     measured_stamp,
+    read_set,
     run_weight,
     simulate_summary,
     twin_config,
@@ -93,7 +95,7 @@ METRICS = (
     "slo_attainment",
     "requests_completed",
 )
-CALIBRATION_NAMES = ("torch-own", "torch-http", "vllm-http")
+CALIBRATION_NAMES = CALIBRATION_SET
 
 
 # ----- the trace's windows ----------------------------------------------------------------------
@@ -312,7 +314,7 @@ def simulate_all(
 
 
 def bracket_weight(run: dict[str, Any], before_s: float, after_s: float) -> float:
-    """`fidelity.bracket_weight` of a trace run."""
+    """`fidelity.run_weight` of a trace run, named by its server, time scale and seed."""
     label = f"{run['server']} x{run['time_scale']:g} seed {run['seed']}"
     return run_weight(run, before_s, after_s, label)
 
@@ -430,10 +432,6 @@ def calibrate_all(args: argparse.Namespace, report: dict[str, Any]) -> None:
     calibrate_set(args, hf_checkpoint(report["setup"]["model"]))
 
 
-def _read_all(folder: Path) -> dict[str, Any]:
-    return {n: json.loads((folder / f"{n}.json").read_text()) for n in CALIBRATION_NAMES}
-
-
 def score(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """The report's fidelity rows, with --calibrations (or the report's own), bracketed by
     --calibrations-after when given (or by the report's own after-calibrations, when it is
@@ -453,10 +451,10 @@ def score(args: argparse.Namespace, report: dict[str, Any]) -> None:
         times = (measured_midpoint(folder), measured_midpoint(after))
         after_folder = calibration_folder({}, after, option="--calibrations-after")
         simulated = bracketed(report, simulated, simulate_all(report, after_folder), times)
-        report["calibrations_after"] = _read_all(after_folder)
+        report["calibrations_after"] = read_set(after_folder)
         report["calibrations_measured"] = stamps
     report["rows"] = fidelity_rows(report, simulated)
-    report["calibrations"] = _read_all(folder)
+    report["calibrations"] = read_set(folder)
 
 
 def main(argv: list[str] | None = None) -> None:
