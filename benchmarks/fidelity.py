@@ -294,9 +294,11 @@ def write_measured(folder: Path, began: str, ended: str) -> None:
     (folder / MEASURED).write_text(json.dumps({"began": began, "ended": ended}) + "\n")
 
 
-def _midpoint(began: str, ended: str) -> float:
-    start = datetime.fromisoformat(began).timestamp()
-    return (start + datetime.fromisoformat(ended).timestamp()) / 2
+def midpoint(stamp: Mapping[str, Any]) -> float:
+    """The midpoint of a stamp's (a calibration set's `measured.json`, or a run's) `began` and
+    `ended`, ISO times, as a POSIX time."""
+    start = datetime.fromisoformat(stamp["began"]).timestamp()
+    return (start + datetime.fromisoformat(stamp["ended"]).timestamp()) / 2
 
 
 def measured_stamp(folder: Path) -> dict[str, str]:
@@ -305,7 +307,7 @@ def measured_stamp(folder: Path) -> dict[str, str]:
     path = folder / MEASURED
     try:
         stamp = json.loads(path.read_text())
-        _midpoint(stamp["began"], stamp["ended"])
+        midpoint(stamp)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(
             f"--calibrations-after: {path} is not a readable measurement time ({exc}); "
@@ -315,27 +317,43 @@ def measured_stamp(folder: Path) -> dict[str, str]:
     return {"began": stamp["began"], "ended": stamp["ended"]}
 
 
-def measured_midpoint(folder: Path) -> float:
-    """The midpoint of `measured_stamp(folder)`, as a POSIX time."""
-    stamp = measured_stamp(folder)
-    return _midpoint(stamp["began"], stamp["ended"])
-
-
-def run_weight(run: Mapping[str, Any], before_s: float, after_s: float, label: str) -> float:
-    """How far `run`'s midpoint (its `began` and `ended`) lies from the calibrations measured
-    at `before_s` (0) to those at `after_s` (1), clamped to [0, 1]. Exits naming the run
-    (`label`) when it has no times (a report from before they were recorded)."""
-    if "began" not in run or "ended" not in run:
-        raise SystemExit(
-            f"--calibrations-after: the run {label} has no began/ended times: rerun the set "
-            "to bracket it"
-        )
+def run_weights(
+    runs: Sequence[Mapping[str, Any]], times: tuple[float, float], load_key: str
+) -> dict[tuple[str, Any, int], float]:
+    """(engine, load, seed) -> how far each finished run's midpoint lies from the calibrations
+    measured at `times[0]` (0) to those at `times[1]` (1), clamped to [0, 1]; the load is the
+    run's `load_key` (`agents`, `time_scale`). Exits naming a run without its times (a report
+    from before they were recorded)."""
+    before_s, after_s = times
     if after_s <= before_s:
         raise SystemExit(
             "--calibrations-after: its calibrations must be measured after --calibrations'"
         )
-    at = _midpoint(run["began"], run["ended"])
-    return min(max((at - before_s) / (after_s - before_s), 0.0), 1.0)
+    weights = {}
+    for run in runs:
+        if "failed" in run or "error" in run.get("metrics", {"error": 1}):
+            continue
+        key = (run["server"], run[load_key], run["seed"])
+        if "began" not in run or "ended" not in run:
+            raise SystemExit(
+                f"--calibrations-after: the run {key[0]} {load_key}={key[1]:g} seed {key[2]} "
+                "has no began/ended times: rerun the set to bracket it"
+            )
+        weights[key] = min(max((midpoint(run) - before_s) / (after_s - before_s), 0.0), 1.0)
+    return weights
+
+
+def bracketed(
+    runs: Sequence[Mapping[str, Any]],
+    load_key: str,
+    stamps: tuple[Mapping[str, Any], Mapping[str, Any]],
+    before: Mapping[tuple[str, str, Any, int], Mapping[str, Any]],
+    after: Mapping[tuple[str, str, Any, int], Mapping[str, Any]],
+) -> dict[tuple[str, str, Any, int], dict[str, float]]:
+    """The runs' twins, simulated with the calibrations measured at `stamps[0]` (`before`) and
+    at `stamps[1]` (`after`), each interpolated by the hour its run ran."""
+    weights = run_weights(runs, (midpoint(stamps[0]), midpoint(stamps[1])), load_key)
+    return interpolated(weights, before, after)
 
 
 def interpolated(
@@ -463,20 +481,6 @@ def read_set(folder: Path) -> dict[str, Any]:
     return {n: json.loads((folder / f"{n}.json").read_text()) for n in CALIBRATION_SET}
 
 
-def run_weights(
-    report: dict[str, Any], times: tuple[float, float]
-) -> dict[tuple[str, int, int], float]:
-    """(engine, agents, seed) -> `run_weight` of every finished E1 run between calibrations
-    measured at `times`."""
-    return {
-        (r["server"], r["agents"], r["seed"]): run_weight(
-            r, *times, f"{r['server']} at {r['agents']} agents seed {r['seed']}"
-        )
-        for r in report["runs"]
-        if "failed" not in r and "error" not in r.get("metrics", {"error": 1})
-    }
-
-
 def calibrate_set(args: argparse.Namespace, checkpoint: Path) -> None:
     """Measure the three calibrations into --calibrations, and when (`measured.json`)."""
     args.calibrations.mkdir(parents=True, exist_ok=True)
@@ -495,21 +499,19 @@ def score(args: argparse.Namespace, report: dict[str, Any], checkpoint: Path) ->
         missing = [n for n in CALIBRATION_SET if not (folder / f"{n}.json").is_file()]
         if missing:
             raise SystemExit(f"--calibrations {folder}: no {', '.join(missing)}; use --calibrate")
+    out = {"report": str(args.report), "setup": args.setup, "pool": report["pool"]}
+    out["calibrations"] = read_set(args.calibrations)
+    if args.calibrations_after is not None:  # its times read before any simulation
+        stamps = (measured_stamp(args.calibrations), measured_stamp(args.calibrations_after))
+        out["calibrations_after"] = read_set(args.calibrations_after)
+        out["calibrations_measured"] = {"calibrations": stamps[0], "calibrations_after": stamps[1]}
     weight = args.before_context_weight
     simulated = [
         simulate_all(report, checkpoint, f, args.workers, before_context_weight=weight)
         for f in folders
     ]
-    out = {"report": str(args.report), "setup": args.setup, "pool": report["pool"]}
-    out["calibrations"] = read_set(args.calibrations)
     if args.calibrations_after is not None:
-        times = (measured_midpoint(args.calibrations), measured_midpoint(args.calibrations_after))
-        simulated = [interpolated(run_weights(report, times), *simulated)]
-        out["calibrations_after"] = read_set(args.calibrations_after)
-        out["calibrations_measured"] = {
-            "calibrations": measured_stamp(args.calibrations),
-            "calibrations_after": measured_stamp(args.calibrations_after),
-        }
+        simulated = [bracketed(report["runs"], "agents", stamps, simulated[0], simulated[1])]
     out["rows"] = fidelity_rows(report, simulated[0])
     return out
 

@@ -67,14 +67,12 @@ from fidelity import (
     CALIBRATIONS,
     GOALS,
     MEASURED,
+    bracketed,
     calibrate_set,
     compare_rows,
-    interpolated,
     markdown,
-    measured_midpoint,
     measured_stamp,
     read_set,
-    run_weight,
     simulate_summary,
     twin_config,
 )
@@ -313,27 +311,6 @@ def simulate_all(
     return out
 
 
-def bracket_weight(run: dict[str, Any], before_s: float, after_s: float) -> float:
-    """`fidelity.run_weight` of a trace run, named by its server, time scale and seed."""
-    label = f"{run['server']} x{run['time_scale']:g} seed {run['seed']}"
-    return run_weight(run, before_s, after_s, label)
-
-
-def bracketed(
-    report: dict[str, Any],
-    before: dict[tuple[str, str, float, int], dict[str, float]],
-    after: dict[tuple[str, str, float, int], dict[str, float]],
-    times: tuple[float, float],
-) -> dict[tuple[str, str, float, int], dict[str, float]]:
-    """Each run's twin interpolated between the calibrations before and after
-    (`fidelity.interpolated`); `times` are the two calibrations' midpoints."""
-    weights = {
-        (r["server"], r["time_scale"], r["seed"]): bracket_weight(r, *times)
-        for r in finished(report["runs"])
-    }
-    return interpolated(weights, before, after)
-
-
 def fidelity_rows(
     report: dict[str, Any], simulated: dict[tuple[str, str, float, int], dict[str, float]]
 ) -> list[dict[str, Any]]:
@@ -442,17 +419,18 @@ def score(args: argparse.Namespace, report: dict[str, Any]) -> None:
         after = calibration_folder(
             report, args.calibrations, "calibrations_after", "--calibrations-after"
         )
+    if after is not None:  # its times read before any simulation
+        stamps = (measured_stamp(folder), measured_stamp(after))
+        after = calibration_folder({}, after, option="--calibrations-after")
     simulated = simulate_all(report, folder)
     if after is not None:
-        stamps = {
-            "calibrations": measured_stamp(folder),
-            "calibrations_after": measured_stamp(after),
+        after_runs = simulate_all(report, after)
+        simulated = bracketed(report["runs"], "time_scale", stamps, simulated, after_runs)
+        report["calibrations_after"] = read_set(after)
+        report["calibrations_measured"] = {
+            "calibrations": stamps[0],
+            "calibrations_after": stamps[1],
         }
-        times = (measured_midpoint(folder), measured_midpoint(after))
-        after_folder = calibration_folder({}, after, option="--calibrations-after")
-        simulated = bracketed(report, simulated, simulate_all(report, after_folder), times)
-        report["calibrations_after"] = read_set(after_folder)
-        report["calibrations_measured"] = stamps
     report["rows"] = fidelity_rows(report, simulated)
     report["calibrations"] = read_set(folder)
 

@@ -210,7 +210,7 @@ def test_e1_runs_between_two_calibrations_are_weighted_by_when_they_ran(fid: Mod
             (1, "2026-12-07T11:00:00+00:00", "2026-12-07T11:30:00+00:00"),
         )
     ] + [{"server": "vllm", "agents": 12, "seed": 2, "failed": {"reason": "exited"}}]
-    weights = fid.run_weights({"runs": runs}, (before, before + 7_200.0))
+    weights = fid.run_weights(runs, (before, before + 7_200.0), "agents")
     assert weights == {("vllm", 12, 0): pytest.approx(1 / 12), ("vllm", 12, 1): 0.625}
     mixed = fid.interpolated(
         weights,
@@ -219,5 +219,5 @@ def test_e1_runs_between_two_calibrations_are_weighted_by_when_they_ran(fid: Mod
     )
     assert mixed == {("vllm", "vllm-http", 12, 1): {"itl_p50_ms": pytest.approx(105.0)}}
     untimed = [{"server": "hybridserve", "agents": 4, "seed": 3, "metrics": {}}]
-    with pytest.raises(SystemExit, match="hybridserve at 4 agents seed 3 has no began/ended"):
-        fid.run_weights({"runs": untimed}, (before, before + 1.0))
+    with pytest.raises(SystemExit, match="hybridserve agents=4 seed 3 has no began/ended"):
+        fid.run_weights(untimed, (before, before + 1.0), "agents")

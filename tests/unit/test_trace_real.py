@@ -27,6 +27,11 @@ def tr() -> ModuleType:
     return load_benchmark("trace_real")
 
 
+@pytest.fixture(scope="module")
+def fid() -> ModuleType:
+    return load_benchmark("fidelity")
+
+
 def _trace(path: Path) -> Path:
     lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
     for at, prompt, out in ROWS:
@@ -147,7 +152,7 @@ def _timed(server: str, seed: int, began: str, ended: str) -> dict[str, Any]:
 
 
 def test_a_run_between_two_calibrations_is_priced_by_when_it_ran(
-    tr: ModuleType, tmp_path: Path
+    tr: ModuleType, fid: ModuleType, tmp_path: Path
 ) -> None:
     before, after = tmp_path / "before", tmp_path / "after"
     for folder, began, ended in (
@@ -156,7 +161,8 @@ def test_a_run_between_two_calibrations_is_priced_by_when_it_ran(
     ):
         folder.mkdir()
         (folder / tr.MEASURED).write_text(json.dumps({"began": began, "ended": ended}))
-    times = (tr.measured_midpoint(before), tr.measured_midpoint(after))
+    stamps = (fid.measured_stamp(before), fid.measured_stamp(after))
+    times = (fid.midpoint(stamps[0]), fid.midpoint(stamps[1]))
     assert times[1] - times[0] == pytest.approx(7_200.0)
     runs = [
         _timed("vllm", 0, "2026-12-07T10:30:00+00:00", "2026-12-07T10:40:00+00:00"),
@@ -164,10 +170,11 @@ def test_a_run_between_two_calibrations_is_priced_by_when_it_ran(
         _timed("vllm", 2, "2026-12-07T13:00:00+00:00", "2026-12-07T13:10:00+00:00"),
     ]
     # A quarter, three quarters, and past the second calibration: clamped to it.
-    assert [tr.bracket_weight(r, *times) for r in runs] == pytest.approx([0.25, 0.75, 1.0])
+    weights = fid.run_weights(runs, times, "time_scale")
+    assert [weights[("vllm", 8.0, s)] for s in range(3)] == pytest.approx([0.25, 0.75, 1.0])
     first = {("vllm", "vllm-http", 8.0, s): {"itl_p50_ms": 100.0, "label": "x"} for s in range(3)}
     last = {("vllm", "vllm-http", 8.0, s): {"itl_p50_ms": 140.0} for s in range(3)}
-    mixed = tr.bracketed({"runs": runs}, first, last, times)
+    mixed = fid.bracketed(runs, "time_scale", stamps, first, last)
     assert [mixed[("vllm", "vllm-http", 8.0, s)] for s in range(3)] == [
         {"itl_p50_ms": pytest.approx(110.0)},
         {"itl_p50_ms": pytest.approx(130.0)},
@@ -176,20 +183,20 @@ def test_a_run_between_two_calibrations_is_priced_by_when_it_ran(
 
 
 def test_bracketing_without_the_times_it_needs_exits_naming_what_is_missing(
-    tr: ModuleType, tmp_path: Path
+    tr: ModuleType, fid: ModuleType, tmp_path: Path
 ) -> None:
     with pytest.raises(SystemExit, match=r"measured\.json is not a readable measurement time"):
-        tr.measured_midpoint(tmp_path)
-    untimed = _run("hybridserve", 2)
-    with pytest.raises(SystemExit, match="hybridserve x8 seed 2 has no began/ended times"):
-        tr.bracket_weight(untimed, 0.0, 1.0)
-    timed = _timed("vllm", 0, "2026-12-07T10:00:00+00:00", "2026-12-07T10:10:00+00:00")
+        fid.measured_stamp(tmp_path)
+    untimed = [_run("hybridserve", 2)]
+    with pytest.raises(SystemExit, match="hybridserve time_scale=8 seed 2 has no began/ended"):
+        fid.run_weights(untimed, (0.0, 1.0), "time_scale")
+    timed = [_timed("vllm", 0, "2026-12-07T10:00:00+00:00", "2026-12-07T10:10:00+00:00")]
     with pytest.raises(SystemExit, match="measured after"):
-        tr.bracket_weight(timed, 5.0, 5.0)
+        fid.run_weights(timed, (5.0, 5.0), "time_scale")
 
 
 def test_a_bracketed_report_carries_both_sets_and_when_each_was_measured(
-    tr: ModuleType, tmp_path: Path
+    tr: ModuleType, fid: ModuleType, tmp_path: Path
 ) -> None:
     stamps = {
         key: {"began": f"2026-12-07T1{h}:00:00+00:00", "ended": f"2026-12-07T1{h}:05:00+00:00"}
@@ -202,5 +209,6 @@ def test_a_bracketed_report_carries_both_sets_and_when_each_was_measured(
     before = tr.calibration_folder(report, absent)
     after = tr.calibration_folder(report, absent, "calibrations_after", "--calibrations-after")
     assert json.loads((after / "torch-own.json").read_text()) == {"set": "calibrations_after"}
-    assert tr.measured_stamp(before) == stamps["calibrations"]
-    assert tr.measured_midpoint(after) - tr.measured_midpoint(before) == pytest.approx(7_200.0)
+    assert fid.measured_stamp(before) == stamps["calibrations"]
+    gap = fid.midpoint(fid.measured_stamp(after)) - fid.midpoint(fid.measured_stamp(before))
+    assert gap == pytest.approx(7_200.0)
