@@ -43,6 +43,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ from server_process import ServerFailed, ServerProcess, free_port
 from hybridserve.core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from hybridserve.loadgen.calibrate import RemoteTarget, calibrate_remote, model_profile_for
 from hybridserve.sim.calibration import Calibration
-from hybridserve.sim.calibration_fit import Grid
+from hybridserve.sim.calibration_fit import Grid, with_sharing
 from hybridserve.sim.deployment import SimConfig
 from hybridserve.sim.run import run_simulation
 from hybridserve.sim.workload import AgentParams
@@ -105,6 +106,7 @@ def calibrate_own(args: argparse.Namespace, checkpoint: Path) -> None:
     out = args.calibrations / "torch-own.json"
     command = [*_cli(), "calibrate", "--model", str(checkpoint), "--gpu-name", "cpu"]
     command += ["--threads", str(args.threads), "--out", str(out)]
+    command += ["--decode-shared-fraction", str(args.decode_shared_fraction)]
     print(f"calibrating the torch executor: {out}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True, env={**os.environ, **_env()})
 
@@ -150,7 +152,8 @@ def calibrate_http(args: argparse.Namespace, name: str, checkpoint: Path) -> Non
             peaks=own.peaks, profile=model_profile_for(checkpoint, None), dtype="fp32",
             kv_dtype="fp32",
         )  # fmt: skip
-        result = asyncio.run(calibrate_remote(target, grid=CPU_GRID, progress=_progress(name)))
+        grid = with_sharing(CPU_GRID, args.decode_shared_fraction)
+        result = asyncio.run(calibrate_remote(target, grid=grid, progress=_progress(name)))
     except ServerFailed as exc:
         raise SystemExit(
             f"{name}: the server did not start ({exc.reason}):\n{exc.log_tail}"
@@ -245,6 +248,11 @@ def sim_config(
     )
 
 
+def without_shared_kv(config: SimConfig) -> SimConfig:
+    """`config` with its calibration's shared-prefix term (`Efficiency.shared_kv`) at 0."""
+    return replace(config, efficiency=replace(config.efficiency, shared_kv=0.0))
+
+
 def simulate_summary(config: SimConfig) -> dict[str, float]:
     """The summary of one twin's simulated run."""
     return dict(run_simulation(config).summary)
@@ -257,8 +265,10 @@ def simulate_all(
     workers: int,
     *,
     before_context_weight: bool = False,
+    shared_kv: bool = True,
 ) -> dict[tuple[str, str, int, int], dict[str, float]]:
-    """(engine, calibration, load, seed) -> the simulated summary, for every finished run."""
+    """(engine, calibration, load, seed) -> the simulated summary, for every finished run;
+    `shared_kv` False: each calibration's shared-prefix term left out."""
     jobs: dict[tuple[str, str, int, int], SimConfig] = {}
     for run in report["runs"]:
         if "failed" in run or "error" in run.get("metrics", {"error": 1}):
@@ -275,6 +285,8 @@ def simulate_all(
                 path,
                 before_context_weight=before_context_weight,
             )
+    if not shared_kv:
+        jobs = {key: without_shared_kv(config) for key, config in jobs.items()}
     print(f"simulating {len(jobs)} runs", file=sys.stderr, flush=True)
     with ProcessPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(simulate_summary, jobs.values()))
@@ -461,6 +473,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "by the hour its run ran (both folders need measured.json, which --calibrate writes)",
     )
     add("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    add_sharing_options(add)
     add("--threads", type=int, default=len(os.sched_getaffinity(0)))
     add("--workers", type=int, default=2, help="simulations at once")
     add("--out", type=Path, default=None, help="also write the report here")
@@ -471,6 +484,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "simulate them without it (the reports of docs/ before it)",
     )
     return parser.parse_args(argv)
+
+
+# The calibrations measure decode batches with half of every context shared too, and fit the
+# cost model's shared_kv on them: E1's decodes all read one system prompt's blocks, and on a
+# set calibrated before and after with the term, its twins missed 6 of 30 goals against 12
+# without it (docs/fidelity.md, "The shared-prompt term, measured in the hour of the runs").
+DECODE_SHARED_FRACTION = 0.5
+
+
+def add_sharing_options(add: Callable[..., Any]) -> None:
+    """The shared-prefix term's options (`--decode-shared-fraction`, `--without-shared-kv`)."""
+    add(
+        "--decode-shared-fraction",
+        type=float,
+        default=DECODE_SHARED_FRACTION,
+        help="with --calibrate: measure every calibration's decode batches again with this share "
+        "of each context shared and fit its shared_kv (E1's decodes share a 1,000-token system "
+        f"prompt; docs/fidelity.md); 0 measures none [default: {DECODE_SHARED_FRACTION}]",
+    )
+    add(
+        "--without-shared-kv",
+        action="store_true",
+        help="simulate the twins with the calibrations' shared_kv set to 0 (the term left out)",
+    )
 
 
 CALIBRATION_SET = ("torch-own", "torch-http", "vllm-http")
@@ -507,7 +544,14 @@ def score(args: argparse.Namespace, report: dict[str, Any], checkpoint: Path) ->
         out["calibrations_measured"] = {"calibrations": stamps[0], "calibrations_after": stamps[1]}
     weight = args.before_context_weight
     simulated = [
-        simulate_all(report, checkpoint, f, args.workers, before_context_weight=weight)
+        simulate_all(
+            report,
+            checkpoint,
+            f,
+            args.workers,
+            before_context_weight=weight,
+            shared_kv=not args.without_shared_kv,
+        )
         for f in folders
     ]
     if args.calibrations_after is not None:

@@ -67,6 +67,7 @@ from fidelity import (
     CALIBRATIONS,
     GOALS,
     MEASURED,
+    add_sharing_options,
     bracketed,
     calibrate_set,
     compare_rows,
@@ -75,6 +76,7 @@ from fidelity import (
     read_set,
     simulate_summary,
     twin_config,
+    without_shared_kv,
 )
 from hf_checkpoint import hf_checkpoint
 
@@ -297,9 +299,10 @@ def calibration_folder(
 
 
 def simulate_all(
-    report: dict[str, Any], calibrations: Path
+    report: dict[str, Any], calibrations: Path, *, shared_kv: bool = True
 ) -> dict[tuple[str, str, float, int], dict[str, float]]:
-    """(server, calibration, time scale, seed) -> the twin's summary, for every finished run."""
+    """(server, calibration, time scale, seed) -> the twin's summary, for every finished run;
+    `shared_kv` False: each calibration's shared-prefix term left out."""
     out: dict[tuple[str, str, float, int], dict[str, float]] = {}
     setup, pool = report["setup"], report["pool"]
     checkpoint = hf_checkpoint(setup["model"])
@@ -307,6 +310,8 @@ def simulate_all(
         for name in CALIBRATIONS[run["server"]]:
             path = calibrations / f"{name}.json"
             config = sim_config(setup, pool, run, path, checkpoint)
+            if not shared_kv:
+                config = without_shared_kv(config)
             out[(run["server"], name, run["time_scale"], run["seed"])] = simulate_summary(config)
     return out
 
@@ -376,6 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="calibrations measured after the runs: each twin interpolated between the two",
     )
+    add_sharing_options(add)
     add("--no-simulate", action="store_true", help="the real runs only")
     add("--report", type=Path, default=None, help="score an earlier report instead of running")
     add("--out", type=Path, default=None, help="also write the report here")
@@ -422,9 +428,10 @@ def score(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if after is not None:  # its times read before any simulation
         stamps = (measured_stamp(folder), measured_stamp(after))
         after = calibration_folder({}, after, option="--calibrations-after")
-    simulated = simulate_all(report, folder)
+    shared_kv = not args.without_shared_kv
+    simulated = simulate_all(report, folder, shared_kv=shared_kv)
     if after is not None:
-        after_runs = simulate_all(report, after)
+        after_runs = simulate_all(report, after, shared_kv=shared_kv)
         simulated = bracketed(report["runs"], "time_scale", stamps, simulated, after_runs)
         report["calibrations_after"] = read_set(after)
         report["calibrations_measured"] = {

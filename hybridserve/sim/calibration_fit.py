@@ -39,8 +39,10 @@ class Grid:
     # The decode batches of more than one request are measured again with this share of their
     # context (whole blocks of SHARED_BLOCK_TOKENS) in the same blocks for every request, as a
     # shared system prompt is: they fit `Efficiency.shared_kv`. 0: not measured, shared_kv 0.
-    # Off by default: a fraction fitted on these batches priced E1's real decode steps on a CPU
-    # 0.80-0.89x their time, against 0.92-1.06x without it (docs/fidelity.md).
+    # Off by default here (a third more decode measurements, for loads whose decodes share a
+    # prefix); the fidelity scripts measure it at 0.5, where E1's twins on a CPU missed 6 of 30
+    # goals with it and 12 without (one set priced E1's decode steps 0.80-0.89x with it, an
+    # earlier one; docs/fidelity.md).
     decode_shared_fraction: float = 0.0
 
     def __post_init__(self) -> None:

@@ -221,3 +221,34 @@ def test_e1_runs_between_two_calibrations_are_weighted_by_when_they_ran(fid: Mod
     untimed = [{"server": "hybridserve", "agents": 4, "seed": 3, "metrics": {}}]
     with pytest.raises(SystemExit, match="hybridserve agents=4 seed 3 has no began/ended"):
         fid.run_weights(untimed, (before, before + 1.0), "agents")
+
+
+def test_every_calibration_measures_the_shared_prefix_share_it_is_given(
+    fid: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands: list[list[str]] = []
+    monkeypatch.setattr(fid.subprocess, "run", lambda command, **_: commands.append(command))
+    args = fid.parse_args(["--report", "r.json", "--calibrations", str(tmp_path)])
+    assert args.decode_shared_fraction == 0.5 and not args.without_shared_kv
+    args = fid.parse_args(
+        ["--report", "r.json", "--calibrations", str(tmp_path), "--decode-shared-fraction", "0.25"]
+    )
+    fid.calibrate_own(args, tmp_path / "ckpt")
+    flag = commands[0].index("--decode-shared-fraction")
+    assert commands[0][flag + 1] == "0.25"
+
+
+def test_the_shared_prefix_term_can_be_left_out_of_every_twin(
+    fid: ModuleType, tmp_path: Path
+) -> None:
+    checkpoint, cal = twin_inputs(tmp_path)
+    data = json.loads(cal.read_text())
+    data["efficiency"]["shared_kv"] = 0.55
+    cal.write_text(json.dumps(data))
+    report = {"setup": SETUP, "pool": {"block_size": 32, "num_blocks": 384}}
+    config = fid.sim_config(report, checkpoint, "baseline", 4, 3, cal)
+    assert config.efficiency.shared_kv == 0.55
+    left_out = fid.without_shared_kv(config)
+    assert left_out.efficiency.shared_kv == 0.0
+    assert left_out.efficiency.kv_hbm == config.efficiency.kv_hbm
+    assert (left_out.seed, left_out.preset) == (config.seed, config.preset)
