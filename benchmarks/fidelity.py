@@ -12,6 +12,10 @@ Calibrations (`--calibrate` measures them first, on idle cores; else they are re
   in them), peaks from `torch-own`;
 - `vllm-http`: the same against vLLM-CPU.
 
+Each also times its decode batches again with half of every context in the same blocks and fits
+the cost model's shared-prefix term on them (`--decode-shared-fraction`, 0.5; 0 measures none):
+E1's decodes all read one system prompt. `--without-shared-kv` scores the twins without it.
+
 The torch servers (baseline, hybridserve) are simulated with both torch calibrations, vLLM
 with its own. The simulated scheduler is the server's: `baseline` for baseline and for vLLM,
 `hybridserve` for the shipped preset. No E1 run is used to fit anything (the calibrations
@@ -493,11 +497,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 DECODE_SHARED_FRACTION = 0.5
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a share in [0, 1), e.g. 0.5 (0: none)")
+    return value
+
+
 def add_sharing_options(add: Callable[..., Any]) -> None:
     """The shared-prefix term's options (`--decode-shared-fraction`, `--without-shared-kv`)."""
     add(
         "--decode-shared-fraction",
-        type=float,
+        type=_share,
         default=DECODE_SHARED_FRACTION,
         help="with --calibrate: measure every calibration's decode batches again with this share "
         "of each context shared and fit its shared_kv (E1's decodes share a 1,000-token system "
@@ -537,6 +551,7 @@ def score(args: argparse.Namespace, report: dict[str, Any], checkpoint: Path) ->
         if missing:
             raise SystemExit(f"--calibrations {folder}: no {', '.join(missing)}; use --calibrate")
     out = {"report": str(args.report), "setup": args.setup, "pool": report["pool"]}
+    out["shared_kv_left_out"] = args.without_shared_kv
     out["calibrations"] = read_set(args.calibrations)
     if args.calibrations_after is not None:  # its times read before any simulation
         stamps = (measured_stamp(args.calibrations), measured_stamp(args.calibrations_after))

@@ -429,6 +429,7 @@ def score(args: argparse.Namespace, report: dict[str, Any]) -> None:
         stamps = (measured_stamp(folder), measured_stamp(after))
         after = calibration_folder({}, after, option="--calibrations-after")
     shared_kv = not args.without_shared_kv
+    report["shared_kv_left_out"] = not shared_kv
     simulated = simulate_all(report, folder, shared_kv=shared_kv)
     if after is not None:
         after_runs = simulate_all(report, after, shared_kv=shared_kv)

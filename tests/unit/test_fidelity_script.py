@@ -236,6 +236,9 @@ def test_every_calibration_measures_the_shared_prefix_share_it_is_given(
     fid.calibrate_own(args, tmp_path / "ckpt")
     flag = commands[0].index("--decode-shared-fraction")
     assert commands[0][flag + 1] == "0.25"
+    for bad in ("1.0", "-0.1", "half", "nan"):
+        with pytest.raises(SystemExit):
+            fid.parse_args(["--report", "r.json", "--decode-shared-fraction", bad])
 
 
 def test_the_shared_prefix_term_can_be_left_out_of_every_twin(
@@ -252,3 +255,25 @@ def test_the_shared_prefix_term_can_be_left_out_of_every_twin(
     assert left_out.efficiency.shared_kv == 0.0
     assert left_out.efficiency.kv_hbm == config.efficiency.kv_hbm
     assert (left_out.seed, left_out.preset) == (config.seed, config.preset)
+
+
+def test_a_score_says_whether_the_shared_prefix_term_was_left_out(
+    fid: ModuleType, tmp_path: Path
+) -> None:
+    checkpoint, cal = twin_inputs(tmp_path)
+    data = json.loads(cal.read_text())
+    data["efficiency"]["shared_kv"] = 0.55
+    folder = tmp_path / "cals"
+    folder.mkdir()
+    for name in fid.CALIBRATION_SET:
+        (folder / f"{name}.json").write_text(json.dumps(data))
+    setup = {**SETUP, "duration": 40.0, "warmup": 10.0}
+    run = _run("vllm", 0, output_tokens_per_s=1.0) | {"agents": 2}
+    report = {"setup": setup, "pool": {"block_size": 32, "num_blocks": 384}, "runs": [run]}
+    scored = {}
+    for flag in ([], ["--without-shared-kv"]):
+        args = fid.parse_args(["--report", "r.json", "--calibrations", str(folder), *flag])
+        args.setup, args.workers = setup, 1
+        scored[bool(flag)] = fid.score(args, report, checkpoint)
+    assert [scored[left].get("shared_kv_left_out") for left in (False, True)] == [False, True]
+    assert {r["engine"] for r in scored[True]["rows"]} == {"vllm"}
