@@ -241,13 +241,19 @@ def test_every_calibration_measures_the_shared_prefix_share_it_is_given(
             fid.parse_args(["--report", "r.json", "--decode-shared-fraction", bad])
 
 
-def test_the_shared_prefix_term_can_be_left_out_of_every_twin(
-    fid: ModuleType, tmp_path: Path
-) -> None:
-    checkpoint, cal = twin_inputs(tmp_path)
+def shared_twin_inputs(folder: Path) -> tuple[Path, Path]:
+    """`twin_inputs` with a calibration whose shared-prefix term is 0.55."""
+    checkpoint, cal = twin_inputs(folder)
     data = json.loads(cal.read_text())
     data["efficiency"]["shared_kv"] = 0.55
     cal.write_text(json.dumps(data))
+    return checkpoint, cal
+
+
+def test_the_shared_prefix_term_can_be_left_out_of_every_twin(
+    fid: ModuleType, tmp_path: Path
+) -> None:
+    checkpoint, cal = shared_twin_inputs(tmp_path)
     report = {"setup": SETUP, "pool": {"block_size": 32, "num_blocks": 384}}
     config = fid.sim_config(report, checkpoint, "baseline", 4, 3, cal)
     assert config.efficiency.shared_kv == 0.55
@@ -260,13 +266,11 @@ def test_the_shared_prefix_term_can_be_left_out_of_every_twin(
 def test_a_score_says_whether_the_shared_prefix_term_was_left_out(
     fid: ModuleType, tmp_path: Path
 ) -> None:
-    checkpoint, cal = twin_inputs(tmp_path)
-    data = json.loads(cal.read_text())
-    data["efficiency"]["shared_kv"] = 0.55
+    checkpoint, cal = shared_twin_inputs(tmp_path)
     folder = tmp_path / "cals"
     folder.mkdir()
     for name in fid.CALIBRATION_SET:
-        (folder / f"{name}.json").write_text(json.dumps(data))
+        (folder / f"{name}.json").write_text(cal.read_text())
     setup = {**SETUP, "duration": 40.0, "warmup": 10.0}
     run = _run("vllm", 0, output_tokens_per_s=1.0) | {"agents": 2}
     report = {"setup": setup, "pool": {"block_size": 32, "num_blocks": 384}, "runs": [run]}
