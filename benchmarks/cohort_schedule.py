@@ -37,11 +37,11 @@ from hybridserve.sim.deployment import SimConfig, resolve_deployment
 from hybridserve.sim.fixed_workload import FixedWorkload
 from hybridserve.sim.memory import max_concurrency
 from hybridserve.sim.run import pool_memory_account, simulated_cost_model
-from hybridserve.sim.suite import TUNED, suite_configs, suite_rows
+from hybridserve.sim.suite import BASELINE, TUNED, TUNED_LABEL, suite_configs, suite_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_COHORT = 4_096
-CONFIGS = ("vllm", "vllm-tuned", "hybridserve")
+CONFIGS = (BASELINE, TUNED_LABEL, "hybridserve")
 
 
 def tokens_per_step(config: SimConfig, model: RooflineCostModel) -> float:
@@ -91,6 +91,7 @@ def cohorts(
     prefill = Prefill(model, row.input_tokens - 1, budget)
     first: dict[str, Any] | None = None
     slack: dict[str, Any] | None = None
+    least_share = float("inf")
     for k in range(1, min(pool, MAX_COHORT) + 1):
         prefill.add()
         release = model.step_cost(StepShape((RequestShape(1, row.input_tokens - 1, 1),) * k))
@@ -109,8 +110,8 @@ def cohorts(
         if cycle > span:
             continue
         first = first or found
-        if slack is None or cycle / span < slack["cycle_share_of_span"]:
-            slack = found
+        if cycle / span < least_share:
+            slack, least_share = found, cycle / span
     return {"decode_steps": round(steps, 1), "first": first, "most_slack": slack}
 
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as err:
         raise SystemExit(f"--report {args.report}: not a suite report ({err})") from None
     configs, _ = suite_configs(SimConfig(model="qwen3-next-80b-a3b", gpu="H200"), [], TUNED)
-    config = configs["vllm"]
+    config = configs[BASELINE]
     model = simulated_cost_model(config)
     deployment = resolve_deployment(config)
     budget = deployment.settings.scheduler.max_num_batched_tokens
